@@ -1,0 +1,1 @@
+//! Simulated GPU model servers and a wasmtime host of the proxy-wasm ABI.

@@ -1,0 +1,1 @@
+//! Harness for end-to-end runs of real Envoy with the sluice filter.
