@@ -1,1 +1,14 @@
-//! The sluice proxy-wasm filter.
+//! The sluice proxy-wasm filter: a thin adapter from Envoy's callbacks to the
+//! scheduling policies in `sluice-policies`.
+//!
+//! The pure parts (configuration, the OpenAI wire format, messages between
+//! workers, shared-data layouts, the scheduler role) are modules that build and
+//! test natively; [`vm`] is the only one that calls the proxy-wasm host.
+
+pub mod config;
+pub mod openai;
+pub mod scheduler;
+pub mod shared;
+pub mod wire;
+#[cfg(target_arch = "wasm32")]
+pub mod vm;

@@ -86,6 +86,11 @@ impl<A: Allocation> FairQueue<A> {
         self.flow_of.is_empty()
     }
 
+    /// Is request `id` queued?
+    pub fn contains(&self, id: u64) -> bool {
+        self.flow_of.contains_key(&id)
+    }
+
     /// Requests queued in one flow.
     pub fn flow_len(&self, flow: FlowId) -> usize {
         self.flows.get(flow as usize).map_or(0, VecDeque::len)

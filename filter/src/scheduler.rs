@@ -1,0 +1,254 @@
+//! The scheduler role: the one VM per Envoy process that holds the queue and
+//! decides, in a single global order, which paused request goes next.
+//!
+//! Pure: it consumes [`ToScheduler`] messages and answers with
+//! `(worker, ToWorker)` pairs; taking stock is a callback so the caller decides
+//! how (shared data in the filter, a map in tests).
+
+use crate::config::{Config, PolicyName};
+use crate::wire::{ToScheduler, ToWorker};
+use sluice_policies::alloc::{Allocation, Fcfs, Vtc};
+use sluice_policies::queue::FairQueue;
+use sluice_policies::{RejectReason, Request};
+
+/// Reject reasons on the wire, in [`ToWorker::Reject`].
+pub const REASONS: [RejectReason; 3] = [RejectReason::QueueFull, RejectReason::FlowFull, RejectReason::TtlExpired];
+
+fn reason_code(r: RejectReason) -> u8 {
+    REASONS.iter().position(|&x| x == r).expect("every reason has a code") as u8
+}
+
+/// The worker that holds a request: request ids are `worker << 32 | context id`.
+pub fn worker_of(req: u64) -> u32 {
+    (req >> 32) as u32
+}
+
+/// Allocation policies whose state survives a scheduler takeover through shared data.
+pub trait Persist: Allocation {
+    /// Counters to save, by flow id.
+    fn snapshot(&self, flows: usize) -> Vec<f64>;
+    /// Restores one flow's counter.
+    fn restore(&mut self, flow: u32, value: f64);
+}
+
+impl Persist for Fcfs {
+    fn snapshot(&self, _flows: usize) -> Vec<f64> {
+        Vec::new()
+    }
+    fn restore(&mut self, _flow: u32, _value: f64) {}
+}
+
+impl Persist for Vtc {
+    fn snapshot(&self, flows: usize) -> Vec<f64> {
+        (0..flows as u32).map(|f| self.counter(f)).collect()
+    }
+    fn restore(&mut self, flow: u32, value: f64) {
+        self.set_counter(flow, value)
+    }
+}
+
+/// The queue and the order it is served in.
+pub struct Scheduler {
+    queue: FairQueue<Box<dyn Persist>>,
+}
+
+/// What the scheduler asks of the stock: take one slot if the band allows a
+/// pop, returning the endpoint.
+pub type Acquire<'a> = &'a mut dyn FnMut() -> Option<u32>;
+
+impl Scheduler {
+    /// An empty scheduler for `cfg`.
+    pub fn new(cfg: &Config) -> Scheduler {
+        let policy: Box<dyn Persist> = match cfg.policy {
+            PolicyName::Fcfs => Box::new(Fcfs::default()),
+            PolicyName::Vtc => Box::new(Vtc::new(cfg.vtc)),
+        };
+        Scheduler { queue: FairQueue::new(cfg.limits, policy) }
+    }
+
+    /// Requests waiting.
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// True when nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Handles one message; rejections go to `out`.
+    pub fn on_message(&mut self, msg: ToScheduler, out: &mut Vec<(u32, ToWorker)>) {
+        match msg {
+            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, tenant } => {
+                let flow = self.queue.flow_id(&tenant);
+                if self.queue.contains(req) {
+                    return; // a resend after a takeover race: already queued
+                }
+                let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
+                if let Err(reason) = self.queue.push(r) {
+                    out.push((worker, ToWorker::Reject { req, reason: reason_code(reason) }));
+                }
+            }
+            ToScheduler::Cancel { req } => {
+                self.queue.remove(req);
+            }
+            ToScheduler::Charge { tokens, tenant, .. } => {
+                if tokens > 0 {
+                    let flow = self.queue.flow_id(&tenant);
+                    self.queue.policy_mut().on_output(flow, tokens);
+                }
+            }
+        }
+    }
+
+    /// Dispatches while the stock band allows and something waits.
+    pub fn pump(&mut self, acquire: Acquire<'_>, out: &mut Vec<(u32, ToWorker)>) {
+        while !self.queue.is_empty() {
+            let Some(endpoint) = acquire() else { break };
+            let r = self.queue.pop().expect("queue is not empty");
+            out.push((worker_of(r.id), ToWorker::Dispatch { req: r.id, endpoint }));
+        }
+    }
+
+    /// Rejects every request that waited longer than the TTL.
+    pub fn expire(&mut self, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
+        while let Some(r) = self.queue.pop_expired(now_ms) {
+            out.push((worker_of(r.id), ToWorker::Reject { req: r.id, reason: reason_code(RejectReason::TtlExpired) }));
+        }
+    }
+
+    /// The policy's counters by tenant name, as JSON, for shared data.
+    pub fn snapshot(&self) -> Option<Vec<u8>> {
+        let names = self.queue.flow_names();
+        let values = self.queue.policy().snapshot(names.len());
+        if values.is_empty() {
+            return None;
+        }
+        let map: serde_json::Map<String, serde_json::Value> =
+            names.iter().cloned().zip(values.into_iter().map(serde_json::Value::from)).collect();
+        serde_json::to_vec(&map).ok()
+    }
+
+    /// Restores counters from [`Scheduler::snapshot`]; unreadable input is ignored.
+    pub fn restore(&mut self, bytes: &[u8]) {
+        let Ok(map) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(bytes) else { return };
+        for (name, v) in map {
+            if let Some(v) = v.as_f64() {
+                let flow = self.queue.flow_id(&name);
+                self.queue.policy_mut().restore(flow, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(policy: &str, extra: &str) -> Config {
+        Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1","127.0.0.1:2"],"policy":"{policy}"{extra}}}"#).as_bytes())
+            .unwrap()
+    }
+
+    fn enqueue(worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
+        ToScheduler::Enqueue {
+            worker,
+            req: (worker as u64) << 32 | ctx as u64,
+            input_tokens: 100,
+            max_tokens: 100,
+            arrival_ms: t,
+            tenant: tenant.into(),
+        }
+    }
+
+    fn dispatched(out: &[(u32, ToWorker)]) -> Vec<u64> {
+        out.iter()
+            .filter_map(|(_, m)| match m {
+                ToWorker::Dispatch { req, .. } => Some(*req & 0xffff_ffff),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pump_dispatches_only_while_stock_allows_and_answers_the_right_worker() {
+        let mut s = Scheduler::new(&cfg("fcfs", ""));
+        let mut out = Vec::new();
+        for ctx in 0..5 {
+            s.on_message(enqueue(ctx % 2, ctx, "a", ctx as u64), &mut out);
+        }
+        let mut slots = 3;
+        s.pump(&mut || (slots > 0).then(|| {
+            slots -= 1;
+            slots
+        }), &mut out);
+        assert_eq!(dispatched(&out), vec![0, 1, 2]);
+        assert_eq!(out.iter().map(|(w, _)| *w).collect::<Vec<_>>(), vec![0, 1, 0]);
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn vtc_orders_across_workers_by_tenant_counters() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        for ctx in 0..20 {
+            s.on_message(enqueue(ctx % 3, ctx, "flood", ctx as u64), &mut out);
+        }
+        s.on_message(enqueue(1, 100, "modest", 50), &mut out);
+        let mut n = 0;
+        s.pump(&mut || (n < 3).then(|| {
+            n += 1;
+            0
+        }), &mut out);
+        assert!(dispatched(&out).contains(&100), "modest served among the first three: {out:?}");
+    }
+
+    #[test]
+    fn capacity_and_ttl_rejects_name_the_reason() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","flow_capacity":1,"queue_ttl_ms":10"#));
+        let mut out = Vec::new();
+        s.on_message(enqueue(0, 1, "a", 0), &mut out);
+        s.on_message(enqueue(0, 2, "a", 0), &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, reason: reason_code(RejectReason::FlowFull) })]);
+        out.clear();
+        s.expire(5, &mut out);
+        assert!(out.is_empty());
+        s.expire(11, &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, reason: reason_code(RejectReason::TtlExpired) })]);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn cancelled_requests_are_never_dispatched_and_resends_are_not_duplicated() {
+        let mut s = Scheduler::new(&cfg("fcfs", ""));
+        let mut out = Vec::new();
+        s.on_message(enqueue(0, 1, "a", 0), &mut out);
+        s.on_message(enqueue(0, 1, "a", 0), &mut out);
+        s.on_message(enqueue(0, 2, "a", 1), &mut out);
+        s.on_message(ToScheduler::Cancel { req: 1 }, &mut out);
+        s.pump(&mut || Some(0), &mut out);
+        assert_eq!(dispatched(&out), vec![2]);
+    }
+
+    #[test]
+    fn vtc_counters_survive_a_takeover() {
+        let c = cfg("vtc", "");
+        let mut old = Scheduler::new(&c);
+        let mut out = Vec::new();
+        old.on_message(ToScheduler::Charge { tokens: 500, done: false, tenant: "a".into() }, &mut out);
+        let order = |s: &mut Scheduler| {
+            let mut out = Vec::new();
+            s.on_message(enqueue(0, 1, "b", 0), &mut out);
+            s.on_message(enqueue(0, 2, "b", 1), &mut out);
+            s.on_message(enqueue(0, 3, "a", 2), &mut out);
+            s.pump(&mut || Some(0), &mut out);
+            dispatched(&out)
+        };
+        // Without the history, "a" (lifted to b's 0) gets the second turn ...
+        assert_eq!(order(&mut Scheduler::new(&c)), vec![1, 3, 2]);
+        // ... with its 1000 restored it waits for both of b's requests.
+        let mut new = Scheduler::new(&c);
+        new.restore(&old.snapshot().unwrap());
+        assert_eq!(order(&mut new), vec![1, 2, 3]);
+    }
+}

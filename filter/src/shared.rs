@@ -1,0 +1,253 @@
+//! State every Envoy worker sees: proxy-wasm shared data, updated with
+//! compare-and-swap retry loops.
+//!
+//! Shared data is one process-wide map per `vm_id` behind one mutex. There is
+//! no atomic create-if-absent and no delete, so every value here is a fixed
+//! binary layout that an absent key reads as zero.
+
+/// The part of the shared-data API the filter needs; the proxy-wasm host in
+/// production, a map in tests.
+pub trait Store {
+    /// The value and its CAS token, `(None, None)` when absent.
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    /// Writes when `cas` still matches (`None`: unconditionally); `false` on a CAS mismatch.
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
+}
+
+/// In-flight requests per endpoint, indexed like the configured endpoints.
+pub const LOAD_KEY: &str = "sluice.load";
+/// Requests queued at the scheduler, as it last published.
+pub const QUEUED_KEY: &str = "sluice.queued";
+/// Counter handing out worker numbers.
+pub const WORKERS_KEY: &str = "sluice.workers";
+/// The scheduler lease.
+pub const LEASE_KEY: &str = "sluice.lease";
+/// Snapshot of the allocation policy's counters (VTC), for a scheduler takeover.
+pub const COUNTERS_KEY: &str = "sluice.counters";
+
+/// Applies `f` to the current value and writes the result, retrying on CAS
+/// mismatch. `f` returns `None` to leave the value unchanged.
+pub fn update<T>(store: &dyn Store, key: &str, mut f: impl FnMut(Option<&[u8]>) -> Option<(Vec<u8>, T)>) -> Option<T> {
+    // Contention is between a handful of worker threads; a bounded loop turns
+    // a broken host into a refused update instead of a hang.
+    for _ in 0..1000 {
+        let (cur, cas) = store.get(key);
+        let (new, out) = f(cur.as_deref())?;
+        if store.set(key, &new, cas) {
+            return Some(out);
+        }
+    }
+    None
+}
+
+fn read_u64(v: Option<&[u8]>) -> u64 {
+    v.and_then(|b| b.first_chunk::<8>()).map_or(0, |b| u64::from_le_bytes(*b))
+}
+
+/// Reads a counter written by [`write_u64`] (absent reads as 0).
+pub fn get_u64(store: &dyn Store, key: &str) -> u64 {
+    read_u64(store.get(key).0.as_deref())
+}
+
+/// Writes a counter unconditionally (single writer).
+pub fn write_u64(store: &dyn Store, key: &str, v: u64) {
+    store.set(key, &v.to_le_bytes(), None);
+}
+
+/// Adds one to a counter and returns the new value.
+pub fn increment(store: &dyn Store, key: &str) -> Option<u64> {
+    update(store, key, |v| {
+        let n = read_u64(v) + 1;
+        Some((n.to_le_bytes().to_vec(), n))
+    })
+}
+
+fn decode_load(v: Option<&[u8]>, endpoints: usize) -> Vec<u32> {
+    let mut load: Vec<u32> =
+        v.unwrap_or_default().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    load.resize(endpoints, 0);
+    load
+}
+
+fn encode_load(load: &[u32]) -> Vec<u8> {
+    load.iter().flat_map(|n| n.to_le_bytes()).collect()
+}
+
+/// In-flight requests per endpoint.
+pub fn load(store: &dyn Store, endpoints: usize) -> Vec<u32> {
+    decode_load(store.get(LOAD_KEY).0.as_deref(), endpoints)
+}
+
+/// Total in-flight requests (the stock).
+pub fn stock(store: &dyn Store, endpoints: usize) -> u64 {
+    load(store, endpoints).iter().map(|&n| n as u64).sum()
+}
+
+/// Takes a slot on the endpoint with the fewest in-flight requests, if
+/// `allowed(stock)` says the current stock permits one more. Returns the
+/// endpoint index and the new stock.
+pub fn acquire(store: &dyn Store, endpoints: usize, allowed: impl Fn(u64) -> bool) -> Option<(u32, u64)> {
+    update(store, LOAD_KEY, |v| {
+        let mut load = decode_load(v, endpoints);
+        let stock: u64 = load.iter().map(|&n| n as u64).sum();
+        if !allowed(stock) {
+            return None;
+        }
+        let (i, _) = load.iter().enumerate().min_by_key(|&(i, &n)| (n, i))?;
+        load[i] += 1;
+        Some((encode_load(&load), (i as u32, stock + 1)))
+    })
+}
+
+/// Gives back a slot taken by [`acquire`]; returns the new stock.
+pub fn release(store: &dyn Store, endpoints: usize, endpoint: u32) -> u64 {
+    update(store, LOAD_KEY, |v| {
+        let mut load = decode_load(v, endpoints);
+        if let Some(n) = load.get_mut(endpoint as usize) {
+            *n = n.saturating_sub(1);
+        }
+        let stock = load.iter().map(|&n| n as u64).sum();
+        Some((encode_load(&load), stock))
+    })
+    .unwrap_or(0)
+}
+
+/// Who runs the scheduler, under which epoch, until when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// Worker number of the holder.
+    pub holder: u32,
+    /// Bumped on every change of holder, so workers know to resend what they queued.
+    pub epoch: u32,
+    /// The lease lapses at this time unless renewed.
+    pub expires_ms: u64,
+}
+
+impl Lease {
+    fn decode(v: Option<&[u8]>) -> Option<Lease> {
+        let b = v?;
+        if b.len() != 16 {
+            return None;
+        }
+        Some(Lease {
+            holder: u32::from_le_bytes(b[0..4].try_into().unwrap()),
+            epoch: u32::from_le_bytes(b[4..8].try_into().unwrap()),
+            expires_ms: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+        })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(16);
+        b.extend_from_slice(&self.holder.to_le_bytes());
+        b.extend_from_slice(&self.epoch.to_le_bytes());
+        b.extend_from_slice(&self.expires_ms.to_le_bytes());
+        b
+    }
+
+    /// The lease as it stands.
+    pub fn read(store: &dyn Store) -> Option<Lease> {
+        Lease::decode(store.get(LEASE_KEY).0.as_deref())
+    }
+
+    /// Renews the lease if `me` holds it, or takes it if it lapsed; returns the
+    /// lease as it stands afterwards.
+    pub fn claim(store: &dyn Store, me: u32, now_ms: u64, duration_ms: u64) -> Option<Lease> {
+        let mut seen = None;
+        let taken = update(store, LEASE_KEY, |v| {
+            let cur = Lease::decode(v);
+            seen = cur;
+            let next = match cur {
+                Some(l) if l.holder == me => Lease { expires_ms: now_ms + duration_ms, ..l },
+                Some(l) if l.expires_ms > now_ms => return None,
+                Some(l) => Lease { holder: me, epoch: l.epoch.wrapping_add(1), expires_ms: now_ms + duration_ms },
+                None => Lease { holder: me, epoch: 1, expires_ms: now_ms + duration_ms },
+            };
+            Some((next.encode(), next))
+        });
+        taken.or(seen)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// Shared data with Envoy's semantics, for tests.
+    #[derive(Default)]
+    pub struct MapStore {
+        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        next_cas: RefCell<u32>,
+    }
+
+    impl Store for MapStore {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            match self.map.borrow().get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            let mut map = self.map.borrow_mut();
+            if let (Some(cas), Some((_, cur))) = (cas, map.get(key)) {
+                if cas != 0 && cas != *cur {
+                    return false;
+                }
+            }
+            let mut n = self.next_cas.borrow_mut();
+            *n += 1;
+            map.insert(key.to_owned(), (value.to_vec(), *n));
+            true
+        }
+    }
+
+    #[test]
+    fn acquire_spreads_over_the_least_loaded_and_respects_the_limit() {
+        let s = MapStore::default();
+        let picks: Vec<u32> = (0..4).map(|_| acquire(&s, 3, |stock| stock < 4).unwrap().0).collect();
+        assert_eq!(picks, vec![0, 1, 2, 0]);
+        assert_eq!(acquire(&s, 3, |stock| stock < 4), None);
+        assert_eq!(release(&s, 3, 1), 3);
+        assert_eq!(acquire(&s, 3, |stock| stock < 4), Some((1, 4)));
+        assert_eq!(load(&s, 3), vec![2, 1, 1]);
+    }
+
+    #[test]
+    fn release_never_goes_below_zero() {
+        let s = MapStore::default();
+        assert_eq!(release(&s, 2, 0), 0);
+        assert_eq!(release(&s, 2, 7), 0, "an unknown endpoint index is ignored");
+    }
+
+    #[test]
+    fn the_lease_is_held_renewed_and_taken_over_when_lapsed() {
+        let s = MapStore::default();
+        let l = Lease::claim(&s, 1, 0, 100).unwrap();
+        assert_eq!(l, Lease { holder: 1, epoch: 1, expires_ms: 100 });
+        assert_eq!(Lease::claim(&s, 2, 50, 100).unwrap().holder, 1, "not lapsed yet");
+        assert_eq!(Lease::claim(&s, 1, 90, 100).unwrap().expires_ms, 190);
+        let l = Lease::claim(&s, 2, 191, 100).unwrap();
+        assert_eq!((l.holder, l.epoch), (2, 2));
+    }
+
+    #[test]
+    fn lost_cas_races_are_retried() {
+        // A store whose first write of every key fails, as if another worker won the race.
+        struct Racy(MapStore, RefCell<bool>);
+        impl Store for Racy {
+            fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+                self.0.get(key)
+            }
+            fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+                if !self.1.replace(true) {
+                    self.0.set(key, &7u64.to_le_bytes(), None);
+                    return self.0.set(key, value, Some(u32::MAX));
+                }
+                self.0.set(key, value, cas)
+            }
+        }
+        let s = Racy(MapStore::default(), RefCell::new(false));
+        assert_eq!(increment(&s, "n"), Some(8), "the retry sees the competing write");
+    }
+}
