@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# README command 2: set up, then run every test (unit, simulator and end-to-end against real Envoy).
+# Fails on the first failing step with a non-zero exit status.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+trap 'echo "FAILED: scripts/test.sh (step above)" >&2' ERR
+
+bash scripts/setup.sh
+
+echo "==> envoy --mode validate envoy/envoy.yaml" >&2
+.venv/bin/envoy --mode validate -c envoy/envoy.yaml --disable-hot-restart --log-level warn
+
+echo "==> cargo test --workspace" >&2
+# The e2e tests start Envoy and backends; they find them through CARGO_TARGET_DIR and .venv.
+cargo test --workspace
+
+echo "==> all tests passed" >&2

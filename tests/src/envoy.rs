@@ -1,0 +1,207 @@
+//! Starting real Envoy on free loopback ports and reading its admin interface.
+
+use crate::config::{EnvoyConfig, FilterSpec};
+use crate::process::{log_dir, new_log_path, ChildGuard};
+use crate::stats::Stats;
+use crate::{paths, raw_http};
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::net::{SocketAddr, TcpListener};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A loopback port that was free a moment ago (the caller retries if it is taken by the time it binds).
+pub fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral loopback port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// How to start one Envoy.
+#[derive(Debug, Clone)]
+pub struct EnvoyOptions {
+    /// Name used in log file names and messages.
+    pub name: String,
+    /// Plugin configuration for the sluice filter; `None` runs Envoy without the filter.
+    pub plugin_config: Option<Value>,
+    /// `--concurrency` (worker threads).
+    pub concurrency: u32,
+    /// Fixed listener port; `None` picks a free one.
+    pub listener_port: Option<u16>,
+    /// Fixed admin port; `None` picks a free one.
+    pub admin_port: Option<u16>,
+    /// Add a second listener without the filter (for the bypass benchmark).
+    pub direct_listener: bool,
+    /// Envoy's `--log-level`.
+    pub log_level: String,
+}
+
+impl EnvoyOptions {
+    /// Envoy with the sluice filter configured by `plugin_config`, 2 workers, free ports.
+    pub fn with_filter(name: &str, plugin_config: Value) -> Self {
+        Self { plugin_config: Some(plugin_config), ..Self::without_filter(name) }
+    }
+
+    /// Envoy as a plain proxy (clients name the endpoint in the destination header).
+    pub fn without_filter(name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            plugin_config: None,
+            concurrency: 2,
+            listener_port: None,
+            admin_port: None,
+            direct_listener: false,
+            log_level: std::env::var("SLUICE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
+        }
+    }
+}
+
+/// A running Envoy, killed on drop.
+#[derive(Debug)]
+pub struct Envoy {
+    child: ChildGuard,
+    /// The main listener (with the filter when configured).
+    pub listener: SocketAddr,
+    /// The admin interface.
+    pub admin: SocketAddr,
+    /// The listener without the filter, when requested.
+    pub direct: Option<SocketAddr>,
+    /// The rendered bootstrap that Envoy runs.
+    pub config_yaml: String,
+}
+
+fn is_bind_failure(log: &str) -> bool {
+    log.contains("Address already in use") || log.contains("cannot bind") || log.contains("unable to bind")
+}
+
+impl Envoy {
+    /// Renders the config, starts Envoy and waits until the admin `/ready` answers 200 and the
+    /// listener accepts connections. Retries with new ports when a picked port was taken meanwhile.
+    pub async fn start(opts: EnvoyOptions) -> Result<Envoy> {
+        let envoy_bin = paths::envoy_bin()?;
+        let filter = match &opts.plugin_config {
+            Some(pc) => Some(FilterSpec {
+                wasm_path: paths::filter_wasm()?.display().to_string(),
+                plugin_config: pc.clone(),
+            }),
+            None => None,
+        };
+        let mut last_err = None;
+        for _attempt in 0..5 {
+            let cfg = EnvoyConfig {
+                listener_port: match opts.listener_port {
+                    Some(p) => p,
+                    None => free_port()?,
+                },
+                admin_port: match opts.admin_port {
+                    Some(p) => p,
+                    None => free_port()?,
+                },
+                filter: filter.clone(),
+                direct_listener_port: if opts.direct_listener { Some(free_port()?) } else { None },
+            };
+            let yaml = cfg.render();
+            std::fs::create_dir_all(log_dir())?;
+            let cfg_path = new_log_path(&format!("{}-config", opts.name)).with_extension("yaml");
+            std::fs::write(&cfg_path, &yaml)?;
+            let mut cmd = Command::new(&envoy_bin);
+            cmd.arg("-c")
+                .arg(&cfg_path)
+                .arg("--concurrency")
+                .arg(opts.concurrency.to_string())
+                // Hot restart needs a shared-memory base id per instance; without it many Envoys coexist.
+                .arg("--disable-hot-restart")
+                .arg("--log-level")
+                .arg(&opts.log_level)
+                .current_dir(paths::repo_root());
+            let child = ChildGuard::spawn(&format!("envoy-{}", opts.name), cmd)?;
+            let mut envoy = Envoy {
+                child,
+                listener: SocketAddr::from(([127, 0, 0, 1], cfg.listener_port)),
+                admin: SocketAddr::from(([127, 0, 0, 1], cfg.admin_port)),
+                direct: cfg.direct_listener_port.map(|p| SocketAddr::from(([127, 0, 0, 1], p))),
+                config_yaml: yaml,
+            };
+            match envoy.wait_ready(Duration::from_secs(60)).await {
+                Ok(()) => return Ok(envoy),
+                Err(e) => {
+                    let fixed = opts.listener_port.is_some() || opts.admin_port.is_some();
+                    if !fixed && is_bind_failure(&envoy.child.log()) {
+                        last_err = Some(e);
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("Envoy did not start")))
+    }
+
+    async fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.child.ensure_running().context("Envoy exited during start-up")?;
+            if let Ok((200, _)) = raw_http::get(self.admin, "/ready").await {
+                if tokio::net::TcpStream::connect(self.listener).await.is_ok() {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "Envoy not ready after {timeout:?}; log {}:\n{}",
+                    self.child.log_path().display(),
+                    self.child.log_tail(4000)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// One scrape of `/stats/prometheus`.
+    pub async fn stats(&self) -> Result<Stats> {
+        let (status, body) = raw_http::get(self.admin, "/stats/prometheus").await?;
+        if status != 200 {
+            bail!("admin /stats/prometheus answered {status}");
+        }
+        Ok(Stats::parse(&body))
+    }
+
+    /// Polls the stats until `pred` holds; on timeout fails with the last sluice stats.
+    pub async fn wait_stats(&self, what: &str, timeout: Duration, pred: impl Fn(&Stats) -> bool) -> Result<Stats> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let s = self.stats().await?;
+            if pred(&s) {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                bail!("timed out after {timeout:?} waiting for {what}; stats: {}", s.sluice_summary());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Envoy's log so far.
+    pub fn log(&self) -> String {
+        self.child.log()
+    }
+
+    /// The last `max_bytes` of Envoy's log.
+    pub fn log_tail(&self, max_bytes: u64) -> String {
+        self.child.log_tail(max_bytes)
+    }
+
+    /// Path of Envoy's log file.
+    pub fn log_path(&self) -> std::path::PathBuf {
+        self.child.log_path().to_path_buf()
+    }
+
+    /// Fails (with the log) if Envoy has exited, e.g. crashed.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        self.child.ensure_running()
+    }
+
+    /// Base URL of the main listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.listener)
+    }
+}
