@@ -1,0 +1,268 @@
+//! The slice of the OpenAI API the simulated backend speaks: request parsing, response and SSE
+//! chunk bodies, error bodies.
+
+use serde_json::{json, Value};
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
+}
+
+/// The fields of an OpenAI request that the backend uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedRequest {
+    /// Endpoint the request was sent to.
+    pub endpoint: Endpoint,
+    /// `model`.
+    pub model: String,
+    /// `stream`.
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// `max_completion_tokens`, else `max_tokens`, if given.
+    pub max_tokens: Option<u32>,
+    /// Prompt size: ceil(bytes of text / 4), or the length of a token-id array prompt.
+    pub prompt_tokens: u32,
+}
+
+/// An error answered to the client as `{"error":{"message","type","code","param"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    /// Human-readable message naming the field.
+    pub message: String,
+    /// OpenAI error type (`invalid_request_error`, ...).
+    pub kind: &'static str,
+    /// The offending parameter, if any.
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error` about `param`.
+    pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> ApiError {
+        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> String {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status,
+        }})
+        .to_string()
+    }
+}
+
+/// Prompt tokens for `bytes` bytes of text: the usual 4-bytes-per-token estimate, at least 1.
+pub fn tokens_for_bytes(bytes: usize) -> u32 {
+    (bytes.div_ceil(4).max(1)).min(u32::MAX as usize) as u32
+}
+
+fn text_bytes(content: &Value) -> Result<usize, ()> {
+    match content {
+        Value::Null => Ok(0),
+        Value::String(s) => Ok(s.len()),
+        // Content parts: [{"type":"text","text":"..."}, ...]; non-text parts count nothing.
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match p {
+                Value::String(s) => Ok(s.len()),
+                Value::Object(o) => Ok(o.get("text").and_then(Value::as_str).map_or(0, str::len)),
+                _ => Err(()),
+            })
+            .sum(),
+        _ => Err(()),
+    }
+}
+
+fn prompt_tokens_of(endpoint: Endpoint, body: &Value) -> Result<u32, ApiError> {
+    match endpoint {
+        Endpoint::Chat => {
+            let Some(msgs) = body.get("messages").and_then(Value::as_array) else {
+                return Err(ApiError::bad_request(Some("messages"), "'messages' is required and must be an array"));
+            };
+            let mut bytes = 0usize;
+            for (i, m) in msgs.iter().enumerate() {
+                let content = m.get("content").unwrap_or(&Value::Null);
+                bytes += text_bytes(content).map_err(|_| {
+                    ApiError::bad_request(Some("messages"), format!("messages[{i}].content must be a string or an array of parts"))
+                })?;
+            }
+            Ok(tokens_for_bytes(bytes))
+        }
+        Endpoint::Completions => {
+            let bad = || ApiError::bad_request(Some("prompt"), "'prompt' must be a string, an array of strings or an array of token ids");
+            match body.get("prompt") {
+                None => Err(ApiError::bad_request(Some("prompt"), "'prompt' is required")),
+                Some(Value::String(s)) => Ok(tokens_for_bytes(s.len())),
+                Some(Value::Array(items)) if items.iter().all(Value::is_u64) => Ok((items.len().max(1)) as u32),
+                Some(Value::Array(items)) => {
+                    let mut bytes = 0;
+                    for it in items {
+                        bytes += it.as_str().ok_or_else(bad)?.len();
+                    }
+                    Ok(tokens_for_bytes(bytes))
+                }
+                Some(_) => Err(bad()),
+            }
+        }
+    }
+}
+
+/// Parses and validates a request body.
+pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(None, format!("request body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad_request(None, "request body must be a JSON object"));
+    }
+    let model = match v.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        _ => return Err(ApiError::bad_request(Some("model"), "'model' is required and must be a non-empty string")),
+    };
+    let stream = match v.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad_request(Some("stream"), "'stream' must be a boolean")),
+    };
+    let include_usage = v
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let mut max_tokens = None;
+    for field in ["max_tokens", "max_completion_tokens"] {
+        match v.get(field) {
+            None | Some(Value::Null) => {}
+            Some(x) => match x.as_u64() {
+                Some(n) if n >= 1 && n <= u32::MAX as u64 => max_tokens = Some(n as u32),
+                _ => {
+                    let param = if field == "max_tokens" { "max_tokens" } else { "max_completion_tokens" };
+                    return Err(ApiError::bad_request(Some(param), format!("'{field}' must be a positive integer, got {x}")));
+                }
+            },
+        }
+    }
+    let prompt_tokens = prompt_tokens_of(endpoint, &v)?;
+    Ok(ParsedRequest { endpoint, model, stream, include_usage, max_tokens, prompt_tokens })
+}
+
+/// Text of generated token number `i` (0-based): a short word, so SSE clients see content.
+pub fn token_text(i: u32) -> &'static str {
+    const WORDS: [&str; 8] = ["lorem ", "ipsum ", "dolor ", "sit ", "amet ", "sed ", "do ", "tempor "];
+    WORDS[i as usize % WORDS.len()]
+}
+
+/// Identity of one response, shared by its chunks.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    /// Endpoint answered.
+    pub endpoint: Endpoint,
+    /// Response id (`chatcmpl-...` / `cmpl-...`).
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model echoed back.
+    pub model: String,
+}
+
+impl ResponseMeta {
+    /// Builds the metadata for request number `n`.
+    pub fn new(endpoint: Endpoint, n: u64, model: &str, created: u64) -> ResponseMeta {
+        let prefix = match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completions => "cmpl",
+        };
+        ResponseMeta { endpoint, id: format!("{prefix}-sluice-{n}"), created, model: model.to_string() }
+    }
+
+    fn usage(prompt: u32, completion: u32) -> Value {
+        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt as u64 + completion as u64})
+    }
+
+    /// One SSE chunk carrying generated token `i`; `finish` is set on the last one.
+    pub fn chunk(&self, i: u32, finish: Option<&str>) -> String {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = if i == 0 {
+                    json!({"role": "assistant", "content": token_text(i)})
+                } else {
+                    json!({"content": token_text(i)})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completions => json!({"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": finish}),
+        };
+        self.envelope(true, vec![choice], None)
+    }
+
+    /// The last chunk of a stream with `include_usage`: no choices, the usage.
+    pub fn usage_chunk(&self, prompt: u32, completion: u32) -> String {
+        self.envelope(true, vec![], Some(Self::usage(prompt, completion)))
+    }
+
+    /// A complete non-streaming response.
+    pub fn full(&self, prompt: u32, completion: u32, finish: &str) -> String {
+        let text: String = (0..completion).map(token_text).collect();
+        let choice = match self.endpoint {
+            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}),
+            Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+        };
+        self.envelope(false, vec![choice], Some(Self::usage(prompt, completion)))
+    }
+
+    fn envelope(&self, chunk: bool, choices: Vec<Value>, usage: Option<Value>) -> String {
+        let object = match (self.endpoint, chunk) {
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Completions, _) => "text_completion",
+        };
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_chat_and_completions() {
+        let r = parse_request(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"hello world!"},{"role":"user","content":[{"type":"text","text":"abcd"}]}],"max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}"#,
+        )
+        .unwrap();
+        assert_eq!((r.model.as_str(), r.prompt_tokens, r.max_tokens, r.stream, r.include_usage), ("m", 4, Some(7), true, true));
+        let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3],"max_completion_tokens":3}"#).unwrap();
+        assert_eq!((r.prompt_tokens, r.max_tokens, r.stream), (3, Some(3), false));
+        let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":"abcde"}"#).unwrap();
+        assert_eq!((r.prompt_tokens, r.max_tokens), (2, None));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse_request(Endpoint::Chat, b"{nope").unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("JSON"));
+        let e = parse_request(Endpoint::Chat, br#"{"messages":[]}"#).unwrap_err();
+        assert_eq!(e.param, Some("model"));
+        let e = parse_request(Endpoint::Chat, br#"{"model":"m","messages":[],"max_tokens":0}"#).unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        let e = parse_request(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+        let body: Value = serde_json::from_str(&e.body()).unwrap();
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["code"], 400);
+    }
+}
