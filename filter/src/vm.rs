@@ -198,10 +198,10 @@ impl Vm {
             Some(id) => {
                 self.queue_ids.insert(worker, id);
                 if hostcalls::enqueue_shared_queue(id, Some(&msg.encode())).is_err() {
-                    log::warn!("sluice: could not post to worker {worker}");
+                    log::warn!("could not post to worker {worker}");
                 }
             }
-            None => log::warn!("sluice: worker {worker} has no queue; its request is lost to the scheduler"),
+            None => log::warn!("worker {worker} has no queue; its request is lost to the scheduler"),
         }
     }
 
@@ -277,13 +277,13 @@ impl Vm {
                 scheduler.restore(&snap);
             }
             if let Err(e) = hostcalls::register_shared_queue(SCHEDULER_QUEUE) {
-                log::error!("sluice: cannot register the scheduler queue: {e:?}");
+                log::error!("cannot register the scheduler queue: {e:?}");
                 return;
             }
-            log::info!("sluice: worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
+            log::info!("worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
             self.role = Some(SchedulerRole { scheduler, published_len: None });
         } else if !holder && self.role.is_some() {
-            log::warn!("sluice: worker {} lost the scheduler lease to {}", self.worker, lease.holder);
+            log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
             self.role = None;
         }
         if lease.epoch != self.epoch {
@@ -327,7 +327,7 @@ impl Vm {
         while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(id) {
             match ToScheduler::decode(&bytes) {
                 Some(msg) => role.scheduler.on_message(msg, &mut out),
-                None => log::warn!("sluice: ignoring a malformed scheduler message"),
+                None => log::warn!("ignoring a malformed scheduler message"),
             }
         }
         self.pump(out);
@@ -375,7 +375,7 @@ impl Vm {
                         }
                     }
                 }
-                _ => log::warn!("sluice: ignoring a malformed worker message"),
+                _ => log::warn!("ignoring a malformed worker message"),
             }
         }
     }
@@ -417,7 +417,7 @@ impl Vm {
             (REJECT_REASON, reason),
         ];
         if let Err(e) = hostcalls::send_http_response(status, headers, Some(&body)) {
-            log::warn!("sluice: could not send a {status} reply: {e:?}");
+            log::warn!("could not send a {status} reply: {e:?}");
         }
     }
 
@@ -468,26 +468,26 @@ impl RootContext for Root {
         let cfg = match Config::from_json(&raw) {
             Ok(c) => c,
             Err(e) => {
-                log::error!("sluice: refusing the configuration: {e}");
+                log::error!("refusing the configuration: {e}");
                 return false;
             }
         };
         let metrics = match Metrics::define() {
             Ok(m) => m,
             Err(e) => {
-                log::error!("sluice: cannot define stats: {e:?}");
+                log::error!("cannot define stats: {e:?}");
                 return false;
             }
         };
         let Some(worker) = shared::increment(&HostStore, shared::WORKERS_KEY) else {
-            log::error!("sluice: cannot take a worker number from shared data");
+            log::error!("cannot take a worker number from shared data");
             return false;
         };
         let worker = worker as u32;
         let queue = match hostcalls::register_shared_queue(&worker_queue_name(worker)) {
             Ok(q) => q,
             Err(e) => {
-                log::error!("sluice: cannot register a worker queue: {e:?}");
+                log::error!("cannot register a worker queue: {e:?}");
                 return false;
             }
         };
