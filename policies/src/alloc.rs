@@ -4,14 +4,32 @@
 //! earliest request changed, or the flow left the backlog), [`Allocation::next`],
 //! and the service charged to flows. It keeps its own ordered index of backlogged
 //! flows so that `next` is O(1) or O(log n) however many tenants are queued.
+//!
+//! Policies: [`Fcfs`]; the counter family of the VTC seed in [`counter`]
+//! ([`Vtc`], LCF, weighted VTC, VTC with a cost function h(np, nq), with length
+//! prediction, oracle); a per-client request-per-minute limit [`rpm::RpmLimit`];
+//! weighted fair queuing [`wfq::Wfq`]; deficit round robin with
+//! congestion-aware weights and borrowing [`drr::Drr`]. [`crate::spec::PolicySpec`]
+//! builds any of them from configuration.
 
 use crate::{FlowId, Request};
-use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
 
+pub mod counter;
+pub mod drr;
+pub mod rpm;
+pub mod wfq;
 
+pub use counter::{CostFn, CounterPolicy, Linear, Predictor, Tracked};
 
 /// A policy that orders backlogged flows.
+///
+/// Only the first five methods are required; the others have defaults so that
+/// simple policies stay simple and callers written against the first five keep
+/// working. Callers that can should prefer the richer hooks
+/// ([`Allocation::set_head_request`], [`Allocation::on_output_for`],
+/// [`Allocation::on_complete`], [`Allocation::advance`]): several policies need them.
 pub trait Allocation {
     /// Short name, as used in the configuration.
     fn name(&self) -> &'static str;
@@ -24,6 +42,36 @@ pub trait Allocation {
     fn on_dispatch(&mut self, req: &Request);
     /// `tokens` output tokens were generated for `flow`.
     fn on_output(&mut self, flow: FlowId, tokens: u32);
+
+    /// A flow id was handed out for `name`; policies with per-tenant weights
+    /// resolve their tables here.
+    fn on_flow(&mut self, _flow: FlowId, _name: &str) {}
+    /// Like [`Allocation::set_head`] but with the head request itself, for
+    /// policies that price the head (WFQ, DRR). [`crate::queue::FairQueue`] calls this.
+    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+        self.set_head(flow, head.map(|(seq, _)| seq))
+    }
+    /// The clock moved to `now_ms`; time-based policies (RPM) act on it.
+    fn advance(&mut self, _now_ms: u64) {}
+    /// `tokens` output tokens were generated for dispatched request `id` of
+    /// `flow`. Policies that price each request (cost function, prediction)
+    /// need the id; the default forwards to [`Allocation::on_output`].
+    fn on_output_for(&mut self, flow: FlowId, _id: u64, tokens: u32) {
+        self.on_output(flow, tokens)
+    }
+    /// Dispatched request `id` of `flow` finished (or was abandoned): per-request
+    /// state is released and predictions corrected. Call exactly once per dispatch.
+    fn on_complete(&mut self, _flow: FlowId, _id: u64) {}
+    /// A trusted output length for request `id`, given before it is dispatched.
+    /// Only the simulator knows this; the oracle policy uses it.
+    fn hint_output(&mut self, _id: u64, _output_tokens: u32) {}
+    /// Congestion level in `[0, 1]` (e.g. the overload severity); congestion-aware
+    /// policies (DRR) reweight on it.
+    fn on_congestion(&mut self, _level: f64) {}
+    /// False for policies that may hold requests while capacity is free (RPM).
+    fn is_work_conserving(&self) -> bool {
+        true
+    }
 }
 
 impl<A: Allocation + ?Sized> Allocation for Box<A> {
@@ -42,15 +90,103 @@ impl<A: Allocation + ?Sized> Allocation for Box<A> {
     fn on_output(&mut self, flow: FlowId, tokens: u32) {
         (**self).on_output(flow, tokens)
     }
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        (**self).on_flow(flow, name)
+    }
+    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+        (**self).set_head_request(flow, head)
+    }
+    fn advance(&mut self, now_ms: u64) {
+        (**self).advance(now_ms)
+    }
+    fn on_output_for(&mut self, flow: FlowId, id: u64, tokens: u32) {
+        (**self).on_output_for(flow, id, tokens)
+    }
+    fn on_complete(&mut self, flow: FlowId, id: u64) {
+        (**self).on_complete(flow, id)
+    }
+    fn hint_output(&mut self, id: u64, output_tokens: u32) {
+        (**self).hint_output(id, output_tokens)
+    }
+    fn on_congestion(&mut self, level: f64) {
+        (**self).on_congestion(level)
+    }
+    fn is_work_conserving(&self) -> bool {
+        (**self).is_work_conserving()
+    }
 }
 
 /// Grows `v` so that `v[i]` exists.
-fn slot<T: Default + Clone>(v: &mut Vec<T>, i: FlowId) -> &mut T {
+pub(crate) fn slot<T: Default + Clone>(v: &mut Vec<T>, i: FlowId) -> &mut T {
     let i = i as usize;
     if v.len() <= i {
         v.resize(i + 1, T::default());
     }
     &mut v[i]
+}
+
+/// Estimated size of a request in tokens: prompt plus `max_tokens`, or plus
+/// `default_output` when the client gave no bound.
+pub fn size_tokens(req: &Request, default_output: u32) -> f64 {
+    let out = if req.max_output_tokens > 0 { req.max_output_tokens } else { default_output };
+    req.input_tokens as f64 + out as f64
+}
+
+/// Per-flow weights configured by flow name, resolved to dense ids as flows appear.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FlowWeights {
+    /// Weight of flows not in `table`.
+    pub default: f64,
+    /// Weight by flow (tenant or model) name.
+    pub table: BTreeMap<String, f64>,
+    #[serde(skip)]
+    by_flow: Vec<f64>,
+}
+
+impl Default for FlowWeights {
+    fn default() -> Self {
+        FlowWeights { default: 1.0, table: BTreeMap::new(), by_flow: Vec::new() }
+    }
+}
+
+impl FlowWeights {
+    /// Weights from a table with a default for unlisted flows.
+    pub fn new(default: f64, table: BTreeMap<String, f64>) -> Self {
+        FlowWeights { default, table, by_flow: Vec::new() }
+    }
+
+    /// Checks every weight is a positive finite number; `field` names the table in errors.
+    pub fn validate(&self, field: &str) -> Result<(), String> {
+        let ok = |w: f64| w.is_finite() && w > 0.0;
+        if !ok(self.default) {
+            return Err(format!("{field}.default must be a positive number, got {}", self.default));
+        }
+        for (name, &w) in &self.table {
+            if !ok(w) {
+                return Err(format!("{field}.table[\"{name}\"] must be a positive number, got {w}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records which name `flow` stands for.
+    pub fn on_flow(&mut self, flow: FlowId, name: &str) {
+        let w = self.table.get(name).copied().unwrap_or(self.default);
+        let i = flow as usize;
+        if self.by_flow.len() <= i {
+            self.by_flow.resize(i + 1, f64::NAN);
+        }
+        self.by_flow[i] = w;
+    }
+
+    /// Weight of `flow` (the default for a flow never named).
+    pub fn get(&self, flow: FlowId) -> f64 {
+        match self.by_flow.get(flow as usize) {
+            Some(w) if !w.is_nan() => *w,
+            _ => self.default,
+        }
+    }
 }
 
 /// First come, first served across the whole queue.
@@ -102,106 +238,15 @@ impl Default for VtcWeights {
 /// Counters are charged `w_p · input` at dispatch and `w_q` per generated token;
 /// a flow joining the queue is lifted to the smallest counter among backlogged
 /// flows, or to the counter of the last flow that left an emptied queue.
-#[derive(Debug, Default)]
-pub struct Vtc {
-    weights: VtcWeights,
-    counters: Vec<f64>,
-    /// Backlogged flows keyed by (counter bits, head sequence): counters are
-    /// non-negative, so their bit patterns sort like the numbers.
-    backlog: BTreeSet<(u64, u64, FlowId)>,
-    key_of: Vec<Option<(u64, u64)>>,
-    last_left: Option<FlowId>,
-}
-
-impl Vtc {
-    /// A VTC with all counters at zero.
-    pub fn new(weights: VtcWeights) -> Self {
-        Vtc { weights, ..Default::default() }
-    }
-
-    /// Current counter of `flow`.
-    pub fn counter(&self, flow: FlowId) -> f64 {
-        self.counters.get(flow as usize).copied().unwrap_or(0.0)
-    }
-
-    /// Restores a counter (from shared data after a scheduler takeover).
-    pub fn set_counter(&mut self, flow: FlowId, value: f64) {
-        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
-        self.update(flow, |c| *c = value);
-    }
-
-    fn min_backlogged(&self) -> Option<f64> {
-        self.backlog.first().map(|&(bits, _, _)| f64::from_bits(bits))
-    }
-
-    /// Changes a counter and keeps the backlog index in step.
-    fn update(&mut self, flow: FlowId, f: impl FnOnce(&mut f64)) {
-        let c = slot(&mut self.counters, flow);
-        f(c);
-        let bits = c.to_bits();
-        if let Some(Some((old_bits, seq))) = self.key_of.get(flow as usize).copied() {
-            self.backlog.remove(&(old_bits, seq, flow));
-            self.backlog.insert((bits, seq, flow));
-            self.key_of[flow as usize] = Some((bits, seq));
-        }
-    }
-}
-
-impl Allocation for Vtc {
-    fn name(&self) -> &'static str {
-        "vtc"
-    }
-
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
-        let was = slot(&mut self.key_of, flow).take();
-        if let Some((bits, seq)) = was {
-            self.backlog.remove(&(bits, seq, flow));
-        }
-        match head {
-            None => {
-                if was.is_some() {
-                    self.last_left = Some(flow);
-                }
-            }
-            Some(seq) => {
-                if was.is_none() {
-                    // Counter lift (Algorithm 2, lines 7-13).
-                    let floor = match self.min_backlogged() {
-                        Some(min) => min,
-                        None => self.last_left.map_or(0.0, |l| self.counter(l)),
-                    };
-                    let c = slot(&mut self.counters, flow);
-                    if *c < floor {
-                        *c = floor;
-                    }
-                }
-                let bits = self.counter(flow).to_bits();
-                self.key_of[flow as usize] = Some((bits, seq));
-                self.backlog.insert((bits, seq, flow));
-            }
-        }
-    }
-
-    fn next(&self) -> Option<FlowId> {
-        self.backlog.first().map(|&(_, _, f)| f)
-    }
-
-    fn on_dispatch(&mut self, req: &Request) {
-        let charge = self.weights.input * req.input_tokens as f64;
-        self.update(req.flow, |c| *c += charge);
-    }
-
-    fn on_output(&mut self, flow: FlowId, tokens: u32) {
-        let charge = self.weights.output * tokens as f64;
-        self.update(flow, |c| *c += charge);
-    }
-}
+pub type Vtc = CounterPolicy<Linear>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn req(flow: FlowId, input: u32) -> Request {
+    pub(crate) fn req(flow: FlowId, input: u32) -> Request {
         Request { id: 0, flow, input_tokens: input, max_output_tokens: 0, arrival_ms: 0 }
     }
 
@@ -267,5 +312,42 @@ mod tests {
         v.on_output(4, 10);
         assert_eq!(v.next(), None);
         assert_eq!(v.counter(4), 20.0);
+    }
+
+    #[test]
+    fn flow_weights_resolve_names_and_fall_back_to_the_default() {
+        let mut w = FlowWeights::new(1.5, [("gold".to_string(), 4.0)].into_iter().collect());
+        w.on_flow(0, "bronze");
+        w.on_flow(1, "gold");
+        assert_eq!(w.get(0), 1.5);
+        assert_eq!(w.get(1), 4.0);
+        assert_eq!(w.get(7), 1.5, "a flow never named gets the default");
+        assert!(w.validate("tenant_weights").is_ok());
+        let bad = FlowWeights::new(1.0, [("x".to_string(), 0.0)].into_iter().collect());
+        assert!(bad.validate("tenant_weights").unwrap_err().contains("tenant_weights.table[\"x\"]"));
+    }
+
+    #[test]
+    fn a_boxed_policy_forwards_the_hooks_with_defaults() {
+        // The Box impl must forward the default-implemented hooks too, or a
+        // `Box<dyn Allocation>` would silently drop them.
+        let mut b: Box<dyn Allocation> = Box::new(rpm::RpmLimit::new(1));
+        assert!(!b.is_work_conserving());
+        b.set_head_request(0, Some((0, &req(0, 1))));
+        b.advance(0);
+        assert_eq!(b.next(), Some(0));
+        b.on_dispatch(&req(0, 1));
+        b.set_head(0, Some(1));
+        assert_eq!(b.next(), None, "limit of 1 per minute reached");
+        b.advance(60_000);
+        assert_eq!(b.next(), Some(0), "advance reached the policy through the box");
+    }
+
+    #[test]
+    fn size_counts_prompt_and_bound_or_default() {
+        let mut r = req(0, 100);
+        assert_eq!(size_tokens(&r, 256), 356.0);
+        r.max_output_tokens = 10;
+        assert_eq!(size_tokens(&r, 256), 110.0);
     }
 }

@@ -11,7 +11,11 @@
 
 pub mod admission;
 pub mod alloc;
+pub mod bands;
+pub mod order;
+pub mod overload;
 pub mod queue;
+pub mod spec;
 
 /// Dense index of a tenant or flow, handed out by [`queue::FairQueue::flow_id`].
 pub type FlowId = u32;

@@ -1,7 +1,9 @@
-//! The fair request queue: per-flow FIFO queues, capacities, TTL, and an
-//! [`Allocation`] policy that picks the flow to serve next.
+//! The fair request queue: per-flow queues (FIFO by default, or any
+//! [`FlowOrder`]), capacities, TTL, and an [`Allocation`] policy that picks the
+//! flow to serve next.
 
 use crate::alloc::Allocation;
+use crate::order::{Fifo, FlowOrder, RequestMeta};
 use crate::{FlowId, RejectReason, Request};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -24,14 +26,32 @@ impl Default for QueueLimits {
     }
 }
 
+/// One queued request with its rank under the flow's ordering.
+struct Entry {
+    seq: u64,
+    rank: f64,
+    req: Request,
+    meta: RequestMeta,
+}
+
+impl Entry {
+    fn before(&self, rank: f64, seq: u64) -> bool {
+        self.rank.total_cmp(&rank).then(self.seq.cmp(&seq)).is_lt()
+    }
+}
+
 /// Requests waiting for a backend, served in the order an [`Allocation`] chooses
-/// across flows and first-in first-out inside a flow.
+/// across flows and, inside a flow, first-in first-out or in the order of a
+/// [`FlowOrder`] given to [`FairQueue::with_order`].
 pub struct FairQueue<A> {
     limits: QueueLimits,
     alloc: A,
+    order: Box<dyn FlowOrder>,
+    fifo: bool,
+    now_ms: u64,
     ids: HashMap<String, FlowId>,
     names: Vec<String>,
-    flows: Vec<VecDeque<(u64, Request)>>,
+    flows: Vec<VecDeque<Entry>>,
     flow_of: HashMap<u64, FlowId>,
     /// Arrival order for TTL expiry; entries of requests that already left are
     /// skipped lazily.
@@ -42,9 +62,18 @@ pub struct FairQueue<A> {
 impl<A: Allocation> FairQueue<A> {
     /// An empty queue.
     pub fn new(limits: QueueLimits, alloc: A) -> Self {
+        Self::with_order(limits, alloc, Box::new(Fifo))
+    }
+
+    /// An empty queue ordering each flow by `order`.
+    pub fn with_order(limits: QueueLimits, alloc: A, order: Box<dyn FlowOrder>) -> Self {
+        let fifo = order.name() == Fifo.name();
         FairQueue {
             limits,
             alloc,
+            order,
+            fifo,
+            now_ms: 0,
             ids: HashMap::new(),
             names: Vec::new(),
             flows: Vec::new(),
@@ -63,7 +92,53 @@ impl<A: Allocation> FairQueue<A> {
         self.ids.insert(name.to_owned(), id);
         self.names.push(name.to_owned());
         self.flows.push(VecDeque::new());
+        self.alloc.on_flow(id, name);
         id
+    }
+
+    /// The capacities and TTL.
+    pub fn limits(&self) -> QueueLimits {
+        self.limits
+    }
+
+    /// The ordering inside flows.
+    pub fn order(&self) -> &dyn FlowOrder {
+        &*self.order
+    }
+
+    /// The requests of `flow` in the order they would be served.
+    pub fn flow_requests(&self, flow: FlowId) -> impl Iterator<Item = &Request> + '_ {
+        self.flows.get(flow as usize).into_iter().flat_map(|q| q.iter().map(|e| &e.req))
+    }
+
+    /// The request [`FairQueue::pop`] would take now, left in place.
+    pub fn peek(&self) -> Option<&Request> {
+        let flow = self.alloc.next()?;
+        self.flows.get(flow as usize)?.front().map(|e| &e.req)
+    }
+
+    /// Moves the clock: time-based policies act, and a time-dependent ordering
+    /// re-ranks every flow (its heads may change).
+    pub fn advance(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        self.alloc.advance(self.now_ms);
+        if !self.order.is_dynamic() {
+            return;
+        }
+        for (flow, q) in self.flows.iter_mut().enumerate() {
+            if q.len() < 2 {
+                continue;
+            }
+            let old_head = q.front().map(|e| e.seq);
+            for e in q.iter_mut() {
+                e.rank = self.order.rank(&e.req, &e.meta, self.now_ms);
+            }
+            q.make_contiguous().sort_by(|a, b| a.rank.total_cmp(&b.rank).then(a.seq.cmp(&b.seq)));
+            let head = q.front().expect("non-empty");
+            if Some(head.seq) != old_head {
+                self.alloc.set_head_request(flow as FlowId, Some((head.seq, &head.req)));
+            }
+        }
     }
 
     /// The name a flow id was allocated for.
@@ -93,7 +168,7 @@ impl<A: Allocation> FairQueue<A> {
 
     /// Requests queued in one flow.
     pub fn flow_len(&self, flow: FlowId) -> usize {
-        self.flows.get(flow as usize).map_or(0, VecDeque::len)
+        self.flows.get(flow as usize).map_or(0, |q| q.len())
     }
 
     /// The allocation policy.
@@ -110,6 +185,11 @@ impl<A: Allocation> FairQueue<A> {
     /// [`FairQueue::flow_id`]; an id already queued is refused as a duplicate
     /// would be lost.
     pub fn push(&mut self, req: Request) -> Result<(), RejectReason> {
+        self.push_with(req, RequestMeta::default())
+    }
+
+    /// Queues `req` with its deadline and length prediction, for orderings that use them.
+    pub fn push_with(&mut self, req: Request, meta: RequestMeta) -> Result<(), RejectReason> {
         let flow = req.flow;
         assert!((flow as usize) < self.flows.len(), "flow id {flow} was not allocated by flow_id");
         if self.len() >= self.limits.total_capacity {
@@ -124,10 +204,13 @@ impl<A: Allocation> FairQueue<A> {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.by_age.push_back((req.arrival_ms, req.id));
+        let rank = if self.fifo { 0.0 } else { self.order.rank(&req, &meta, self.now_ms) };
         let q = &mut self.flows[flow as usize];
-        q.push_back((seq, req));
-        if q.len() == 1 {
-            self.alloc.set_head(flow, Some(seq));
+        let pos = if self.fifo { q.len() } else { q.partition_point(|e| e.before(rank, seq)) };
+        q.insert(pos, Entry { seq, rank, req, meta });
+        if pos == 0 {
+            let head = &q[0];
+            self.alloc.set_head_request(flow, Some((seq, &head.req)));
         }
         Ok(())
     }
@@ -136,11 +219,11 @@ impl<A: Allocation> FairQueue<A> {
     pub fn pop(&mut self) -> Option<Request> {
         let flow = self.alloc.next()?;
         let q = &mut self.flows[flow as usize];
-        let (_, req) = q.pop_front().expect("policy named a flow with nothing queued");
-        let head = q.front().map(|&(s, _)| s);
+        let req = q.pop_front().expect("policy named a flow with nothing queued").req;
         self.flow_of.remove(&req.id);
         self.alloc.on_dispatch(&req);
-        self.alloc.set_head(flow, head);
+        let q = &self.flows[flow as usize];
+        self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
         self.compact();
         Some(req)
     }
@@ -149,12 +232,11 @@ impl<A: Allocation> FairQueue<A> {
     pub fn remove(&mut self, id: u64) -> Option<Request> {
         let flow = self.flow_of.remove(&id)?;
         let q = &mut self.flows[flow as usize];
-        let pos = q.iter().position(|(_, r)| r.id == id).expect("flow index out of step");
-        let was_head = pos == 0;
-        let (_, req) = q.remove(pos).expect("position just found");
-        if was_head {
-            let head = q.front().map(|&(s, _)| s);
-            self.alloc.set_head(flow, head);
+        let pos = q.iter().position(|e| e.req.id == id).expect("flow index out of step");
+        let req = q.remove(pos).expect("position just found").req;
+        if pos == 0 {
+            let q = &self.flows[flow as usize];
+            self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
         }
         self.compact();
         Some(req)

@@ -1,0 +1,555 @@
+//! The counter family of the VTC seed: least counter first, with or without the
+//! counter lift, and with pluggable pricing ([`Charge`]) of the service a
+//! request receives.
+//!
+//! * [`crate::alloc::Vtc`] — Algorithm 2: `w_p · input` at dispatch, `w_q` per output token.
+//! * LCF ([`CounterPolicy::lcf`]) — the same counters without the lift.
+//! * Weighted VTC ([`CounterPolicy::with_weights`]) — every charge divided by the tenant's weight (§4.3).
+//! * General cost ([`Tracked::cost`]) — service priced by `h(np, nq)` (§4.2, Algorithm 4),
+//!   charged as increments `h(np, nq_new) − h(np, nq_old)` per request.
+//! * Prediction ([`Tracked::predict`]) — Algorithm 3: the predicted output is charged at
+//!   dispatch, tokens beyond it as they arrive, and an over-prediction is refunded at completion.
+//! * Oracle ([`Tracked::oracle`]) — the prediction is the true length given by
+//!   [`Allocation::hint_output`] (simulator only).
+
+use super::{slot, Allocation, FlowWeights, VtcWeights};
+use crate::{FlowId, Request};
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, VecDeque};
+
+/// How much service a request is charged, and when.
+pub trait Charge {
+    /// Charge when `req` is dispatched.
+    fn dispatch(&mut self, req: &Request) -> f64;
+    /// Charge for `tokens` output tokens of an unidentified request of `flow`.
+    fn output(&mut self, flow: FlowId, tokens: u32) -> f64;
+    /// Charge for `tokens` more output tokens of dispatched request `id`.
+    fn output_for(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64 {
+        let _ = id;
+        self.output(flow, tokens)
+    }
+    /// Charge (possibly negative: a refund) when request `id` completes.
+    fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
+        0.0
+    }
+    /// The true output length of request `id`, for an oracle.
+    fn hint(&mut self, _id: u64, _output_tokens: u32) {}
+}
+
+/// The linear service function `w_p · input + w_q · output` of Algorithm 2.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Linear(pub VtcWeights);
+
+impl Charge for Linear {
+    fn dispatch(&mut self, req: &Request) -> f64 {
+        self.0.input * req.input_tokens as f64
+    }
+    fn output(&mut self, _flow: FlowId, tokens: u32) -> f64 {
+        self.0.output * tokens as f64
+    }
+}
+
+/// A service cost `h(np, nq) = input·np + output·nq + input_output·np·nq + output_sq·nq² + constant`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostFn {
+    /// Coefficient of `np`.
+    pub input: f64,
+    /// Coefficient of `nq`.
+    pub output: f64,
+    /// Coefficient of `np · nq`.
+    #[serde(default)]
+    pub input_output: f64,
+    /// Coefficient of `nq²`.
+    #[serde(default)]
+    pub output_sq: f64,
+    /// Fixed cost per request.
+    #[serde(default)]
+    pub constant: f64,
+}
+
+impl CostFn {
+    /// `w_p · np + w_q · nq`.
+    pub fn linear(w: VtcWeights) -> Self {
+        CostFn { input: w.input, output: w.output, input_output: 0.0, output_sq: 0.0, constant: 0.0 }
+    }
+
+    /// The seed's profiled cost (Appendix B.2): `2.1·np + nq + 0.04·np·nq + 0.032·nq² + 11.46`.
+    pub fn profiled() -> Self {
+        CostFn { input: 2.1, output: 1.0, input_output: 0.04, output_sq: 0.032, constant: 11.46 }
+    }
+
+    /// `h(np, nq)`.
+    pub fn eval(&self, np: f64, nq: f64) -> f64 {
+        self.input * np + self.output * nq + self.input_output * np * nq + self.output_sq * nq * nq + self.constant
+    }
+
+    /// Coefficients must be finite and non-negative so that service never shrinks as tokens arrive.
+    pub fn validate(&self, field: &str) -> Result<(), String> {
+        for (name, v) in [
+            ("input", self.input),
+            ("output", self.output),
+            ("input_output", self.input_output),
+            ("output_sq", self.output_sq),
+            ("constant", self.constant),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{field}.{name} must be a non-negative number, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where the predicted output length charged at dispatch comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Predictor {
+    /// No prediction: output is charged only as it is generated (plain VTC, §4.2).
+    None,
+    /// Mean output of the tenant's last `window` completed requests (0 before any).
+    History {
+        /// Completed requests remembered per tenant (the seed uses 5).
+        window: usize,
+    },
+    /// The length given by [`Allocation::hint_output`]; history when no hint came.
+    Oracle {
+        /// Fallback window for requests without a hint.
+        window: usize,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    np: f64,
+    nq: u64,
+    predicted: u64,
+}
+
+/// Per-request pricing by a cost function with an optional length prediction.
+///
+/// Charges `h(np, p)` at dispatch for prediction `p`, then
+/// `h(np, max(nq, p)) − h(np, max(nq_old, p))` as tokens arrive, and refunds
+/// `h(np, p) − h(np, nq)` at completion when fewer than `p` tokens came. With a
+/// linear `h` this is exactly Algorithm 3; with `p = 0` it is Algorithm 4.
+#[derive(Clone, Debug)]
+pub struct Tracked {
+    h: CostFn,
+    predictor: Predictor,
+    live: HashMap<u64, Live>,
+    hints: HashMap<u64, u32>,
+    history: Vec<VecDeque<u32>>,
+}
+
+impl Tracked {
+    /// General VTC with cost `h`, no prediction.
+    pub fn cost(h: CostFn) -> Self {
+        Self::new(h, Predictor::None)
+    }
+
+    /// Algorithm 3: linear cost, predicted output = mean of the tenant's last `window` outputs.
+    pub fn predict(w: VtcWeights, window: usize) -> Self {
+        Self::new(CostFn::linear(w), Predictor::History { window: window.max(1) })
+    }
+
+    /// Linear cost with the true output length from [`Allocation::hint_output`].
+    pub fn oracle(w: VtcWeights) -> Self {
+        Self::new(CostFn::linear(w), Predictor::Oracle { window: 5 })
+    }
+
+    /// Any cost with any predictor.
+    pub fn new(h: CostFn, predictor: Predictor) -> Self {
+        Tracked { h, predictor, live: HashMap::new(), hints: HashMap::new(), history: Vec::new() }
+    }
+
+    /// Requests dispatched and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.live.len()
+    }
+
+    fn history_mean(&self, flow: FlowId) -> u64 {
+        match self.history.get(flow as usize) {
+            Some(h) if !h.is_empty() => h.iter().map(|&x| x as u64).sum::<u64>() / h.len() as u64,
+            _ => 0,
+        }
+    }
+
+    /// The output length charged at dispatch for `req`.
+    pub fn prediction(&self, req: &Request) -> u64 {
+        match self.predictor {
+            Predictor::None => 0,
+            Predictor::History { .. } => self.history_mean(req.flow),
+            Predictor::Oracle { .. } => match self.hints.get(&req.id) {
+                Some(&n) => n as u64,
+                None => self.history_mean(req.flow),
+            },
+        }
+    }
+}
+
+impl Charge for Tracked {
+    fn dispatch(&mut self, req: &Request) -> f64 {
+        let predicted = self.prediction(req);
+        self.hints.remove(&req.id);
+        let np = req.input_tokens as f64;
+        self.live.insert(req.id, Live { np, nq: 0, predicted });
+        self.h.eval(np, predicted as f64)
+    }
+
+    fn output(&mut self, _flow: FlowId, tokens: u32) -> f64 {
+        // Without the request we cannot place the tokens on its curve: charge
+        // the linear part only.
+        self.h.output * tokens as f64
+    }
+
+    fn output_for(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64 {
+        let Some(l) = self.live.get_mut(&id) else {
+            return self.output(flow, tokens);
+        };
+        let old = l.nq.max(l.predicted) as f64;
+        l.nq += tokens as u64;
+        let new = l.nq.max(l.predicted) as f64;
+        self.h.eval(l.np, new) - self.h.eval(l.np, old)
+    }
+
+    fn complete(&mut self, flow: FlowId, id: u64) -> f64 {
+        let Some(l) = self.live.remove(&id) else { return 0.0 };
+        let window = match self.predictor {
+            Predictor::None => 0,
+            Predictor::History { window } | Predictor::Oracle { window } => window,
+        };
+        if window > 0 {
+            let h = slot(&mut self.history, flow);
+            if h.len() == window {
+                h.pop_front();
+            }
+            h.push_back(l.nq.min(u32::MAX as u64) as u32);
+        }
+        if l.nq < l.predicted {
+            self.h.eval(l.np, l.nq as f64) - self.h.eval(l.np, l.predicted as f64)
+        } else {
+            0.0
+        }
+    }
+
+    fn hint(&mut self, id: u64, output_tokens: u32) {
+        if matches!(self.predictor, Predictor::Oracle { .. }) {
+            self.hints.insert(id, output_tokens);
+        }
+    }
+}
+
+/// Least-counter-first over backlogged flows, with the VTC counter lift when
+/// `lift` is on, a per-tenant weight dividing every charge, and pricing `C`.
+#[derive(Debug)]
+pub struct CounterPolicy<C> {
+    name: &'static str,
+    charge: C,
+    lift: bool,
+    weights: FlowWeights,
+    counters: Vec<f64>,
+    /// Backlogged flows keyed by (counter bits, head sequence): counters are
+    /// kept non-negative, so their bit patterns sort like the numbers.
+    backlog: BTreeSet<(u64, u64, FlowId)>,
+    key_of: Vec<Option<(u64, u64)>>,
+    last_left: Option<FlowId>,
+}
+
+impl Default for CounterPolicy<Linear> {
+    fn default() -> Self {
+        Self::new(VtcWeights::default())
+    }
+}
+
+impl CounterPolicy<Linear> {
+    /// A VTC (Algorithm 2) with all counters at zero.
+    pub fn new(weights: VtcWeights) -> Self {
+        Self::with_charge("vtc", Linear(weights), true)
+    }
+
+    /// Least Counter First: VTC without the counter lift (the seed's baseline).
+    pub fn lcf(weights: VtcWeights) -> Self {
+        Self::with_charge("lcf", Linear(weights), false)
+    }
+}
+
+impl<C: Charge> CounterPolicy<C> {
+    /// A counter policy named `name` pricing service with `charge`.
+    pub fn with_charge(name: &'static str, charge: C, lift: bool) -> Self {
+        CounterPolicy {
+            name,
+            charge,
+            lift,
+            weights: FlowWeights::default(),
+            counters: Vec::new(),
+            backlog: BTreeSet::new(),
+            key_of: Vec::new(),
+            last_left: None,
+        }
+    }
+
+    /// Per-tenant weights: a tenant of weight 2 is owed twice the service (§4.3).
+    pub fn with_weights(mut self, weights: FlowWeights) -> Self {
+        self.weights = weights;
+        self
+    }
+
+    /// The pricing, e.g. to inspect predictions.
+    pub fn charge(&self) -> &C {
+        &self.charge
+    }
+
+    /// Current counter of `flow`.
+    pub fn counter(&self, flow: FlowId) -> f64 {
+        self.counters.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
+    /// Restores a counter (from shared data after a scheduler takeover).
+    pub fn set_counter(&mut self, flow: FlowId, value: f64) {
+        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
+        self.update(flow, |c| *c = value);
+    }
+
+    fn min_backlogged(&self) -> Option<f64> {
+        self.backlog.first().map(|&(bits, _, _)| f64::from_bits(bits))
+    }
+
+    /// Adds `service / weight` to the counter, never going below zero.
+    fn add(&mut self, flow: FlowId, service: f64) {
+        if service == 0.0 || !service.is_finite() {
+            return;
+        }
+        let delta = service / self.weights.get(flow);
+        self.update(flow, |c| *c = (*c + delta).max(0.0));
+    }
+
+    /// Changes a counter and keeps the backlog index in step.
+    fn update(&mut self, flow: FlowId, f: impl FnOnce(&mut f64)) {
+        let c = slot(&mut self.counters, flow);
+        f(c);
+        let bits = c.to_bits();
+        if let Some(Some((old_bits, seq))) = self.key_of.get(flow as usize).copied() {
+            self.backlog.remove(&(old_bits, seq, flow));
+            self.backlog.insert((bits, seq, flow));
+            self.key_of[flow as usize] = Some((bits, seq));
+        }
+    }
+}
+
+impl<C: Charge> Allocation for CounterPolicy<C> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
+        let was = slot(&mut self.key_of, flow).take();
+        if let Some((bits, seq)) = was {
+            self.backlog.remove(&(bits, seq, flow));
+        }
+        match head {
+            None => {
+                if was.is_some() {
+                    self.last_left = Some(flow);
+                }
+            }
+            Some(seq) => {
+                if was.is_none() && self.lift {
+                    // Counter lift (Algorithm 2, lines 7-13).
+                    let floor = match self.min_backlogged() {
+                        Some(min) => min,
+                        None => self.last_left.map_or(0.0, |l| self.counter(l)),
+                    };
+                    let c = slot(&mut self.counters, flow);
+                    if *c < floor {
+                        *c = floor;
+                    }
+                }
+                let bits = slot(&mut self.counters, flow).to_bits();
+                self.key_of[flow as usize] = Some((bits, seq));
+                self.backlog.insert((bits, seq, flow));
+            }
+        }
+    }
+
+    fn next(&self) -> Option<FlowId> {
+        self.backlog.first().map(|&(_, _, f)| f)
+    }
+
+    fn on_dispatch(&mut self, req: &Request) {
+        let s = self.charge.dispatch(req);
+        self.add(req.flow, s);
+    }
+
+    fn on_output(&mut self, flow: FlowId, tokens: u32) {
+        let s = self.charge.output(flow, tokens);
+        self.add(flow, s);
+    }
+
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
+    }
+
+    fn on_output_for(&mut self, flow: FlowId, id: u64, tokens: u32) {
+        let s = self.charge.output_for(flow, id, tokens);
+        self.add(flow, s);
+    }
+
+    fn on_complete(&mut self, flow: FlowId, id: u64) {
+        let s = self.charge.complete(flow, id);
+        self.add(flow, s);
+    }
+
+    fn hint_output(&mut self, id: u64, output_tokens: u32) {
+        self.charge.hint(id, output_tokens);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::Vtc;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn req(id: u64, flow: FlowId, input: u32) -> Request {
+        Request { id, flow, input_tokens: input, max_output_tokens: 0, arrival_ms: 0 }
+    }
+
+    #[test]
+    fn lcf_does_not_lift_a_newcomer() {
+        let mut v = CounterPolicy::lcf(VtcWeights::default());
+        v.set_head(0, Some(0));
+        v.on_output(0, 50);
+        v.set_head(1, Some(1));
+        assert_eq!(v.counter(1), 0.0, "LCF keeps the newcomer's deficit");
+        assert_eq!(v.name(), "lcf");
+        // So the newcomer is served until it catches up with 100.
+        for _ in 0..9 {
+            assert_eq!(v.next(), Some(1));
+            v.on_output(1, 5);
+        }
+        assert_eq!(v.counter(1), 90.0);
+        assert_eq!(v.next(), Some(1));
+        v.on_output(1, 6);
+        assert_eq!(v.next(), Some(0));
+    }
+
+    #[test]
+    fn weighted_vtc_divides_charges_by_the_tenant_weight() {
+        let w = FlowWeights::new(1.0, [("gold".to_string(), 2.0)].into_iter().collect());
+        let mut v = Vtc::new(VtcWeights::default()).with_weights(w);
+        v.on_flow(0, "gold");
+        v.on_flow(1, "free");
+        v.set_head(0, Some(0));
+        v.set_head(1, Some(1));
+        v.on_output(0, 10);
+        v.on_output(1, 10);
+        assert_eq!(v.counter(0), 10.0);
+        assert_eq!(v.counter(1), 20.0);
+        // Serving both until a fixed total shows the 2:1 split.
+        let mut served = [0u32; 2];
+        for _ in 0..300 {
+            let f = v.next().unwrap();
+            served[f as usize] += 1;
+            v.on_output(f, 1);
+        }
+        // Gold starts 10 counter units behind, i.e. 10 tokens of its own.
+        assert!((served[0] as i64 - 2 * served[1] as i64 - 10).abs() <= 2, "served {served:?}");
+    }
+
+    #[test]
+    fn profiled_cost_is_the_seeds_quadratic() {
+        let h = CostFn::profiled();
+        assert!((h.eval(100.0, 0.0) - (210.0 + 11.46)).abs() < 1e-9);
+        assert!((h.eval(100.0, 10.0) - (210.0 + 10.0 + 40.0 + 3.2 + 11.46)).abs() < 1e-9);
+        assert!(CostFn { output_sq: -1.0, ..h }.validate("cost").unwrap_err().contains("cost.output_sq"));
+    }
+
+    #[test]
+    fn cost_vtc_charges_the_increment_of_h_per_request() {
+        let h = CostFn::profiled();
+        let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);
+        v.set_head(0, Some(0));
+        v.on_dispatch(&req(7, 0, 100));
+        let mut expect = h.eval(100.0, 0.0);
+        assert!((v.counter(0) - expect).abs() < 1e-9);
+        for nq in 1..=20 {
+            v.on_output_for(0, 7, 1);
+            expect += h.eval(100.0, nq as f64) - h.eval(100.0, (nq - 1) as f64);
+        }
+        assert!((v.counter(0) - h.eval(100.0, 20.0)).abs() < 1e-6);
+        assert!((v.counter(0) - expect).abs() < 1e-6);
+        // Chunks of tokens price the same as single tokens.
+        v.on_dispatch(&req(8, 0, 100));
+        v.on_output_for(0, 8, 20);
+        assert!((v.counter(0) - 2.0 * h.eval(100.0, 20.0)).abs() < 1e-6);
+        v.on_complete(0, 7);
+        v.on_complete(0, 8);
+        assert_eq!(v.charge().in_flight(), 0);
+    }
+
+    #[test]
+    fn prediction_charges_the_mean_of_the_last_five_and_corrects() {
+        let w = VtcWeights::default();
+        let mut v = CounterPolicy::with_charge("vtc-predict", Tracked::predict(w, 5), true);
+        // No history: nothing predicted, plain VTC.
+        v.on_dispatch(&req(1, 0, 10));
+        assert_eq!(v.counter(0), 10.0);
+        v.on_output_for(0, 1, 4);
+        v.on_complete(0, 1);
+        assert_eq!(v.counter(0), 18.0);
+        // Outputs 4, then 6 x 5 more, then 100: the window keeps the last five.
+        for (i, out) in [6u32, 6, 6, 6, 6, 100].iter().enumerate() {
+            let id = 10 + i as u64;
+            v.on_dispatch(&req(id, 0, 0));
+            v.on_output_for(0, id, *out);
+            v.on_complete(0, id);
+        }
+        // Last five: 6, 6, 6, 6, 100 -> mean 24 (integer).
+        let before = v.counter(0);
+        v.on_dispatch(&req(50, 0, 0));
+        assert_eq!(v.counter(0) - before, 48.0, "w_q x 24 charged at dispatch");
+        v.on_output_for(0, 50, 20);
+        assert_eq!(v.counter(0) - before, 48.0, "tokens under the prediction are already paid");
+        v.on_output_for(0, 50, 6);
+        assert_eq!(v.counter(0) - before, 52.0, "two tokens beyond it cost w_q each");
+        v.on_complete(0, 50);
+        assert_eq!(v.counter(0) - before, 52.0, "no refund when the prediction was exceeded");
+        v.on_dispatch(&req(51, 0, 0));
+        let mid = v.counter(0);
+        v.on_output_for(0, 51, 4);
+        v.on_complete(0, 51);
+        // Predicted mean of (6,6,6,100,26) = 28, generated 4: refund 2 x 24.
+        assert_eq!(mid - v.counter(0), 48.0);
+    }
+
+    #[test]
+    fn oracle_charges_the_true_length_up_front_and_never_corrects() {
+        let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
+        v.hint_output(3, 40);
+        v.on_dispatch(&req(3, 0, 10));
+        assert_eq!(v.counter(0), 90.0);
+        v.on_output_for(0, 3, 40);
+        v.on_complete(0, 3);
+        assert_eq!(v.counter(0), 90.0);
+    }
+
+    #[test]
+    fn output_for_an_unknown_request_falls_back_to_the_linear_part() {
+        let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(CostFn::profiled()), true);
+        v.on_output_for(2, 999, 10);
+        assert_eq!(v.counter(2), 10.0);
+        v.on_complete(2, 999);
+        assert_eq!(v.counter(2), 10.0);
+    }
+
+    #[test]
+    fn a_refund_never_drives_a_counter_negative() {
+        let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
+        v.hint_output(1, 50);
+        v.on_dispatch(&req(1, 0, 0));
+        v.set_counter(0, 10.0);
+        v.on_complete(0, 1);
+        assert_eq!(v.counter(0), 0.0);
+    }
+}

@@ -1,0 +1,290 @@
+//! Deficit round robin across flows (classes) with the black-box client
+//! scheduling seed's congestion-aware weights and work-conserving borrowing.
+//!
+//! Each backlogged flow, on its turn, receives a quantum
+//! `quantum · weight_f · (1 + boost_f · congestion)` of deficit and sends its
+//! head while the deficit covers the head's estimated cost (tokens). Under
+//! congestion (reported through [`Allocation::on_congestion`]) flows with a
+//! boost, typically the short/interactive class, get a larger share. When a flow
+//! empties, its unused deficit goes to a shared pool (capped at `borrow_cap`)
+//! from which a backlogged peer may borrow what its head lacks, so quota left
+//! by an idle class is not lost. The seed gives the rules in prose only; the
+//! pool and its cap are this implementation's reading of "borrowing".
+
+use super::{size_tokens, slot, Allocation, FlowWeights};
+use crate::{FlowId, Request};
+use std::collections::VecDeque;
+
+/// Deficit round robin with congestion-aware quanta and borrowing.
+#[derive(Debug)]
+pub struct Drr {
+    quantum: f64,
+    weights: FlowWeights,
+    boost: FlowWeights,
+    borrow_cap: f64,
+    default_output: u32,
+    congestion: f64,
+    /// Round-robin order; entries whose epoch is stale are skipped.
+    ring: VecDeque<(FlowId, u32)>,
+    member: Vec<Option<u32>>,
+    epochs: Vec<u32>,
+    cost: Vec<f64>,
+    deficit: Vec<f64>,
+    /// The flow at the front of `ring` has had its quantum for this turn.
+    granted: bool,
+    pool: f64,
+    current: Option<FlowId>,
+}
+
+impl Drr {
+    /// DRR with base `quantum` tokens, per-flow `weights`, per-flow congestion
+    /// `boost` (0 = none), and a borrow pool capped at `borrow_cap` tokens.
+    pub fn new(quantum: f64, weights: FlowWeights, boost: FlowWeights, borrow_cap: f64, default_output: u32) -> Self {
+        Drr {
+            quantum: if quantum.is_finite() && quantum > 0.0 { quantum } else { 1.0 },
+            weights,
+            boost,
+            borrow_cap: borrow_cap.max(0.0),
+            default_output,
+            congestion: 0.0,
+            ring: VecDeque::new(),
+            member: Vec::new(),
+            epochs: Vec::new(),
+            cost: Vec::new(),
+            deficit: Vec::new(),
+            granted: false,
+            pool: 0.0,
+            current: None,
+        }
+    }
+
+    /// Quantum `flow` receives per turn at the current congestion.
+    pub fn quantum_of(&self, flow: FlowId) -> f64 {
+        self.quantum * self.weights.get(flow) * (1.0 + self.boost.get(flow) * self.congestion)
+    }
+
+    /// Current deficit of `flow`.
+    pub fn deficit(&self, flow: FlowId) -> f64 {
+        self.deficit.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
+    /// Unused deficit left by flows that went idle, available to borrow.
+    pub fn pool(&self) -> f64 {
+        self.pool
+    }
+
+    fn valid(&self, flow: FlowId, epoch: u32) -> bool {
+        self.member.get(flow as usize).copied().flatten() == Some(epoch)
+    }
+
+    /// Runs the round robin until a flow's deficit covers its head.
+    fn select(&mut self) {
+        self.current = None;
+        let mut turns = 0usize;
+        while let Some(&(f, e)) = self.ring.front() {
+            if !self.valid(f, e) {
+                self.ring.pop_front();
+                self.granted = false;
+                continue;
+            }
+            let i = f as usize;
+            if !self.granted {
+                self.deficit[i] += self.quantum_of(f);
+                self.granted = true;
+            }
+            if self.deficit[i] >= self.cost[i] {
+                self.current = Some(f);
+                return;
+            }
+            let short = self.cost[i] - self.deficit[i];
+            if self.pool >= short {
+                self.pool -= short;
+                self.deficit[i] += short;
+                self.current = Some(f);
+                return;
+            }
+            self.ring.rotate_left(1);
+            self.granted = false;
+            turns += 1;
+            if turns > 2 * self.ring.len() {
+                self.fast_forward();
+                turns = 0;
+            }
+        }
+    }
+
+    /// Grants, at once, the rounds in which nobody could send (heads much larger
+    /// than quanta), so selection stays O(flows) instead of O(cost / quantum).
+    fn fast_forward(&mut self) {
+        let live: Vec<FlowId> =
+            self.ring.iter().filter(|&&(f, e)| self.valid(f, e)).map(|&(f, _)| f).collect();
+        let rounds = live
+            .iter()
+            .map(|&f| ((self.cost[f as usize] - self.deficit[f as usize]) / self.quantum_of(f)).ceil())
+            .fold(f64::INFINITY, f64::min);
+        let skip = rounds - 1.0;
+        if skip >= 1.0 && skip.is_finite() {
+            for f in live {
+                self.deficit[f as usize] += skip * self.quantum_of(f);
+            }
+        }
+    }
+
+    fn place(&mut self, flow: FlowId, head: Option<f64>) {
+        let i = flow as usize;
+        slot(&mut self.member, flow);
+        slot(&mut self.epochs, flow);
+        slot(&mut self.cost, flow);
+        slot(&mut self.deficit, flow);
+        match head {
+            Some(cost) => {
+                self.cost[i] = cost;
+                if self.member[i].is_none() {
+                    self.epochs[i] = self.epochs[i].wrapping_add(1);
+                    self.member[i] = Some(self.epochs[i]);
+                    self.deficit[i] = 0.0;
+                    self.ring.push_back((flow, self.epochs[i]));
+                }
+            }
+            None => {
+                if self.member[i].take().is_some() {
+                    self.pool = (self.pool + self.deficit[i].max(0.0)).min(self.borrow_cap);
+                    self.deficit[i] = 0.0;
+                }
+            }
+        }
+        if self.current.is_none() || self.current == Some(flow) {
+            self.select();
+        }
+    }
+}
+
+impl Allocation for Drr {
+    fn name(&self) -> &'static str {
+        "drr"
+    }
+
+    /// Without the request, the head is costed as one token.
+    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
+        self.place(flow, head.map(|_| 1.0));
+    }
+
+    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+        let cost = head.map(|(_, r)| size_tokens(r, self.default_output));
+        self.place(flow, cost);
+    }
+
+    fn next(&self) -> Option<FlowId> {
+        self.current
+    }
+
+    fn on_dispatch(&mut self, req: &Request) {
+        let cost = size_tokens(req, self.default_output);
+        *slot(&mut self.deficit, req.flow) -= cost;
+    }
+
+    fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
+
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
+        self.boost.on_flow(flow, name);
+    }
+
+    fn on_congestion(&mut self, level: f64) {
+        self.congestion = if level.is_finite() { level.clamp(0.0, 1.0) } else { 0.0 };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn req(flow: FlowId, input: u32) -> Request {
+        Request { id: 1, flow, input_tokens: input, max_output_tokens: 0, arrival_ms: 0 }
+    }
+
+    fn table(pairs: &[(&str, f64)], default: f64) -> FlowWeights {
+        FlowWeights::new(default, pairs.iter().map(|(n, w)| (n.to_string(), *w)).collect())
+    }
+
+    /// Serves `n` requests of fixed sizes from always-backlogged flows; returns tokens per flow.
+    fn serve(d: &mut Drr, sizes: &[u32], n: usize) -> Vec<u64> {
+        for (f, &s) in sizes.iter().enumerate() {
+            d.set_head_request(f as FlowId, Some((f as u64, &req(f as FlowId, s))));
+        }
+        let mut tokens = vec![0u64; sizes.len()];
+        for seq in 0..n as u64 {
+            let f = d.next().expect("backlogged");
+            let r = req(f, sizes[f as usize]);
+            d.on_dispatch(&r);
+            tokens[f as usize] += sizes[f as usize] as u64;
+            d.set_head_request(f, Some((100 + seq, &r)));
+        }
+        tokens
+    }
+
+    fn named(d: &mut Drr, names: &[&str]) {
+        for (i, n) in names.iter().enumerate() {
+            d.on_flow(i as FlowId, n);
+        }
+    }
+
+    #[test]
+    fn weights_set_the_token_share() {
+        let mut d = Drr::new(100.0, table(&[("a", 3.0)], 1.0), table(&[], 0.0), 0.0, 0);
+        named(&mut d, &["a", "b"]);
+        let t = serve(&mut d, &[50, 50], 400);
+        assert!((t[0] as f64 / t[1] as f64 - 3.0).abs() < 0.05, "tokens {t:?}");
+    }
+
+    #[test]
+    fn congestion_grows_the_boosted_flows_share() {
+        let mut d = Drr::new(100.0, table(&[], 1.0), table(&[("short", 1.0)], 0.0), 0.0, 0);
+        named(&mut d, &["short", "heavy"]);
+        let calm = serve(&mut d, &[50, 50], 400);
+        assert!((calm[0] as f64 / calm[1] as f64 - 1.0).abs() < 0.05, "calm {calm:?}");
+        let mut d = Drr::new(100.0, table(&[], 1.0), table(&[("short", 1.0)], 0.0), 0.0, 0);
+        named(&mut d, &["short", "heavy"]);
+        d.on_congestion(1.0);
+        let stressed = serve(&mut d, &[50, 50], 400);
+        assert!((stressed[0] as f64 / stressed[1] as f64 - 2.0).abs() < 0.05, "stressed {stressed:?}");
+    }
+
+    #[test]
+    fn heads_larger_than_the_quantum_are_served_in_proportion() {
+        let mut d = Drr::new(10.0, table(&[], 1.0), table(&[], 0.0), 0.0, 0);
+        let t = serve(&mut d, &[1000, 250], 200);
+        assert!((t[0] as f64 / t[1] as f64 - 1.0).abs() < 0.05, "tokens {t:?}");
+    }
+
+    #[test]
+    fn an_idle_flows_leftover_deficit_is_borrowed() {
+        // a (weight 3: quantum 300) sends 100 and leaves with 200 unused; then b
+        // (head 250, quantum 100) is at the front of the ring, before c (head 100).
+        let run = |cap: f64| {
+            let mut d = Drr::new(100.0, table(&[("a", 3.0)], 1.0), table(&[], 0.0), cap, 0);
+            named(&mut d, &["a", "b", "c"]);
+            d.set_head_request(0, Some((0, &req(0, 100))));
+            d.set_head_request(1, Some((1, &req(1, 250))));
+            d.set_head_request(2, Some((2, &req(2, 100))));
+            assert_eq!(d.next(), Some(0));
+            d.on_dispatch(&req(0, 100));
+            d.set_head_request(0, None);
+            (d.next(), d.pool())
+        };
+        assert_eq!(run(0.0), (Some(2), 0.0), "without a pool b lacks 150 and c goes first");
+        assert_eq!(run(1000.0), (Some(1), 50.0), "b borrows 150 of the 200 a left");
+    }
+
+    #[test]
+    fn the_pool_is_capped_and_an_empty_ring_selects_nothing() {
+        let mut d = Drr::new(500.0, table(&[], 1.0), table(&[], 0.0), 100.0, 0);
+        d.set_head_request(0, Some((0, &req(0, 10))));
+        d.on_dispatch(&req(0, 10));
+        d.set_head_request(0, None);
+        assert_eq!(d.pool(), 100.0);
+        assert_eq!(d.next(), None);
+    }
+}

@@ -1,0 +1,1 @@
+//! Criticality bands (filled in next).

@@ -1,0 +1,1 @@
+//! Overload ladder (filled in next).

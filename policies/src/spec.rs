@@ -1,0 +1,1 @@
+//! Policy specs (filled in next).
