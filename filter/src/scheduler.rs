@@ -92,10 +92,19 @@ impl Scheduler {
             ToScheduler::Cancel { req } => {
                 self.queue.remove(req);
             }
-            ToScheduler::Charge { tokens, tenant, .. } => {
-                if tokens > 0 {
-                    let flow = self.queue.flow_id(&tenant);
-                    self.queue.policy_mut().on_output(flow, tokens);
+            ToScheduler::Charge { input_tokens, output_tokens, tenant, .. } => {
+                if input_tokens == 0 && output_tokens == 0 {
+                    return;
+                }
+                let flow = self.queue.flow_id(&tenant);
+                let policy = self.queue.policy_mut();
+                if input_tokens > 0 {
+                    // A request that bypassed the queue: charged as if dispatched from it.
+                    let r = Request { id: u64::MAX, flow, input_tokens, max_output_tokens: 0, arrival_ms: 0 };
+                    policy.on_dispatch(&r);
+                }
+                if output_tokens > 0 {
+                    policy.on_output(flow, output_tokens);
                 }
             }
         }
@@ -235,7 +244,7 @@ mod tests {
         let c = cfg("vtc", "");
         let mut old = Scheduler::new(&c);
         let mut out = Vec::new();
-        old.on_message(ToScheduler::Charge { tokens: 500, done: false, tenant: "a".into() }, &mut out);
+        old.on_message(ToScheduler::Charge { input_tokens: 0, output_tokens: 500, done: false, tenant: "a".into() }, &mut out);
         let order = |s: &mut Scheduler| {
             let mut out = Vec::new();
             s.on_message(enqueue(0, 1, "b", 0), &mut out);
@@ -250,5 +259,18 @@ mod tests {
         let mut new = Scheduler::new(&c);
         new.restore(&old.snapshot().unwrap());
         assert_eq!(order(&mut new), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn bypassed_requests_are_charged_their_input() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        // "a" sent 1000 prompt tokens past the queue; "b" nothing.
+        s.on_message(ToScheduler::Charge { input_tokens: 1000, output_tokens: 0, done: false, tenant: "a".into() }, &mut out);
+        s.on_message(enqueue(0, 1, "b", 0), &mut out);
+        s.on_message(enqueue(0, 2, "b", 1), &mut out);
+        s.on_message(enqueue(0, 3, "a", 2), &mut out);
+        s.pump(&mut || Some(0), &mut out);
+        assert_eq!(dispatched(&out), vec![1, 2, 3]);
     }
 }

@@ -215,6 +215,13 @@ impl Vm {
                 self.publish_stock(stock);
                 self.metrics.inc(self.metrics.bypassed);
                 self.metrics.inc(self.metrics.dispatched);
+                let charge = ToScheduler::Charge {
+                    input_tokens: req.prompt_tokens,
+                    output_tokens: 0,
+                    done: false,
+                    tenant: tenant.clone(),
+                };
+                self.send_to_scheduler(&charge);
                 self.streams.insert(ctx, Stream::Dispatched { tenant, endpoint });
                 return Admission::Bypass(endpoint);
             }
@@ -226,13 +233,13 @@ impl Vm {
             input_tokens: req.prompt_tokens,
             max_tokens: req.max_tokens,
             arrival_ms,
-            tenant,
+            tenant: tenant.clone(),
         };
         if !self.send_to_scheduler(&msg) {
             return Admission::NoScheduler;
         }
-        let ToScheduler::Enqueue { tenant, input_tokens, max_tokens, .. } = msg else { unreachable!() };
         self.metrics.inc(self.metrics.queued);
+        let (input_tokens, max_tokens) = (req.prompt_tokens, req.max_tokens);
         self.streams.insert(ctx, Stream::Queued { tenant, input_tokens, max_tokens, arrival_ms, epoch: self.epoch });
         Admission::Queued
     }
@@ -248,7 +255,12 @@ impl Vm {
                 let stock = shared::release(&HostStore, self.endpoints(), endpoint);
                 self.publish_stock(stock);
                 self.metrics.inc(self.metrics.completed);
-                self.send_to_scheduler(&ToScheduler::Charge { tokens: uncharged_tokens, done: true, tenant });
+                self.send_to_scheduler(&ToScheduler::Charge {
+                    input_tokens: 0,
+                    output_tokens: uncharged_tokens,
+                    done: true,
+                    tenant,
+                });
             }
             Some(Stream::Queued { .. }) => {
                 self.metrics.inc(self.metrics.cancelled_in_queue);
@@ -261,7 +273,7 @@ impl Vm {
 
     fn charge(&mut self, ctx: u32, tokens: u32) {
         if let Some(Stream::Dispatched { tenant, .. }) = self.streams.get(&ctx) {
-            let msg = ToScheduler::Charge { tokens, done: false, tenant: tenant.clone() };
+            let msg = ToScheduler::Charge { input_tokens: 0, output_tokens: tokens, done: false, tenant: tenant.clone() };
             self.send_to_scheduler(&msg);
         }
     }
@@ -401,7 +413,8 @@ impl Vm {
             // give the slot back and let the scheduler use it.
             let stock = shared::release(&HostStore, self.endpoints(), endpoint);
             self.publish_stock(stock);
-            self.send_to_scheduler(&ToScheduler::Charge { tokens: 0, done: true, tenant: String::new() });
+            let wake = ToScheduler::Charge { input_tokens: 0, output_tokens: 0, done: true, tenant: String::new() };
+            self.send_to_scheduler(&wake);
         }
     }
 

@@ -9,9 +9,10 @@ pub enum ToScheduler {
     Enqueue { worker: u32, req: u64, input_tokens: u32, max_tokens: u32, arrival_ms: u64, tenant: String },
     /// The client went away while the request was queued.
     Cancel { req: u64 },
-    /// `tokens` more output tokens were generated for `tenant`; `done` means a
+    /// Service for `tenant`: a request that bypassed the queue was sent with
+    /// `input_tokens`, or `output_tokens` more were generated; `done` means a
     /// dispatched request finished and released its stock.
-    Charge { tokens: u32, done: bool, tenant: String },
+    Charge { input_tokens: u32, output_tokens: u32, done: bool, tenant: String },
 }
 
 /// The scheduler tells a worker.
@@ -63,9 +64,10 @@ impl ToScheduler {
                 b.push(2);
                 b.extend_from_slice(&req.to_le_bytes());
             }
-            ToScheduler::Charge { tokens, done, tenant } => {
+            ToScheduler::Charge { input_tokens, output_tokens, done, tenant } => {
                 b.push(3);
-                b.extend_from_slice(&tokens.to_le_bytes());
+                b.extend_from_slice(&input_tokens.to_le_bytes());
+                b.extend_from_slice(&output_tokens.to_le_bytes());
                 b.push(*done as u8);
                 b.extend_from_slice(tenant.as_bytes());
             }
@@ -89,7 +91,12 @@ impl ToScheduler {
                 let req = r.u64()?;
                 r.0.is_empty().then_some(ToScheduler::Cancel { req })
             }
-            3 => Some(ToScheduler::Charge { tokens: r.u32()?, done: r.u8()? != 0, tenant: r.rest_str()? }),
+            3 => Some(ToScheduler::Charge {
+                input_tokens: r.u32()?,
+                output_tokens: r.u32()?,
+                done: r.u8()? != 0,
+                tenant: r.rest_str()?,
+            }),
             _ => None,
         }
     }
@@ -142,7 +149,7 @@ mod tests {
                 tenant: "tenant-ä".into(),
             },
             ToScheduler::Cancel { req: 42 },
-            ToScheduler::Charge { tokens: 5, done: true, tenant: String::new() },
+            ToScheduler::Charge { input_tokens: 7, output_tokens: 5, done: true, tenant: String::new() },
         ];
         for m in to_sched {
             assert_eq!(ToScheduler::decode(&m.encode()), Some(m));
