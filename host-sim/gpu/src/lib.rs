@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod model;
 pub mod openai;
 pub mod profile;
+pub mod replay;
 pub mod server;
 
 pub use model::{GenRequest, GpuEvent, GpuEventKind, GpuMetrics, GpuModel, SubmitError};
