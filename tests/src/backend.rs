@@ -14,7 +14,7 @@ pub struct BackendOptions {
     pub count: usize,
     /// GPU profile name (`--profile`); `None` keeps the binary's default.
     pub profile: Option<String>,
-    /// `--time-scale`: wall seconds per simulated second (below 1 runs faster than real GPUs).
+    /// `--time-scale`: simulated seconds per wall second (10 runs the GPU model 10 times faster).
     pub time_scale: Option<f64>,
     /// `--instant`: answer at once (bypass benchmark).
     pub instant: bool,

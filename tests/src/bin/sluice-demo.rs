@@ -21,8 +21,8 @@ struct Args {
     /// GPU profile of the backends (see sluice-backend --help).
     #[arg(long, default_value = "llama2-7b-a10g")]
     profile: String,
-    /// Backend time scale (wall seconds per simulated second; below 1 is faster).
-    #[arg(long, default_value_t = 0.25)]
+    /// Backend time scale (simulated seconds per wall second; above 1 is faster than the real GPU).
+    #[arg(long, default_value_t = 4.0)]
     time_scale: f64,
     /// Seconds of load per policy.
     #[arg(long, default_value_t = 25.0)]
