@@ -1,1 +1,358 @@
-//! Criticality bands (filled in next).
+//! Criticality bands: Critical > Standard > Sheddable, strict priority between
+//! bands and an allocation policy (with its own state) inside each band, as in
+//! the queuing design's "cascading" dequeue.
+//!
+//! When the queue is full, a request may take the place of the newest request
+//! of the lowest band below its own (sheddable first, then standard); critical
+//! requests are never evicted. `critical_reserve` slots of the total capacity
+//! are kept for critical requests: other bands start evicting or being refused
+//! before the queue is completely full.
+
+use crate::alloc::Allocation;
+use crate::order::RequestMeta;
+use crate::queue::{FairQueue, QueueLimits};
+use crate::{FlowId, RejectReason, Request};
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+
+/// Value of the reason header for a request evicted to make room.
+pub const EVICTED_REASON: &str = "evicted";
+
+/// Priority band of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Criticality {
+    /// Served first, never evicted.
+    Critical,
+    /// The default band.
+    #[serde(alias = "default")]
+    Standard,
+    /// Served last, evicted first.
+    Sheddable,
+}
+
+impl Criticality {
+    /// All bands, highest first.
+    pub const ALL: [Criticality; 3] = [Criticality::Critical, Criticality::Standard, Criticality::Sheddable];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Parses `critical`, `standard` (or `default`), `sheddable`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "critical" => Some(Criticality::Critical),
+            "standard" | "default" => Some(Criticality::Standard),
+            "sheddable" => Some(Criticality::Sheddable),
+            _ => None,
+        }
+    }
+
+    /// The configuration name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Criticality::Critical => "critical",
+            Criticality::Standard => "standard",
+            Criticality::Sheddable => "sheddable",
+        }
+    }
+}
+
+/// Capacities of a banded queue.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BandLimits {
+    /// Most requests queued across all bands.
+    pub total_capacity: usize,
+    /// Most requests queued in one flow within one band.
+    pub flow_capacity: usize,
+    /// Longest time a request may wait, in milliseconds.
+    pub ttl_ms: u64,
+    /// Slots of `total_capacity` only critical requests may fill.
+    pub critical_reserve: usize,
+}
+
+impl Default for BandLimits {
+    fn default() -> Self {
+        let q = QueueLimits::default();
+        BandLimits { total_capacity: q.total_capacity, flow_capacity: q.flow_capacity, ttl_ms: q.ttl_ms, critical_reserve: q.flow_capacity }
+    }
+}
+
+impl BandLimits {
+    /// Capacities must be positive and the reserve smaller than the total.
+    pub fn validate(&self, field: &str) -> Result<(), String> {
+        if self.total_capacity == 0 {
+            return Err(format!("{field}.total_capacity must be positive"));
+        }
+        if self.flow_capacity == 0 {
+            return Err(format!("{field}.flow_capacity must be positive"));
+        }
+        if self.critical_reserve >= self.total_capacity {
+            return Err(format!(
+                "{field}.critical_reserve ({}) must be smaller than total_capacity ({})",
+                self.critical_reserve, self.total_capacity
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Three [`FairQueue`]s, one per band, under one capacity.
+pub struct BandedQueue<A> {
+    limits: BandLimits,
+    bands: [FairQueue<A>; 3],
+    /// Band and push order of each queued request.
+    where_is: HashMap<u64, (Criticality, u64)>,
+    /// Push order per band, to find the newest.
+    order: [BTreeSet<(u64, u64)>; 3],
+    next_order: u64,
+}
+
+impl<A: Allocation> BandedQueue<A> {
+    /// An empty queue; `make` builds each band's allocation policy.
+    pub fn new(limits: BandLimits, mut make: impl FnMut(Criticality) -> A) -> Self {
+        Self::with_queues(limits, |band, inner| FairQueue::new(inner, make(band)))
+    }
+
+    /// An empty queue whose bands are built by `make` from the inner limits
+    /// (e.g. to give them an ordering with [`FairQueue::with_order`]).
+    pub fn with_queues(limits: BandLimits, mut make: impl FnMut(Criticality, QueueLimits) -> FairQueue<A>) -> Self {
+        let inner = QueueLimits { total_capacity: usize::MAX, flow_capacity: limits.flow_capacity, ttl_ms: limits.ttl_ms };
+        BandedQueue {
+            limits,
+            bands: Criticality::ALL.map(|b| make(b, inner)),
+            where_is: HashMap::new(),
+            order: Default::default(),
+            next_order: 0,
+        }
+    }
+
+    /// The dense id of a flow name, the same in every band.
+    pub fn flow_id(&mut self, name: &str) -> FlowId {
+        let [a, b, c] = &mut self.bands;
+        let id = a.flow_id(name);
+        let (ib, ic) = (b.flow_id(name), c.flow_id(name));
+        debug_assert!(id == ib && id == ic, "bands allocate flow ids in step");
+        id
+    }
+
+    /// The name a flow id was allocated for.
+    pub fn flow_name(&self, flow: FlowId) -> &str {
+        self.bands[0].flow_name(flow)
+    }
+
+    /// Requests queued in all bands.
+    pub fn len(&self) -> usize {
+        self.where_is.len()
+    }
+
+    /// True when nothing is queued.
+    pub fn is_empty(&self) -> bool {
+        self.where_is.is_empty()
+    }
+
+    /// Requests queued in one band.
+    pub fn band_len(&self, band: Criticality) -> usize {
+        self.bands[band.index()].len()
+    }
+
+    /// One band's queue (its policy holds that band's fairness state).
+    pub fn band(&self, band: Criticality) -> &FairQueue<A> {
+        &self.bands[band.index()]
+    }
+
+    /// One band's queue, mutably (to charge output to its policy).
+    pub fn band_mut(&mut self, band: Criticality) -> &mut FairQueue<A> {
+        &mut self.bands[band.index()]
+    }
+
+    /// The band request `id` is queued in.
+    pub fn band_of(&self, id: u64) -> Option<Criticality> {
+        self.where_is.get(&id).map(|&(b, _)| b)
+    }
+
+    /// Queues `req` in `band`. `Ok(Some(victim))` means `victim` was evicted to
+    /// make room: answer it with 429 and reason [`EVICTED_REASON`].
+    pub fn push(&mut self, band: Criticality, req: Request) -> Result<Option<Request>, RejectReason> {
+        self.push_with(band, req, RequestMeta::default())
+    }
+
+    /// [`BandedQueue::push`] with a deadline and length prediction.
+    pub fn push_with(&mut self, band: Criticality, req: Request, meta: RequestMeta) -> Result<Option<Request>, RejectReason> {
+        let q = &self.bands[band.index()];
+        if q.flow_len(req.flow) >= self.limits.flow_capacity {
+            return Err(RejectReason::FlowFull);
+        }
+        let room = match band {
+            Criticality::Critical => self.limits.total_capacity,
+            _ => self.limits.total_capacity.saturating_sub(self.limits.critical_reserve),
+        };
+        let mut evicted = None;
+        if self.len() >= room {
+            let victim = Criticality::ALL
+                .iter()
+                .rev()
+                .filter(|&&b| b > band && b != Criticality::Critical)
+                .find_map(|&b| self.order[b.index()].last().map(|&(_, id)| id));
+            match victim {
+                Some(id) => evicted = self.remove(id),
+                None => return Err(RejectReason::QueueFull),
+            }
+        }
+        let id = req.id;
+        self.bands[band.index()].push_with(req, meta)?;
+        let order = self.next_order;
+        self.next_order += 1;
+        self.where_is.insert(id, (band, order));
+        self.order[band.index()].insert((order, id));
+        Ok(evicted)
+    }
+
+    fn forget(&mut self, id: u64) {
+        if let Some((band, order)) = self.where_is.remove(&id) {
+            self.order[band.index()].remove(&(order, id));
+        }
+    }
+
+    /// Takes the next request of the highest band that can dispatch one.
+    pub fn pop(&mut self) -> Option<(Criticality, Request)> {
+        for band in Criticality::ALL {
+            if let Some(r) = self.bands[band.index()].pop() {
+                self.forget(r.id);
+                return Some((band, r));
+            }
+        }
+        None
+    }
+
+    /// The request [`BandedQueue::pop`] would take now.
+    pub fn peek(&self) -> Option<(Criticality, &Request)> {
+        Criticality::ALL.into_iter().find_map(|b| self.bands[b.index()].peek().map(|r| (b, r)))
+    }
+
+    /// Takes a request out wherever it stands.
+    pub fn remove(&mut self, id: u64) -> Option<Request> {
+        let (band, _) = *self.where_is.get(&id)?;
+        let r = self.bands[band.index()].remove(id);
+        self.forget(id);
+        r
+    }
+
+    /// Takes out one request that waited longer than the TTL at `now_ms`, if any.
+    pub fn pop_expired(&mut self, now_ms: u64) -> Option<Request> {
+        for band in Criticality::ALL {
+            if let Some(r) = self.bands[band.index()].pop_expired(now_ms) {
+                self.forget(r.id);
+                return Some(r);
+            }
+        }
+        None
+    }
+
+    /// Moves every band's clock.
+    pub fn advance(&mut self, now_ms: u64) {
+        for q in &mut self.bands {
+            q.advance(now_ms);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::{Fcfs, Vtc, VtcWeights};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+    use Criticality::*;
+
+    fn r(id: u64, flow: FlowId) -> Request {
+        Request { id, flow, input_tokens: 10, max_output_tokens: 10, arrival_ms: id }
+    }
+
+    fn limits(total: usize, reserve: usize) -> BandLimits {
+        BandLimits { total_capacity: total, flow_capacity: 100, ttl_ms: 1000, critical_reserve: reserve }
+    }
+
+    #[test]
+    fn strict_priority_between_bands() {
+        let mut q = BandedQueue::new(BandLimits::default(), |_| Fcfs::default());
+        let a = q.flow_id("a");
+        q.push(Sheddable, r(1, a)).unwrap();
+        q.push(Standard, r(2, a)).unwrap();
+        q.push(Critical, r(3, a)).unwrap();
+        q.push(Standard, r(4, a)).unwrap();
+        let got: Vec<_> = std::iter::from_fn(|| q.pop().map(|(b, r)| (b, r.id))).collect();
+        assert_eq!(got, vec![(Critical, 3), (Standard, 2), (Standard, 4), (Sheddable, 1)]);
+    }
+
+    #[test]
+    fn full_queue_evicts_the_newest_of_the_lowest_band_and_never_critical() {
+        let mut q = BandedQueue::new(limits(4, 0), |_| Fcfs::default());
+        let a = q.flow_id("a");
+        q.push(Sheddable, r(1, a)).unwrap();
+        q.push(Sheddable, r(2, a)).unwrap();
+        q.push(Standard, r(3, a)).unwrap();
+        q.push(Critical, r(4, a)).unwrap();
+        // Full: a standard request evicts the newest sheddable (2), not the oldest.
+        assert_eq!(q.push(Standard, r(5, a)).unwrap().map(|r| r.id), Some(2));
+        // A sheddable request finds nothing lower to evict.
+        assert_eq!(q.push(Sheddable, r(6, a)), Err(RejectReason::QueueFull));
+        // Critical requests evict sheddable first, then the newest standard.
+        assert_eq!(q.push(Critical, r(7, a)).unwrap().map(|r| r.id), Some(1));
+        assert_eq!(q.push(Critical, r(8, a)).unwrap().map(|r| r.id), Some(5));
+        assert_eq!(q.push(Critical, r(9, a)).unwrap().map(|r| r.id), Some(3));
+        // Only critical left: nothing can be evicted.
+        assert_eq!(q.push(Critical, r(10, a)), Err(RejectReason::QueueFull));
+        assert_eq!(q.band_len(Critical), 4);
+        assert_eq!(q.len(), 4);
+    }
+
+    #[test]
+    fn the_critical_reserve_is_kept_for_critical_requests() {
+        let mut q = BandedQueue::new(limits(4, 2), |_| Fcfs::default());
+        let a = q.flow_id("a");
+        q.push(Standard, r(1, a)).unwrap();
+        q.push(Standard, r(2, a)).unwrap();
+        assert_eq!(q.push(Standard, r(3, a)), Err(RejectReason::QueueFull), "2 slots reserved");
+        assert_eq!(q.push(Critical, r(4, a)), Ok(None));
+        assert_eq!(q.push(Critical, r(5, a)), Ok(None));
+        assert_eq!(q.len(), 4);
+    }
+
+    #[test]
+    fn flow_capacity_is_per_band_and_fairness_holds_inside_a_band() {
+        let mut q = BandedQueue::new(BandLimits { flow_capacity: 3, ..limits(100, 0) }, |_| Vtc::new(VtcWeights::default()));
+        let flood = q.flow_id("flood");
+        let modest = q.flow_id("modest");
+        for id in 0..3 {
+            q.push(Standard, r(id, flood)).unwrap();
+        }
+        assert_eq!(q.push(Standard, r(3, flood)), Err(RejectReason::FlowFull));
+        q.push(Critical, r(4, flood)).unwrap();
+        q.push(Standard, r(5, modest)).unwrap();
+        assert_eq!(q.pop().map(|(b, r)| (b, r.id)), Some((Critical, 4)));
+        let next: Vec<u64> = (0..2).map(|_| q.pop().unwrap().1.id).collect();
+        assert!(next.contains(&5), "VTC inside the standard band serves the modest flow early: {next:?}");
+    }
+
+    #[test]
+    fn removal_and_expiry_forget_the_request() {
+        let mut q = BandedQueue::new(limits(10, 0), |_| Fcfs::default());
+        let a = q.flow_id("a");
+        let b = q.flow_id("b");
+        assert_eq!(q.flow_name(b), "b");
+        q.push(Sheddable, r(1, a)).unwrap();
+        q.push(Critical, r(2, b)).unwrap();
+        assert_eq!(q.band_of(1), Some(Sheddable));
+        assert_eq!(q.remove(1).map(|r| r.id), Some(1));
+        assert_eq!(q.band_of(1), None);
+        assert_eq!(q.pop_expired(1002).map(|r| r.id), None);
+        assert_eq!(q.pop_expired(1003).map(|r| r.id), Some(2));
+        assert!(q.is_empty());
+        assert_eq!(Criticality::parse("Default"), Some(Standard));
+        assert_eq!(Criticality::parse("urgent"), None);
+    }
+}
