@@ -14,7 +14,9 @@ pub mod alloc;
 pub mod bands;
 pub mod order;
 pub mod overload;
+pub mod prom;
 pub mod queue;
+pub mod routing;
 pub mod spec;
 
 /// Dense index of a tenant or flow, handed out by [`queue::FairQueue::flow_id`].
