@@ -181,6 +181,8 @@ impl EnvoyConfig {
             "admin:\n  address:\n    socket_address: {{ address: 127.0.0.1, port_value: {} }}\n",
             self.admin_port
         ));
+        // Histograms (sluice_queue_wait_ms) reach /stats only at a flush; the default is every 5 s.
+        out.push_str("stats_flush_interval: 1s\n");
         out.push_str("static_resources:\n  listeners:\n");
         let mut filters = String::new();
         if let Some(f) = &self.filter {

@@ -60,10 +60,11 @@ impl Stats {
 
     /// A one-line summary of all `sluice_` samples, for messages.
     pub fn sluice_summary(&self) -> String {
-        self.matching("sluice_")
-            .into_iter()
-            .filter(|(k, _)| !k.contains("_bucket"))
-            .map(|(k, v)| format!("{}={v}", k.trim_start_matches("envoy_wasmcustom_")))
+        self.samples
+            .iter()
+            .map(|(k, v)| (k.trim_start_matches("envoy_wasmcustom_").trim_end_matches("{}"), v))
+            .filter(|(k, _)| k.starts_with("sluice_") && !k.contains("_bucket"))
+            .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(" ")
     }

@@ -104,7 +104,7 @@ async fn every_request_gets_exactly_one_response() -> anyhow::Result<()> {
     let _g = serial();
     let overrides = json!({
         "lower_bound_per_backend": 1, "upper_bound_per_backend": 1,
-        "flow_capacity": 6, "total_capacity": 12, "queue_ttl_ms": 1500
+        "flow_capacity": 6, "total_capacity": 12, "queue_ttl_ms": 350
     });
     // Four workers: requests held by different workers share one queue and one stock.
     let rig = rig("exactly-once", backends(2, 0.2), "vtc", overrides, 4).await?;
@@ -129,7 +129,14 @@ async fn every_request_gets_exactly_one_response() -> anyhow::Result<()> {
             _ => assert_outcome_reject(o, &["rejected-ttl-expired"]),
         }
     }
-    let s = wait_idle(&rig.envoy).await?;
+    wait_idle(&rig.envoy).await?;
+    // Queue waits are histogram samples, visible after Envoy's next stats flush.
+    let s = rig
+        .envoy
+        .wait_stats("queue-wait samples for every queued dispatch", Duration::from_secs(5), |s| {
+            s.value("sluice_queue_wait_ms_count") == s.value("sluice_requests_dispatched") - s.value("sluice_requests_bypassed")
+        })
+        .await?;
     let v = |k: &str| s.value(k);
     let summary = s.sluice_summary();
     eprintln!("outcomes {hist}; stats {summary}");
