@@ -283,6 +283,9 @@ impl<A: Allocation> FairQueue<A> {
 mod tests {
     use super::*;
     use crate::alloc::{Fcfs, Vtc, VtcWeights};
+    use crate::order::{Edf, FeasibleSet};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn r(id: u64, flow: FlowId, t: u64) -> Request {
         Request { id, flow, input_tokens: 10, max_output_tokens: 10, arrival_ms: t }
@@ -344,5 +347,59 @@ mod tests {
         assert_eq!(q.pop().map(|r| r.id), Some(3));
         assert!(q.is_empty());
         assert_eq!(q.pop(), None);
+    }
+
+    fn due(ms: u64) -> RequestMeta {
+        RequestMeta { deadline_ms: Some(ms), predicted_output: None }
+    }
+
+    #[test]
+    fn edf_inside_a_flow_reorders_and_reports_the_new_head() {
+        let mut q = FairQueue::with_order(QueueLimits::default(), Fcfs::default(), Box::new(Edf));
+        let a = q.flow_id("a");
+        let b = q.flow_id("b");
+        q.push_with(r(1, a, 0), due(900)).unwrap();
+        q.push_with(r(2, b, 1), due(500)).unwrap();
+        // A later request of flow a with an earlier deadline becomes a's head;
+        // FCFS across flows now sees a's head as the newest, so b goes first.
+        q.push_with(r(3, a, 2), due(100)).unwrap();
+        assert_eq!(q.flow_requests(a).map(|r| r.id).collect::<Vec<_>>(), vec![3, 1]);
+        assert_eq!(q.peek().map(|r| r.id), Some(2));
+        let order: Vec<u64> = std::iter::from_fn(|| q.pop().map(|r| r.id)).collect();
+        assert_eq!(order, vec![2, 3, 1]);
+    }
+
+    #[test]
+    fn a_dynamic_order_is_re_ranked_when_the_clock_advances() {
+        let f = FeasibleSet { w_size: 0.0, w_urgency: 10.0, ..FeasibleSet::default() };
+        let mut q = FairQueue::with_order(QueueLimits::default(), Fcfs::default(), Box::new(f));
+        let a = q.flow_id("a");
+        q.advance(0);
+        // Same size; the second has a deadline far away, so at t=0 neither is urgent
+        // and the older one (equal wait 0: arrival order) leads.
+        q.push_with(r(1, a, 0), RequestMeta::default()).unwrap();
+        q.push_with(r(2, a, 0), due(20_000)).unwrap();
+        assert_eq!(q.peek().map(|r| r.id), Some(1));
+        // At t=19 s the deadline is 1 s away: urgency 0.9 x 10 outweighs nothing else.
+        q.advance(19_000);
+        assert_eq!(q.peek().map(|r| r.id), Some(2));
+        assert_eq!(q.pop().map(|r| r.id), Some(2));
+        assert_eq!(q.pop().map(|r| r.id), Some(1));
+    }
+
+    #[test]
+    fn flow_names_reach_the_policy() {
+        let spec = r#"{"policy":"wfq","flow_weights":{"heavy":4}}"#;
+        let p = serde_json::from_str::<crate::spec::PolicySpec>(spec).unwrap().build().unwrap();
+        let mut q = FairQueue::new(QueueLimits::default(), p);
+        let heavy = q.flow_id("heavy");
+        let light = q.flow_id("light");
+        for id in 0..40 {
+            q.push(r(id, heavy, id)).unwrap();
+            q.push(r(100 + id, light, id)).unwrap();
+        }
+        let first: Vec<FlowId> = (0..20).map(|_| q.pop().unwrap().flow).collect();
+        let h = first.iter().filter(|&&f| f == heavy).count();
+        assert_eq!(h, 16, "weight 4 against 1: 4 of every 5 dispatches, got {first:?}");
     }
 }
