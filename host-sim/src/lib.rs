@@ -1,1 +1,18 @@
-//! Simulated GPU model servers and a wasmtime host of the proxy-wasm ABI.
+//! sluice host-sim: a deterministic wasmtime host of the proxy-wasm ABI v0.2.1 that runs the
+//! production filter `.wasm` in virtual time, plus a discrete-event simulator that drives it
+//! with simulated clients and GPU backends.
+//!
+//! Layers, bottom up: [`abi`] (wire formats), [`host`] (VMs and host functions, Envoy
+//! semantics), [`engine`] (virtual clock, streams, upstreams, records).
+
+pub mod abi;
+pub mod engine;
+pub mod host;
+mod hostcalls;
+pub mod state;
+pub mod upstream;
+
+pub use host::{Host, PluginSpec, Trap, MAIN_VM};
+pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
+pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+pub use upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};

@@ -1,0 +1,854 @@
+//! The discrete-event engine: a virtual clock, simulated clients, an Envoy model (streams
+//! assigned to workers round-robin, filter callbacks in Envoy's order, deferred actions,
+//! ORIGINAL_DST routing by `x-gateway-destination-endpoint`), and upstream endpoints.
+//!
+//! There are no sleeps and no wall-clock reads: a run is a pure function of its inputs, and
+//! events at the same virtual time run in the order they were scheduled.
+
+use crate::abi::{self, action, HeaderMap, LogLevel};
+use crate::host::{Host, PluginSpec, Trap};
+use crate::state::{Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
+use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+
+/// Gateway settings outside the plugin.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// Request header the filter sets to choose the endpoint (ORIGINAL_DST `http_header_name`).
+    pub route_header: String,
+    /// Bytes per request body chunk delivered to the filter (Envoy reads in slices).
+    pub body_chunk_bytes: usize,
+    /// Virtual time between request body chunks, µs.
+    pub body_chunk_gap_us: u64,
+    /// Round-trip time of a `dispatch_http_call`, µs.
+    pub call_latency_us: u64,
+    /// Events after this virtual time are not run; streams still open are reported unfinished.
+    pub horizon_us: Option<u64>,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            route_header: "x-gateway-destination-endpoint".into(),
+            body_chunk_bytes: 16384,
+            body_chunk_gap_us: 0,
+            call_latency_us: 500,
+            horizon_us: None,
+        }
+    }
+}
+
+/// One client request to replay.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ClientRequest {
+    /// Identifier (reported back in the record).
+    pub id: u64,
+    /// Client / tenant name (reporting only; the header that carries it is in `headers`).
+    pub client: String,
+    /// Arrival time, µs.
+    pub arrival_us: u64,
+    /// Request headers, pseudo-headers included.
+    #[serde(skip)]
+    pub headers: HeaderMap,
+    /// Request body.
+    #[serde(skip)]
+    pub body: Vec<u8>,
+    /// Request trailers, if any.
+    #[serde(skip)]
+    pub trailers: Option<HeaderMap>,
+    /// Prompt tokens (reporting; the backend derives its own from the body).
+    pub prompt_tokens: u32,
+    /// Output tokens asked for.
+    pub output_tokens: u32,
+    /// The client gives up (resets the stream) this long after arrival if not complete, µs.
+    pub cancel_after_us: Option<u64>,
+    /// Prompt prefix-block hashes (for the prefix cache).
+    #[serde(skip)]
+    pub prefix_hashes: Vec<u64>,
+}
+
+impl ClientRequest {
+    /// A streaming OpenAI chat request of `prompt_tokens` tokens (4 bytes each) asking for
+    /// exactly `output_tokens` tokens, with usage in the last chunk.
+    pub fn chat(id: u64, arrival_us: u64, tenant_header: &str, client: &str, model: &str, prompt_tokens: u32, output_tokens: u32) -> ClientRequest {
+        let content = "tok ".repeat(prompt_tokens.max(1) as usize);
+        let body = serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": output_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let body = serde_json::to_vec(&body).expect("json");
+        let headers = vec![
+            (":method".to_string(), b"POST".to_vec()),
+            (":path".to_string(), b"/v1/chat/completions".to_vec()),
+            (":authority".to_string(), b"gateway".to_vec()),
+            (":scheme".to_string(), b"http".to_vec()),
+            ("content-type".to_string(), b"application/json".to_vec()),
+            ("content-length".to_string(), body.len().to_string().into_bytes()),
+            ("x-request-id".to_string(), format!("req-{id}").into_bytes()),
+            (tenant_header.to_ascii_lowercase(), client.as_bytes().to_vec()),
+        ];
+        ClientRequest {
+            id,
+            client: client.to_string(),
+            arrival_us,
+            headers,
+            body,
+            trailers: None,
+            prompt_tokens,
+            output_tokens,
+            cancel_after_us: None,
+            prefix_hashes: Vec::new(),
+        }
+    }
+}
+
+/// What happened to one request, as the client saw it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RequestRecord {
+    /// Request id.
+    pub id: u64,
+    /// Client / tenant.
+    pub client: String,
+    /// Worker VM that handled it.
+    pub worker: usize,
+    /// Arrival, µs.
+    pub arrival_us: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Output tokens asked for.
+    pub output_tokens: u32,
+    /// HTTP status the client got (0 = stream reset before any response).
+    pub status: u16,
+    /// `ok`, `upstream_error`, `local_reply`, `trap`, `no_route`, `client_cancel`,
+    /// `upstream_reset`, `filter_reset` or `unfinished`.
+    pub outcome: &'static str,
+    /// Reject reason: the `x-llm-d-request-dropped-reason` header of a local reply, else its
+    /// details, else a host explanation.
+    pub reason: Option<String>,
+    /// Endpoint the request went to.
+    pub endpoint: Option<String>,
+    /// When the gateway sent it upstream, µs.
+    pub dispatched_us: Option<u64>,
+    /// When the client received the first output token, µs.
+    pub first_token_us: Option<u64>,
+    /// When the client received the last output token, µs.
+    pub last_token_us: Option<u64>,
+    /// When the response ended, µs.
+    pub end_us: Option<u64>,
+    /// Output tokens received.
+    pub tokens_received: u32,
+    /// Response body bytes received.
+    pub bytes_received: u64,
+    /// Times the backend preempted it.
+    pub preemptions: u32,
+}
+
+impl RequestRecord {
+    /// Time to first token, ms.
+    pub fn ttft_ms(&self) -> Option<f64> {
+        self.first_token_us.map(|t| (t - self.arrival_us) as f64 / 1000.0)
+    }
+
+    /// Time per output token after the first, ms.
+    pub fn tpot_ms(&self) -> Option<f64> {
+        match (self.first_token_us, self.last_token_us) {
+            (Some(a), Some(b)) if self.tokens_received > 1 => Some((b - a) as f64 / 1000.0 / (self.tokens_received - 1) as f64),
+            _ => None,
+        }
+    }
+
+    /// Arrival to end of response, ms.
+    pub fn e2e_ms(&self) -> Option<f64> {
+        self.end_us.map(|t| (t - self.arrival_us) as f64 / 1000.0)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Ev {
+    Arrive(usize),
+    ReqChunk(usize),
+    Tick(usize, u64),
+    Queue(QueuePost),
+    CallDone(u32),
+    Wake(usize),
+    Cancel(usize),
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Scheduled {
+    at: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl Ord for Scheduled {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+struct Stream {
+    req: ClientRequest,
+    vm: usize,
+    ctx: u32,
+    chunks: VecDeque<Vec<u8>>,
+    req_eos: bool,
+    req_paused: bool,
+    forwarded: Vec<u8>,
+    upstream: Option<usize>,
+    got_resp_headers: bool,
+    resp_paused: bool,
+    resp_headers_sent: bool,
+    resp_eos: bool,
+    resp_tokens_buffered: u32,
+    done: bool,
+    rec: RequestRecord,
+}
+
+struct UpstreamSlot {
+    addr: String,
+    up: Box<dyn Upstream>,
+    scheduled: Option<u64>,
+}
+
+/// The simulator: a host, upstreams, clients, and the event queue.
+pub struct Sim {
+    host: Host,
+    cfg: GatewayConfig,
+    now: u64,
+    seq: u64,
+    heap: BinaryHeap<Reverse<Scheduled>>,
+    streams: Vec<Stream>,
+    by_ctx: BTreeMap<(usize, u32), usize>,
+    upstreams: Vec<UpstreamSlot>,
+    by_addr: BTreeMap<String, usize>,
+    calls: BTreeMap<u32, (HttpCallOut, Option<(HeaderMap, Vec<u8>, HeaderMap)>)>,
+    ticks: Vec<(u32, u64)>,
+    workers: usize,
+    rr: usize,
+    open: usize,
+    events_run: u64,
+}
+
+const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
+
+impl Sim {
+    /// Loads the plugin (see [`Host::new`]) and prepares an empty simulation.
+    pub fn new(wasm: &[u8], plugin: &PluginSpec, cfg: GatewayConfig) -> anyhow::Result<Sim> {
+        let host = Host::new(wasm, plugin)?;
+        let n = host.vm_count();
+        let mut sim = Sim {
+            host,
+            cfg,
+            now: 0,
+            seq: 0,
+            heap: BinaryHeap::new(),
+            streams: Vec::new(),
+            by_ctx: BTreeMap::new(),
+            upstreams: Vec::new(),
+            by_addr: BTreeMap::new(),
+            calls: BTreeMap::new(),
+            ticks: vec![(0, 0); n],
+            workers: plugin.workers.max(1),
+            rr: 0,
+            open: 0,
+            events_run: 0,
+        };
+        // Start-up calls may have set tick periods, registered queues or enqueued messages.
+        for vm in 0..n {
+            sim.after_call(vm);
+        }
+        Ok(sim)
+    }
+
+    /// Adds an upstream endpoint reachable as `addr` (`ip:port`).
+    pub fn add_upstream(&mut self, addr: &str, up: Box<dyn Upstream>) {
+        self.by_addr.insert(addr.to_string(), self.upstreams.len());
+        self.upstreams.push(UpstreamSlot { addr: addr.to_string(), up, scheduled: None });
+    }
+
+    /// Declares a cluster for `dispatch_http_call`.
+    pub fn add_cluster(&mut self, name: &str, cluster: Cluster) {
+        self.host.add_cluster(name, cluster);
+    }
+
+    /// Schedules a client request.
+    pub fn add_request(&mut self, req: ClientRequest) {
+        let i = self.streams.len();
+        let at = req.arrival_us;
+        let cancel = req.cancel_after_us.map(|d| at + d);
+        let rec = RequestRecord {
+            id: req.id,
+            client: req.client.clone(),
+            worker: 0,
+            arrival_us: at,
+            prompt_tokens: req.prompt_tokens,
+            output_tokens: req.output_tokens,
+            status: 0,
+            outcome: "unfinished",
+            reason: None,
+            endpoint: None,
+            dispatched_us: None,
+            first_token_us: None,
+            last_token_us: None,
+            end_us: None,
+            tokens_received: 0,
+            bytes_received: 0,
+            preemptions: 0,
+        };
+        self.streams.push(Stream {
+            req,
+            vm: 0,
+            ctx: 0,
+            chunks: VecDeque::new(),
+            req_eos: false,
+            req_paused: false,
+            forwarded: Vec::new(),
+            upstream: None,
+            got_resp_headers: false,
+            resp_paused: false,
+            resp_headers_sent: false,
+            resp_eos: false,
+            resp_tokens_buffered: 0,
+            done: false,
+            rec,
+        });
+        self.open += 1;
+        self.push(at, Ev::Arrive(i));
+        if let Some(t) = cancel {
+            self.push(t, Ev::Cancel(i));
+        }
+    }
+
+    /// The host, for logs, metrics, shared data and traps.
+    pub fn host(&self) -> &Host {
+        &self.host
+    }
+
+    /// Mutable host access (properties, clusters).
+    pub fn host_mut(&mut self) -> &mut Host {
+        &mut self.host
+    }
+
+    /// An upstream by address.
+    pub fn upstream(&self, addr: &str) -> Option<&dyn Upstream> {
+        self.by_addr.get(addr).map(|&i| self.upstreams[i].up.as_ref())
+    }
+
+    /// Records of all requests added so far, in the order they were added.
+    pub fn records(&self) -> Vec<RequestRecord> {
+        self.streams.iter().map(|s| s.rec.clone()).collect()
+    }
+
+    /// The virtual clock, µs.
+    pub fn now_us(&self) -> u64 {
+        self.now
+    }
+
+    /// Number of events processed so far.
+    pub fn events_run(&self) -> u64 {
+        self.events_run
+    }
+
+    fn push(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.heap.push(Reverse(Scheduled { at: at.max(self.now), seq: self.seq, ev }));
+    }
+
+    /// Runs until every request has ended (ticks alone do not keep the run going) or the
+    /// horizon is reached. Returns the records.
+    pub fn run(&mut self) -> Vec<RequestRecord> {
+        self.run_until(u64::MAX);
+        self.records()
+    }
+
+    /// Runs events up to virtual time `t` (inclusive), or until all requests have ended.
+    pub fn run_until(&mut self, t: u64) {
+        let horizon = self.cfg.horizon_us.unwrap_or(u64::MAX).min(t);
+        while self.open > 0 {
+            let Some(Reverse(s)) = self.heap.peek() else { break };
+            if s.at > horizon {
+                break;
+            }
+            let Reverse(s) = self.heap.pop().expect("peeked");
+            self.now = s.at;
+            self.host.set_now_us(self.now);
+            self.events_run += 1;
+            self.dispatch(s.ev);
+        }
+        if horizon < u64::MAX && self.now < horizon && self.open > 0 {
+            self.now = horizon;
+            self.host.set_now_us(horizon);
+        }
+    }
+
+    /// Runs events (ticks included) up to virtual time `t` even when no request is open.
+    pub fn run_idle_until(&mut self, t: u64) {
+        while let Some(Reverse(s)) = self.heap.peek() {
+            if s.at > t {
+                break;
+            }
+            let Reverse(s) = self.heap.pop().expect("peeked");
+            self.now = s.at;
+            self.host.set_now_us(self.now);
+            self.events_run += 1;
+            self.dispatch(s.ev);
+        }
+        self.now = self.now.max(t);
+        self.host.set_now_us(self.now);
+    }
+
+    fn dispatch(&mut self, ev: Ev) {
+        match ev {
+            Ev::Arrive(i) => self.arrive(i),
+            Ev::ReqChunk(i) => self.req_chunk(i),
+            Ev::Tick(vm, gen) => self.tick(vm, gen),
+            Ev::Queue(post) => {
+                let vm = post.vm;
+                if let Err(t) = self.host.on_queue_ready(&post) {
+                    self.root_trap(t);
+                }
+                self.after_call(vm);
+            }
+            Ev::CallDone(token) => self.call_done(token),
+            Ev::Wake(u) => self.wake(u),
+            Ev::Cancel(i) => {
+                if !self.streams[i].done {
+                    self.abort_upstream(i);
+                    let s = &mut self.streams[i];
+                    s.rec.outcome = "client_cancel";
+                    s.rec.reason.get_or_insert_with(|| "client gave up".into());
+                    self.end_stream(i);
+                }
+            }
+        }
+    }
+
+    fn root_trap(&mut self, t: Trap) {
+        // A trap on a stream's behalf (effective context) fails that stream; root callbacks only
+        // get recorded (the host already logged the trap with its backtrace).
+        if let Some(&i) = self.by_ctx.get(&(t.vm, t.context_id)) {
+            self.fail(i, t);
+        }
+    }
+
+    /// Runs a stream callback; on a trap, fails the stream with a 500 and returns `None`.
+    fn stream_call(&mut self, i: usize, f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>) -> Option<i32> {
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        let r = f(&mut self.host, vm, ctx);
+        match r {
+            // The caller records the returned action, then runs `after_call`: a deferred
+            // continue must see the pause it lifts.
+            Ok(a) => Some(a),
+            Err(t) => {
+                self.after_call(vm);
+                self.fail(i, t);
+                None
+            }
+        }
+    }
+
+    fn fail(&mut self, i: usize, t: Trap) {
+        if self.streams[i].done {
+            return;
+        }
+        let msg = format!("wasm trap in {}", t.callback);
+        self.local_reply(i, 500, "trap", Some(msg), b"{\"error\":{\"message\":\"filter failure\",\"type\":\"server_error\",\"code\":500}}".to_vec());
+    }
+
+    fn arrive(&mut self, i: usize) {
+        let vm = 1 + self.rr % self.workers;
+        self.rr += 1;
+        let req = &self.streams[i].req;
+        let data = StreamData { request_headers: req.headers.clone(), ..Default::default() };
+        let mut chunks: VecDeque<Vec<u8>> = req.body.chunks(self.cfg.body_chunk_bytes.max(1)).map(|c| c.to_vec()).collect();
+        let has_trailers = req.trailers.is_some();
+        let ctx = match self.host.create_http_context(vm, data) {
+            Ok(ctx) => ctx,
+            Err(t) => {
+                let s = &mut self.streams[i];
+                s.vm = vm;
+                s.done = true;
+                s.rec.worker = vm;
+                s.rec.status = 500;
+                s.rec.outcome = "trap";
+                s.rec.reason = Some(format!("wasm trap in {}", t.callback));
+                s.rec.end_us = Some(self.now);
+                self.open -= 1;
+                return;
+            }
+        };
+        {
+            let s = &mut self.streams[i];
+            s.vm = vm;
+            s.ctx = ctx;
+            s.rec.worker = vm;
+        }
+        self.by_ctx.insert((vm, ctx), i);
+        let eos = chunks.is_empty() && !has_trailers;
+        let n = chunks.len();
+        self.streams[i].chunks = std::mem::take(&mut chunks);
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_headers(vm, ctx, eos)) else { return };
+        self.streams[i].req_paused = a == action::PAUSE;
+        if eos {
+            self.streams[i].req_eos = true;
+        }
+        self.after_call(vm);
+        self.req_flush(i);
+        let gap = self.cfg.body_chunk_gap_us;
+        for k in 0..(n + has_trailers as usize) {
+            self.push(self.now + gap * k as u64, Ev::ReqChunk(i));
+        }
+    }
+
+    fn req_chunk(&mut self, i: usize) {
+        if self.streams[i].done {
+            return;
+        }
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        let a = if let Some(chunk) = self.streams[i].chunks.pop_front() {
+            let eos = self.streams[i].chunks.is_empty() && self.streams[i].req.trailers.is_none();
+            if let Some(sd) = self.host.stream_mut(vm, ctx) {
+                sd.request_body.extend_from_slice(&chunk);
+            }
+            let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_body(vm, ctx, eos)) else { return };
+            self.streams[i].req_eos |= eos;
+            a
+        } else {
+            let tr = self.streams[i].req.trailers.clone();
+            if let Some(sd) = self.host.stream_mut(vm, ctx) {
+                sd.request_trailers = tr;
+            }
+            let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_trailers(vm, ctx)) else { return };
+            self.streams[i].req_eos = true;
+            a
+        };
+        // As in Envoy's filter manager, a data callback returning Continue also ends a stop
+        // in the headers.
+        self.streams[i].req_paused = a == action::PAUSE;
+        self.after_call(vm);
+        self.req_flush(i);
+    }
+
+    /// Passes what the filter released upstream; starts the upstream request at end of stream.
+    fn req_flush(&mut self, i: usize) {
+        let s = &self.streams[i];
+        if s.done || s.req_paused || s.upstream.is_some() {
+            return;
+        }
+        let (vm, ctx) = (s.vm, s.ctx);
+        let Some(sd) = self.host.stream_mut(vm, ctx) else { return };
+        let body = std::mem::take(&mut sd.request_body);
+        self.streams[i].forwarded.extend_from_slice(&body);
+        if !self.streams[i].req_eos {
+            return;
+        }
+        let headers = self.host.stream_mut(vm, ctx).map(|sd| sd.request_headers.clone()).unwrap_or_default();
+        let dest = abi::header_str(&headers, &self.cfg.route_header).map(str::to_string);
+        let Some(u) = dest.as_ref().and_then(|d| self.by_addr.get(d)).copied() else {
+            let why = match dest {
+                None => format!("no {} header: ORIGINAL_DST has no host", self.cfg.route_header),
+                Some(d) => format!("endpoint {d} is not a known upstream"),
+            };
+            self.host.host_log(vm, ctx, LogLevel::Warn, format!("request {}: {why}", self.streams[i].req.id));
+            self.local_reply(i, 503, "no_route", Some(why), b"no healthy upstream".to_vec());
+            return;
+        };
+        let addr = self.upstreams[u].addr.clone();
+        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            sd.properties.insert("upstream.address".into(), addr.clone().into_bytes());
+        }
+        let s = &mut self.streams[i];
+        s.upstream = Some(u);
+        s.rec.endpoint = Some(addr);
+        s.rec.dispatched_us = Some(self.now);
+        let req = UpstreamRequest { headers, body: std::mem::take(&mut s.forwarded), prefix_hashes: s.req.prefix_hashes.clone() };
+        let evs = self.upstreams[u].up.submit(self.now, i as u64, req);
+        for ev in evs {
+            self.upstream_event(ev);
+        }
+        self.schedule_wake(u);
+    }
+
+    fn schedule_wake(&mut self, u: usize) {
+        if let Some(t) = self.upstreams[u].up.next_event_us() {
+            let t = t.max(self.now);
+            if self.upstreams[u].scheduled.is_none_or(|s| t < s) {
+                self.upstreams[u].scheduled = Some(t);
+                self.push(t, Ev::Wake(u));
+            }
+        }
+    }
+
+    fn wake(&mut self, u: usize) {
+        if self.upstreams[u].scheduled != Some(self.now) {
+            return;
+        }
+        self.upstreams[u].scheduled = None;
+        let evs = self.upstreams[u].up.advance(self.now);
+        for ev in evs {
+            self.upstream_event(ev);
+        }
+        self.schedule_wake(u);
+    }
+
+    fn upstream_event(&mut self, ev: UpstreamEvent) {
+        match ev {
+            UpstreamEvent::Headers { id, headers, eos } => {
+                let i = id as usize;
+                if self.streams[i].done {
+                    return;
+                }
+                if self.streams[i].got_resp_headers {
+                    self.resp_trailers(i, headers);
+                } else {
+                    self.resp_headers(i, headers, eos);
+                }
+            }
+            UpstreamEvent::Body { id, data, tokens, eos } => {
+                let i = id as usize;
+                if !self.streams[i].done {
+                    self.resp_body(i, data, tokens, eos);
+                }
+            }
+            UpstreamEvent::Reset { id } => {
+                let i = id as usize;
+                if self.streams[i].done {
+                    return;
+                }
+                self.streams[i].upstream = None;
+                if !self.streams[i].got_resp_headers {
+                    // Envoy's router answers 503 itself; the reply passes the filter's encode path.
+                    let body = b"upstream connect error or disconnect/reset before headers. reset reason: remote reset".to_vec();
+                    self.streams[i].rec.outcome = "upstream_reset";
+                    self.resp_headers(i, vec![(":status".into(), b"503".to_vec()), ("content-type".into(), b"text/plain".to_vec())], false);
+                    if !self.streams[i].done {
+                        self.resp_body(i, body, 0, true);
+                    }
+                } else {
+                    self.streams[i].rec.outcome = "upstream_reset";
+                    self.streams[i].rec.reason = Some("upstream reset after response headers".into());
+                    self.end_stream(i);
+                }
+            }
+            UpstreamEvent::Preempted { id } => {
+                self.streams[id as usize].rec.preemptions += 1;
+            }
+        }
+    }
+
+    fn resp_headers(&mut self, i: usize, headers: HeaderMap, eos: bool) {
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        self.streams[i].got_resp_headers = true;
+        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            sd.response_headers = Some(headers);
+        }
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_headers(vm, ctx, eos)) else { return };
+        self.streams[i].resp_eos = eos;
+        self.streams[i].resp_paused = a == action::PAUSE;
+        self.after_call(vm);
+        self.resp_flush(i);
+    }
+
+    fn resp_body(&mut self, i: usize, data: Vec<u8>, tokens: u32, eos: bool) {
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            sd.response_body.extend_from_slice(&data);
+        }
+        self.streams[i].resp_tokens_buffered += tokens;
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_body(vm, ctx, eos)) else { return };
+        self.streams[i].resp_eos = eos;
+        self.streams[i].resp_paused = a == action::PAUSE;
+        self.after_call(vm);
+        self.resp_flush(i);
+    }
+
+    fn resp_trailers(&mut self, i: usize, trailers: HeaderMap) {
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            sd.response_trailers = Some(trailers);
+        }
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_trailers(vm, ctx)) else { return };
+        self.streams[i].resp_eos = true;
+        self.streams[i].resp_paused = a == action::PAUSE;
+        self.after_call(vm);
+        self.resp_flush(i);
+    }
+
+    /// Delivers to the client what the filter released.
+    fn resp_flush(&mut self, i: usize) {
+        if self.streams[i].done || self.streams[i].resp_paused || !self.streams[i].got_resp_headers {
+            return;
+        }
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        let Some(sd) = self.host.stream_mut(vm, ctx) else { return };
+        let body = std::mem::take(&mut sd.response_body);
+        let status = sd.response_headers.as_ref().and_then(|h| abi::header_str(h, ":status")).and_then(|v| v.parse::<u16>().ok()).unwrap_or(0);
+        let now = self.now;
+        let s = &mut self.streams[i];
+        if !s.resp_headers_sent {
+            s.resp_headers_sent = true;
+            s.rec.status = status;
+        }
+        s.rec.bytes_received += body.len() as u64;
+        if s.resp_tokens_buffered > 0 {
+            s.rec.tokens_received += s.resp_tokens_buffered;
+            s.resp_tokens_buffered = 0;
+            s.rec.first_token_us.get_or_insert(now);
+            s.rec.last_token_us = Some(now);
+        }
+        if s.resp_eos {
+            if s.rec.outcome == "unfinished" {
+                s.rec.outcome = if (200..300).contains(&s.rec.status) { "ok" } else { "upstream_error" };
+            }
+            s.upstream = None;
+            self.end_stream(i);
+        }
+    }
+
+    /// Answers the client directly (filter local reply, trap, no route).
+    fn local_reply(&mut self, i: usize, status: u16, outcome: &'static str, reason: Option<String>, body: Vec<u8>) {
+        if self.streams[i].done {
+            return;
+        }
+        self.abort_upstream(i);
+        let s = &mut self.streams[i];
+        s.rec.status = status;
+        s.rec.outcome = outcome;
+        s.rec.reason = reason;
+        s.rec.bytes_received += body.len() as u64;
+        self.end_stream(i);
+    }
+
+    fn abort_upstream(&mut self, i: usize) {
+        if let Some(u) = self.streams[i].upstream.take() {
+            self.upstreams[u].up.abort(self.now, i as u64);
+            self.schedule_wake(u);
+        }
+    }
+
+    fn end_stream(&mut self, i: usize) {
+        if self.streams[i].done {
+            return;
+        }
+        let s = &mut self.streams[i];
+        s.done = true;
+        s.rec.end_us = Some(self.now);
+        self.open -= 1;
+        let (vm, ctx) = (s.vm, s.ctx);
+        // on_done / on_log / on_delete; a trap there cannot change the client's outcome.
+        let _ = self.host.finish_stream(vm, ctx);
+        self.by_ctx.remove(&(vm, ctx));
+        self.after_call(vm);
+    }
+
+    fn apply(&mut self, i: usize, a: StreamAction) {
+        if self.streams[i].done {
+            return;
+        }
+        match a {
+            StreamAction::ContinueRequest => {
+                self.streams[i].req_paused = false;
+                self.req_flush(i);
+            }
+            StreamAction::ContinueResponse => {
+                self.streams[i].resp_paused = false;
+                self.resp_flush(i);
+            }
+            StreamAction::Reset => {
+                self.abort_upstream(i);
+                self.streams[i].rec.outcome = "filter_reset";
+                self.end_stream(i);
+            }
+            StreamAction::LocalReply { status, details, headers, body } => {
+                let reason = abi::header_str(&headers, DROPPED_REASON)
+                    .map(str::to_string)
+                    .or_else(|| (!details.is_empty()).then_some(details));
+                self.local_reply(i, status, "local_reply", reason, body);
+            }
+        }
+    }
+
+    /// Applies what the last call(s) on `vm` asked for: deferred stream actions, queue posts,
+    /// http calls, tick period changes.
+    fn after_call(&mut self, vm: usize) {
+        loop {
+            let acts = self.host.take_actions(vm);
+            if acts.is_empty() {
+                break;
+            }
+            for (ctx, a) in acts {
+                if let Some(&i) = self.by_ctx.get(&(vm, ctx)) {
+                    self.apply(i, a);
+                }
+            }
+        }
+        for post in self.host.take_queue_posts() {
+            self.push(self.now, Ev::Queue(post));
+        }
+        for call in self.host.take_http_calls() {
+            self.start_call(call);
+        }
+        let p = self.host.tick_period_ms(vm);
+        if p != self.ticks[vm].0 {
+            self.ticks[vm].0 = p;
+            self.ticks[vm].1 += 1;
+            if p >= 1 {
+                let gen = self.ticks[vm].1;
+                self.push(self.now + p as u64 * 1000, Ev::Tick(vm, gen));
+            }
+        }
+    }
+
+    fn tick(&mut self, vm: usize, gen: u64) {
+        if self.ticks[vm].1 != gen {
+            return;
+        }
+        if let Err(t) = self.host.on_tick(vm) {
+            self.root_trap(t);
+        }
+        self.after_call(vm);
+        if self.ticks[vm].1 == gen && self.ticks[vm].0 >= 1 {
+            self.push(self.now + self.ticks[vm].0 as u64 * 1000, Ev::Tick(vm, gen));
+        }
+    }
+
+    fn start_call(&mut self, call: HttpCallOut) {
+        let resp = match call.endpoint.as_ref().and_then(|e| self.by_addr.get(e)) {
+            Some(&u) => {
+                let (h, b) = self.upstreams[u].up.handle_call(self.now, &call.headers, &call.body);
+                Some((h, b, Vec::new()))
+            }
+            // Envoy's async client reports "no healthy upstream" as a 503 response.
+            None => Some((vec![(":status".into(), b"503".to_vec())], b"no healthy upstream".to_vec(), Vec::new())),
+        };
+        let latency = self.cfg.call_latency_us;
+        let (at, resp) = if call.timeout_ms > 0 && latency > call.timeout_ms as u64 * 1000 {
+            (self.now + call.timeout_ms as u64 * 1000, None)
+        } else {
+            (self.now + latency, resp)
+        };
+        let token = call.token;
+        self.calls.insert(token, (call, resp));
+        self.push(at, Ev::CallDone(token));
+    }
+
+    fn call_done(&mut self, token: u32) {
+        let Some((call, resp)) = self.calls.remove(&token) else { return };
+        let vm = call.vm;
+        if let Err(t) = self.host.on_http_call_response(&call, resp) {
+            self.root_trap(t);
+        }
+        self.after_call(vm);
+    }
+}
