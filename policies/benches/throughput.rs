@@ -59,13 +59,11 @@ fn run(spec: &str, order: Box<dyn FlowOrder>, iterations: u64) -> f64 {
         q.push(make(id, flows[(id % TENANTS as u64) as usize])).unwrap();
     }
     let start = Instant::now();
-    let mut id = QUEUED;
-    for _ in 0..iterations {
+    for id in QUEUED..QUEUED + iterations {
         let r = q.pop().expect("queue stays full");
         q.policy_mut().on_output_for(r.flow, r.id, 64);
         q.policy_mut().on_complete(r.flow, r.id);
         q.push(make(id, r.flow)).unwrap();
-        id += 1;
     }
     let secs = start.elapsed().as_secs_f64();
     assert_eq!(q.len() as u64, QUEUED);
