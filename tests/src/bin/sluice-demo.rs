@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 #[command(about = "Two tenants through Envoy + sluice: fcfs vs vtc, side by side")]
 struct Args {
     /// Number of simulated backends.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     backends: usize,
     /// GPU profile of the backends (see sluice-backend --help).
     #[arg(long, default_value = "llama2-7b-a10g")]
@@ -25,10 +25,10 @@ struct Args {
     #[arg(long, default_value_t = 4.0)]
     time_scale: f64,
     /// Seconds of load per policy.
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long, default_value_t = 20.0)]
     duration: f64,
     /// Requests per second of the flooding tenant.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = 25.0)]
     flood_rate: f64,
     /// Requests per second of the modest tenant.
     #[arg(long, default_value_t = 1.0)]
