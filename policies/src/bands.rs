@@ -175,13 +175,16 @@ impl<A: Allocation> BandedQueue<A> {
     }
 
     /// Queues `req` in `band`. `Ok(Some(victim))` means `victim` was evicted to
-    /// make room: answer it with 429 and reason [`EVICTED_REASON`].
+    /// make room: answer it with 429 and reason [`EVICTED_REASON`]. As with
+    /// [`FairQueue::push`], the flow must come from [`BandedQueue::flow_id`] and
+    /// the id must not be queued already.
     pub fn push(&mut self, band: Criticality, req: Request) -> Result<Option<Request>, RejectReason> {
         self.push_with(band, req, RequestMeta::default())
     }
 
     /// [`BandedQueue::push`] with a deadline and length prediction.
     pub fn push_with(&mut self, band: Criticality, req: Request, meta: RequestMeta) -> Result<Option<Request>, RejectReason> {
+        assert!(!self.where_is.contains_key(&req.id), "request id {} is already queued", req.id);
         let q = &self.bands[band.index()];
         if q.flow_len(req.flow) >= self.limits.flow_capacity {
             return Err(RejectReason::FlowFull);

@@ -60,7 +60,13 @@ impl Drr {
 
     /// Quantum `flow` receives per turn at the current congestion.
     pub fn quantum_of(&self, flow: FlowId) -> f64 {
-        self.quantum * self.weights.get(flow) * (1.0 + self.boost.get(flow) * self.congestion)
+        let q = self.quantum * self.weights.get(flow) * (1.0 + self.boost.get(flow) * self.congestion);
+        // Unvalidated weights (0, NaN) must not stall the round robin.
+        if q.is_finite() && q >= 1e-3 {
+            q
+        } else {
+            1e-3
+        }
     }
 
     /// Current deficit of `flow`.
@@ -276,6 +282,14 @@ mod tests {
         };
         assert_eq!(run(0.0), (Some(2), 0.0), "without a pool b lacks 150 and c goes first");
         assert_eq!(run(1000.0), (Some(1), 50.0), "b borrows 150 of the 200 a left");
+    }
+
+    #[test]
+    fn a_zero_weight_cannot_stall_selection() {
+        let mut d = Drr::new(100.0, table(&[("z", 0.0)], 1.0), table(&[], 0.0), 0.0, 0);
+        d.on_flow(0, "z");
+        d.set_head_request(0, Some((0, &req(0, 5000))));
+        assert_eq!(d.next(), Some(0));
     }
 
     #[test]
