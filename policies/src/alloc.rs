@@ -72,6 +72,14 @@ pub trait Allocation {
     fn is_work_conserving(&self) -> bool {
         true
     }
+    /// The service counter of `flow`, for policies that keep one (the VTC
+    /// family), so it can be saved to shared data through a `dyn Allocation`.
+    fn counter_of(&self, _flow: FlowId) -> Option<f64> {
+        None
+    }
+    /// Restores a counter saved with [`Allocation::counter_of`] (after a
+    /// scheduler takeover); ignored by policies without counters.
+    fn restore_counter(&mut self, _flow: FlowId, _value: f64) {}
 }
 
 impl<A: Allocation + ?Sized> Allocation for Box<A> {
@@ -113,6 +121,12 @@ impl<A: Allocation + ?Sized> Allocation for Box<A> {
     }
     fn is_work_conserving(&self) -> bool {
         (**self).is_work_conserving()
+    }
+    fn counter_of(&self, flow: FlowId) -> Option<f64> {
+        (**self).counter_of(flow)
+    }
+    fn restore_counter(&mut self, flow: FlowId, value: f64) {
+        (**self).restore_counter(flow, value)
     }
 }
 
@@ -341,6 +355,17 @@ mod tests {
         assert_eq!(b.next(), None, "limit of 1 per minute reached");
         b.advance(60_000);
         assert_eq!(b.next(), Some(0), "advance reached the policy through the box");
+    }
+
+    #[test]
+    fn counters_can_be_saved_and_restored_through_a_box() {
+        let mut b: Box<dyn Allocation> = Box::new(Vtc::new(VtcWeights::default()));
+        b.on_output(3, 5);
+        assert_eq!(b.counter_of(3), Some(10.0));
+        b.restore_counter(3, 42.0);
+        assert_eq!(b.counter_of(3), Some(42.0));
+        let f: Box<dyn Allocation> = Box::new(Fcfs::default());
+        assert_eq!(f.counter_of(3), None);
     }
 
     #[test]

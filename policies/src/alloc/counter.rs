@@ -402,6 +402,14 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
     fn hint_output(&mut self, id: u64, output_tokens: u32) {
         self.charge.hint(id, output_tokens);
     }
+
+    fn counter_of(&self, flow: FlowId) -> Option<f64> {
+        Some(self.counter(flow))
+    }
+
+    fn restore_counter(&mut self, flow: FlowId, value: f64) {
+        self.set_counter(flow, value);
+    }
 }
 
 #[cfg(test)]
