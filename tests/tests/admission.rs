@@ -200,3 +200,38 @@ async fn bad_bodies_get_400_and_413() -> anyhow::Result<()> {
     assert_eq!(upstream_requests(&s), 1.0);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_plugin_config_is_refused_naming_the_field() -> anyhow::Result<()> {
+    let _g = serial();
+    let cases = [
+        (json!({"endpoints": ["127.0.0.1:9"], "policy": "lifo"}), "policy", "lifo"),
+        (json!({"endpoints": ["127.0.0.1:9"], "flow_capacity": 0}), "flow_capacity", "0"),
+        (json!({"endpoints": ["127.0.0.1:9"], "queue_ttl_ms": "soon"}), "queue_ttl_ms", "soon"),
+        (json!({"policy": "vtc"}), "endpoints", ""),
+    ];
+    let mut failures = Vec::new();
+    for (pc, field, value) in cases {
+        let started = sluice_e2e::Envoy::start(sluice_e2e::EnvoyOptions::with_filter("bad-config", pc.clone())).await;
+        let log = match started {
+            Ok(mut envoy) => {
+                // Envoy may stay up with a plugin that failed to configure; then it must not serve.
+                let o = LoadClient::default().send(envoy.listener, &ChatRequest::chat(Some("a"), 4), Instant::now()).await;
+                envoy.ensure_running()?;
+                if o.ok() {
+                    failures.push(format!("{pc}: a request was served with the invalid config"));
+                }
+                envoy.log()
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        // The filter's own log lines (proxy-wasm logs appear as `wasm log sluice ...`).
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("wasm log")).collect();
+        let named = lines.iter().any(|l| l.contains(field) && l.contains(value));
+        if !named {
+            failures.push(format!("{pc}: no filter log line names field `{field}` and value `{value}`; filter log lines: {lines:#?}"));
+        }
+    }
+    assert!(failures.is_empty(), "invalid configurations not reported as required:\n{}", failures.join("\n"));
+    Ok(())
+}
