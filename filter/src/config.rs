@@ -4,6 +4,118 @@ use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
 use sluice_policies::alloc::VtcWeights;
 use sluice_policies::queue::QueueLimits;
+use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
+
+/// An endpoint written as an object naming its model server.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetailedEndpoint {
+    address: String,
+    #[serde(default)]
+    model_server: Option<ModelServer>,
+}
+
+/// Reads one entry of `endpoints`: `"ip:port"` or `{"address", "model_server"}`.
+fn parse_endpoint(i: usize, v: serde_json::Value) -> Result<(String, Option<ModelServer>), String> {
+    match v {
+        serde_json::Value::String(a) => Ok((a, None)),
+        v @ serde_json::Value::Object(_) => serde_json::from_value::<DetailedEndpoint>(v)
+            .map(|d| (d.address, d.model_server))
+            .map_err(|e| format!("field `endpoints[{i}]`: {e}")),
+        other => Err(format!("field `endpoints[{i}]` must be \"ip:port\" or an object, got {other}")),
+    }
+}
+
+/// What to do when every endpoint is unhealthy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NoEndpoint {
+    /// Route to the least-loaded endpoint anyway.
+    #[default]
+    FailOpen,
+    /// Answer 503 with reason `no-healthy-endpoint`.
+    Reject,
+}
+
+/// Metrics scraping and endpoint selection, as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRouting {
+    #[serde(default)]
+    scrape_cluster: Option<String>,
+    #[serde(default = "default_scrape_interval_ms")]
+    scrape_interval_ms: u64,
+    #[serde(default = "default_scrape_timeout_ms")]
+    scrape_timeout_ms: u64,
+    #[serde(default = "default_metrics_path")]
+    metrics_path: String,
+    #[serde(default)]
+    model_server: ModelServer,
+    #[serde(default)]
+    saturation: SaturationThresholds,
+    #[serde(default)]
+    weights: ScorerWeights,
+    #[serde(default)]
+    picker: Picker,
+    #[serde(default)]
+    session_header: Option<String>,
+    #[serde(default = "default_prefix_block_tokens")]
+    prefix_block_tokens: usize,
+    #[serde(default)]
+    on_no_endpoint: NoEndpoint,
+    #[serde(default = "default_quarantine_ms")]
+    quarantine_ms: u64,
+}
+
+impl Default for RawRouting {
+    fn default() -> Self {
+        serde_json::from_str("{}").expect("every routing key has a default")
+    }
+}
+
+fn default_scrape_interval_ms() -> u64 {
+    50
+}
+fn default_scrape_timeout_ms() -> u64 {
+    1000
+}
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+fn default_prefix_block_tokens() -> usize {
+    16
+}
+fn default_quarantine_ms() -> u64 {
+    1000
+}
+
+/// Metrics scraping and endpoint selection.
+#[derive(Clone, Debug)]
+pub struct Routing {
+    /// Envoy cluster to scrape through (an ORIGINAL_DST cluster routing on
+    /// `x-gateway-destination-endpoint`); `None`: no scraping, least-request only.
+    pub scrape_cluster: Option<String>,
+    /// Period between scrapes of every endpoint.
+    pub scrape_interval_ms: u64,
+    /// Timeout of one scrape.
+    pub scrape_timeout_ms: u64,
+    /// Path of the metrics page.
+    pub metrics_path: String,
+    /// Model server of each endpoint, by index.
+    pub model_servers: Vec<ModelServer>,
+    /// When an endpoint counts as full.
+    pub saturation: SaturationThresholds,
+    /// Scorers and picker (in-flight only when not scraping).
+    pub router: Router,
+    /// Header whose value pins a session to an endpoint (lower-case).
+    pub session_header: Option<String>,
+    /// Prompt bytes per prefix block (4 bytes per token).
+    pub prefix_block_bytes: usize,
+    /// What to do when no endpoint is healthy.
+    pub on_no_endpoint: NoEndpoint,
+    /// How long an endpoint that reset a connection is avoided.
+    pub quarantine_ms: u64,
+}
 
 /// Which allocation policy orders queued requests across tenants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -19,7 +131,9 @@ pub enum PolicyName {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
-    endpoints: Vec<String>,
+    endpoints: Vec<serde_json::Value>,
+    #[serde(default)]
+    routing: RawRouting,
     #[serde(default = "default_tenant_header")]
     tenant_header: String,
     #[serde(default = "default_tenant")]
@@ -107,6 +221,8 @@ pub struct Config {
     pub retry_after_s: u32,
     /// Timer period for expiry and the scheduler lease.
     pub tick_ms: u64,
+    /// Scraping and endpoint selection.
+    pub routing: Routing,
 }
 
 impl Config {
@@ -117,11 +233,80 @@ impl Config {
         if raw.endpoints.is_empty() {
             return Err("field `endpoints` must list at least one \"ip:port\"".into());
         }
-        for ep in &raw.endpoints {
-            if ep.parse::<std::net::SocketAddr>().is_err() {
-                return Err(format!("field `endpoints`: {ep:?} is not an \"ip:port\" address"));
+        let r = raw.routing;
+        let mut endpoints = Vec::with_capacity(raw.endpoints.len());
+        let mut model_servers = Vec::with_capacity(raw.endpoints.len());
+        for (i, ep) in raw.endpoints.into_iter().enumerate() {
+            let (address, server) = parse_endpoint(i, ep)?;
+            if address.parse::<std::net::SocketAddr>().is_err() {
+                return Err(format!("field `endpoints`: {address:?} is not an \"ip:port\" address"));
+            }
+            if endpoints.contains(&address) {
+                return Err(format!("field `endpoints`: {address:?} is listed twice"));
+            }
+            endpoints.push(address);
+            model_servers.push(server.unwrap_or(r.model_server));
+        }
+        if r.scrape_interval_ms == 0 || r.scrape_timeout_ms == 0 {
+            return Err("fields `routing.scrape_interval_ms` and `routing.scrape_timeout_ms` must be at least 1".into());
+        }
+        if !r.metrics_path.starts_with('/') {
+            return Err(format!("field `routing.metrics_path` must start with '/', got {:?}", r.metrics_path));
+        }
+        if r.prefix_block_tokens == 0 {
+            return Err("field `routing.prefix_block_tokens` must be at least 1, got 0".into());
+        }
+        let s = r.saturation;
+        if !(s.queue_depth > 0.0 && s.kv_cache_util > 0.0) {
+            return Err(format!(
+                "fields `routing.saturation.queue_depth` ({}) and `kv_cache_util` ({}) must be positive",
+                s.queue_depth, s.kv_cache_util
+            ));
+        }
+        let w = r.weights;
+        for (name, v) in [
+            ("queue", w.queue),
+            ("kv_cache", w.kv_cache),
+            ("prefix", w.prefix),
+            ("running", w.running),
+            ("in_flight", w.in_flight),
+            ("session", w.session),
+            ("lora", w.lora),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(format!("field `routing.weights.{name}` must be a non-negative number, got {v}"));
             }
         }
+        let scraping = r.scrape_cluster.is_some();
+        let routing = Routing {
+            // Without metrics only the gateway's own counts are real: least-request.
+            router: if scraping {
+                Router { weights: w, picker: r.picker }
+            } else {
+                Router {
+                    weights: ScorerWeights {
+                        queue: 0.0,
+                        kv_cache: 0.0,
+                        prefix: 0.0,
+                        running: 0.0,
+                        in_flight: 1.0,
+                        session: 0.0,
+                        lora: 0.0,
+                    },
+                    picker: Picker::MaxScore,
+                }
+            },
+            scrape_cluster: r.scrape_cluster,
+            scrape_interval_ms: r.scrape_interval_ms,
+            scrape_timeout_ms: r.scrape_timeout_ms,
+            metrics_path: r.metrics_path,
+            model_servers,
+            saturation: s,
+            session_header: r.session_header.map(|h| h.to_ascii_lowercase()),
+            prefix_block_bytes: r.prefix_block_tokens * 4,
+            on_no_endpoint: r.on_no_endpoint,
+            quarantine_ms: r.quarantine_ms,
+        };
         if raw.tenant_header.is_empty() {
             return Err("field `tenant_header` must not be empty".into());
         }
@@ -155,7 +340,8 @@ impl Config {
         }
         .map_err(|e| format!("field {e}"))?;
         Ok(Config {
-            endpoints: raw.endpoints,
+            endpoints,
+            routing,
             tenant_header: raw.tenant_header.to_ascii_lowercase(),
             default_tenant: raw.default_tenant,
             policy: raw.policy,
@@ -203,11 +389,39 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"vtc":{"output":-1}}"#, "vtc.output"),
             (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
             (r#"not json"#, "invalid plugin configuration"),
+            (r#"{"endpoints":["127.0.0.1:1","127.0.0.1:1"]}"#, "listed twice"),
+            (r#"{"endpoints":[{"address":"127.0.0.1:1","model_server":"tgi"}]}"#, "endpoints[0]"),
+            (r#"{"endpoints":["127.0.0.1:1",7]}"#, "endpoints[1]"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"kv_cache":-2}}}"#, "routing.weights.kv_cache"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"metrics_path":"metrics"}}"#, "routing.metrics_path"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"picker":"best"}}"#, "best"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_every":5}}"#, "scrape_every"),
         ];
         for (json, needle) in cases {
             let err = Config::from_json(json.as_bytes()).unwrap_err();
             assert!(err.contains(needle), "{json}: error {err:?} does not name {needle}");
         }
+    }
+
+    #[test]
+    fn routing_defaults_and_per_endpoint_model_servers() {
+        let c = Config::from_json(
+            br#"{"endpoints":["127.0.0.1:1",{"address":"127.0.0.1:2","model_server":"sglang"}],
+                 "routing":{"scrape_cluster":"model_servers","model_server":"trtllm","session_header":"X-Session"}}"#,
+        )
+        .unwrap();
+        let r = &c.routing;
+        assert_eq!(r.model_servers, vec![ModelServer::Trtllm, ModelServer::Sglang]);
+        assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (50, "/metrics", 64));
+        assert_eq!(r.router.weights, ScorerWeights::default());
+        assert_eq!(r.saturation, SaturationThresholds::default());
+        assert_eq!(r.session_header.as_deref(), Some("x-session"));
+        assert_eq!(r.on_no_endpoint, NoEndpoint::FailOpen);
+        // Not scraping: least-request only.
+        let c = Config::from_json(br#"{"endpoints":["127.0.0.1:1"]}"#).unwrap();
+        assert!(c.routing.scrape_cluster.is_none());
+        assert_eq!(c.routing.router.weights.in_flight, 1.0);
+        assert_eq!(c.routing.router.weights.prefix, 0.0);
     }
 
     #[test]

@@ -3,6 +3,10 @@
 
 use serde::Deserialize;
 use serde_json::Value;
+use sluice_policies::routing::prefix_hashes;
+
+/// Most prefix blocks hashed per prompt (bounds the work and the message size).
+pub const MAX_PREFIX_BLOCKS: usize = 128;
 
 /// Paths whose requests are scheduled; everything else passes through.
 pub fn is_scheduled_path(path: &str) -> bool {
@@ -21,6 +25,8 @@ pub struct CompletionRequest {
     pub max_tokens: u32,
     /// Prompt size estimated at four bytes of text per token.
     pub prompt_tokens: u32,
+    /// Chained hashes of the prompt's leading blocks, for prefix affinity.
+    pub prefix: Vec<u64>,
 }
 
 #[derive(Deserialize)]
@@ -38,19 +44,20 @@ struct Body {
     prompt: Option<Value>,
 }
 
-/// Bytes of text in a prompt or message content, whatever its shape
+/// Appends the text of a prompt or message content, whatever its shape
 /// (string, list of strings, list of content parts).
-fn text_bytes(v: &Value) -> usize {
+fn collect_text(v: &Value, out: &mut Vec<u8>) {
     match v {
-        Value::String(s) => s.len(),
-        Value::Array(items) => items.iter().map(text_bytes).sum(),
-        Value::Object(map) => ["content", "text"].iter().filter_map(|k| map.get(*k)).map(text_bytes).sum(),
-        _ => 0,
+        Value::String(s) => out.extend_from_slice(s.as_bytes()),
+        Value::Array(items) => items.iter().for_each(|i| collect_text(i, out)),
+        Value::Object(map) => ["content", "text"].iter().filter_map(|k| map.get(*k)).for_each(|v| collect_text(v, out)),
+        _ => {}
     }
 }
 
-/// Parses a completion request body; the error is the message for a 400.
-pub fn parse_request(body: &[u8]) -> Result<CompletionRequest, String> {
+/// Parses a completion request body, hashing the prompt in blocks of
+/// `block_bytes` (0: no hashing); the error is the message for a 400.
+pub fn parse_request(body: &[u8], block_bytes: usize) -> Result<CompletionRequest, String> {
     let b: Body = serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
     let model = match b.model {
         Some(Value::String(m)) if !m.is_empty() => m,
@@ -58,12 +65,20 @@ pub fn parse_request(body: &[u8]) -> Result<CompletionRequest, String> {
         None => return Err("field `model` is required".into()),
     };
     let max = b.max_completion_tokens.or(b.max_tokens).unwrap_or(0);
-    let bytes = b.messages.as_ref().map_or(0, text_bytes) + b.prompt.as_ref().map_or(0, text_bytes);
+    let mut text = Vec::new();
+    for part in [&b.messages, &b.prompt].into_iter().flatten() {
+        collect_text(part, &mut text);
+    }
+    let mut prefix = Vec::new();
+    if block_bytes > 0 {
+        prefix_hashes(&text, block_bytes, MAX_PREFIX_BLOCKS, &mut prefix);
+    }
     Ok(CompletionRequest {
         model,
         stream: b.stream.unwrap_or(false),
         max_tokens: max.min(u32::MAX as u64) as u32,
-        prompt_tokens: bytes.div_ceil(4).min(u32::MAX as usize) as u32,
+        prompt_tokens: text.len().div_ceil(4).min(u32::MAX as usize) as u32,
+        prefix,
     })
 }
 
@@ -205,19 +220,22 @@ mod tests {
     fn chat_and_completion_bodies_are_read() {
         let r = parse_request(
             br#"{"model":"m","stream":true,"max_tokens":7,"messages":[{"role":"user","content":"12345678"},{"role":"user","content":[{"type":"text","text":"abcd"}]}]}"#,
+            4,
         )
         .unwrap();
-        assert_eq!(r, CompletionRequest { model: "m".into(), stream: true, max_tokens: 7, prompt_tokens: 3 });
-        let r = parse_request(br#"{"model":"m","prompt":"hello","max_completion_tokens":9,"max_tokens":1}"#).unwrap();
+        assert_eq!((r.model.as_str(), r.stream, r.max_tokens, r.prompt_tokens), ("m", true, 7, 3));
+        assert_eq!(r.prefix.len(), 3, "12 bytes of text in 4-byte blocks");
+        let r = parse_request(br#"{"model":"m","prompt":"hello","max_completion_tokens":9,"max_tokens":1}"#, 0).unwrap();
+        assert!(r.prefix.is_empty());
         assert_eq!((r.stream, r.max_tokens, r.prompt_tokens), (false, 9, 2));
     }
 
     #[test]
     fn bad_bodies_say_what_is_wrong() {
-        assert!(parse_request(b"{not json").unwrap_err().contains("not valid JSON"));
-        assert!(parse_request(br#"{"messages":[]}"#).unwrap_err().contains("`model` is required"));
-        assert!(parse_request(br#"{"model":3}"#).unwrap_err().contains("`model` must be"));
-        assert!(parse_request(br#"{"model":"m","max_tokens":"many"}"#).is_err());
+        assert!(parse_request(b"{not json", 64).unwrap_err().contains("not valid JSON"));
+        assert!(parse_request(br#"{"messages":[]}"#, 64).unwrap_err().contains("`model` is required"));
+        assert!(parse_request(br#"{"model":3}"#, 64).unwrap_err().contains("`model` must be"));
+        assert!(parse_request(br#"{"model":"m","max_tokens":"many"}"#, 64).is_err());
     }
 
     #[test]

@@ -6,13 +6,17 @@
 //! how (shared data in the filter, a map in tests).
 
 use crate::config::{Config, PolicyName};
-use crate::wire::{ToScheduler, ToWorker};
+use crate::wire::{RouteInfo, ToScheduler, ToWorker};
+use hashbrown::HashMap;
 use sluice_policies::alloc::{Allocation, Fcfs, Vtc};
 use sluice_policies::queue::FairQueue;
 use sluice_policies::{RejectReason, Request};
 
 /// Reject reasons on the wire, in [`ToWorker::Reject`].
 pub const REASONS: [RejectReason; 3] = [RejectReason::QueueFull, RejectReason::FlowFull, RejectReason::TtlExpired];
+
+/// Reject code on the wire for "no endpoint is healthy" (after the [`REASONS`]).
+pub const NO_ENDPOINT: u8 = REASONS.len() as u8;
 
 fn reason_code(r: RejectReason) -> u8 {
     REASONS.iter().position(|&x| x == r).expect("every reason has a code") as u8
@@ -50,11 +54,23 @@ impl Persist for Vtc {
 /// The queue and the order it is served in.
 pub struct Scheduler {
     queue: FairQueue<Box<dyn Persist>>,
+    /// Routing facts of queued requests, by request id.
+    routes: HashMap<u64, RouteInfo>,
 }
 
-/// What the scheduler asks of the stock: take one slot if the band allows a
-/// pop, returning the endpoint.
-pub type Acquire<'a> = &'a mut dyn FnMut() -> Option<u32>;
+/// The answer to "may the next request go, and where?".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// Yes, to this endpoint; one unit of stock is taken.
+    Granted(u32),
+    /// Not now (the band or saturation says wait).
+    Wait,
+    /// Never: no endpoint is usable and the configuration says reject.
+    NoEndpoint,
+}
+
+/// What the scheduler asks of the stock and the router for the next request.
+pub type Acquire<'a> = &'a mut dyn FnMut(&RouteInfo) -> Slot;
 
 impl Scheduler {
     /// An empty scheduler for `cfg`.
@@ -63,7 +79,7 @@ impl Scheduler {
             PolicyName::Fcfs => Box::new(Fcfs::default()),
             PolicyName::Vtc => Box::new(Vtc::new(cfg.vtc)),
         };
-        Scheduler { queue: FairQueue::new(cfg.limits, policy) }
+        Scheduler { queue: FairQueue::new(cfg.limits, policy), routes: HashMap::new() }
     }
 
     /// Requests waiting.
@@ -79,18 +95,22 @@ impl Scheduler {
     /// Handles one message; rejections go to `out`.
     pub fn on_message(&mut self, msg: ToScheduler, out: &mut Vec<(u32, ToWorker)>) {
         match msg {
-            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, tenant } => {
+            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, route, tenant } => {
                 let flow = self.queue.flow_id(&tenant);
                 if self.queue.contains(req) {
                     return; // a resend after a takeover race: already queued
                 }
                 let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
-                if let Err(reason) = self.queue.push(r) {
-                    out.push((worker, ToWorker::Reject { req, reason: reason_code(reason) }));
+                match self.queue.push(r) {
+                    Ok(()) => {
+                        self.routes.insert(req, route);
+                    }
+                    Err(reason) => out.push((worker, ToWorker::Reject { req, reason: reason_code(reason) })),
                 }
             }
             ToScheduler::Cancel { req } => {
                 self.queue.remove(req);
+                self.routes.remove(&req);
             }
             ToScheduler::Charge { input_tokens, output_tokens, tenant, .. } => {
                 if input_tokens == 0 && output_tokens == 0 {
@@ -112,16 +132,25 @@ impl Scheduler {
 
     /// Dispatches while the stock band allows and something waits.
     pub fn pump(&mut self, acquire: Acquire<'_>, out: &mut Vec<(u32, ToWorker)>) {
-        while !self.queue.is_empty() {
-            let Some(endpoint) = acquire() else { break };
-            let r = self.queue.pop().expect("queue is not empty");
-            out.push((worker_of(r.id), ToWorker::Dispatch { req: r.id, endpoint }));
+        static NO_ROUTE: RouteInfo = RouteInfo { session: None, model: String::new(), prefix: Vec::new() };
+        while let Some(next) = self.queue.peek().map(|r| r.id) {
+            let slot = acquire(self.routes.get(&next).unwrap_or(&NO_ROUTE));
+            let msg = match slot {
+                Slot::Wait => break,
+                Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint },
+                Slot::NoEndpoint => ToWorker::Reject { req: next, reason: NO_ENDPOINT },
+            };
+            let r = self.queue.pop().expect("peeked a request");
+            debug_assert_eq!(r.id, next, "pop takes the request peek showed");
+            self.routes.remove(&r.id);
+            out.push((worker_of(r.id), msg));
         }
     }
 
     /// Rejects every request that waited longer than the TTL.
     pub fn expire(&mut self, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         while let Some(r) = self.queue.pop_expired(now_ms) {
+            self.routes.remove(&r.id);
             out.push((worker_of(r.id), ToWorker::Reject { req: r.id, reason: reason_code(RejectReason::TtlExpired) }));
         }
     }
@@ -166,7 +195,19 @@ mod tests {
             input_tokens: 100,
             max_tokens: 100,
             arrival_ms: t,
+            route: RouteInfo::default(),
             tenant: tenant.into(),
+        }
+    }
+
+    /// Grants up to `n` slots on endpoint 0, then says wait.
+    fn slots(mut n: usize) -> impl FnMut(&RouteInfo) -> Slot {
+        move |_| {
+            if n == 0 {
+                return Slot::Wait;
+            }
+            n -= 1;
+            Slot::Granted(0)
         }
     }
 
@@ -186,11 +227,7 @@ mod tests {
         for ctx in 0..5 {
             s.on_message(enqueue(ctx % 2, ctx, "a", ctx as u64), &mut out);
         }
-        let mut slots = 3;
-        s.pump(&mut || (slots > 0).then(|| {
-            slots -= 1;
-            slots
-        }), &mut out);
+        s.pump(&mut slots(3), &mut out);
         assert_eq!(dispatched(&out), vec![0, 1, 2]);
         assert_eq!(out.iter().map(|(w, _)| *w).collect::<Vec<_>>(), vec![0, 1, 0]);
         assert_eq!(s.len(), 2);
@@ -204,11 +241,7 @@ mod tests {
             s.on_message(enqueue(ctx % 3, ctx, "flood", ctx as u64), &mut out);
         }
         s.on_message(enqueue(1, 100, "modest", 50), &mut out);
-        let mut n = 0;
-        s.pump(&mut || (n < 3).then(|| {
-            n += 1;
-            0
-        }), &mut out);
+        s.pump(&mut slots(3), &mut out);
         assert!(dispatched(&out).contains(&100), "modest served among the first three: {out:?}");
     }
 
@@ -235,7 +268,7 @@ mod tests {
         s.on_message(enqueue(0, 1, "a", 0), &mut out);
         s.on_message(enqueue(0, 2, "a", 1), &mut out);
         s.on_message(ToScheduler::Cancel { req: 1 }, &mut out);
-        s.pump(&mut || Some(0), &mut out);
+        s.pump(&mut slots(usize::MAX), &mut out);
         assert_eq!(dispatched(&out), vec![2]);
     }
 
@@ -250,7 +283,7 @@ mod tests {
             s.on_message(enqueue(0, 1, "b", 0), &mut out);
             s.on_message(enqueue(0, 2, "b", 1), &mut out);
             s.on_message(enqueue(0, 3, "a", 2), &mut out);
-            s.pump(&mut || Some(0), &mut out);
+            s.pump(&mut slots(usize::MAX), &mut out);
             dispatched(&out)
         };
         // Without the history, "a" (lifted to b's 0) gets the second turn ...
@@ -262,6 +295,33 @@ mod tests {
     }
 
     #[test]
+    fn routing_sees_each_request_and_no_endpoint_rejects_only_the_head() {
+        let mut s = Scheduler::new(&cfg("fcfs", ""));
+        let mut out = Vec::new();
+        for (ctx, model) in [(1, "a"), (2, "b")] {
+            let mut m = enqueue(0, ctx, "t", ctx as u64);
+            if let ToScheduler::Enqueue { route, .. } = &mut m {
+                route.model = model.into();
+            }
+            s.on_message(m, &mut out);
+        }
+        let mut seen = Vec::new();
+        s.pump(
+            &mut |r: &RouteInfo| {
+                seen.push(r.model.clone());
+                if r.model == "a" { Slot::NoEndpoint } else { Slot::Granted(1) }
+            },
+            &mut out,
+        );
+        assert_eq!(seen, vec!["a", "b"]);
+        assert_eq!(out, vec![
+            (0, ToWorker::Reject { req: 1, reason: NO_ENDPOINT }),
+            (0, ToWorker::Dispatch { req: 2, endpoint: 1 }),
+        ]);
+        assert!(s.routes.is_empty(), "route facts leave with their requests");
+    }
+
+    #[test]
     fn bypassed_requests_are_charged_their_input() {
         let mut s = Scheduler::new(&cfg("vtc", ""));
         let mut out = Vec::new();
@@ -270,7 +330,7 @@ mod tests {
         s.on_message(enqueue(0, 1, "b", 0), &mut out);
         s.on_message(enqueue(0, 2, "b", 1), &mut out);
         s.on_message(enqueue(0, 3, "a", 2), &mut out);
-        s.pump(&mut || Some(0), &mut out);
+        s.pump(&mut slots(usize::MAX), &mut out);
         assert_eq!(dispatched(&out), vec![1, 2, 3]);
     }
 }

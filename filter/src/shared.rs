@@ -5,6 +5,8 @@
 //! no atomic create-if-absent and no delete, so every value here is a fixed
 //! binary layout that an absent key reads as zero.
 
+use sluice_policies::routing::{EndpointMetrics, EndpointView};
+
 /// The part of the shared-data API the filter needs; the proxy-wasm host in
 /// production, a map in tests.
 pub trait Store {
@@ -24,6 +26,8 @@ pub const WORKERS_KEY: &str = "sluice.workers";
 pub const LEASE_KEY: &str = "sluice.lease";
 /// Snapshot of the allocation policy's counters (VTC), for a scheduler takeover.
 pub const COUNTERS_KEY: &str = "sluice.counters";
+/// Scraped metrics and health per endpoint ([`EndpointRecord`]s).
+pub const METRICS_KEY: &str = "sluice.metrics";
 
 /// Applies `f` to the current value and writes the result, retrying on CAS
 /// mismatch. `f` returns `None` to leave the value unchanged.
@@ -83,20 +87,134 @@ pub fn stock(store: &dyn Store, endpoints: usize) -> u64 {
     load(store, endpoints).iter().map(|&n| n as u64).sum()
 }
 
-/// Takes a slot on the endpoint with the fewest in-flight requests, if
+/// The endpoint with the fewest in-flight requests (lowest index on ties).
+pub fn least_loaded(load: &[u32]) -> Option<usize> {
+    load.iter().enumerate().min_by_key(|&(i, &n)| (n, i)).map(|(i, _)| i)
+}
+
+/// Takes a slot on the endpoint `pick` chooses from the in-flight counts, if
 /// `allowed(stock)` says the current stock permits one more. Returns the
-/// endpoint index and the new stock.
-pub fn acquire(store: &dyn Store, endpoints: usize, allowed: impl Fn(u64) -> bool) -> Option<(u32, u64)> {
+/// endpoint index and the new stock. Both closures may run more than once
+/// (CAS retries).
+pub fn acquire(
+    store: &dyn Store,
+    endpoints: usize,
+    allowed: impl Fn(u64) -> bool,
+    mut pick: impl FnMut(&[u32]) -> Option<usize>,
+) -> Option<(u32, u64)> {
     update(store, LOAD_KEY, |v| {
         let mut load = decode_load(v, endpoints);
         let stock: u64 = load.iter().map(|&n| n as u64).sum();
         if !allowed(stock) {
             return None;
         }
-        let (i, _) = load.iter().enumerate().min_by_key(|&(i, &n)| (n, i))?;
+        let i = pick(&load).filter(|&i| i < endpoints)?;
         load[i] += 1;
         Some((encode_load(&load), (i as u32, stock + 1)))
     })
+}
+
+/// What the gateway knows of one endpoint's health and load.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EndpointRecord {
+    /// Last successful scrape.
+    pub metrics: Option<EndpointMetrics>,
+    /// When it was taken.
+    pub scraped_ms: u64,
+    /// Failed scrapes since the last success.
+    pub failures: u32,
+    /// Avoid the endpoint until then (it reset a connection).
+    pub quarantined_until_ms: u64,
+}
+
+impl EndpointRecord {
+    /// Usable for new requests at `now_ms`?
+    pub fn healthy(&self, now_ms: u64) -> bool {
+        self.failures == 0 && now_ms >= self.quarantined_until_ms
+    }
+
+    /// The router's view of this endpoint.
+    pub fn view(&self, in_flight: u32, now_ms: u64) -> EndpointView<'_> {
+        EndpointView {
+            in_flight,
+            metrics: self.metrics.as_ref(),
+            age_ms: now_ms.saturating_sub(self.scraped_ms),
+            healthy: self.healthy(now_ms),
+        }
+    }
+}
+
+fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(records.len() * 48);
+    for r in records {
+        match &r.metrics {
+            None => b.push(0),
+            Some(m) => {
+                b.push(1);
+                for v in [m.waiting, m.running, m.kv_usage] {
+                    b.extend_from_slice(&v.to_le_bytes());
+                }
+                let loras = m.loras.join(",");
+                let loras = &loras.as_bytes()[..loras.len().min(u16::MAX as usize)];
+                b.extend_from_slice(&(loras.len() as u16).to_le_bytes());
+                b.extend_from_slice(loras);
+            }
+        }
+        b.extend_from_slice(&r.scraped_ms.to_le_bytes());
+        b.extend_from_slice(&r.failures.to_le_bytes());
+        b.extend_from_slice(&r.quarantined_until_ms.to_le_bytes());
+    }
+    b
+}
+
+fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
+    fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        if b.len() < n {
+            return None;
+        }
+        let (h, t) = b.split_at(n);
+        *b = t;
+        Some(h)
+    }
+    fn f64_(b: &mut &[u8]) -> Option<f64> {
+        Some(f64::from_le_bytes(take(b, 8)?.try_into().ok()?))
+    }
+    fn u64_(b: &mut &[u8]) -> Option<u64> {
+        Some(u64::from_le_bytes(take(b, 8)?.try_into().ok()?))
+    }
+    let one = |b: &mut &[u8]| -> Option<EndpointRecord> {
+        let metrics = match take(b, 1)?[0] {
+            0 => None,
+            _ => {
+                let (waiting, running, kv_usage) = (f64_(b)?, f64_(b)?, f64_(b)?);
+                let n = u16::from_le_bytes(take(b, 2)?.try_into().ok()?) as usize;
+                let loras = std::str::from_utf8(take(b, n)?).ok()?;
+                let loras = loras.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
+                Some(EndpointMetrics { waiting, running, kv_usage, loras })
+            }
+        };
+        let scraped_ms = u64_(b)?;
+        let failures = u32::from_le_bytes(take(b, 4)?.try_into().ok()?);
+        let quarantined_until_ms = u64_(b)?;
+        Some(EndpointRecord { metrics, scraped_ms, failures, quarantined_until_ms })
+    };
+    let mut out: Vec<EndpointRecord> = (0..endpoints).map_while(|_| one(&mut b)).collect();
+    out.resize(endpoints, EndpointRecord::default());
+    out
+}
+
+/// Every endpoint's record (absent or unreadable entries read as never scraped).
+pub fn records(store: &dyn Store, endpoints: usize) -> Vec<EndpointRecord> {
+    decode_records(store.get(METRICS_KEY).0.as_deref().unwrap_or_default(), endpoints)
+}
+
+/// Changes one endpoint's record.
+pub fn update_record(store: &dyn Store, endpoints: usize, endpoint: usize, f: impl Fn(&mut EndpointRecord)) {
+    update(store, METRICS_KEY, |v| {
+        let mut recs = decode_records(v.unwrap_or_default(), endpoints);
+        f(recs.get_mut(endpoint)?);
+        Some((encode_records(&recs), ()))
+    });
 }
 
 /// Gives back a slot taken by [`acquire`]; returns the new stock.
@@ -205,12 +323,38 @@ pub(crate) mod tests {
     #[test]
     fn acquire_spreads_over_the_least_loaded_and_respects_the_limit() {
         let s = MapStore::default();
-        let picks: Vec<u32> = (0..4).map(|_| acquire(&s, 3, |stock| stock < 4).unwrap().0).collect();
+        let under4 = |stock| stock < 4;
+        let picks: Vec<u32> = (0..4).map(|_| acquire(&s, 3, under4, least_loaded).unwrap().0).collect();
         assert_eq!(picks, vec![0, 1, 2, 0]);
-        assert_eq!(acquire(&s, 3, |stock| stock < 4), None);
+        assert_eq!(acquire(&s, 3, under4, least_loaded), None);
         assert_eq!(release(&s, 3, 1), 3);
-        assert_eq!(acquire(&s, 3, |stock| stock < 4), Some((1, 4)));
+        assert_eq!(acquire(&s, 3, under4, least_loaded), Some((1, 4)));
         assert_eq!(load(&s, 3), vec![2, 1, 1]);
+        assert_eq!(acquire(&s, 3, |_| true, |_| Some(2)), Some((2, 5)), "the picker decides");
+        assert_eq!(acquire(&s, 3, |_| true, |_| None), None, "no pick, no slot");
+        assert_eq!(acquire(&s, 3, |_| true, |_| Some(9)), None, "an out-of-range pick is refused");
+        assert_eq!(stock(&s, 3), 5);
+    }
+
+    #[test]
+    fn endpoint_records_round_trip_and_tolerate_garbage() {
+        let s = MapStore::default();
+        assert_eq!(records(&s, 2), vec![EndpointRecord::default(); 2]);
+        let m = EndpointMetrics { waiting: 3.0, running: 2.0, kv_usage: 0.5, loras: vec!["a".into(), "b".into()] };
+        update_record(&s, 2, 1, |r| {
+            r.metrics = Some(m.clone());
+            r.scraped_ms = 100;
+        });
+        update_record(&s, 2, 0, |r| r.failures += 1);
+        let recs = records(&s, 2);
+        assert_eq!(recs[1].metrics.as_ref(), Some(&m));
+        assert_eq!((recs[0].failures, recs[1].scraped_ms), (1, 100));
+        assert!(!recs[0].healthy(0) && recs[1].healthy(100));
+        update_record(&s, 2, 1, |r| r.quarantined_until_ms = 500);
+        assert!(!records(&s, 2)[1].healthy(499) && records(&s, 2)[1].healthy(500));
+        assert_eq!(records(&s, 3).len(), 3, "a new endpoint reads as never scraped");
+        s.set(METRICS_KEY, &[1, 2, 3], None);
+        assert_eq!(records(&s, 2), vec![EndpointRecord::default(); 2]);
     }
 
     #[test]

@@ -8,11 +8,12 @@
 //! requests per endpoint) lives in shared data, so a worker can bypass the
 //! queue with a single CAS when the band allows and nothing waits.
 
-use crate::config::Config;
+use crate::config::{Config, NoEndpoint};
 use crate::openai::{self, TokenCounter};
-use crate::scheduler::{Scheduler, REASONS};
+use crate::scheduler::{Scheduler, Slot, NO_ENDPOINT, REASONS};
 use crate::shared::{self, Lease, Store};
-use crate::wire::{ToScheduler, ToWorker};
+use crate::wire::{RouteInfo, ToScheduler, ToWorker};
+use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -23,7 +24,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| Box::new(Root { vm: None }));
+    proxy_wasm::set_root_context(|id| Box::new(Root { id, vm: None }));
 }}
 
 /// Header that carries the chosen backend to the ORIGINAL_DST cluster.
@@ -32,6 +33,15 @@ const DESTINATION: &str = "x-gateway-destination-endpoint";
 const REJECT_REASON: &str = "x-sluice-reject-reason";
 /// Name of the scheduler's shared queue.
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
+/// Most bytes of a `/metrics` page read; the rest is ignored (a truncated last line is skipped).
+const MAX_SCRAPE_BYTES: usize = 1 << 20;
+/// Prefix blocks and sessions remembered for affinity, per VM.
+const AFFINITY_CAPACITY: usize = 1 << 16;
+
+/// FNV-1a, for session header values.
+fn hash_str(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
 
 fn worker_queue_name(worker: u32) -> String {
     format!("sluice.worker.{worker}")
@@ -64,9 +74,11 @@ struct Metrics {
     queued: u32,
     dispatched: u32,
     completed: u32,
-    rejected: [u32; 5],
+    rejected: [u32; 6],
     cancelled_in_queue: u32,
     queue_wait_ms: u32,
+    scrapes_ok: u32,
+    scrapes_failed: u32,
 }
 
 /// Why a request was answered by the gateway: the scheduler's reasons, then the filter's own.
@@ -81,14 +93,15 @@ impl Reject {
     fn index(self) -> usize {
         match self {
             Reject::Scheduler(code) => code as usize,
-            Reject::BadRequest => 3,
-            Reject::BodyTooLarge => 4,
+            Reject::BadRequest => 4,
+            Reject::BodyTooLarge => 5,
         }
     }
 
     /// Status, reason header value, OpenAI error type.
     fn describe(self) -> (u32, &'static str, &'static str) {
         match self {
+            Reject::Scheduler(NO_ENDPOINT) => (503, "no-healthy-endpoint", "server_error"),
             Reject::Scheduler(code) => {
                 let r = REASONS[code as usize];
                 let kind = if r.http_status() == 429 { "rate_limit_error" } else { "server_error" };
@@ -115,11 +128,14 @@ impl Metrics {
                 counter("sluice_requests_rejected_saturated")?,
                 counter("sluice_requests_rejected_flow_capacity")?,
                 counter("sluice_requests_rejected_ttl_expired")?,
+                counter("sluice_requests_rejected_no_endpoint")?,
                 counter("sluice_requests_rejected_bad_request")?,
                 counter("sluice_requests_rejected_body_too_large")?,
             ],
             cancelled_in_queue: counter("sluice_requests_cancelled_in_queue")?,
             queue_wait_ms: hostcalls::define_metric(MetricType::Histogram, "sluice_queue_wait_ms")?,
+            scrapes_ok: counter("sluice_scrapes_ok")?,
+            scrapes_failed: counter("sluice_scrapes_failed")?,
         })
     }
 
@@ -134,8 +150,9 @@ impl Metrics {
 
 /// A request this VM holds, as the scheduler protocol sees it.
 enum Stream {
-    /// Paused, known to the scheduler of `epoch`.
-    Queued { tenant: String, input_tokens: u32, max_tokens: u32, arrival_ms: u64, epoch: u32 },
+    /// Paused; `enqueue` was sent to the scheduler of `epoch` (and is sent
+    /// again if the scheduler changes).
+    Queued { enqueue: ToScheduler, arrival_ms: u64, epoch: u32 },
     /// Sent to a backend; holds one unit of stock on `endpoint`.
     Dispatched { tenant: String, endpoint: u32 },
 }
@@ -158,6 +175,15 @@ struct Vm {
     epoch: u32,
     lease_ms: u64,
     queue_ids: HashMap<u32, u32>,
+    /// Which endpoint served which prefix blocks and sessions.
+    affinity: AffinityIndex,
+    /// xorshift state for the weighted-random picker.
+    rng: u64,
+    /// Scrapes in flight: call token → endpoint.
+    scrapes: HashMap<u32, usize>,
+    last_scrape_ms: u64,
+    /// Endpoints whose malformed metrics were already logged (log once).
+    logged_bad_metrics: Vec<bool>,
 }
 
 /// What admission decided for a request whose body was read.
@@ -165,6 +191,7 @@ enum Admission {
     Bypass(u32),
     Queued,
     NoScheduler,
+    NoEndpoint,
 }
 
 impl Vm {
@@ -206,52 +233,111 @@ impl Vm {
     }
 
     /// Bypass, or hand the request to the scheduler.
-    fn admit(&mut self, ctx: u32, tenant: String, req: &openai::CompletionRequest) -> Admission {
-        let n = self.endpoints();
-        let bounds = self.cfg.bounds;
-        let store = HostStore;
-        if shared::get_u64(&store, shared::QUEUED_KEY) == 0 {
-            if let Some((endpoint, stock)) = shared::acquire(&store, n, |s| bounds.may_bypass(s, 0, n)) {
-                self.publish_stock(stock);
-                self.metrics.inc(self.metrics.bypassed);
-                self.metrics.inc(self.metrics.dispatched);
-                let charge = ToScheduler::Charge {
-                    input_tokens: req.prompt_tokens,
-                    output_tokens: 0,
-                    done: false,
-                    tenant: tenant.clone(),
-                };
-                self.send_to_scheduler(&charge);
-                self.streams.insert(ctx, Stream::Dispatched { tenant, endpoint });
-                return Admission::Bypass(endpoint);
+    fn admit(&mut self, ctx: u32, tenant: String, req: &openai::CompletionRequest, route: RouteInfo) -> Admission {
+        if shared::get_u64(&HostStore, shared::QUEUED_KEY) == 0 {
+            match self.take_slot(&route, false) {
+                Slot::Granted(endpoint) => {
+                    self.metrics.inc(self.metrics.bypassed);
+                    self.metrics.inc(self.metrics.dispatched);
+                    let charge = ToScheduler::Charge {
+                        input_tokens: req.prompt_tokens,
+                        output_tokens: 0,
+                        done: false,
+                        tenant: tenant.clone(),
+                    };
+                    self.send_to_scheduler(&charge);
+                    self.streams.insert(ctx, Stream::Dispatched { tenant, endpoint });
+                    return Admission::Bypass(endpoint);
+                }
+                Slot::NoEndpoint => return Admission::NoEndpoint,
+                Slot::Wait => {}
             }
         }
         let arrival_ms = now_ms();
-        let msg = ToScheduler::Enqueue {
+        let enqueue = ToScheduler::Enqueue {
             worker: self.worker,
             req: self.request_id(ctx),
             input_tokens: req.prompt_tokens,
             max_tokens: req.max_tokens,
             arrival_ms,
-            tenant: tenant.clone(),
+            route,
+            tenant,
         };
-        if !self.send_to_scheduler(&msg) {
+        if !self.send_to_scheduler(&enqueue) {
             return Admission::NoScheduler;
         }
         self.metrics.inc(self.metrics.queued);
-        let (input_tokens, max_tokens) = (req.prompt_tokens, req.max_tokens);
-        self.streams.insert(ctx, Stream::Queued { tenant, input_tokens, max_tokens, arrival_ms, epoch: self.epoch });
+        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, epoch: self.epoch });
         Admission::Queued
+    }
+
+    /// Takes one unit of stock for a request, if the band (for a pop from the
+    /// queue, or for a bypass) and the pool's saturation allow, on the endpoint
+    /// the router picks.
+    fn take_slot(&mut self, route: &RouteInfo, from_queue: bool) -> Slot {
+        let cfg = self.cfg.clone();
+        let n = cfg.endpoints.len();
+        let now = now_ms();
+        let routing = &cfg.routing;
+        let records =
+            if routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
+        // Full GPUs hold requests back; but never all of them, or nothing
+        // would finish to trigger the next attempt.
+        let saturated = !records.is_empty() && {
+            let views: Vec<EndpointView<'_>> = records.iter().map(|r| r.view(0, now)).collect();
+            routing.saturation.pool_saturated(&views)
+        };
+        let bounds = cfg.bounds;
+        let allowed = |stock: u64| {
+            let band = if from_queue { bounds.may_pop(stock, n) } else { bounds.may_bypass(stock, 0, n) };
+            band && !(saturated && stock > 0)
+        };
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let random = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
+        let request = route.as_request();
+        let affinity = &self.affinity;
+        let mut no_endpoint = false;
+        let pick = |load: &[u32]| {
+            let views: Vec<EndpointView<'_>> = (0..n)
+                .map(|i| match records.get(i) {
+                    Some(r) => r.view(load[i], now),
+                    None => EndpointView { in_flight: load[i], metrics: None, age_ms: 0, healthy: true },
+                })
+                .collect();
+            let chosen = routing.router.pick(&request, &views, affinity, random);
+            no_endpoint = chosen.is_none() && routing.on_no_endpoint == NoEndpoint::Reject;
+            chosen.or_else(|| if no_endpoint { None } else { shared::least_loaded(load) })
+        };
+        match shared::acquire(&HostStore, n, allowed, pick) {
+            Some((endpoint, stock)) => {
+                self.publish_stock(stock);
+                self.affinity.record(&request, endpoint as usize);
+                Slot::Granted(endpoint)
+            }
+            None if no_endpoint => Slot::NoEndpoint,
+            None => Slot::Wait,
+        }
     }
 
     fn request_id(&self, ctx: u32) -> u64 {
         (self.worker as u64) << 32 | ctx as u64
     }
 
-    /// The stream ended (completed, reset, or the client left): give back what it held.
-    fn finish(&mut self, ctx: u32, uncharged_tokens: u32) {
+    /// The stream ended (completed, reset, or the client left): give back
+    /// what it held. `upstream_failed`: the backend refused or reset the
+    /// connection, so it is avoided for a while.
+    fn finish(&mut self, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
         match self.streams.remove(&ctx) {
             Some(Stream::Dispatched { tenant, endpoint }) => {
+                if upstream_failed {
+                    let until = now_ms() + self.cfg.routing.quarantine_ms;
+                    log::warn!("endpoint {} failed a request; avoiding it for {} ms", self.cfg.endpoints[endpoint as usize], self.cfg.routing.quarantine_ms);
+                    shared::update_record(&HostStore, self.endpoints(), endpoint as usize, |r| {
+                        r.quarantined_until_ms = r.quarantined_until_ms.max(until)
+                    });
+                }
                 let stock = shared::release(&HostStore, self.endpoints(), endpoint);
                 self.publish_stock(stock);
                 self.metrics.inc(self.metrics.completed);
@@ -311,18 +397,11 @@ impl Vm {
     fn resend_queued(&mut self) {
         let epoch = self.epoch;
         let mut resend = Vec::new();
-        for (&ctx, s) in self.streams.iter_mut() {
-            if let Stream::Queued { tenant, input_tokens, max_tokens, arrival_ms, epoch: e } = s {
+        for s in self.streams.values_mut() {
+            if let Stream::Queued { enqueue, epoch: e, .. } = s {
                 if *e != epoch {
                     *e = epoch;
-                    resend.push(ToScheduler::Enqueue {
-                        worker: self.worker,
-                        req: (self.worker as u64) << 32 | ctx as u64,
-                        input_tokens: *input_tokens,
-                        max_tokens: *max_tokens,
-                        arrival_ms: *arrival_ms,
-                        tenant: tenant.clone(),
-                    });
+                    resend.push(enqueue.clone());
                 }
             }
         }
@@ -347,27 +426,15 @@ impl Vm {
 
     /// Dispatches what the stock band allows and delivers `out` to the workers.
     fn pump(&mut self, mut out: Vec<(u32, ToWorker)>) {
-        let Some(role) = self.role.as_mut() else { return };
-        let n = self.cfg.endpoints.len();
-        let bounds = self.cfg.bounds;
-        let mut stock = None;
-        role.scheduler.pump(
-            &mut || {
-                let (endpoint, s) = shared::acquire(&HostStore, n, |s| bounds.may_pop(s, n))?;
-                stock = Some(s);
-                Some(endpoint)
-            },
-            &mut out,
-        );
+        let Some(mut role) = self.role.take() else { return };
+        role.scheduler.pump(&mut |route| self.take_slot(route, true), &mut out);
         let len = role.scheduler.len();
         if role.published_len != Some(len) {
             role.published_len = Some(len);
             shared::write_u64(&HostStore, shared::QUEUED_KEY, len as u64);
             self.metrics.set(self.metrics.queue_length, len as u64);
         }
-        if let Some(s) = stock {
-            self.publish_stock(s);
-        }
+        self.role = Some(role);
         for (worker, msg) in out {
             self.send_to_worker(worker, &msg);
         }
@@ -378,7 +445,7 @@ impl Vm {
         while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(queue_id) {
             match ToWorker::decode(&bytes) {
                 Some(ToWorker::Dispatch { req, endpoint }) => self.dispatch(req as u32, endpoint),
-                Some(ToWorker::Reject { req, reason }) if (reason as usize) < REASONS.len() => {
+                Some(ToWorker::Reject { req, reason }) if reason <= NO_ENDPOINT => {
                     let ctx = req as u32;
                     if matches!(self.streams.get(&ctx), Some(Stream::Queued { .. })) {
                         self.streams.remove(&ctx);
@@ -404,7 +471,10 @@ impl Vm {
                 .is_ok()
             && hostcalls::resume_http_request().is_ok();
         if resumed {
-            let Some(Stream::Queued { tenant, .. }) = self.streams.remove(&ctx) else { unreachable!() };
+            let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, .. }, .. }) = self.streams.remove(&ctx)
+            else {
+                unreachable!("checked above")
+            };
             self.streams.insert(ctx, Stream::Dispatched { tenant, endpoint });
             self.metrics.inc(self.metrics.dispatched);
             self.metrics.set(self.metrics.queue_wait_ms, now_ms().saturating_sub(arrival.unwrap_or(0)));
@@ -432,6 +502,57 @@ impl Vm {
         if let Err(e) = hostcalls::send_http_response(status, headers, Some(&body)) {
             log::warn!("could not send a {status} reply: {e:?}");
         }
+    }
+
+    /// Endpoints due for a scrape: only the scheduler scrapes, once per
+    /// interval, and not while the previous round is still out.
+    fn due_scrapes(&mut self, now: u64) -> Vec<usize> {
+        let routing = &self.cfg.routing;
+        if self.role.is_none() || routing.scrape_cluster.is_none() || !self.scrapes.is_empty() {
+            return Vec::new();
+        }
+        if now.saturating_sub(self.last_scrape_ms) < routing.scrape_interval_ms {
+            return Vec::new();
+        }
+        self.last_scrape_ms = now;
+        (0..self.endpoints()).collect()
+    }
+
+    /// A scrape answered (`page`), or failed (`None`): update the shared
+    /// record, then dispatch in case the pool is no longer saturated.
+    fn on_scrape(&mut self, token: u32, page: Option<&[u8]>) {
+        let Some(endpoint) = self.scrapes.remove(&token) else { return };
+        let n = self.endpoints();
+        let now = now_ms();
+        let parsed = page.map(|p| {
+            let text = String::from_utf8_lossy(p);
+            EndpointMetrics::from_prometheus(&text, self.cfg.routing.model_servers[endpoint])
+        });
+        let address = &self.cfg.endpoints[endpoint];
+        match parsed {
+            Some((Some(m), bad)) => {
+                self.metrics.inc(self.metrics.scrapes_ok);
+                if bad > 0 && !std::mem::replace(&mut self.logged_bad_metrics[endpoint], true) {
+                    log::warn!("{address}/metrics has {bad} malformed lines; they are ignored (logged once)");
+                }
+                shared::update_record(&HostStore, n, endpoint, |r| {
+                    if r.failures > 0 {
+                        log::info!("{address} answers its metrics scrape again");
+                    }
+                    r.metrics = Some(m.clone());
+                    r.scraped_ms = now;
+                    r.failures = 0;
+                });
+            }
+            _ => {
+                self.metrics.inc(self.metrics.scrapes_failed);
+                if !std::mem::replace(&mut self.logged_bad_metrics[endpoint], true) {
+                    log::warn!("scraping {address} failed or found no known metric; it is avoided until a scrape succeeds");
+                }
+                shared::update_record(&HostStore, n, endpoint, |r| r.failures = r.failures.saturating_add(1));
+            }
+        }
+        self.pump(Vec::new());
     }
 
     fn on_tick(&mut self) {
@@ -470,10 +591,53 @@ impl Vm {
 
 /// One per VM.
 struct Root {
+    id: u32,
     vm: Option<Rc<RefCell<Vm>>>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        let Some(vm) = &self.vm else { return };
+        // No headers: the call failed (connection refused, reset, timeout).
+        let ok = num_headers > 0 && self.get_http_call_response_header(":status").as_deref() == Some("200");
+        let body = if ok { self.get_http_call_response_body(0, body_size.min(MAX_SCRAPE_BYTES)) } else { None };
+        vm.borrow_mut().on_scrape(token, if ok { Some(body.as_deref().unwrap_or_default()) } else { None });
+    }
+}
+
+impl Root {
+    /// Sends one scrape per due endpoint from the root context.
+    fn scrape(&self, vm: &mut Vm, now: u64) {
+        let due = vm.due_scrapes(now);
+        if due.is_empty() {
+            return;
+        }
+        let _ = hostcalls::set_effective_context(self.id);
+        let routing = &vm.cfg.routing;
+        let cluster = routing.scrape_cluster.clone().unwrap_or_default();
+        let timeout = Duration::from_millis(routing.scrape_timeout_ms);
+        for endpoint in due {
+            let address = vm.cfg.endpoints[endpoint].clone();
+            let headers = vec![
+                (":method", "GET"),
+                (":path", vm.cfg.routing.metrics_path.as_str()),
+                (":authority", address.as_str()),
+                (DESTINATION, address.as_str()),
+            ];
+            match self.dispatch_http_call(&cluster, headers, None, vec![], timeout) {
+                Ok(token) => {
+                    vm.scrapes.insert(token, endpoint);
+                }
+                Err(e) => {
+                    log::warn!("cannot scrape {address} through cluster {cluster:?}: {e:?}");
+                    shared::update_record(&HostStore, vm.endpoints(), endpoint, |r| {
+                        r.failures = r.failures.saturating_add(1)
+                    });
+                }
+            }
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -520,7 +684,13 @@ impl RootContext for Root {
             epoch: 0,
             lease_ms,
             queue_ids: HashMap::new(),
+            affinity: AffinityIndex::new(AFFINITY_CAPACITY),
+            rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | self.id as u64),
+            scrapes: HashMap::new(),
+            last_scrape_ms: 0,
+            logged_bad_metrics: Vec::new(),
         };
+        vm.logged_bad_metrics = vec![false; vm.endpoints()];
         vm.queue_ids.insert(worker, queue);
         self.vm = Some(Rc::new(RefCell::new(vm)));
         self.set_tick_period(Duration::from_millis(tick));
@@ -529,7 +699,9 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         if let Some(vm) = &self.vm {
-            vm.borrow_mut().on_tick();
+            let mut vm = vm.borrow_mut();
+            vm.on_tick();
+            self.scrape(&mut vm, now_ms());
         }
     }
 
@@ -553,6 +725,7 @@ impl RootContext for Root {
             ctx: context_id,
             phase: Phase::PassThrough,
             tenant: String::new(),
+            session: None,
             tokens: None,
         }))
     }
@@ -577,6 +750,7 @@ struct Http {
     ctx: u32,
     phase: Phase,
     tenant: String,
+    session: Option<u64>,
     tokens: Option<TokenCounter>,
 }
 
@@ -606,6 +780,7 @@ impl HttpContext for Http {
             .get_http_request_header(&vm.cfg.tenant_header)
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| vm.cfg.default_tenant.clone());
+        self.session = vm.cfg.routing.session_header.as_deref().and_then(|h| self.get_http_request_header(h)).map(|v| hash_str(&v));
         let max = vm.cfg.max_body_bytes;
         drop(vm);
         let declared = self.get_http_request_header("content-length").and_then(|v| v.trim().parse::<u64>().ok());
@@ -624,7 +799,11 @@ impl HttpContext for Http {
             return if self.phase == Phase::PassThrough { Action::Continue } else { Action::Pause };
         }
         let Some(vm) = self.vm.clone() else { return Action::Continue };
-        let max = vm.borrow().cfg.max_body_bytes;
+        let (max, block_bytes) = {
+            let cfg = &vm.borrow().cfg;
+            let prefix_used = cfg.routing.router.weights.prefix > 0.0;
+            (cfg.max_body_bytes, if prefix_used { cfg.routing.prefix_block_bytes } else { 0 })
+        };
         if size > max {
             return self.answer(Reject::BodyTooLarge, &format!("request body exceeds {max} bytes"));
         }
@@ -632,11 +811,16 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         let body = self.get_http_request_body(0, size).unwrap_or_default();
-        let req = match openai::parse_request(&body) {
+        let mut req = match openai::parse_request(&body, block_bytes) {
             Ok(r) => r,
             Err(msg) => return self.answer(Reject::BadRequest, &msg),
         };
-        let admission = vm.borrow_mut().admit(self.ctx, std::mem::take(&mut self.tenant), &req);
+        let route = RouteInfo {
+            session: self.session,
+            model: std::mem::take(&mut req.model),
+            prefix: std::mem::take(&mut req.prefix),
+        };
+        let admission = vm.borrow_mut().admit(self.ctx, std::mem::take(&mut self.tenant), &req, route);
         match admission {
             Admission::Bypass(endpoint) => {
                 let ep = vm.borrow().cfg.endpoints[endpoint as usize].clone();
@@ -651,6 +835,7 @@ impl HttpContext for Http {
             Admission::NoScheduler => {
                 self.answer(Reject::Scheduler(0), "no scheduler is available; retry later")
             }
+            Admission::NoEndpoint => self.answer(Reject::Scheduler(NO_ENDPOINT), "no backend is healthy"),
         }
     }
 
@@ -680,6 +865,9 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         let Some(vm) = &self.vm else { return };
         let uncharged = self.tokens.as_mut().map_or(0, TokenCounter::finish);
-        vm.borrow_mut().finish(self.ctx, uncharged);
+        // Envoy's words for a backend that refused or dropped the connection.
+        let details = self.get_property(vec!["response", "code_details"]).unwrap_or_default();
+        let upstream_failed = details.starts_with(b"upstream_reset");
+        vm.borrow_mut().finish(self.ctx, uncharged, upstream_failed);
     }
 }

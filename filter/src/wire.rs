@@ -2,11 +2,37 @@
 //! shared queues. A compact little-endian encoding: one tag byte, fixed
 //! fields, then the tenant name as the remaining bytes.
 
+/// What routing needs of a request, owned so it can wait in the queue.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RouteInfo {
+    /// Hash of the session header, if any.
+    pub session: Option<u64>,
+    /// The requested model.
+    pub model: String,
+    /// Chained prefix-block hashes of the prompt.
+    pub prefix: Vec<u64>,
+}
+
+impl RouteInfo {
+    /// The borrowed form the router takes.
+    pub fn as_request(&self) -> sluice_policies::routing::RouteRequest<'_> {
+        sluice_policies::routing::RouteRequest { prefix: &self.prefix, session: self.session, model: &self.model }
+    }
+}
+
 /// A worker tells the scheduler.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ToScheduler {
     /// Queue this request (the worker holds its paused stream).
-    Enqueue { worker: u32, req: u64, input_tokens: u32, max_tokens: u32, arrival_ms: u64, tenant: String },
+    Enqueue {
+        worker: u32,
+        req: u64,
+        input_tokens: u32,
+        max_tokens: u32,
+        arrival_ms: u64,
+        route: RouteInfo,
+        tenant: String,
+    },
     /// The client went away while the request was queued.
     Cancel { req: u64 },
     /// Service for `tenant`: a request that bypassed the queue was sent with
@@ -41,6 +67,29 @@ impl<'a> Reader<'a> {
     fn u64(&mut self) -> Option<u64> {
         self.take().map(u64::from_le_bytes)
     }
+    fn u16(&mut self) -> Option<u16> {
+        self.take().map(u16::from_le_bytes)
+    }
+    fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn route(&mut self) -> Option<RouteInfo> {
+        let session = match self.u8()? {
+            0 => None,
+            1 => Some(self.u64()?),
+            _ => return None,
+        };
+        let n = self.u16()? as usize;
+        let model = String::from_utf8(self.bytes(n)?.to_vec()).ok()?;
+        let n = self.u16()? as usize;
+        let prefix = (0..n).map(|_| self.u64()).collect::<Option<Vec<u64>>>()?;
+        Some(RouteInfo { session, model, prefix })
+    }
     fn rest_str(self) -> Option<String> {
         String::from_utf8(self.0.to_vec()).ok()
     }
@@ -51,13 +100,31 @@ impl ToScheduler {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(48);
         match self {
-            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, tenant } => {
+            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, route, tenant } => {
                 b.push(1);
                 b.extend_from_slice(&worker.to_le_bytes());
                 b.extend_from_slice(&req.to_le_bytes());
                 b.extend_from_slice(&input_tokens.to_le_bytes());
                 b.extend_from_slice(&max_tokens.to_le_bytes());
                 b.extend_from_slice(&arrival_ms.to_le_bytes());
+                match route.session {
+                    None => b.push(0),
+                    Some(h) => {
+                        b.push(1);
+                        b.extend_from_slice(&h.to_le_bytes());
+                    }
+                }
+                // Lengths are u16 on the wire: longer model names or prefixes are cut.
+                let model = &route.model.as_bytes()[..route.model.len().min(u16::MAX as usize)];
+                let model = match std::str::from_utf8(model) {
+                    Ok(m) => m.as_bytes(),
+                    Err(e) => &model[..e.valid_up_to()],
+                };
+                b.extend_from_slice(&(model.len() as u16).to_le_bytes());
+                b.extend_from_slice(model);
+                let prefix = &route.prefix[..route.prefix.len().min(u16::MAX as usize)];
+                b.extend_from_slice(&(prefix.len() as u16).to_le_bytes());
+                prefix.iter().for_each(|h| b.extend_from_slice(&h.to_le_bytes()));
                 b.extend_from_slice(tenant.as_bytes());
             }
             ToScheduler::Cancel { req } => {
@@ -85,6 +152,7 @@ impl ToScheduler {
                 input_tokens: r.u32()?,
                 max_tokens: r.u32()?,
                 arrival_ms: r.u64()?,
+                route: r.route()?,
                 tenant: r.rest_str()?,
             }),
             2 => {
@@ -146,7 +214,17 @@ mod tests {
                 input_tokens: 17,
                 max_tokens: 256,
                 arrival_ms: 1_700_000_000_123,
+                route: RouteInfo { session: Some(0), model: "llama-ä".into(), prefix: vec![1, u64::MAX] },
                 tenant: "tenant-ä".into(),
+            },
+            ToScheduler::Enqueue {
+                worker: 0,
+                req: 0,
+                input_tokens: 0,
+                max_tokens: 0,
+                arrival_ms: 0,
+                route: RouteInfo::default(),
+                tenant: String::new(),
             },
             ToScheduler::Cancel { req: 42 },
             ToScheduler::Charge { input_tokens: 7, output_tokens: 5, done: true, tenant: String::new() },
