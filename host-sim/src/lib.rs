@@ -3,16 +3,22 @@
 //! with simulated clients and GPU backends.
 //!
 //! Layers, bottom up: [`abi`] (wire formats), [`host`] (VMs and host functions, Envoy
-//! semantics), [`engine`] (virtual clock, streams, upstreams, records).
+//! semantics), [`upstream`] (GPU and static endpoints), [`engine`] (virtual clock, streams,
+//! records), [`workload`] / [`scenario`] (inputs), [`report`] (outputs).
 
 pub mod abi;
 pub mod engine;
 pub mod host;
 mod hostcalls;
+pub mod report;
+pub mod scenario;
 pub mod state;
 pub mod upstream;
+pub mod workload;
 
 pub use host::{Host, PluginSpec, Trap, MAIN_VM};
 pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
 pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 pub use upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};
+pub use report::Report;
+pub use scenario::Scenario;

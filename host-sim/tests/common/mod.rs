@@ -34,6 +34,7 @@ pub fn filter_wasm() -> Vec<u8> {
             Ok(p) => PathBuf::from(p),
             Err(_) => build_wasm("sluice-filter", "sluice_filter"),
         };
+        eprintln!("filter under test: {}", path.display());
         std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
     })
     .clone()

@@ -1,0 +1,236 @@
+//! Scenario files: what to simulate (plugin configuration, backends, workload, gateway), parsed
+//! from JSON with errors that name the field, and turned into a [`Sim`] run and a [`Report`].
+
+use crate::abi::LogLevel;
+use crate::engine::{ClientRequest, GatewayConfig, Sim};
+use crate::host::PluginSpec;
+use crate::report::Report;
+use crate::state::Cluster;
+use crate::upstream::GpuUpstream;
+use crate::workload::{self, PoissonClient, TraceFormat, WorkItem};
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use sluice_gpu::GpuProfile;
+use std::path::Path;
+
+/// A simulation scenario.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Seed of every random choice (arrivals, WASI random).
+    #[serde(default)]
+    pub seed: u64,
+    /// Envoy worker threads.
+    #[serde(default = "default_workers")]
+    pub workers: usize,
+    /// The filter's plugin configuration (JSON object). `endpoints` is filled with the
+    /// backends' addresses when absent.
+    #[serde(default = "empty_object")]
+    pub filter_config: serde_json::Value,
+    /// GPU backends.
+    pub backends: Backends,
+    /// Requests to send.
+    pub workload: Workload,
+    /// `model` field of the generated requests.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// Clients give up after this many seconds without a complete response.
+    #[serde(default)]
+    pub client_timeout_s: Option<f64>,
+    /// Stop the run at this virtual time (seconds); open requests are reported unfinished.
+    #[serde(default)]
+    pub horizon_s: Option<f64>,
+    /// Module log level recorded (`trace` .. `critical`); default `warn`.
+    #[serde(default)]
+    pub log_level: Option<String>,
+    /// Round trip of a `dispatch_http_call` (metrics scrape), ms.
+    #[serde(default = "default_call_ms")]
+    pub call_latency_ms: f64,
+}
+
+/// Identical GPU backends at `10.0.0.<1..=count>:<port>`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Backends {
+    /// How many.
+    pub count: usize,
+    /// GPU profile name (`llama2-7b-a10g`, `llama3-8b-h100`, `fast`).
+    pub profile: String,
+    /// Port of every backend.
+    #[serde(default = "default_port")]
+    pub port: u16,
+}
+
+/// Where requests come from.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Workload {
+    /// Poisson arrivals with fixed lengths per client.
+    Poisson {
+        /// Clients.
+        clients: Vec<PoissonClient>,
+        /// Length of the arrival window, seconds.
+        duration_s: f64,
+    },
+    /// Replay of a trace file.
+    Trace {
+        /// File format.
+        format: TraceFormat,
+        /// Path, relative to the scenario file.
+        path: String,
+        /// Only the first `limit` requests.
+        #[serde(default)]
+        limit: Option<usize>,
+        /// Only requests arriving before this many seconds.
+        #[serde(default)]
+        max_arrival_s: Option<f64>,
+    },
+}
+
+fn default_workers() -> usize {
+    2
+}
+fn empty_object() -> serde_json::Value {
+    serde_json::json!({})
+}
+fn default_model() -> String {
+    "llama-2-7b".into()
+}
+fn default_port() -> u16 {
+    8000
+}
+fn default_call_ms() -> f64 {
+    0.5
+}
+
+impl Scenario {
+    /// Parses and validates a scenario; errors name the offending field.
+    pub fn from_json(text: &str) -> Result<Scenario> {
+        let s: Scenario = serde_json::from_str(text).map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.workers == 0 {
+            bail!("scenario: workers must be >= 1");
+        }
+        if self.backends.count == 0 || self.backends.count > 250 {
+            bail!("scenario: backends.count must be 1..=250");
+        }
+        if GpuProfile::by_name(&self.backends.profile).is_none() {
+            bail!("scenario: backends.profile `{}` is unknown (known: {})", self.backends.profile, GpuProfile::NAMES.join(", "));
+        }
+        if !self.filter_config.is_object() {
+            bail!("scenario: filter_config must be a JSON object");
+        }
+        if let Some(l) = &self.log_level {
+            parse_level(l)?;
+        }
+        for (name, v) in [("client_timeout_s", self.client_timeout_s), ("horizon_s", self.horizon_s), ("call_latency_ms", Some(self.call_latency_ms))] {
+            if let Some(v) = v {
+                if !(v >= 0.0 && v.is_finite()) {
+                    bail!("scenario: {name} must be a non-negative number");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Backend addresses.
+    pub fn backend_addresses(&self) -> Vec<String> {
+        (1..=self.backends.count).map(|i| format!("10.0.0.{i}:{}", self.backends.port)).collect()
+    }
+
+    /// The plugin configuration as sent to the filter.
+    pub fn plugin_config(&self) -> serde_json::Value {
+        let mut c = self.filter_config.clone();
+        if c.get("endpoints").is_none() {
+            c["endpoints"] = serde_json::json!(self.backend_addresses());
+        }
+        c
+    }
+
+    /// Tenant header the filter reads.
+    pub fn tenant_header(&self) -> String {
+        self.filter_config.get("tenant_header").and_then(|v| v.as_str()).unwrap_or("x-gateway-inference-fairness-id").to_string()
+    }
+
+    /// The workload's items (trace paths resolved against `base_dir`).
+    pub fn work_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
+        match &self.workload {
+            Workload::Poisson { clients, duration_s } => {
+                workload::poisson(clients, *duration_s, self.seed).map_err(|e| anyhow::anyhow!("scenario: workload.{e}"))
+            }
+            Workload::Trace { format, path, limit, max_arrival_s } => {
+                let p = base_dir.join(path);
+                let text = std::fs::read_to_string(&p).with_context(|| format!("reading trace {}", p.display()))?;
+                let mut items = workload::parse_trace(*format, &text).map_err(|errs| {
+                    let shown: Vec<String> = errs.iter().take(20).map(|e| e.to_string()).collect();
+                    anyhow::anyhow!("trace {}: {} bad row(s):\n{}", p.display(), errs.len(), shown.join("\n"))
+                })?;
+                if let Some(t) = max_arrival_s {
+                    items.retain(|w| (w.arrival_us as f64) < t * 1e6);
+                }
+                if let Some(n) = limit {
+                    items.truncate(*n);
+                }
+                Ok(items)
+            }
+        }
+    }
+
+    /// Builds the simulation: plugin, backends, the scrape cluster if the filter names one,
+    /// and the requests.
+    pub fn build(&self, wasm: &[u8], items: &[WorkItem]) -> Result<Sim> {
+        let plugin = PluginSpec {
+            configuration: serde_json::to_vec(&self.plugin_config())?,
+            workers: self.workers,
+            log_level: self.log_level.as_deref().map(parse_level).transpose()?.unwrap_or(LogLevel::Warn),
+            seed: self.seed,
+            ..Default::default()
+        };
+        let gw = GatewayConfig {
+            horizon_us: self.horizon_s.map(|s| (s * 1e6) as u64),
+            call_latency_us: (self.call_latency_ms * 1000.0) as u64,
+            ..Default::default()
+        };
+        let mut sim = Sim::new(wasm, &plugin, gw)?;
+        let profile = GpuProfile::by_name(&self.backends.profile).expect("validated");
+        for addr in self.backend_addresses() {
+            sim.add_upstream(&addr, Box::new(GpuUpstream::new(profile.clone(), 256)?));
+        }
+        if let Some(c) = self.filter_config.pointer("/routing/scrape_cluster").and_then(|v| v.as_str()) {
+            sim.add_cluster(c, Cluster::OriginalDst);
+        }
+        let th = self.tenant_header();
+        for (i, w) in items.iter().enumerate() {
+            let mut r = ClientRequest::chat(i as u64, w.arrival_us, &th, &w.client, &self.model, w.prompt_tokens, w.output_tokens);
+            r.prefix_hashes = w.prefix_hashes.clone();
+            r.cancel_after_us = self.client_timeout_s.map(|s| (s * 1e6) as u64);
+            sim.add_request(r);
+        }
+        Ok(sim)
+    }
+
+    /// Runs the scenario to completion and reports.
+    pub fn run(&self, wasm: &[u8], base_dir: &Path) -> Result<(Sim, Report)> {
+        let items = self.work_items(base_dir)?;
+        let mut sim = self.build(wasm, &items)?;
+        sim.run();
+        let report = Report::new(&sim, &self.backend_addresses());
+        Ok((sim, report))
+    }
+}
+
+fn parse_level(s: &str) -> Result<LogLevel> {
+    Ok(match s {
+        "trace" => LogLevel::Trace,
+        "debug" => LogLevel::Debug,
+        "info" => LogLevel::Info,
+        "warn" => LogLevel::Warn,
+        "error" => LogLevel::Error,
+        "critical" => LogLevel::Critical,
+        _ => bail!("scenario: log_level must be one of trace, debug, info, warn, error, critical; got `{s}`"),
+    })
+}

@@ -1,0 +1,296 @@
+//! Workloads: seeded synthetic arrivals and replay of the trace formats in `shared/traces`.
+//! Every generator is a pure function of its inputs and seed.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+use std::fmt;
+
+/// One request of a workload, before it becomes HTTP.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkItem {
+    /// Arrival, µs from the start.
+    pub arrival_us: u64,
+    /// Client / tenant.
+    pub client: String,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Output tokens.
+    pub output_tokens: u32,
+    /// Prefix-block hashes (Mooncake `hash_ids`).
+    pub prefix_hashes: Vec<u64>,
+}
+
+/// A synthetic client: Poisson arrivals with fixed lengths.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoissonClient {
+    /// Client name (sent in the tenant header).
+    pub name: String,
+    /// Mean requests per second.
+    pub rate: f64,
+    /// Prompt tokens per request.
+    pub prompt_tokens: u32,
+    /// Output tokens per request.
+    pub output_tokens: u32,
+}
+
+/// Poisson arrivals for each client over `duration_s`, merged in time order (ties by client
+/// order). Each client draws from its own stream derived from `seed`, so adding a client does not
+/// change the others' arrivals.
+pub fn poisson(clients: &[PoissonClient], duration_s: f64, seed: u64) -> Result<Vec<WorkItem>, String> {
+    if !(duration_s > 0.0 && duration_s.is_finite()) {
+        return Err(format!("duration_s must be a positive number, got {duration_s}"));
+    }
+    let mut out = Vec::new();
+    for (ci, c) in clients.iter().enumerate() {
+        if !(c.rate > 0.0 && c.rate.is_finite()) {
+            return Err(format!("clients[{ci}].rate must be a positive number, got {}", c.rate));
+        }
+        if c.prompt_tokens == 0 || c.output_tokens == 0 {
+            return Err(format!("clients[{ci}]: prompt_tokens and output_tokens must be >= 1"));
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)));
+        let mut t = 0.0f64;
+        loop {
+            let u: f64 = rng.random::<f64>();
+            t += -(1.0 - u).ln() / c.rate;
+            if t >= duration_s {
+                break;
+            }
+            out.push(WorkItem {
+                arrival_us: (t * 1e6) as u64,
+                client: c.name.clone(),
+                prompt_tokens: c.prompt_tokens,
+                output_tokens: c.output_tokens,
+                prefix_hashes: Vec::new(),
+            });
+        }
+    }
+    out.sort_by_key(|w| w.arrival_us);
+    Ok(out)
+}
+
+/// Trace file formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum TraceFormat {
+    /// `arrival_s,client,prompt_tokens,output_tokens` (the VTC artifact's real workload).
+    VtcCsv,
+    /// `TIMESTAMP,ContextTokens,GeneratedTokens` (Azure LLM inference trace 2023).
+    AzureCsv,
+    /// JSON lines `{"timestamp": ms, "input_length", "output_length", "hash_ids"}` (Mooncake).
+    MooncakeJsonl,
+}
+
+/// A bad row of a trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceError {
+    /// 1-based line number.
+    pub line: usize,
+    /// What is wrong, naming the field.
+    pub message: String,
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.message)
+    }
+}
+
+/// Parses a trace. Rows are validated (numbers, non-negative times, lengths >= 1); every bad row
+/// is reported with its line number and the whole parse fails if there is any. Arrivals are made
+/// relative to the first row and sorted (stable). Azure rows get client `azure`, Mooncake rows
+/// `mooncake`: those traces carry no tenant.
+pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec<TraceError>> {
+    let mut items = Vec::new();
+    let mut errs = Vec::new();
+    let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim_end_matches('\r')));
+    if format != TraceFormat::MooncakeJsonl {
+        let expected: &[&str] = match format {
+            TraceFormat::VtcCsv => &["arrival_s", "client", "prompt_tokens", "output_tokens"],
+            _ => &["TIMESTAMP", "ContextTokens", "GeneratedTokens"],
+        };
+        match lines.next() {
+            Some((_, h)) if h.split(',').map(str::trim).eq(expected.iter().copied()) => {}
+            Some((n, h)) => errs.push(TraceError { line: n, message: format!("header must be `{}`, found `{h}`", expected.join(",")) }),
+            None => errs.push(TraceError { line: 1, message: "empty file: no header".into() }),
+        }
+    }
+    let mut azure_t0: Option<i64> = None;
+    for (n, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r = match format {
+            TraceFormat::VtcCsv => parse_vtc(line),
+            TraceFormat::AzureCsv => parse_azure(line, &mut azure_t0),
+            TraceFormat::MooncakeJsonl => parse_mooncake(line),
+        };
+        match r {
+            Ok(w) => items.push(w),
+            Err(message) => errs.push(TraceError { line: n, message }),
+        }
+    }
+    if !errs.is_empty() {
+        return Err(errs);
+    }
+    if items.is_empty() {
+        return Err(vec![TraceError { line: 1, message: "trace has no requests".into() }]);
+    }
+    let t0 = items.iter().map(|w| w.arrival_us).min().unwrap_or(0);
+    for w in &mut items {
+        w.arrival_us -= t0;
+    }
+    items.sort_by_key(|w| w.arrival_us);
+    Ok(items)
+}
+
+fn tokens(field: &str, v: &str) -> Result<u32, String> {
+    let n: u64 = v.trim().parse().map_err(|_| format!("{field} must be a non-negative integer, found `{v}`"))?;
+    if n == 0 {
+        return Err(format!("{field} must be >= 1"));
+    }
+    u32::try_from(n).map_err(|_| format!("{field} is too large: {n}"))
+}
+
+fn parse_vtc(line: &str) -> Result<WorkItem, String> {
+    let f: Vec<&str> = line.split(',').collect();
+    if f.len() != 4 {
+        return Err(format!("expected 4 fields, found {}", f.len()));
+    }
+    let t: f64 = f[0].trim().parse().map_err(|_| format!("arrival_s must be a number, found `{}`", f[0]))?;
+    if !(t >= 0.0 && t.is_finite()) {
+        return Err(format!("arrival_s must be >= 0, found {t}"));
+    }
+    let client = f[1].trim();
+    if client.is_empty() {
+        return Err("client is empty".into());
+    }
+    Ok(WorkItem {
+        arrival_us: (t * 1e6).round() as u64,
+        client: client.to_string(),
+        prompt_tokens: tokens("prompt_tokens", f[2])?,
+        output_tokens: tokens("output_tokens", f[3])?,
+        prefix_hashes: Vec::new(),
+    })
+}
+
+/// Azure timestamps: `2023-11-16 18:15:46.6805900` (UTC, 100 ns digits).
+fn azure_time_us(s: &str) -> Option<i64> {
+    let (date, time) = s.trim().split_once(' ')?;
+    let mut d = date.split('-').map(|x| x.parse::<i64>().ok());
+    let (y, mo, da) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.split(':').map(|x| x.parse::<i64>().ok());
+    let (h, mi, se) = (t.next()??, t.next()??, t.next()??);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&da) || h > 23 || mi > 59 || se > 60 {
+        return None;
+    }
+    let frac_digits: String = frac.chars().take(6).collect();
+    if !frac_digits.chars().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let us_frac = format!("{frac_digits:0<6}").parse::<i64>().ok()?;
+    // Days from civil (Howard Hinnant's algorithm).
+    let (yy, mm) = if mo <= 2 { (y - 1, mo + 9) } else { (y, mo - 3) };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let doy = (153 * mm + 2) / 5 + da - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146097 + doe - 719468;
+    Some(((days * 86400 + h * 3600 + mi * 60 + se) * 1_000_000) + us_frac)
+}
+
+fn parse_azure(line: &str, t0: &mut Option<i64>) -> Result<WorkItem, String> {
+    let f: Vec<&str> = line.split(',').collect();
+    if f.len() != 3 {
+        return Err(format!("expected 3 fields, found {}", f.len()));
+    }
+    let t = azure_time_us(f[0]).ok_or_else(|| format!("TIMESTAMP must look like `2023-11-16 18:15:46.6805900`, found `{}`", f[0]))?;
+    let base = *t0.get_or_insert(t);
+    // Keep a large fixed offset so rows earlier than the first stay non-negative until rebased.
+    let rel = t - base + (1i64 << 40);
+    if rel < 0 {
+        return Err("TIMESTAMP is out of range".into());
+    }
+    Ok(WorkItem {
+        arrival_us: rel as u64,
+        client: "azure".into(),
+        prompt_tokens: tokens("ContextTokens", f[1])?,
+        output_tokens: tokens("GeneratedTokens", f[2])?,
+        prefix_hashes: Vec::new(),
+    })
+}
+
+#[derive(Deserialize)]
+struct MooncakeRow {
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+}
+
+fn parse_mooncake(line: &str) -> Result<WorkItem, String> {
+    let r: MooncakeRow = serde_json::from_str(line).map_err(|e| format!("invalid row: {e}"))?;
+    if !(r.timestamp >= 0.0 && r.timestamp.is_finite()) {
+        return Err(format!("timestamp must be >= 0, found {}", r.timestamp));
+    }
+    Ok(WorkItem {
+        arrival_us: (r.timestamp * 1000.0).round() as u64,
+        client: "mooncake".into(),
+        prompt_tokens: tokens("input_length", &r.input_length.to_string())?,
+        output_tokens: tokens("output_length", &r.output_length.to_string())?,
+        prefix_hashes: r.hash_ids,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_is_seeded_and_rate_shaped() {
+        let c = vec![
+            PoissonClient { name: "a".into(), rate: 10.0, prompt_tokens: 5, output_tokens: 7 },
+            PoissonClient { name: "b".into(), rate: 1.0, prompt_tokens: 5, output_tokens: 7 },
+        ];
+        let w = poisson(&c, 100.0, 3).unwrap();
+        assert_eq!(w, poisson(&c, 100.0, 3).unwrap());
+        assert_ne!(w, poisson(&c, 100.0, 4).unwrap());
+        let a = w.iter().filter(|x| x.client == "a").count();
+        let b = w.iter().filter(|x| x.client == "b").count();
+        assert!((900..1100).contains(&a), "{a}");
+        assert!((60..140).contains(&b), "{b}");
+        assert!(w.windows(2).all(|p| p[0].arrival_us <= p[1].arrival_us));
+        assert!(poisson(&c, 0.0, 1).unwrap_err().contains("duration_s"));
+    }
+
+    #[test]
+    fn traces_parse_and_bad_rows_name_line_and_field() {
+        let w = parse_trace(TraceFormat::VtcCsv, "arrival_s,client,prompt_tokens,output_tokens\n1.5,c1,10,20\n0.5,c2,3,4\n").unwrap();
+        assert_eq!(w[0], WorkItem { arrival_us: 0, client: "c2".into(), prompt_tokens: 3, output_tokens: 4, prefix_hashes: vec![] });
+        assert_eq!(w[1].arrival_us, 1_000_000);
+        let e = parse_trace(TraceFormat::VtcCsv, "arrival_s,client,prompt_tokens,output_tokens\n1,c,x,2\n2,c,1,0\n").unwrap_err();
+        assert_eq!(e.len(), 2);
+        assert_eq!((e[0].line, e[1].line), (2, 3));
+        assert!(e[0].message.contains("prompt_tokens") && e[1].message.contains("output_tokens"));
+        let w = parse_trace(
+            TraceFormat::AzureCsv,
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n",
+        )
+        .unwrap();
+        assert_eq!(w[1].arrival_us, 4_314_579);
+        let e = parse_trace(TraceFormat::AzureCsv, "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n").unwrap_err();
+        assert!(e[0].message.contains("TIMESTAMP") && e[0].line == 2);
+        let w = parse_trace(
+            TraceFormat::MooncakeJsonl,
+            "{\"timestamp\": 27482, \"input_length\": 6955, \"output_length\": 52, \"hash_ids\": [46, 47]}\n{\"timestamp\": 30535, \"input_length\": 6472, \"output_length\": 26, \"hash_ids\": [46]}\n",
+        )
+        .unwrap();
+        assert_eq!((w[1].arrival_us, w[0].prefix_hashes.clone()), (3_053_000, vec![46, 47]));
+        let e = parse_trace(TraceFormat::MooncakeJsonl, "{\"timestamp\": 1}\n").unwrap_err();
+        assert!(e[0].message.contains("input_length"));
+    }
+}
