@@ -228,8 +228,16 @@ pub struct Config {
 impl Config {
     /// Parses and validates; the error names the offending field and value.
     pub fn from_json(bytes: &[u8]) -> Result<Config, String> {
-        let raw: RawConfig =
-            serde_json::from_slice(bytes).map_err(|e| format!("invalid plugin configuration: {e}"))?;
+        let de = &mut serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path.is_empty() || path == "." {
+                format!("invalid plugin configuration: {inner}")
+            } else {
+                format!("field `{path}`: {inner}")
+            }
+        })?;
         if raw.endpoints.is_empty() {
             return Err("field `endpoints` must list at least one \"ip:port\"".into());
         }
@@ -387,6 +395,8 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"lower_bound_per_backend":1}"#, "upper_bound_per_backend"),
             (r#"{"endpoints":["127.0.0.1:1"],"endpoint":["x"]}"#, "endpoint"),
             (r#"{"endpoints":["127.0.0.1:1"],"vtc":{"output":-1}}"#, "vtc.output"),
+            (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#, "routing.saturation.queue_depth"),
             (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
             (r#"not json"#, "invalid plugin configuration"),
             (r#"{"endpoints":["127.0.0.1:1","127.0.0.1:1"]}"#, "listed twice"),

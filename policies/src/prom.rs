@@ -179,6 +179,8 @@ fn unescape(raw: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
     use super::*;
 
     fn all(text: &str) -> (Vec<(String, String, f64)>, usize) {

@@ -329,6 +329,8 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
     use super::*;
 
     fn m(waiting: f64, kv: f64) -> EndpointMetrics {
