@@ -2,8 +2,11 @@
 
 use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
-use sluice_policies::alloc::VtcWeights;
+use sluice_policies::bands::{BandLimits, Criticality};
+use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
+use sluice_policies::spec::{OrderSpec, PolicySpec};
+use std::collections::BTreeMap;
 use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
 
 /// An endpoint written as an object naming its model server.
@@ -117,14 +120,17 @@ pub struct Routing {
     pub quarantine_ms: u64,
 }
 
-/// Which allocation policy orders queued requests across tenants.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PolicyName {
-    /// First come, first served.
-    Fcfs,
-    /// Virtual Token Counter (Algorithm 2 of the VTC seed).
-    Vtc,
+/// Reads a tagged spec written either as its bare name or as an object.
+fn tagged<T: serde::de::DeserializeOwned>(field: &str, tag: &str, v: serde_json::Value) -> Result<T, String> {
+    let v = match v {
+        serde_json::Value::String(name) => serde_json::json!({ tag: name }),
+        other => other,
+    };
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path.is_empty() || path == "." { String::new() } else { format!(".{path}") };
+        format!("field `{field}{at}`: {}", e.into_inner())
+    })
 }
 
 /// The configuration as written by the operator; every key is optional but `endpoints`.
@@ -139,9 +145,21 @@ struct RawConfig {
     #[serde(default = "default_tenant")]
     default_tenant: String,
     #[serde(default = "default_policy")]
-    policy: PolicyName,
+    policy: serde_json::Value,
+    #[serde(default = "default_order")]
+    order: serde_json::Value,
     #[serde(default)]
-    vtc: VtcWeights,
+    criticality_header: Option<String>,
+    #[serde(default)]
+    criticality_by_tenant: BTreeMap<String, Criticality>,
+    #[serde(default = "default_criticality")]
+    default_criticality: Criticality,
+    #[serde(default)]
+    critical_reserve: Option<usize>,
+    #[serde(default)]
+    ttft_slo_ms: BTreeMap<Criticality, u64>,
+    #[serde(default)]
+    overload: Option<OverloadLadder>,
     #[serde(default = "default_max_body_bytes")]
     max_body_bytes: usize,
     #[serde(default = "default_total_capacity")]
@@ -170,8 +188,14 @@ fn default_tenant_header() -> String {
 fn default_tenant() -> String {
     "default".into()
 }
-fn default_policy() -> PolicyName {
-    PolicyName::Vtc
+fn default_policy() -> serde_json::Value {
+    "vtc".into()
+}
+fn default_order() -> serde_json::Value {
+    "fifo".into()
+}
+fn default_criticality() -> Criticality {
+    Criticality::Standard
 }
 fn default_max_body_bytes() -> usize {
     1 << 20
@@ -207,14 +231,24 @@ pub struct Config {
     pub tenant_header: String,
     /// Tenant of requests without that header.
     pub default_tenant: String,
-    /// Allocation policy across tenants.
-    pub policy: PolicyName,
-    /// Token prices of VTC.
-    pub vtc: VtcWeights,
+    /// Allocation policy across tenants, built once per criticality band.
+    pub policy: PolicySpec,
+    /// Ordering inside a tenant's queue.
+    pub order: OrderSpec,
+    /// Trusted header carrying the request's criticality (set by an upstream filter).
+    pub criticality_header: Option<String>,
+    /// Criticality by tenant, used when the header is absent or unset.
+    pub criticality_by_tenant: BTreeMap<String, Criticality>,
+    /// Criticality of everything else.
+    pub default_criticality: Criticality,
+    /// Capacities per band (total, per flow, TTL, slots reserved for critical requests).
+    pub bands: BandLimits,
+    /// TTFT objective by band: requests get the deadline `arrival + objective` (for EDF orderings).
+    pub ttft_slo_ms: BTreeMap<Criticality, u64>,
+    /// The black-box overload ladder, when enabled.
+    pub overload: Option<OverloadLadder>,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
-    /// Queue capacities and TTL.
-    pub limits: QueueLimits,
     /// Stock hysteresis band per backend.
     pub bounds: StockBounds,
     /// Value of `retry-after` on rejects.
@@ -332,10 +366,19 @@ impl Config {
         if raw.max_body_bytes == 0 {
             return Err("field `max_body_bytes` must be at least 1, got 0".into());
         }
-        for (name, w) in [("vtc.input", raw.vtc.input), ("vtc.output", raw.vtc.output)] {
-            if !(w >= 0.0 && w.is_finite()) {
-                return Err(format!("field `{name}` must be a non-negative number, got {w}"));
-            }
+        let policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
+        policy.build().map_err(|e| format!("field `policy`: {e}"))?;
+        let order: OrderSpec = tagged("order", "order", raw.order)?;
+        order.build().map_err(|e| format!("field `order`: {e}"))?;
+        let bands = BandLimits {
+            total_capacity: raw.total_capacity,
+            flow_capacity: raw.flow_capacity,
+            ttl_ms: raw.queue_ttl_ms,
+            critical_reserve: raw.critical_reserve.unwrap_or(raw.flow_capacity.min(raw.total_capacity - 1)),
+        };
+        bands.validate("limits").map_err(|e| format!("field {}", e.trim_start_matches("limits.")))?;
+        if let Some(ladder) = &raw.overload {
+            ladder.validate("overload").map_err(|e| format!("field `{e}"))?;
         }
         let bounds = match (raw.lower_bound_per_backend, raw.upper_bound_per_backend) {
             (None, None) => StockBounds::from_watermark(raw.watermark_per_backend, raw.percentage_deviation_for_bounds),
@@ -352,14 +395,15 @@ impl Config {
             routing,
             tenant_header: raw.tenant_header.to_ascii_lowercase(),
             default_tenant: raw.default_tenant,
-            policy: raw.policy,
-            vtc: raw.vtc,
+            policy,
+            order,
+            criticality_header: raw.criticality_header.map(|h| h.to_ascii_lowercase()),
+            criticality_by_tenant: raw.criticality_by_tenant,
+            default_criticality: raw.default_criticality,
+            bands,
+            ttft_slo_ms: raw.ttft_slo_ms,
+            overload: raw.overload,
             max_body_bytes: raw.max_body_bytes,
-            limits: QueueLimits {
-                total_capacity: raw.total_capacity,
-                flow_capacity: raw.flow_capacity,
-                ttl_ms: raw.queue_ttl_ms,
-            },
             bounds,
             retry_after_s: raw.retry_after_s,
             tick_ms: raw.tick_ms,
@@ -376,11 +420,16 @@ mod tests {
         let c = Config::from_json(br#"{"endpoints":["127.0.0.1:8001"]}"#).unwrap();
         assert_eq!(c.tenant_header, "x-gateway-inference-fairness-id");
         assert_eq!(c.default_tenant, "default");
-        assert_eq!(c.policy, PolicyName::Vtc);
-        assert_eq!(c.limits, QueueLimits { total_capacity: 1000, flow_capacity: 100, ttl_ms: 30_000 });
+        assert_eq!(c.policy, tagged::<PolicySpec>("p", "policy", "vtc".into()).unwrap());
+        assert_eq!(c.order, OrderSpec::Fifo);
+        assert_eq!(
+            c.bands,
+            BandLimits { total_capacity: 1000, flow_capacity: 100, ttl_ms: 30_000, critical_reserve: 100 }
+        );
+        assert_eq!(c.default_criticality, Criticality::Standard);
+        assert!(c.criticality_header.is_none() && c.overload.is_none());
         assert!((c.bounds.upper_per_backend - 2.2).abs() < 1e-9);
         assert!((c.bounds.lower_per_backend - 1.8).abs() < 1e-9);
-        assert_eq!(c.vtc, VtcWeights { input: 1.0, output: 2.0 });
     }
 
     #[test]
@@ -394,7 +443,13 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#, "percentage_deviation_for_bounds"),
             (r#"{"endpoints":["127.0.0.1:1"],"lower_bound_per_backend":1}"#, "upper_bound_per_backend"),
             (r#"{"endpoints":["127.0.0.1:1"],"endpoint":["x"]}"#, "endpoint"),
-            (r#"{"endpoints":["127.0.0.1:1"],"vtc":{"output":-1}}"#, "vtc.output"),
+            (r#"{"endpoints":["127.0.0.1:1"],"vtc":{"output":-1}}"#, "vtc"),
+            (r#"{"endpoints":["127.0.0.1:1"],"policy":{"policy":"vtc","output_weight":"x"}}"#, "field `policy`: invalid type: string \"x\""),
+            (r#"{"endpoints":["127.0.0.1:1"],"policy":"rpm"}"#, "requests_per_minute"),
+            (r#"{"endpoints":["127.0.0.1:1"],"order":"lifo"}"#, "lifo"),
+            (r#"{"endpoints":["127.0.0.1:1"],"criticality_by_tenant":{"a":"urgent"}}"#, "criticality_by_tenant.a"),
+            (r#"{"endpoints":["127.0.0.1:1"],"total_capacity":10,"critical_reserve":10}"#, "critical_reserve"),
+            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"defer_above":0.9}}"#, "overload"),
             (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
             (r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#, "routing.saturation.queue_depth"),
             (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
@@ -432,6 +487,37 @@ mod tests {
         assert!(c.routing.scrape_cluster.is_none());
         assert_eq!(c.routing.router.weights.in_flight, 1.0);
         assert_eq!(c.routing.router.weights.prefix, 0.0);
+    }
+
+    #[test]
+    fn every_policy_of_the_library_is_selectable() {
+        for p in [
+            r#""fcfs""#,
+            r#""lcf""#,
+            r#""vtc""#,
+            r#"{"policy":"vtc","tenant_weights":{"gold":2}}"#,
+            r#"{"policy":"vtc-cost","cost":"profiled"}"#,
+            r#""vtc-predict""#,
+            r#"{"policy":"rpm","requests_per_minute":30}"#,
+            r#""wfq""#,
+            r#""drr""#,
+        ] {
+            let c = Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"policy":{p}}}"#).as_bytes());
+            assert!(c.is_ok(), "{p}: {:?}", c.err());
+        }
+        for o in [r#""edf""#, r#""shortest-predicted""#, r#"{"order":"feasible-set"}"#] {
+            let c = Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"order":{o}}}"#).as_bytes());
+            assert!(c.is_ok(), "{o}: {:?}", c.err());
+        }
+        let c = Config::from_json(
+            br#"{"endpoints":["127.0.0.1:1"],"criticality_header":"X-Criticality","criticality_by_tenant":{"batch":"sheddable"},
+                 "ttft_slo_ms":{"critical":2000},"overload":{}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.criticality_header.as_deref(), Some("x-criticality"));
+        assert_eq!(c.criticality_by_tenant["batch"], Criticality::Sheddable);
+        assert_eq!(c.ttft_slo_ms[&Criticality::Critical], 2000);
+        assert_eq!(c.overload, Some(OverloadLadder::default()));
     }
 
     #[test]

@@ -2,21 +2,26 @@
 //! decides, in a single global order, which paused request goes next.
 //!
 //! Pure: it consumes [`ToScheduler`] messages and answers with
-//! `(worker, ToWorker)` pairs; taking stock is a callback so the caller decides
-//! how (shared data in the filter, a map in tests).
+//! `(worker, ToWorker)` pairs; taking stock and routing is a callback so the
+//! caller decides how (shared data in the filter, a closure in tests).
 
-use crate::config::{Config, PolicyName};
+use crate::config::Config;
 use crate::wire::{RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
-use sluice_policies::alloc::{Allocation, Fcfs, Vtc};
+use sluice_policies::alloc::Allocation;
+use sluice_policies::bands::{BandedQueue, Criticality};
+use sluice_policies::order::RequestMeta;
 use sluice_policies::queue::FairQueue;
-use sluice_policies::{RejectReason, Request};
+use sluice_policies::{FlowId, RejectReason, Request};
 
 /// Reject reasons on the wire, in [`ToWorker::Reject`].
 pub const REASONS: [RejectReason; 3] = [RejectReason::QueueFull, RejectReason::FlowFull, RejectReason::TtlExpired];
-
-/// Reject code on the wire for "no endpoint is healthy" (after the [`REASONS`]).
+/// Reject code for "no endpoint is healthy" (after the [`REASONS`]).
 pub const NO_ENDPOINT: u8 = REASONS.len() as u8;
+/// Reject code for a queued request evicted to make room for a more critical one.
+pub const EVICTED: u8 = NO_ENDPOINT + 1;
+/// Reject code for the overload ladder's refusal (decided by the worker).
+pub const OVERLOADED: u8 = EVICTED + 1;
 
 fn reason_code(r: RejectReason) -> u8 {
     REASONS.iter().position(|&x| x == r).expect("every reason has a code") as u8
@@ -27,35 +32,14 @@ pub fn worker_of(req: u64) -> u32 {
     (req >> 32) as u32
 }
 
-/// Allocation policies whose state survives a scheduler takeover through shared data.
-pub trait Persist: Allocation {
-    /// Counters to save, by flow id.
-    fn snapshot(&self, flows: usize) -> Vec<f64>;
-    /// Restores one flow's counter.
-    fn restore(&mut self, flow: u32, value: f64);
+/// Band index on the wire.
+pub fn band_code(b: Criticality) -> u8 {
+    Criticality::ALL.iter().position(|&x| x == b).expect("a band") as u8
 }
 
-impl Persist for Fcfs {
-    fn snapshot(&self, _flows: usize) -> Vec<f64> {
-        Vec::new()
-    }
-    fn restore(&mut self, _flow: u32, _value: f64) {}
-}
-
-impl Persist for Vtc {
-    fn snapshot(&self, flows: usize) -> Vec<f64> {
-        (0..flows as u32).map(|f| self.counter(f)).collect()
-    }
-    fn restore(&mut self, flow: u32, value: f64) {
-        self.set_counter(flow, value)
-    }
-}
-
-/// The queue and the order it is served in.
-pub struct Scheduler {
-    queue: FairQueue<Box<dyn Persist>>,
-    /// Routing facts of queued requests, by request id.
-    routes: HashMap<u64, RouteInfo>,
+/// Band from its wire index (unknown codes are the default band).
+pub fn band_of_code(code: u8) -> Criticality {
+    Criticality::ALL.get(code as usize).copied().unwrap_or(Criticality::Standard)
 }
 
 /// The answer to "may the next request go, and where?".
@@ -72,14 +56,25 @@ pub enum Slot {
 /// What the scheduler asks of the stock and the router for the next request.
 pub type Acquire<'a> = &'a mut dyn FnMut(&RouteInfo) -> Slot;
 
+/// The queue, the order it is served in, and the service each tenant received.
+pub struct Scheduler {
+    queue: BandedQueue<Box<dyn Allocation>>,
+    /// Routing facts of queued requests, by request id.
+    routes: HashMap<u64, RouteInfo>,
+    /// Band and flow of requests dispatched and not yet done, so that output
+    /// tokens and completion reach the policy that dispatched them.
+    running: HashMap<u64, (Criticality, FlowId)>,
+}
+
 impl Scheduler {
-    /// An empty scheduler for `cfg`.
+    /// An empty scheduler for `cfg` (whose policy and order specs were validated).
     pub fn new(cfg: &Config) -> Scheduler {
-        let policy: Box<dyn Persist> = match cfg.policy {
-            PolicyName::Fcfs => Box::new(Fcfs::default()),
-            PolicyName::Vtc => Box::new(Vtc::new(cfg.vtc)),
-        };
-        Scheduler { queue: FairQueue::new(cfg.limits, policy), routes: HashMap::new() }
+        let queue = BandedQueue::with_queues(cfg.bands, |_, limits| {
+            let policy = cfg.policy.build().expect("validated with the configuration");
+            let order = cfg.order.build().expect("validated with the configuration");
+            FairQueue::with_order(limits, policy, order)
+        });
+        Scheduler { queue, routes: HashMap::new(), running: HashMap::new() }
     }
 
     /// Requests waiting.
@@ -92,57 +87,78 @@ impl Scheduler {
         self.queue.is_empty()
     }
 
-    /// Handles one message; rejections go to `out`.
-    pub fn on_message(&mut self, msg: ToScheduler, out: &mut Vec<(u32, ToWorker)>) {
+    /// Handles one message at `now_ms`; rejections go to `out`.
+    pub fn on_message(&mut self, msg: ToScheduler, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         match msg {
-            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, route, tenant } => {
-                let flow = self.queue.flow_id(&tenant);
-                if self.queue.contains(req) {
+            ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline_ms, route, tenant } => {
+                if self.queue.band_of(req).is_some() {
                     return; // a resend after a takeover race: already queued
                 }
+                let flow = self.queue.flow_id(&tenant);
                 let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
-                match self.queue.push(r) {
-                    Ok(()) => {
+                let meta = RequestMeta {
+                    deadline_ms: (deadline_ms != u64::MAX).then_some(deadline_ms),
+                    predicted_output: (max_tokens > 0).then_some(max_tokens),
+                };
+                self.queue.advance(now_ms);
+                match self.queue.push_with(band_of_code(band), r, meta) {
+                    Ok(evicted) => {
                         self.routes.insert(req, route);
+                        if let Some(victim) = evicted {
+                            self.routes.remove(&victim.id);
+                            out.push((worker_of(victim.id), ToWorker::Reject { req: victim.id, reason: EVICTED }));
+                        }
                     }
-                    Err(reason) => out.push((worker, ToWorker::Reject { req, reason: reason_code(reason) })),
+                    Err(reason) => out.push((worker_of(req), ToWorker::Reject { req, reason: reason_code(reason) })),
                 }
             }
             ToScheduler::Cancel { req } => {
                 self.queue.remove(req);
                 self.routes.remove(&req);
             }
-            ToScheduler::Charge { input_tokens, output_tokens, tenant, .. } => {
-                if input_tokens == 0 && output_tokens == 0 {
-                    return;
-                }
-                let flow = self.queue.flow_id(&tenant);
-                let policy = self.queue.policy_mut();
+            ToScheduler::Charge { req, band, input_tokens, output_tokens, done, tenant } => {
+                let (band, flow) = match self.running.get(&req) {
+                    Some(&known) => known,
+                    None if tenant.is_empty() => return, // a wake-up, not a charge
+                    None => (band_of_code(band), self.queue.flow_id(&tenant)),
+                };
+                let policy = self.queue.band_mut(band).policy_mut();
                 if input_tokens > 0 {
                     // A request that bypassed the queue: charged as if dispatched from it.
-                    let r = Request { id: u64::MAX, flow, input_tokens, max_output_tokens: 0, arrival_ms: 0 };
+                    let r = Request { id: req, flow, input_tokens, max_output_tokens: 0, arrival_ms: now_ms };
                     policy.on_dispatch(&r);
+                    self.running.insert(req, (band, flow));
                 }
                 if output_tokens > 0 {
-                    policy.on_output(flow, output_tokens);
+                    policy.on_output_for(flow, req, output_tokens);
+                }
+                if done {
+                    policy.on_complete(flow, req);
+                    self.running.remove(&req);
                 }
             }
         }
     }
 
     /// Dispatches while the stock band allows and something waits.
-    pub fn pump(&mut self, acquire: Acquire<'_>, out: &mut Vec<(u32, ToWorker)>) {
+    pub fn pump(&mut self, now_ms: u64, acquire: Acquire<'_>, out: &mut Vec<(u32, ToWorker)>) {
         static NO_ROUTE: RouteInfo = RouteInfo { session: None, model: String::new(), prefix: Vec::new() };
-        while let Some(next) = self.queue.peek().map(|r| r.id) {
+        self.queue.advance(now_ms);
+        while let Some(next) = self.queue.peek().map(|(_, r)| r.id) {
             let slot = acquire(self.routes.get(&next).unwrap_or(&NO_ROUTE));
             let msg = match slot {
                 Slot::Wait => break,
                 Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint },
                 Slot::NoEndpoint => ToWorker::Reject { req: next, reason: NO_ENDPOINT },
             };
-            let r = self.queue.pop().expect("peeked a request");
+            let (band, r) = self.queue.pop().expect("peeked a request");
             debug_assert_eq!(r.id, next, "pop takes the request peek showed");
             self.routes.remove(&r.id);
+            if matches!(msg, ToWorker::Dispatch { .. }) {
+                self.running.insert(r.id, (band, r.flow));
+            } else {
+                self.queue.band_mut(band).policy_mut().on_complete(r.flow, r.id);
+            }
             out.push((worker_of(r.id), msg));
         }
     }
@@ -155,25 +171,46 @@ impl Scheduler {
         }
     }
 
-    /// The policy's counters by tenant name, as JSON, for shared data.
-    pub fn snapshot(&self) -> Option<Vec<u8>> {
-        let names = self.queue.flow_names();
-        let values = self.queue.policy().snapshot(names.len());
-        if values.is_empty() {
-            return None;
+    /// Forgets running requests whose worker vanished without a `done`
+    /// (bounded memory under VM crashes): keeps at most `max` entries.
+    pub fn bound_running(&mut self, max: usize) {
+        if self.running.len() > max {
+            let drop: Vec<u64> = self.running.keys().take(self.running.len() - max).copied().collect();
+            for id in drop {
+                self.running.remove(&id);
+            }
         }
-        let map: serde_json::Map<String, serde_json::Value> =
-            names.iter().cloned().zip(values.into_iter().map(serde_json::Value::from)).collect();
-        serde_json::to_vec(&map).ok()
+    }
+
+    /// Each band's counters by tenant name, as JSON, for shared data
+    /// (`None` for policies without counters).
+    pub fn snapshot(&self) -> Option<Vec<u8>> {
+        let mut bands = serde_json::Map::new();
+        for band in Criticality::ALL {
+            let q = self.queue.band(band);
+            let counters: serde_json::Map<String, serde_json::Value> = q
+                .flow_names()
+                .iter()
+                .enumerate()
+                .filter_map(|(f, name)| Some((name.clone(), q.policy().counter_of(f as FlowId)?.into())))
+                .collect();
+            if !counters.is_empty() {
+                bands.insert(band.as_str().to_owned(), counters.into());
+            }
+        }
+        (!bands.is_empty()).then(|| serde_json::to_vec(&bands).expect("a JSON map serialises"))
     }
 
     /// Restores counters from [`Scheduler::snapshot`]; unreadable input is ignored.
     pub fn restore(&mut self, bytes: &[u8]) {
-        let Ok(map) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(bytes) else { return };
-        for (name, v) in map {
-            if let Some(v) = v.as_f64() {
-                let flow = self.queue.flow_id(&name);
-                self.queue.policy_mut().restore(flow, v);
+        let Ok(bands) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(bytes) else { return };
+        for (band, counters) in bands {
+            let (Some(band), Some(counters)) = (Criticality::parse(&band), counters.as_object()) else { continue };
+            for (name, v) in counters {
+                if let Some(v) = v.as_f64() {
+                    let flow = self.queue.flow_id(name);
+                    self.queue.band_mut(band).policy_mut().restore_counter(flow, v);
+                }
             }
         }
     }
@@ -188,16 +225,25 @@ mod tests {
             .unwrap()
     }
 
-    fn enqueue(worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
+    fn enqueue_in(band: Criticality, worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
         ToScheduler::Enqueue {
-            worker,
             req: (worker as u64) << 32 | ctx as u64,
+            band: band_code(band),
             input_tokens: 100,
             max_tokens: 100,
             arrival_ms: t,
+            deadline_ms: u64::MAX,
             route: RouteInfo::default(),
             tenant: tenant.into(),
         }
+    }
+
+    fn enqueue(worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
+        enqueue_in(Criticality::Standard, worker, ctx, tenant, t)
+    }
+
+    fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
+        ToScheduler::Charge { req, band: 1, input_tokens, output_tokens, done, tenant: tenant.into() }
     }
 
     /// Grants up to `n` slots on endpoint 0, then says wait.
@@ -225,9 +271,9 @@ mod tests {
         let mut s = Scheduler::new(&cfg("fcfs", ""));
         let mut out = Vec::new();
         for ctx in 0..5 {
-            s.on_message(enqueue(ctx % 2, ctx, "a", ctx as u64), &mut out);
+            s.on_message(enqueue(ctx % 2, ctx, "a", ctx as u64), 0, &mut out);
         }
-        s.pump(&mut slots(3), &mut out);
+        s.pump(0, &mut slots(3), &mut out);
         assert_eq!(dispatched(&out), vec![0, 1, 2]);
         assert_eq!(out.iter().map(|(w, _)| *w).collect::<Vec<_>>(), vec![0, 1, 0]);
         assert_eq!(s.len(), 2);
@@ -238,10 +284,10 @@ mod tests {
         let mut s = Scheduler::new(&cfg("vtc", ""));
         let mut out = Vec::new();
         for ctx in 0..20 {
-            s.on_message(enqueue(ctx % 3, ctx, "flood", ctx as u64), &mut out);
+            s.on_message(enqueue(ctx % 3, ctx, "flood", ctx as u64), 0, &mut out);
         }
-        s.on_message(enqueue(1, 100, "modest", 50), &mut out);
-        s.pump(&mut slots(3), &mut out);
+        s.on_message(enqueue(1, 100, "modest", 50), 0, &mut out);
+        s.pump(0, &mut slots(3), &mut out);
         assert!(dispatched(&out).contains(&100), "modest served among the first three: {out:?}");
     }
 
@@ -249,8 +295,8 @@ mod tests {
     fn capacity_and_ttl_rejects_name_the_reason() {
         let mut s = Scheduler::new(&cfg("fcfs", r#","flow_capacity":1,"queue_ttl_ms":10"#));
         let mut out = Vec::new();
-        s.on_message(enqueue(0, 1, "a", 0), &mut out);
-        s.on_message(enqueue(0, 2, "a", 0), &mut out);
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        s.on_message(enqueue(0, 2, "a", 0), 0, &mut out);
         assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, reason: reason_code(RejectReason::FlowFull) })]);
         out.clear();
         s.expire(5, &mut out);
@@ -264,11 +310,11 @@ mod tests {
     fn cancelled_requests_are_never_dispatched_and_resends_are_not_duplicated() {
         let mut s = Scheduler::new(&cfg("fcfs", ""));
         let mut out = Vec::new();
-        s.on_message(enqueue(0, 1, "a", 0), &mut out);
-        s.on_message(enqueue(0, 1, "a", 0), &mut out);
-        s.on_message(enqueue(0, 2, "a", 1), &mut out);
-        s.on_message(ToScheduler::Cancel { req: 1 }, &mut out);
-        s.pump(&mut slots(usize::MAX), &mut out);
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        s.on_message(enqueue(0, 2, "a", 1), 0, &mut out);
+        s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+        s.pump(0, &mut slots(usize::MAX), &mut out);
         assert_eq!(dispatched(&out), vec![2]);
     }
 
@@ -277,13 +323,13 @@ mod tests {
         let c = cfg("vtc", "");
         let mut old = Scheduler::new(&c);
         let mut out = Vec::new();
-        old.on_message(ToScheduler::Charge { input_tokens: 0, output_tokens: 500, done: false, tenant: "a".into() }, &mut out);
+        old.on_message(charge(7, "a", 0, 500, false), 0, &mut out);
         let order = |s: &mut Scheduler| {
             let mut out = Vec::new();
-            s.on_message(enqueue(0, 1, "b", 0), &mut out);
-            s.on_message(enqueue(0, 2, "b", 1), &mut out);
-            s.on_message(enqueue(0, 3, "a", 2), &mut out);
-            s.pump(&mut slots(usize::MAX), &mut out);
+            s.on_message(enqueue(0, 1, "b", 0), 0, &mut out);
+            s.on_message(enqueue(0, 2, "b", 1), 0, &mut out);
+            s.on_message(enqueue(0, 3, "a", 2), 0, &mut out);
+            s.pump(0, &mut slots(usize::MAX), &mut out);
             dispatched(&out)
         };
         // Without the history, "a" (lifted to b's 0) gets the second turn ...
@@ -292,6 +338,7 @@ mod tests {
         let mut new = Scheduler::new(&c);
         new.restore(&old.snapshot().unwrap());
         assert_eq!(order(&mut new), vec![1, 2, 3]);
+        assert!(Scheduler::new(&cfg("fcfs", "")).snapshot().is_none(), "FCFS has no counters");
     }
 
     #[test]
@@ -303,10 +350,11 @@ mod tests {
             if let ToScheduler::Enqueue { route, .. } = &mut m {
                 route.model = model.into();
             }
-            s.on_message(m, &mut out);
+            s.on_message(m, 0, &mut out);
         }
         let mut seen = Vec::new();
         s.pump(
+            0,
             &mut |r: &RouteInfo| {
                 seen.push(r.model.clone());
                 if r.model == "a" { Slot::NoEndpoint } else { Slot::Granted(1) }
@@ -326,11 +374,49 @@ mod tests {
         let mut s = Scheduler::new(&cfg("vtc", ""));
         let mut out = Vec::new();
         // "a" sent 1000 prompt tokens past the queue; "b" nothing.
-        s.on_message(ToScheduler::Charge { input_tokens: 1000, output_tokens: 0, done: false, tenant: "a".into() }, &mut out);
-        s.on_message(enqueue(0, 1, "b", 0), &mut out);
-        s.on_message(enqueue(0, 2, "b", 1), &mut out);
-        s.on_message(enqueue(0, 3, "a", 2), &mut out);
-        s.pump(&mut slots(usize::MAX), &mut out);
+        s.on_message(charge(9, "a", 1000, 0, false), 0, &mut out);
+        s.on_message(enqueue(0, 1, "b", 0), 0, &mut out);
+        s.on_message(enqueue(0, 2, "b", 1), 0, &mut out);
+        s.on_message(enqueue(0, 3, "a", 2), 0, &mut out);
+        s.pump(0, &mut slots(usize::MAX), &mut out);
         assert_eq!(dispatched(&out), vec![1, 2, 3]);
+        s.on_message(charge(9, "a", 0, 0, true), 0, &mut out);
+        assert!(!s.running.contains_key(&9), "done forgets the request");
+    }
+
+    #[test]
+    fn critical_goes_first_and_the_newest_less_critical_request_is_evicted_when_full() {
+        let mut s = Scheduler::new(&cfg("vtc", r#","total_capacity":3,"critical_reserve":1"#));
+        let mut out = Vec::new();
+        s.on_message(enqueue_in(Criticality::Sheddable, 0, 1, "a", 0), 0, &mut out);
+        s.on_message(enqueue_in(Criticality::Sheddable, 0, 2, "a", 1), 0, &mut out);
+        assert!(out.is_empty());
+        // Two slots are open to non-critical work: a standard request evicts the newest sheddable one.
+        s.on_message(enqueue_in(Criticality::Standard, 0, 3, "b", 2), 0, &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, reason: EVICTED })]);
+        out.clear();
+        // The reserved slot takes a critical request; the next one evicts the last sheddable.
+        s.on_message(enqueue_in(Criticality::Critical, 0, 4, "c", 3), 0, &mut out);
+        assert!(out.is_empty());
+        s.on_message(enqueue_in(Criticality::Critical, 0, 5, "c", 4), 0, &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, reason: EVICTED })]);
+        out.clear();
+        s.pump(0, &mut slots(usize::MAX), &mut out);
+        assert_eq!(dispatched(&out), vec![4, 5, 3], "bands in strict priority");
+    }
+
+    #[test]
+    fn edf_serves_the_earliest_deadline_inside_a_tenant() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","order":"edf""#));
+        let mut out = Vec::new();
+        for (ctx, deadline) in [(1, 500), (2, 100), (3, u64::MAX)] {
+            let mut m = enqueue(0, ctx, "a", ctx as u64);
+            if let ToScheduler::Enqueue { deadline_ms, .. } = &mut m {
+                *deadline_ms = deadline;
+            }
+            s.on_message(m, 0, &mut out);
+        }
+        s.pump(0, &mut slots(usize::MAX), &mut out);
+        assert_eq!(dispatched(&out), vec![2, 1, 3]);
     }
 }

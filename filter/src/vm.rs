@@ -10,9 +10,11 @@
 
 use crate::config::{Config, NoEndpoint};
 use crate::openai::{self, TokenCounter};
-use crate::scheduler::{Scheduler, Slot, NO_ENDPOINT, REASONS};
+use crate::scheduler::{band_code, Scheduler, Slot, EVICTED, NO_ENDPOINT, OVERLOADED, REASONS};
 use crate::shared::{self, Lease, Store};
 use crate::wire::{RouteInfo, ToScheduler, ToWorker};
+use sluice_policies::bands::Criticality;
+use sluice_policies::overload::{LadderDecision, LoadSignals};
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
@@ -35,6 +37,8 @@ const REJECT_REASON: &str = "x-sluice-reject-reason";
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// Most bytes of a `/metrics` page read; the rest is ignored (a truncated last line is skipped).
 const MAX_SCRAPE_BYTES: usize = 1 << 20;
+/// Dispatched requests the scheduler tracks for charging, at most.
+const MAX_RUNNING: usize = 1 << 16;
 /// Prefix blocks and sessions remembered for affinity, per VM.
 const AFFINITY_CAPACITY: usize = 1 << 16;
 
@@ -74,7 +78,7 @@ struct Metrics {
     queued: u32,
     dispatched: u32,
     completed: u32,
-    rejected: [u32; 6],
+    rejected: [u32; 8],
     cancelled_in_queue: u32,
     queue_wait_ms: u32,
     scrapes_ok: u32,
@@ -93,8 +97,8 @@ impl Reject {
     fn index(self) -> usize {
         match self {
             Reject::Scheduler(code) => code as usize,
-            Reject::BadRequest => 4,
-            Reject::BodyTooLarge => 5,
+            Reject::BadRequest => 6,
+            Reject::BodyTooLarge => 7,
         }
     }
 
@@ -102,6 +106,8 @@ impl Reject {
     fn describe(self) -> (u32, &'static str, &'static str) {
         match self {
             Reject::Scheduler(NO_ENDPOINT) => (503, "no-healthy-endpoint", "server_error"),
+            Reject::Scheduler(EVICTED) => (429, sluice_policies::bands::EVICTED_REASON, "rate_limit_error"),
+            Reject::Scheduler(OVERLOADED) => (429, "rejected-overload", "rate_limit_error"),
             Reject::Scheduler(code) => {
                 let r = REASONS[code as usize];
                 let kind = if r.http_status() == 429 { "rate_limit_error" } else { "server_error" };
@@ -129,6 +135,8 @@ impl Metrics {
                 counter("sluice_requests_rejected_flow_capacity")?,
                 counter("sluice_requests_rejected_ttl_expired")?,
                 counter("sluice_requests_rejected_no_endpoint")?,
+                counter("sluice_requests_rejected_evicted")?,
+                counter("sluice_requests_rejected_overload")?,
                 counter("sluice_requests_rejected_bad_request")?,
                 counter("sluice_requests_rejected_body_too_large")?,
             ],
@@ -154,7 +162,7 @@ enum Stream {
     /// again if the scheduler changes).
     Queued { enqueue: ToScheduler, arrival_ms: u64, epoch: u32 },
     /// Sent to a backend; holds one unit of stock on `endpoint`.
-    Dispatched { tenant: String, endpoint: u32 },
+    Dispatched { tenant: String, band: u8, endpoint: u32 },
 }
 
 /// This VM's half of the scheduler lease.
@@ -192,6 +200,14 @@ enum Admission {
     Queued,
     NoScheduler,
     NoEndpoint,
+    Overloaded,
+}
+
+/// What a request's own callbacks learned before admission.
+struct Admit {
+    tenant: String,
+    band: Criticality,
+    route: RouteInfo,
 }
 
 impl Vm {
@@ -233,20 +249,35 @@ impl Vm {
     }
 
     /// Bypass, or hand the request to the scheduler.
-    fn admit(&mut self, ctx: u32, tenant: String, req: &openai::CompletionRequest, route: RouteInfo) -> Admission {
-        if shared::get_u64(&HostStore, shared::QUEUED_KEY) == 0 {
+    fn admit(&mut self, ctx: u32, who: Admit, req: &openai::CompletionRequest) -> Admission {
+        let Admit { tenant, band, route } = who;
+        let queued = shared::get_u64(&HostStore, shared::QUEUED_KEY);
+        let mut may_bypass = queued == 0;
+        if let Some(ladder) = self.cfg.overload {
+            let tokens = req.prompt_tokens as f64 + req.max_tokens as f64;
+            match ladder.evaluate(&self.load_signals(queued), tokens) {
+                LadderDecision::Admit => {}
+                LadderDecision::Defer => may_bypass = false,
+                LadderDecision::Reject => return Admission::Overloaded,
+            }
+        }
+        let req_id = self.request_id(ctx);
+        let band = band_code(band);
+        if may_bypass {
             match self.take_slot(&route, false) {
                 Slot::Granted(endpoint) => {
                     self.metrics.inc(self.metrics.bypassed);
                     self.metrics.inc(self.metrics.dispatched);
                     let charge = ToScheduler::Charge {
+                        req: req_id,
+                        band,
                         input_tokens: req.prompt_tokens,
                         output_tokens: 0,
                         done: false,
                         tenant: tenant.clone(),
                     };
                     self.send_to_scheduler(&charge);
-                    self.streams.insert(ctx, Stream::Dispatched { tenant, endpoint });
+                    self.streams.insert(ctx, Stream::Dispatched { tenant, band, endpoint });
                     return Admission::Bypass(endpoint);
                 }
                 Slot::NoEndpoint => return Admission::NoEndpoint,
@@ -254,12 +285,14 @@ impl Vm {
             }
         }
         let arrival_ms = now_ms();
+        let slo = self.cfg.ttft_slo_ms.get(&crate::scheduler::band_of_code(band));
         let enqueue = ToScheduler::Enqueue {
-            worker: self.worker,
-            req: self.request_id(ctx),
+            req: req_id,
+            band,
             input_tokens: req.prompt_tokens,
             max_tokens: req.max_tokens,
             arrival_ms,
+            deadline_ms: slo.map_or(u64::MAX, |slo| arrival_ms.saturating_add(*slo)),
             route,
             tenant,
         };
@@ -269,6 +302,21 @@ impl Vm {
         self.metrics.inc(self.metrics.queued);
         self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, epoch: self.epoch });
         Admission::Queued
+    }
+
+    /// The overload ladder's signals: stock over the band's upper bound, queue
+    /// over its capacity, and the pool's mean KV-cache usage (0 without scraping).
+    fn load_signals(&self, queued: u64) -> LoadSignals {
+        let n = self.endpoints();
+        let upper = self.cfg.bounds.upper_per_backend * n as f64;
+        let stock = shared::stock(&HostStore, n) as f64;
+        let records = if self.cfg.routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
+        let kv: Vec<f64> = records.iter().filter_map(|r| r.metrics.as_ref().map(|m| m.kv_usage)).collect();
+        LoadSignals {
+            load: if upper > 0.0 { stock / upper } else { 1.0 },
+            queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
+            tail_ratio: if kv.is_empty() { 0.0 } else { kv.iter().sum::<f64>() / kv.len() as f64 },
+        }
     }
 
     /// Takes one unit of stock for a request, if the band (for a pop from the
@@ -330,7 +378,7 @@ impl Vm {
     /// connection, so it is avoided for a while.
     fn finish(&mut self, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
         match self.streams.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, endpoint }) => {
+            Some(Stream::Dispatched { tenant, band, endpoint }) => {
                 if upstream_failed {
                     let until = now_ms() + self.cfg.routing.quarantine_ms;
                     log::warn!("endpoint {} failed a request; avoiding it for {} ms", self.cfg.endpoints[endpoint as usize], self.cfg.routing.quarantine_ms);
@@ -341,7 +389,10 @@ impl Vm {
                 let stock = shared::release(&HostStore, self.endpoints(), endpoint);
                 self.publish_stock(stock);
                 self.metrics.inc(self.metrics.completed);
+                let req = self.request_id(ctx);
                 self.send_to_scheduler(&ToScheduler::Charge {
+                    req,
+                    band,
                     input_tokens: 0,
                     output_tokens: uncharged_tokens,
                     done: true,
@@ -358,8 +409,15 @@ impl Vm {
     }
 
     fn charge(&mut self, ctx: u32, tokens: u32) {
-        if let Some(Stream::Dispatched { tenant, .. }) = self.streams.get(&ctx) {
-            let msg = ToScheduler::Charge { input_tokens: 0, output_tokens: tokens, done: false, tenant: tenant.clone() };
+        if let Some(Stream::Dispatched { tenant, band, .. }) = self.streams.get(&ctx) {
+            let msg = ToScheduler::Charge {
+                req: self.request_id(ctx),
+                band: *band,
+                input_tokens: 0,
+                output_tokens: tokens,
+                done: false,
+                tenant: tenant.clone(),
+            };
             self.send_to_scheduler(&msg);
         }
     }
@@ -414,10 +472,11 @@ impl Vm {
     fn drain_scheduler_queue(&mut self) {
         let Some(role) = self.role.as_mut() else { return };
         let Ok(Some(id)) = hostcalls::resolve_shared_queue(&self.vm_id, SCHEDULER_QUEUE) else { return };
+        let now = now_ms();
         let mut out = Vec::new();
         while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(id) {
             match ToScheduler::decode(&bytes) {
-                Some(msg) => role.scheduler.on_message(msg, &mut out),
+                Some(msg) => role.scheduler.on_message(msg, now, &mut out),
                 None => log::warn!("ignoring a malformed scheduler message"),
             }
         }
@@ -427,7 +486,7 @@ impl Vm {
     /// Dispatches what the stock band allows and delivers `out` to the workers.
     fn pump(&mut self, mut out: Vec<(u32, ToWorker)>) {
         let Some(mut role) = self.role.take() else { return };
-        role.scheduler.pump(&mut |route| self.take_slot(route, true), &mut out);
+        role.scheduler.pump(now_ms(), &mut |route| self.take_slot(route, true), &mut out);
         let len = role.scheduler.len();
         if role.published_len != Some(len) {
             role.published_len = Some(len);
@@ -445,7 +504,7 @@ impl Vm {
         while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(queue_id) {
             match ToWorker::decode(&bytes) {
                 Some(ToWorker::Dispatch { req, endpoint }) => self.dispatch(req as u32, endpoint),
-                Some(ToWorker::Reject { req, reason }) if reason <= NO_ENDPOINT => {
+                Some(ToWorker::Reject { req, reason }) if reason <= EVICTED => {
                     let ctx = req as u32;
                     if matches!(self.streams.get(&ctx), Some(Stream::Queued { .. })) {
                         self.streams.remove(&ctx);
@@ -471,11 +530,11 @@ impl Vm {
                 .is_ok()
             && hostcalls::resume_http_request().is_ok();
         if resumed {
-            let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, .. }, .. }) = self.streams.remove(&ctx)
+            let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, .. }) = self.streams.remove(&ctx)
             else {
                 unreachable!("checked above")
             };
-            self.streams.insert(ctx, Stream::Dispatched { tenant, endpoint });
+            self.streams.insert(ctx, Stream::Dispatched { tenant, band, endpoint });
             self.metrics.inc(self.metrics.dispatched);
             self.metrics.set(self.metrics.queue_wait_ms, now_ms().saturating_sub(arrival.unwrap_or(0)));
         } else {
@@ -483,7 +542,14 @@ impl Vm {
             // give the slot back and let the scheduler use it.
             let stock = shared::release(&HostStore, self.endpoints(), endpoint);
             self.publish_stock(stock);
-            let wake = ToScheduler::Charge { input_tokens: 0, output_tokens: 0, done: true, tenant: String::new() };
+            let wake = ToScheduler::Charge {
+                req: 0,
+                band: 0,
+                input_tokens: 0,
+                output_tokens: 0,
+                done: true,
+                tenant: String::new(),
+            };
             self.send_to_scheduler(&wake);
         }
     }
@@ -561,6 +627,8 @@ impl Vm {
         if let Some(role) = self.role.as_mut() {
             let mut out = Vec::new();
             role.scheduler.expire(now, &mut out);
+            // Requests dispatched by a worker that vanished never send `done`.
+            role.scheduler.bound_running(MAX_RUNNING);
             if let Some(snap) = role.scheduler.snapshot() {
                 HostStore.set(shared::COUNTERS_KEY, &snap, None);
             }
@@ -568,7 +636,7 @@ impl Vm {
         }
         // Safety net for a scheduler that vanished with our requests: never
         // hold a stream much past its TTL.
-        let deadline = self.cfg.limits.ttl_ms + self.lease_ms;
+        let deadline = self.cfg.bands.ttl_ms + self.lease_ms;
         let expired: Vec<u32> = self
             .streams
             .iter()
@@ -726,6 +794,7 @@ impl RootContext for Root {
             phase: Phase::PassThrough,
             tenant: String::new(),
             session: None,
+            band: Criticality::Standard,
             tokens: None,
         }))
     }
@@ -751,6 +820,7 @@ struct Http {
     phase: Phase,
     tenant: String,
     session: Option<u64>,
+    band: Criticality,
     tokens: Option<TokenCounter>,
 }
 
@@ -781,6 +851,16 @@ impl HttpContext for Http {
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| vm.cfg.default_tenant.clone());
         self.session = vm.cfg.routing.session_header.as_deref().and_then(|h| self.get_http_request_header(h)).map(|v| hash_str(&v));
+        // Criticality only from what the operator trusts: a header an upstream
+        // filter sets (clients cannot reach it if that filter overwrites it), or the tenant table.
+        self.band = vm
+            .cfg
+            .criticality_header
+            .as_deref()
+            .and_then(|h| self.get_http_request_header(h))
+            .and_then(|v| Criticality::parse(&v))
+            .or_else(|| vm.cfg.criticality_by_tenant.get(&self.tenant).copied())
+            .unwrap_or(vm.cfg.default_criticality);
         let max = vm.cfg.max_body_bytes;
         drop(vm);
         let declared = self.get_http_request_header("content-length").and_then(|v| v.trim().parse::<u64>().ok());
@@ -820,7 +900,8 @@ impl HttpContext for Http {
             model: std::mem::take(&mut req.model),
             prefix: std::mem::take(&mut req.prefix),
         };
-        let admission = vm.borrow_mut().admit(self.ctx, std::mem::take(&mut self.tenant), &req, route);
+        let who = Admit { tenant: std::mem::take(&mut self.tenant), band: self.band, route };
+        let admission = vm.borrow_mut().admit(self.ctx, who, &req);
         match admission {
             Admission::Bypass(endpoint) => {
                 let ep = vm.borrow().cfg.endpoints[endpoint as usize].clone();
@@ -836,6 +917,9 @@ impl HttpContext for Http {
                 self.answer(Reject::Scheduler(0), "no scheduler is available; retry later")
             }
             Admission::NoEndpoint => self.answer(Reject::Scheduler(NO_ENDPOINT), "no backend is healthy"),
+            Admission::Overloaded => {
+                self.answer(Reject::Scheduler(OVERLOADED), "the gateway is overloaded; long requests are refused for now")
+            }
         }
     }
 

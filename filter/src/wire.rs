@@ -23,22 +23,26 @@ impl RouteInfo {
 /// A worker tells the scheduler.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ToScheduler {
-    /// Queue this request (the worker holds its paused stream).
+    /// Queue this request (the worker that holds its paused stream is
+    /// `req >> 32`). `band` is a criticality code; `deadline_ms` is
+    /// `u64::MAX` for none.
     Enqueue {
-        worker: u32,
         req: u64,
+        band: u8,
         input_tokens: u32,
         max_tokens: u32,
         arrival_ms: u64,
+        deadline_ms: u64,
         route: RouteInfo,
         tenant: String,
     },
     /// The client went away while the request was queued.
     Cancel { req: u64 },
-    /// Service for `tenant`: a request that bypassed the queue was sent with
-    /// `input_tokens`, or `output_tokens` more were generated; `done` means a
-    /// dispatched request finished and released its stock.
-    Charge { input_tokens: u32, output_tokens: u32, done: bool, tenant: String },
+    /// Service of request `req` of `tenant` in `band`: it bypassed the queue
+    /// with `input_tokens`, or `output_tokens` more were generated; `done`
+    /// means it finished and released its stock. An empty tenant with
+    /// nothing charged is a bare wake-up (stock was freed).
+    Charge { req: u64, band: u8, input_tokens: u32, output_tokens: u32, done: bool, tenant: String },
 }
 
 /// The scheduler tells a worker.
@@ -100,13 +104,14 @@ impl ToScheduler {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(48);
         match self {
-            ToScheduler::Enqueue { worker, req, input_tokens, max_tokens, arrival_ms, route, tenant } => {
+            ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline_ms, route, tenant } => {
                 b.push(1);
-                b.extend_from_slice(&worker.to_le_bytes());
                 b.extend_from_slice(&req.to_le_bytes());
+                b.push(*band);
                 b.extend_from_slice(&input_tokens.to_le_bytes());
                 b.extend_from_slice(&max_tokens.to_le_bytes());
                 b.extend_from_slice(&arrival_ms.to_le_bytes());
+                b.extend_from_slice(&deadline_ms.to_le_bytes());
                 match route.session {
                     None => b.push(0),
                     Some(h) => {
@@ -131,8 +136,10 @@ impl ToScheduler {
                 b.push(2);
                 b.extend_from_slice(&req.to_le_bytes());
             }
-            ToScheduler::Charge { input_tokens, output_tokens, done, tenant } => {
+            ToScheduler::Charge { req, band, input_tokens, output_tokens, done, tenant } => {
                 b.push(3);
+                b.extend_from_slice(&req.to_le_bytes());
+                b.push(*band);
                 b.extend_from_slice(&input_tokens.to_le_bytes());
                 b.extend_from_slice(&output_tokens.to_le_bytes());
                 b.push(*done as u8);
@@ -147,11 +154,12 @@ impl ToScheduler {
         let mut r = Reader(bytes);
         match r.u8()? {
             1 => Some(ToScheduler::Enqueue {
-                worker: r.u32()?,
                 req: r.u64()?,
+                band: r.u8()?,
                 input_tokens: r.u32()?,
                 max_tokens: r.u32()?,
                 arrival_ms: r.u64()?,
+                deadline_ms: r.u64()?,
                 route: r.route()?,
                 tenant: r.rest_str()?,
             }),
@@ -160,6 +168,8 @@ impl ToScheduler {
                 r.0.is_empty().then_some(ToScheduler::Cancel { req })
             }
             3 => Some(ToScheduler::Charge {
+                req: r.u64()?,
+                band: r.u8()?,
                 input_tokens: r.u32()?,
                 output_tokens: r.u32()?,
                 done: r.u8()? != 0,
@@ -209,25 +219,27 @@ mod tests {
     fn messages_round_trip() {
         let to_sched = [
             ToScheduler::Enqueue {
-                worker: 3,
                 req: u64::MAX - 1,
+                band: 2,
                 input_tokens: 17,
                 max_tokens: 256,
                 arrival_ms: 1_700_000_000_123,
+                deadline_ms: 1_700_000_020_123,
                 route: RouteInfo { session: Some(0), model: "llama-ä".into(), prefix: vec![1, u64::MAX] },
                 tenant: "tenant-ä".into(),
             },
             ToScheduler::Enqueue {
-                worker: 0,
                 req: 0,
+                band: 0,
                 input_tokens: 0,
                 max_tokens: 0,
                 arrival_ms: 0,
+                deadline_ms: u64::MAX,
                 route: RouteInfo::default(),
                 tenant: String::new(),
             },
             ToScheduler::Cancel { req: 42 },
-            ToScheduler::Charge { input_tokens: 7, output_tokens: 5, done: true, tenant: String::new() },
+            ToScheduler::Charge { req: 3 << 32 | 9, band: 1, input_tokens: 7, output_tokens: 5, done: true, tenant: "t".into() },
         ];
         for m in to_sched {
             assert_eq!(ToScheduler::decode(&m.encode()), Some(m));
