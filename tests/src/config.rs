@@ -41,7 +41,6 @@ pub fn default_plugin_config(endpoints: &[String], policy: &str) -> Value {
         "tenant_header": TENANT_HEADER,
         "default_tenant": "default",
         "policy": policy,
-        "vtc": {"input": 1.0, "output": 2.0},
         "max_body_bytes": 1_048_576,
         "total_capacity": 1000,
         "flow_capacity": 100,
@@ -74,7 +73,10 @@ pub fn reference_endpoints() -> Vec<String> {
 
 /// The plugin configuration shipped in `envoy/` (all three manifests carry the same one).
 pub fn reference_plugin_config() -> Value {
-    default_plugin_config(&reference_endpoints(), "vtc")
+    let mut pc = default_plugin_config(&reference_endpoints(), "vtc");
+    // The reference deployment routes on scraped metrics through its ORIGINAL_DST cluster.
+    pc["routing"] = json!({"scrape_cluster": "model_servers"});
+    pc
 }
 
 fn indent(text: &str, spaces: usize) -> String {
