@@ -47,14 +47,15 @@ impl ChildGuard {
         let log_err = log.try_clone()?;
         cmd.stdin(Stdio::null()).stdout(Stdio::from(log)).stderr(Stdio::from(log_err));
         cmd.process_group(0);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: prctl, getppid and _exit are async-signal-safe and touch no memory of the parent.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                // The parent may have died between fork and prctl.
-                if libc::getppid() == 1 {
+                // The parent may have died between fork and prctl: then nobody would kill us.
+                if libc::getppid() != parent {
                     libc::_exit(1);
                 }
                 Ok(())
