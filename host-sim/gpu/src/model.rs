@@ -527,11 +527,11 @@ impl GpuModel {
                 return;
             }
             let key = seq.keys[next];
-            if self.cache.contains_key(&key) {
-                self.take_ref(key);
-            } else {
-                self.cache.insert(key, CacheEntry { refs: 1, tick: 0 });
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.cache.entry(key) {
+                slot.insert(CacheEntry { refs: 1, tick: 0 });
                 self.referenced_entries += 1;
+            } else {
+                self.take_ref(key);
             }
             let seq = self.seqs.get_mut(&id).expect("known id");
             seq.cached += 1;
@@ -628,7 +628,7 @@ impl GpuModel {
         }
 
         // 2. Admissions from the waiting queue (FCFS), unless this step had to preempt.
-        if !(preempted && !items.is_empty()) {
+        if !preempted || items.is_empty() {
             let watermark = self.p.watermark_blocks();
             while let Some(&id) = self.waiting.front() {
                 if budget == 0 || self.running.len() >= self.p.max_num_seqs as usize {

@@ -239,7 +239,7 @@ impl GpuProfile {
                 self.max_num_batched_tokens, self.max_model_len
             ));
         }
-        if self.prefix_hash_tokens == 0 || self.prefix_hash_tokens % self.block_size != 0 {
+        if self.prefix_hash_tokens == 0 || !self.prefix_hash_tokens.is_multiple_of(self.block_size) {
             return err(format!(
                 "prefix_hash_tokens {} must be a positive multiple of block_size {}",
                 self.prefix_hash_tokens, self.block_size

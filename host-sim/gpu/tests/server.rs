@@ -180,7 +180,7 @@ async fn metrics_follow_the_model() {
     assert_eq!(metric(&text, "vllm:num_requests_running"), 1.0);
     assert_eq!(metric(&text, "vllm:num_requests_waiting"), 0.0);
     let usage = metric(&text, "vllm:kv_cache_usage_perc");
-    assert!(usage >= 7.0 / 64.0 && usage <= 9.0 / 64.0, "about 8 of 64 blocks in use: {usage}");
+    assert!((7.0 / 64.0..=9.0 / 64.0).contains(&usage), "about 8 of 64 blocks in use: {usage}");
     assert_eq!(metric(&text, "vllm:gpu_cache_usage_perc"), usage);
     assert_eq!(job.await.unwrap().status, StatusCode::OK);
     let text = metrics(addr).await;

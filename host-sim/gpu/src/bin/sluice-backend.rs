@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::net::IpAddr;
+use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
@@ -40,8 +41,17 @@ struct Args {
     default_max_tokens: u32,
 }
 
-fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sluice-backend: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
     let profile = GpuProfile::by_name(&args.profile).with_context(|| {
         format!("unknown --profile {:?}; known profiles: {}", args.profile, GpuProfile::NAMES.join(", "))
     })?;
