@@ -25,6 +25,8 @@ pub struct GatewayConfig {
     pub call_latency_us: u64,
     /// Events after this virtual time are not run; streams still open are reported unfinished.
     pub horizon_us: Option<u64>,
+    /// Local-reply headers whose value is recorded as the reject reason (first present wins).
+    pub reason_headers: Vec<String>,
 }
 
 impl Default for GatewayConfig {
@@ -35,6 +37,7 @@ impl Default for GatewayConfig {
             body_chunk_gap_us: 0,
             call_latency_us: 500,
             horizon_us: None,
+            reason_headers: vec!["x-llm-d-request-dropped-reason".into(), "x-sluice-reject-reason".into()],
         }
     }
 }
@@ -126,8 +129,8 @@ pub struct RequestRecord {
     /// `ok`, `upstream_error`, `local_reply`, `trap`, `no_route`, `client_cancel`,
     /// `upstream_reset`, `filter_reset` or `unfinished`.
     pub outcome: &'static str,
-    /// Reject reason: the `x-llm-d-request-dropped-reason` header of a local reply, else its
-    /// details, else a host explanation.
+    /// Reject reason: a reason header of a local reply (`GatewayConfig::reason_headers`), else
+    /// its details, else a host explanation.
     pub reason: Option<String>,
     /// Endpoint the request went to.
     pub endpoint: Option<String>,
@@ -239,8 +242,6 @@ pub struct Sim {
     open: usize,
     events_run: u64,
 }
-
-const DROPPED_REASON: &str = "x-llm-d-request-dropped-reason";
 
 impl Sim {
     /// Loads the plugin (see [`Host::new`]) and prepares an empty simulation.
@@ -771,7 +772,11 @@ impl Sim {
                 self.end_stream(i);
             }
             StreamAction::LocalReply { status, details, headers, body } => {
-                let reason = abi::header_str(&headers, DROPPED_REASON)
+                let reason = self
+                    .cfg
+                    .reason_headers
+                    .iter()
+                    .find_map(|h| abi::header_str(&headers, h))
                     .map(str::to_string)
                     .or_else(|| (!details.is_empty()).then_some(details));
                 self.local_reply(i, status, "local_reply", reason, body);

@@ -111,7 +111,8 @@ impl Scenario {
         Ok(s)
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks values serde cannot (ranges, profile names); run again after overriding fields.
+    pub fn validate(&self) -> Result<()> {
         if self.workers == 0 {
             bail!("scenario: workers must be >= 1");
         }

@@ -1,0 +1,208 @@
+//! `sluice-sim`: runs the sluice filter `.wasm` in virtual time against simulated GPU backends
+//! and prints a report. Either a scenario file (`--scenario`) or a trace (`--trace` +
+//! `--format`) with options describing the deployment.
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use host_sim::report::records_csv;
+use host_sim::workload::TraceFormat;
+use host_sim::{Report, Scenario};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Simulate the sluice proxy-wasm filter in front of GPU LLM servers, in virtual time.
+///
+/// The run is a pure function of the inputs: the same scenario and seed give a byte-identical
+/// report. Wall-clock figures (run time, speed-up over real time) go to stderr only.
+#[derive(Parser, Debug)]
+#[command(name = "sluice-sim", version)]
+struct Cli {
+    /// The filter module (`sluice_filter.wasm`, built with
+    /// `cargo build -p sluice-filter --target wasm32-wasip1 --release`).
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
+    wasm: PathBuf,
+    /// Scenario file (JSON; see host-sim's `Scenario` for the keys). Excludes `--trace`.
+    #[arg(long, conflicts_with = "trace")]
+    scenario: Option<PathBuf>,
+    /// Trace to replay instead of a scenario file.
+    #[arg(long, requires = "format")]
+    trace: Option<PathBuf>,
+    /// Format of `--trace`.
+    #[arg(long, value_enum)]
+    format: Option<TraceFormat>,
+    /// Only validate the trace (report bad rows with their line numbers) and exit.
+    #[arg(long, requires = "trace")]
+    check_trace: bool,
+    /// Number of GPU backends (with `--trace`).
+    #[arg(long, default_value_t = 1)]
+    backends: usize,
+    /// GPU profile of the backends (with `--trace`): llama2-7b-a10g, llama3-8b-h100, fast.
+    #[arg(long, default_value = "llama2-7b-a10g")]
+    profile: String,
+    /// Envoy worker threads (overrides the scenario).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Seed (overrides the scenario).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Scheduling policy put in the filter configuration (`fcfs`, `vtc`, ...).
+    #[arg(long)]
+    policy: Option<String>,
+    /// Extra filter configuration, a JSON object merged over the scenario's `filter_config`.
+    #[arg(long)]
+    filter_config: Option<String>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Replay only requests arriving before this many seconds.
+    #[arg(long)]
+    max_arrival_s: Option<f64>,
+    /// Clients give up after this many seconds.
+    #[arg(long)]
+    client_timeout_s: Option<f64>,
+    /// Module log level recorded: trace, debug, info, warn, error, critical.
+    #[arg(long)]
+    log_level: Option<String>,
+    /// Write the JSON report here (default: stdout).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Write one CSV row per request here.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Write the module's log records here (JSON lines).
+    #[arg(long)]
+    logs: Option<PathBuf>,
+    /// Print progress (virtual time) to stderr.
+    #[arg(long)]
+    progress: bool,
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("sluice-sim: error: {e:#}");
+        std::process::exit(2);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if cli.check_trace {
+        let path = cli.trace.as_ref().expect("clap requires --trace");
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        match host_sim::workload::parse_trace(cli.format.expect("clap requires --format"), &text) {
+            Ok(items) => {
+                let last = items.last().map_or(0.0, |w| w.arrival_us as f64 / 1e6);
+                println!("{}: {} requests over {last:.1} s, all rows valid", path.display(), items.len());
+                return Ok(());
+            }
+            Err(errs) => {
+                for e in &errs {
+                    eprintln!("{}: {e}", path.display());
+                }
+                bail!("{} bad row(s)", errs.len());
+            }
+        }
+    }
+    let (mut sc, base): (Scenario, PathBuf) = match (&cli.scenario, &cli.trace) {
+        (Some(p), _) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let base = p.parent().map(Path::to_path_buf).unwrap_or_default();
+            (Scenario::from_json(&text).with_context(|| p.display().to_string())?, base)
+        }
+        (None, Some(t)) => {
+            let format = serde_json::to_value(cli.format.expect("clap requires --format").to_possible_value_name())?;
+            let json = serde_json::json!({
+                "backends": {"count": cli.backends, "profile": cli.profile},
+                "workload": {"kind": "trace", "format": format, "path": t.to_string_lossy()},
+            });
+            (Scenario::from_json(&json.to_string())?, PathBuf::new())
+        }
+        (None, None) => bail!("give --scenario <file> or --trace <file> --format <fmt>"),
+    };
+    if let Some(w) = cli.workers {
+        sc.workers = w;
+    }
+    if let Some(s) = cli.seed {
+        sc.seed = s;
+    }
+    if let Some(p) = &cli.policy {
+        sc.filter_config["policy"] = serde_json::json!(p);
+    }
+    if let Some(extra) = &cli.filter_config {
+        let v: serde_json::Value = serde_json::from_str(extra).context("--filter-config is not valid JSON")?;
+        let Some(obj) = v.as_object() else { bail!("--filter-config must be a JSON object") };
+        for (k, v) in obj {
+            sc.filter_config[k] = v.clone();
+        }
+    }
+    if let Some(t) = cli.client_timeout_s {
+        sc.client_timeout_s = Some(t);
+    }
+    if let Some(l) = &cli.log_level {
+        sc.log_level = Some(l.clone());
+    }
+    if let host_sim::scenario::Workload::Trace { limit, max_arrival_s, .. } = &mut sc.workload {
+        if cli.limit.is_some() {
+            *limit = cli.limit;
+        }
+        if cli.max_arrival_s.is_some() {
+            *max_arrival_s = cli.max_arrival_s;
+        }
+    }
+    sc.validate()?;
+    let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
+
+    let wall = Instant::now();
+    let items = sc.work_items(&base)?;
+    let mut sim = sc.build(&wasm, &items)?;
+    let last_arrival = items.last().map_or(0, |w| w.arrival_us);
+    if cli.progress && last_arrival > 0 {
+        for k in 1..=20u64 {
+            sim.run_until(last_arrival * k / 20);
+            eprint!("\rsimulated {:>3}% of arrivals ({:.0} s virtual, {:.1} s wall)", k * 5, sim.now_us() as f64 / 1e6, wall.elapsed().as_secs_f64());
+        }
+        eprintln!();
+    }
+    let recs = sim.run();
+    let elapsed = wall.elapsed().as_secs_f64();
+    let report = Report::new(&sim, &sc.backend_addresses());
+    let json = report.to_json();
+    match &cli.json {
+        Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
+        None => println!("{json}"),
+    }
+    if let Some(p) = &cli.csv {
+        std::fs::write(p, records_csv(&recs)).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &cli.logs {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("writing {}", p.display()))?);
+        for l in sim.host().logs().iter() {
+            writeln!(f, "{}", serde_json::to_string(l)?)?;
+        }
+    }
+    eprintln!(
+        "{} requests, outcomes {:?}; {:.2} req/s, {:.1} output tok/s; TTFT p50 {:.0} ms p99 {:.0} ms; {:.1} s virtual in {:.2} s wall ({:.0}x real time); traps {}",
+        report.requests,
+        report.outcomes,
+        report.throughput_rps,
+        report.output_tokens_per_s,
+        report.ttft_ms.p50,
+        report.ttft_ms.p99,
+        report.duration_s,
+        elapsed,
+        report.duration_s / elapsed.max(1e-9),
+        report.traps
+    );
+    Ok(())
+}
+
+trait PossibleName {
+    fn to_possible_value_name(&self) -> String;
+}
+
+impl PossibleName for TraceFormat {
+    fn to_possible_value_name(&self) -> String {
+        use clap::ValueEnum;
+        self.to_possible_value().expect("no skipped variants").get_name().to_string()
+    }
+}
