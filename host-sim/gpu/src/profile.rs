@@ -132,7 +132,8 @@ impl GpuProfile {
         }
     }
 
-    /// Llama-3-8B-Instruct (bf16) on one NVIDIA H100 SXM 80 GB under vLLM defaults
+    /// Llama-3.1-8B-Instruct (bf16; the Llama-3-8B architecture with a 128 k context, so the long
+    /// Mooncake prompts fit) on one NVIDIA H100 SXM 80 GB under vLLM defaults
     /// (`gpu_memory_utilization` 0.9, chunked prefill, prefix caching).
     ///
     /// Sources and assumptions: H100 SXM HBM3 3.35 TB/s and 989 dense bf16 TFLOPS (NVIDIA data
@@ -147,12 +148,12 @@ impl GpuProfile {
     pub fn llama3_8b_h100() -> GpuProfile {
         GpuProfile {
             name: "llama3-8b-h100".into(),
-            served_model: "meta-llama/Meta-Llama-3-8B-Instruct".into(),
+            served_model: "meta-llama/Llama-3.1-8B-Instruct".into(),
             block_size: 16,
             num_blocks: 25_600,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
-            max_model_len: 8192,
+            max_model_len: 131_072,
             chunked_prefill: true,
             watermark: 0.01,
             prefix_caching: true,
