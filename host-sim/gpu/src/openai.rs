@@ -27,6 +27,19 @@ pub struct ParsedRequest {
     pub max_tokens: Option<u32>,
     /// Prompt size: ceil(bytes of text / 4), or the length of a token-id array prompt.
     pub prompt_tokens: u32,
+    /// The prompt's bytes (message contents concatenated; token ids as 4 little-endian bytes each),
+    /// kept to derive prefix-cache block hashes.
+    pub prompt_bytes: Vec<u8>,
+}
+
+/// Hashes of the leading full blocks of `tokens_per_block` tokens (4 bytes per token) of a prompt,
+/// so requests sharing a prompt prefix share prefix-cache entries in the model.
+pub fn prefix_hashes(prompt_bytes: &[u8], tokens_per_block: u32) -> Vec<u64> {
+    let block = tokens_per_block.max(1) as usize * 4;
+    prompt_bytes
+        .chunks_exact(block)
+        .map(|c| c.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)))
+        .collect()
 }
 
 /// An error answered to the client as `{"error":{"message","type","code","param"}}`.
@@ -65,50 +78,63 @@ pub fn tokens_for_bytes(bytes: usize) -> u32 {
     (bytes.div_ceil(4).max(1)).min(u32::MAX as usize) as u32
 }
 
-fn text_bytes(content: &Value) -> Result<usize, ()> {
+/// Appends the text of a message content to `out`.
+fn push_text(content: &Value, out: &mut Vec<u8>) -> Result<(), ()> {
     match content {
-        Value::Null => Ok(0),
-        Value::String(s) => Ok(s.len()),
+        Value::Null => Ok(()),
+        Value::String(s) => {
+            out.extend_from_slice(s.as_bytes());
+            Ok(())
+        }
         // Content parts: [{"type":"text","text":"..."}, ...]; non-text parts count nothing.
-        Value::Array(parts) => parts
-            .iter()
-            .map(|p| match p {
-                Value::String(s) => Ok(s.len()),
-                Value::Object(o) => Ok(o.get("text").and_then(Value::as_str).map_or(0, str::len)),
-                _ => Err(()),
-            })
-            .sum(),
+        Value::Array(parts) => {
+            for p in parts {
+                match p {
+                    Value::String(s) => out.extend_from_slice(s.as_bytes()),
+                    Value::Object(o) => out.extend_from_slice(o.get("text").and_then(Value::as_str).unwrap_or("").as_bytes()),
+                    _ => return Err(()),
+                }
+            }
+            Ok(())
+        }
         _ => Err(()),
     }
 }
 
-fn prompt_tokens_of(endpoint: Endpoint, body: &Value) -> Result<u32, ApiError> {
+/// The prompt's bytes and its token count.
+fn prompt_of(endpoint: Endpoint, body: &Value) -> Result<(Vec<u8>, u32), ApiError> {
+    let mut bytes = Vec::new();
     match endpoint {
         Endpoint::Chat => {
             let Some(msgs) = body.get("messages").and_then(Value::as_array) else {
                 return Err(ApiError::bad_request(Some("messages"), "'messages' is required and must be an array"));
             };
-            let mut bytes = 0usize;
             for (i, m) in msgs.iter().enumerate() {
                 let content = m.get("content").unwrap_or(&Value::Null);
-                bytes += text_bytes(content).map_err(|_| {
+                push_text(content, &mut bytes).map_err(|_| {
                     ApiError::bad_request(Some("messages"), format!("messages[{i}].content must be a string or an array of parts"))
                 })?;
             }
-            Ok(tokens_for_bytes(bytes))
+            let n = tokens_for_bytes(bytes.len());
+            Ok((bytes, n))
         }
         Endpoint::Completions => {
             let bad = || ApiError::bad_request(Some("prompt"), "'prompt' must be a string, an array of strings or an array of token ids");
             match body.get("prompt") {
                 None => Err(ApiError::bad_request(Some("prompt"), "'prompt' is required")),
-                Some(Value::String(s)) => Ok(tokens_for_bytes(s.len())),
-                Some(Value::Array(items)) if items.iter().all(Value::is_u64) => Ok((items.len().max(1)) as u32),
-                Some(Value::Array(items)) => {
-                    let mut bytes = 0;
-                    for it in items {
-                        bytes += it.as_str().ok_or_else(bad)?.len();
+                Some(Value::String(s)) => Ok((s.as_bytes().to_vec(), tokens_for_bytes(s.len()))),
+                Some(Value::Array(items)) if items.iter().all(Value::is_u64) => {
+                    for id in items.iter().filter_map(Value::as_u64) {
+                        bytes.extend_from_slice(&(id as u32).to_le_bytes());
                     }
-                    Ok(tokens_for_bytes(bytes))
+                    Ok((bytes, items.len().clamp(1, u32::MAX as usize) as u32))
+                }
+                Some(Value::Array(items)) => {
+                    for it in items {
+                        bytes.extend_from_slice(it.as_str().ok_or_else(bad)?.as_bytes());
+                    }
+                    let n = tokens_for_bytes(bytes.len());
+                    Ok((bytes, n))
                 }
                 Some(_) => Err(bad()),
             }
@@ -150,8 +176,8 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, A
             },
         }
     }
-    let prompt_tokens = prompt_tokens_of(endpoint, &v)?;
-    Ok(ParsedRequest { endpoint, model, stream, include_usage, max_tokens, prompt_tokens })
+    let (prompt_bytes, prompt_tokens) = prompt_of(endpoint, &v)?;
+    Ok(ParsedRequest { endpoint, model, stream, include_usage, max_tokens, prompt_tokens, prompt_bytes })
 }
 
 /// Text of generated token number `i` (0-based): a short word, so SSE clients see content.
@@ -248,6 +274,18 @@ mod tests {
         assert_eq!((r.prompt_tokens, r.max_tokens, r.stream), (3, Some(3), false));
         let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":"abcde"}"#).unwrap();
         assert_eq!((r.prompt_tokens, r.max_tokens), (2, None));
+    }
+
+    #[test]
+    fn prefix_hashes_follow_shared_prefixes() {
+        let a = prefix_hashes(&[b'x'; 300], 32); // 128-byte blocks: 2 full blocks
+        let mut other = vec![b'x'; 200];
+        other.extend_from_slice(&[b'y'; 100]);
+        let b = prefix_hashes(&other, 32);
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[0], b[0]);
+        assert_ne!(a[1], b[1]);
+        assert!(prefix_hashes(b"short", 32).is_empty());
     }
 
     #[test]

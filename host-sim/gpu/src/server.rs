@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::model::{GenRequest, GpuEventKind, GpuModel};
-use crate::openai::{parse_request, ApiError, Endpoint, ParsedRequest, ResponseMeta};
+use crate::openai::{parse_request, prefix_hashes, ApiError, Endpoint, ParsedRequest, ResponseMeta};
 use crate::profile::GpuProfile;
 
 /// Largest request body accepted (413 above).
@@ -347,7 +347,11 @@ async fn completion(b: Arc<Backend>, ep: Endpoint, req: Request<Incoming>) -> Re
             model: parsed.model.clone(),
             prompt_tokens: parsed.prompt_tokens,
             output_tokens: output,
-            prefix_hashes: Vec::new(),
+            prefix_hashes: if b.profile.prefix_caching {
+                prefix_hashes(&parsed.prompt_bytes, b.profile.prefix_hash_tokens)
+            } else {
+                Vec::new()
+            },
         };
         if let Err(e) = inner.model.submit(req, now) {
             return error(&b, &ApiError::bad_request(Some("max_tokens"), e.to_string()));

@@ -192,6 +192,20 @@ async fn metrics_follow_the_model() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prompt_prefixes_hit_the_prefix_cache() {
+    let s = server(GpuProfile::fast(), |_| {}).await;
+    let addr = s.addrs[0];
+    // 400 bytes = 100 tokens = three full 32-token hash blocks (the fast profile's granularity).
+    let body = format!(r#"{{"model":"m","prompt":"{}","max_tokens":2}}"#, "p".repeat(400));
+    post(addr, "/v1/completions", &body).await;
+    let text = metrics(addr).await;
+    assert_eq!((metric(&text, "vllm:prefix_cache_queries_total"), metric(&text, "vllm:prefix_cache_hits_total")), (96.0, 0.0));
+    post(addr, "/v1/completions", &body).await;
+    let text = metrics(addr).await;
+    assert_eq!((metric(&text, "vllm:prefix_cache_queries_total"), metric(&text, "vllm:prefix_cache_hits_total")), (192.0, 96.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors() {
     let s = server(GpuProfile::fast(), |_| {}).await;
     let addr = s.addrs[0];
