@@ -61,3 +61,121 @@ fn identical_scenario_and_seed_give_byte_identical_reports() {
     let (_, r) = other.run(&wasm, Path::new(".")).unwrap();
     assert_ne!(r.to_json(), a.0, "the seed changes the arrivals");
 }
+
+fn gpu<'a>(sim: &'a host_sim::Sim, addr: &str) -> &'a host_sim::GpuUpstream {
+    sim.upstream(addr).unwrap().as_any().downcast_ref::<host_sim::GpuUpstream>().unwrap()
+}
+
+#[test]
+fn overload_is_shed_with_reasons_and_no_request_is_lost() {
+    let wasm = common::filter_wasm();
+    let sc = Scenario::from_json(
+        r#"{
+            "seed": 3,
+            "workers": 2,
+            "filter_config": {"policy": "vtc", "tick_ms": 10, "queue_ttl_ms": 2000, "watermark_per_backend": 2},
+            "backends": {"count": 1, "profile": "llama2-7b-a10g"},
+            "workload": {"kind": "poisson", "duration_s": 20,
+                "clients": [
+                    {"name": "heavy", "rate": 6, "prompt_tokens": 200, "output_tokens": 200},
+                    {"name": "light", "rate": 1, "prompt_tokens": 50, "output_tokens": 50}
+                ]}
+        }"#,
+    )
+    .unwrap();
+    let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
+    let recs = sim.records();
+    let ok = recs.iter().filter(|r| r.outcome == "ok").count();
+    let shed: Vec<_> = recs.iter().filter(|r| r.outcome == "local_reply").collect();
+    assert_eq!(ok + shed.len(), recs.len(), "every request ends ok or rejected: {:?}", report.outcomes);
+    assert!(!shed.is_empty() && ok > 0, "{:?}", report.outcomes);
+    for r in &shed {
+        assert!(r.status == 429 || r.status == 503, "{r:?}");
+        assert!(r.reason.as_deref().is_some_and(|x| x.starts_with("rejected-")), "{r:?}");
+        assert!(r.endpoint.is_none(), "a rejected request never reached a backend");
+    }
+    // The filter's own counters agree with what the clients saw.
+    assert_eq!(report.filter_metrics.get("sluice_requests_completed").copied(), Some(ok as u64));
+    // GPU model invariants: nothing over-committed, every admitted request finished.
+    let g = gpu(&sim, "10.0.0.1:8000");
+    g.model().check_invariants().unwrap();
+    let m = g.model().metrics();
+    assert_eq!((m.finished, m.aborted, m.running, m.waiting), (ok as u64, 0, 0, 0));
+}
+
+#[test]
+fn clients_that_give_up_are_cancelled_in_the_queue_and_upstream() {
+    let wasm = common::filter_wasm();
+    let sc = Scenario::from_json(
+        r#"{
+            "seed": 5,
+            "workers": 2,
+            "client_timeout_s": 3,
+            "filter_config": {"policy": "fcfs", "tick_ms": 10, "watermark_per_backend": 2},
+            "backends": {"count": 1, "profile": "llama2-7b-a10g"},
+            "workload": {"kind": "poisson", "duration_s": 10,
+                "clients": [{"name": "a", "rate": 4, "prompt_tokens": 100, "output_tokens": 300}]}
+        }"#,
+    )
+    .unwrap();
+    let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
+    let recs = sim.records();
+    let cancelled: Vec<_> = recs.iter().filter(|r| r.outcome == "client_cancel").collect();
+    assert!(!cancelled.is_empty(), "{:?}", report.outcomes);
+    for r in &cancelled {
+        assert_eq!(r.end_us, Some(r.arrival_us + 3_000_000));
+    }
+    let g = gpu(&sim, "10.0.0.1:8000");
+    g.model().check_invariants().unwrap();
+    let m = g.model().metrics();
+    let in_flight_cancels = cancelled.iter().filter(|r| r.dispatched_us.is_some()).count() as u64;
+    assert_eq!(m.aborted, in_flight_cancels, "cancelled requests that reached the GPU were aborted there");
+    assert_eq!((m.running, m.waiting), (0, 0));
+    assert!(recs.iter().all(|r| r.outcome != "unfinished"));
+}
+
+#[test]
+fn trace_replay_through_the_filter() {
+    let wasm = common::filter_wasm();
+    let dir = std::env::temp_dir().join(format!("sluice-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut csv = String::from("arrival_s,client,prompt_tokens,output_tokens\n");
+    for i in 0..60 {
+        csv.push_str(&format!("{:.3},client-{},{},{}\n", i as f64 * 0.25, i % 3, 20 + i, 10 + i % 7));
+    }
+    std::fs::write(dir.join("t.csv"), csv).unwrap();
+    let sc = Scenario::from_json(
+        r#"{"filter_config": {"policy": "vtc", "watermark_per_backend": 32},
+            "backends": {"count": 2, "profile": "fast"},
+            "workload": {"kind": "trace", "format": "vtc-csv", "path": "t.csv", "limit": 50}}"#,
+    )
+    .unwrap();
+    let (sim, report) = sc.run(&wasm, &dir).unwrap();
+    assert_eq!(report.requests, 50);
+    assert_eq!(report.outcomes.get("ok"), Some(&50), "{:?}", report.outcomes);
+    let recs = sim.records();
+    assert_eq!(recs[7].arrival_us, 1_750_000);
+    assert_eq!((recs[7].client.as_str(), recs[7].prompt_tokens, recs[7].tokens_received), ("client-1", 27, 10));
+    std::fs::write(dir.join("bad.csv"), "arrival_s,client,prompt_tokens,output_tokens\n0,a,1,1\n1,b,-3,1\n").unwrap();
+    let bad = Scenario::from_json(
+        r#"{"backends": {"count": 1, "profile": "fast"}, "workload": {"kind": "trace", "format": "vtc-csv", "path": "bad.csv"}}"#,
+    )
+    .unwrap();
+    let err = bad.run(&wasm, &dir).err().unwrap().to_string();
+    assert!(err.contains("line 3") && err.contains("prompt_tokens"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn scenario_errors_name_the_field() {
+    let e = Scenario::from_json(r#"{"backends": {"count": 1, "profile": "fast"}, "workload": {"kind": "poisson", "duration_s": 1, "clients": []}, "wrokers": 2}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("wrokers"), "{e}");
+    let e = Scenario::from_json(r#"{"backends": {"count": 1, "profile": "h200"}, "workload": {"kind": "poisson", "duration_s": 1, "clients": []}}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("backends.profile"), "{e}");
+    let e = Scenario::from_json(r#"{"backends": {"count": 1, "profile": "fast"}}"#).unwrap_err().to_string();
+    assert!(e.contains("workload"), "{e}");
+}
