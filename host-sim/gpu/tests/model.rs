@@ -117,6 +117,33 @@ fn preemption_happens_under_memory_pressure_and_everything_finishes() {
 }
 
 #[test]
+fn chunked_prefill_splits_long_prompts_and_keeps_decodes_flowing() {
+    let mut p = GpuProfile::fast();
+    p.max_num_batched_tokens = 64;
+    let mut gpu = GpuModel::new(p).unwrap();
+    let script = vec![(0, Action::Submit(req(1, 16, 60))), (5_000, Action::Submit(req(2, 400, 2)))];
+    let ev = run(&mut gpu, &script);
+    let first2 = ev.iter().find(|e| e.id == 2 && e.kind == GpuEventKind::FirstToken).unwrap().at_us;
+    // 400 prompt tokens with 63 tokens of budget left per iteration: 7 chunks, each alongside a
+    // decode of request 1.
+    let a_during = ev.iter().filter(|e| e.id == 1 && matches!(e.kind, GpuEventKind::Tokens { .. }) && e.at_us > 5_000 && e.at_us <= first2).count();
+    assert!(a_during >= 7, "request 1 decoded during request 2's chunked prefill ({a_during} tokens)");
+    assert_eq!(gpu.metrics().prefill_tokens_computed, 416);
+}
+
+#[test]
+fn without_chunked_prefill_a_prompt_is_computed_in_one_iteration() {
+    let mut p = GpuProfile::fast();
+    p.chunked_prefill = false;
+    let tm = p.time;
+    let mut gpu = GpuModel::new(p).unwrap();
+    gpu.submit(req(1, 400, 1), 0).unwrap();
+    let ev = run(&mut gpu, &[]);
+    assert_eq!(ev[0].at_us, tm.duration_us(400, 0, 400));
+    assert_eq!(gpu.metrics().iterations, 1);
+}
+
+#[test]
 fn abort_frees_kv_and_silences_the_request() {
     let mut gpu = GpuModel::new(GpuProfile::fast()).unwrap();
     gpu.submit(req(1, 200, 100), 0).unwrap();

@@ -153,6 +153,16 @@ async fn streaming_sends_one_chunk_per_token_as_generated() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn time_scale_speeds_up_the_gpu() {
+    // 50 tokens on the A10G profile take about 1.5 virtual seconds; at 100x that is ~15 ms.
+    let s = server(GpuProfile::llama2_7b_a10g(), |c| c.time_scale = 100.0).await;
+    let t0 = Instant::now();
+    let r = post(s.addrs[0], "/v1/completions", r#"{"model":"m","prompt":"hello","max_tokens":50}"#).await;
+    assert_eq!(r.json()["usage"]["completion_tokens"], 50);
+    assert!(t0.elapsed() < Duration::from_millis(1000), "took {:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_without_usage_ends_with_done() {
     let s = server(GpuProfile::fast(), |_| {}).await;
     let r = post(s.addrs[0], "/v1/completions", r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#).await;
