@@ -6,6 +6,8 @@
 //! - [`GpuProfile`]: named hardware/model profiles (`llama2-7b-a10g`, `llama3-8b-h100`, `fast`).
 //! - [`server`]: the OpenAI-compatible HTTP backend (`sluice-backend` binary).
 
+#![warn(missing_docs)]
+
 pub mod metrics;
 pub mod model;
 pub mod openai;

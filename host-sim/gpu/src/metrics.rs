@@ -39,3 +39,19 @@ pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
     );
     out
 }
+
+/// Appends vLLM's `lora_requests_info` gauge (value: the time of the sample in seconds, as vLLM
+/// does), mapping the model's resident-model limit and per-model requests onto LoRA adapters so
+/// that adapter-affinity routers can read them.
+pub fn render_lora_info(out: &mut String, max_loaded: u32, running: &[String], waiting: &[String], now_us: u64) {
+    let esc = |v: &[String]| v.join(",").replace('\\', "\\\\").replace('"', "\\\"");
+    let _ = writeln!(out, "# HELP vllm:lora_requests_info Running stats on lora requests.");
+    let _ = writeln!(out, "# TYPE vllm:lora_requests_info gauge");
+    let _ = writeln!(
+        out,
+        "vllm:lora_requests_info{{max_lora=\"{max_loaded}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {}",
+        esc(running),
+        esc(waiting),
+        now_us as f64 / 1e6
+    );
+}

@@ -402,7 +402,24 @@ impl GpuModel {
 
     /// Prometheus text exposition with vLLM's metric names (`model_name` label as vLLM sets it).
     pub fn prometheus_text(&self) -> String {
-        crate::metrics::render(&self.p, &self.metrics())
+        let mut text = crate::metrics::render(&self.p, &self.metrics());
+        if self.p.max_loaded_models > 0 {
+            let (running, waiting, _) = self.model_sets();
+            crate::metrics::render_lora_info(&mut text, self.p.max_loaded_models, &running, &waiting, self.now_us);
+        }
+        text
+    }
+
+    /// Model names of the running and of the waiting requests (sorted, deduplicated), and the
+    /// resident models when the profile limits them: what vLLM reports as LoRA adapters.
+    pub fn model_sets(&self) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let names = |ids: &mut dyn Iterator<Item = &u64>| -> Vec<String> {
+            let set: std::collections::BTreeSet<&str> = ids.map(|id| self.seqs[id].model.as_str()).collect();
+            set.into_iter().map(str::to_string).collect()
+        };
+        let mut loaded: Vec<String> = self.loaded.iter().map(|(m, _)| m.clone()).collect();
+        loaded.sort();
+        (names(&mut self.running.iter()), names(&mut self.waiting.iter()), loaded)
     }
 
     /// Checks the internal accounting (used by tests and available to simulators): blocks never

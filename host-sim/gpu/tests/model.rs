@@ -218,6 +218,14 @@ fn model_swap_costs_time_and_waits_for_an_idle_model() {
     assert!(at(1, GpuEventKind::FirstToken) >= 50_000, "first load costs a swap");
     assert!(at(2, GpuEventKind::FirstToken) >= at(1, GpuEventKind::Finished) + 50_000, "b waits for a to drain, then swaps");
     assert_eq!(gpu.metrics().swaps, 2);
+    let mut gpu = GpuModel::new(p).unwrap();
+    gpu.submit(GenRequest { id: 1, model: "a".into(), prompt_tokens: 10, output_tokens: 5, prefix_hashes: vec![] }, 0).unwrap();
+    gpu.submit(GenRequest { id: 2, model: "b".into(), prompt_tokens: 10, output_tokens: 5, prefix_hashes: vec![] }, 0).unwrap();
+    gpu.advance(0);
+    assert_eq!(gpu.model_sets(), (vec!["a".to_string()], vec!["b".to_string()], vec!["a".to_string()]));
+    assert!(gpu
+        .prometheus_text()
+        .contains(r#"vllm:lora_requests_info{max_lora="1",running_lora_adapters="a",waiting_lora_adapters="b"} 0"#));
 }
 
 #[test]
