@@ -533,9 +533,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
                         *rr += 1;
                         ep
                     }
-                    Some((Cluster::OriginalDst, _)) => {
-                        abi::header_str(&headers, "x-envoy-original-dst-host").map(str::to_string)
-                    }
+                    Some((Cluster::OriginalDst { header }, _)) => abi::header_str(&headers, header).map(str::to_string),
                 };
                 p.next_token += 1;
                 let token = p.next_token;

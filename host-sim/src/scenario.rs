@@ -201,8 +201,12 @@ impl Scenario {
         for addr in self.backend_addresses() {
             sim.add_upstream(&addr, Box::new(GpuUpstream::new(profile.clone(), 256)?));
         }
+        // As envoy/envoy.yaml: `model_servers` is ORIGINAL_DST on the destination header, and
+        // serves both the data path and the filter's metric scrapes.
+        let dst = || Cluster::OriginalDst { header: GatewayConfig::default().route_header };
+        sim.add_cluster("model_servers", dst());
         if let Some(c) = self.filter_config.pointer("/routing/scrape_cluster").and_then(|v| v.as_str()) {
-            sim.add_cluster(c, Cluster::OriginalDst);
+            sim.add_cluster(c, dst());
         }
         let th = self.tenant_header();
         for (i, w) in items.iter().enumerate() {

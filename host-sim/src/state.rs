@@ -96,8 +96,13 @@ pub struct HttpCallOut {
 pub enum Cluster {
     /// A fixed list of endpoints, used round-robin (STATIC / STRICT_DNS).
     Static(Vec<String>),
-    /// ORIGINAL_DST: the host comes from the `x-envoy-original-dst-host` request header.
-    OriginalDst,
+    /// ORIGINAL_DST with `use_http_header`: the host comes from this request header
+    /// (Envoy's default is `x-envoy-original-dst-host`; sluice's Envoy config uses
+    /// `x-gateway-destination-endpoint`).
+    OriginalDst {
+        /// Header naming the `ip:port`.
+        header: String,
+    },
 }
 
 /// A deferred stream operation requested during a VM call, applied after the call returns.

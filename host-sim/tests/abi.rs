@@ -21,7 +21,7 @@ fn sim_with(config: &str, workers: usize, resp: StaticResponse) -> Sim {
     let mut sim = Sim::new(&common::probe_wasm(), &spec(config, workers), GatewayConfig::default()).expect("probe loads");
     sim.add_upstream(UP, Box::new(StaticUpstream::new(resp)));
     sim.add_cluster("backend", Cluster::Static(vec![UP.into()]));
-    sim.add_cluster("original_dst", Cluster::OriginalDst);
+    sim.add_cluster("original_dst", Cluster::OriginalDst { header: "x-envoy-original-dst-host".into() });
     sim
 }
 

@@ -179,3 +179,14 @@ fn scenario_errors_name_the_field() {
     let e = Scenario::from_json(r#"{"backends": {"count": 1, "profile": "fast"}}"#).unwrap_err().to_string();
     assert!(e.contains("workload"), "{e}");
 }
+
+#[test]
+fn the_filter_scrapes_gpu_metrics_through_its_cluster() {
+    let wasm = common::filter_wasm();
+    let sc = scenario("vtc", r#", "routing": {"scrape_cluster": "model_servers", "scrape_interval_ms": 50}"#);
+    let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
+    let ok = report.filter_metrics.get("sluice_scrapes_ok").copied().unwrap_or(0);
+    assert!(ok > 50, "scrapes: {:?}", report.filter_metrics);
+    assert_eq!(report.filter_metrics.get("sluice_scrapes_failed"), Some(&0));
+    assert_eq!(report.outcomes.get("ok"), Some(&sim.records().len()));
+}
