@@ -39,6 +39,20 @@ struct Args {
     /// Tokens to generate when a request has neither max_tokens nor max_completion_tokens.
     #[arg(long, default_value_t = 64)]
     default_max_tokens: u32,
+    /// Override the profile's running-batch limit (vLLM --max-num-seqs).
+    #[arg(long)]
+    max_num_seqs: Option<u32>,
+    /// Override the profile's number of KV-cache blocks (its KV pool is this × its block size);
+    /// the maximum context length shrinks to fit if needed.
+    #[arg(long)]
+    num_blocks: Option<u32>,
+    /// Distinct models resident at once (0 = unlimited, no swapping). A request for a model that
+    /// is not resident waits until one can be unloaded, then pays --swap-ms.
+    #[arg(long)]
+    max_loaded_models: Option<u32>,
+    /// Time to load a model that is not resident, in (virtual) milliseconds.
+    #[arg(long)]
+    swap_ms: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -52,9 +66,24 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
-    let profile = GpuProfile::by_name(&args.profile).with_context(|| {
+    let mut profile = GpuProfile::by_name(&args.profile).with_context(|| {
         format!("unknown --profile {:?}; known profiles: {}", args.profile, GpuProfile::NAMES.join(", "))
     })?;
+    if let Some(n) = args.max_num_seqs {
+        profile.max_num_seqs = n;
+    }
+    if let Some(n) = args.num_blocks {
+        profile.num_blocks = n;
+        let fit = n.saturating_sub(profile.watermark_blocks()).saturating_mul(profile.block_size);
+        profile.max_model_len = profile.max_model_len.min(fit);
+    }
+    if let Some(n) = args.max_loaded_models {
+        profile.max_loaded_models = n;
+    }
+    if let Some(ms) = args.swap_ms {
+        profile.swap_us = ms.saturating_mul(1000);
+    }
+    profile.validate().context("the profile with the overrides given")?;
     let cfg = ServerConfig {
         host: args.host,
         port: args.port,
