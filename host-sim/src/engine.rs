@@ -241,7 +241,13 @@ pub struct Sim {
     rr: usize,
     open: usize,
     events_run: u64,
+    service: BTreeMap<String, Vec<u64>>,
 }
+
+/// VTC's service weights: w_p per prompt token, w_q per output token.
+pub const SERVICE_INPUT_WEIGHT: u64 = 1;
+/// See [`SERVICE_INPUT_WEIGHT`].
+pub const SERVICE_OUTPUT_WEIGHT: u64 = 2;
 
 impl Sim {
     /// Loads the plugin (see [`Host::new`]) and prepares an empty simulation.
@@ -264,6 +270,7 @@ impl Sim {
             rr: 0,
             open: 0,
             events_run: 0,
+            service: BTreeMap::new(),
         };
         // Start-up calls may have set tick periods, registered queues or enqueued messages.
         for vm in 0..n {
@@ -349,6 +356,12 @@ impl Sim {
     /// Records of all requests added so far, in the order they were added.
     pub fn records(&self) -> Vec<RequestRecord> {
         self.streams.iter().map(|s| s.rec.clone()).collect()
+    }
+
+    /// Service received per client per 1-second bucket of virtual time (w_p·prompt at the
+    /// first token + w_q·output tokens as delivered).
+    pub fn service_buckets(&self) -> &BTreeMap<String, Vec<u64>> {
+        &self.service
     }
 
     /// The virtual clock, µs.
@@ -703,10 +716,21 @@ impl Sim {
         }
         s.rec.bytes_received += body.len() as u64;
         if s.resp_tokens_buffered > 0 {
+            let mut service = SERVICE_OUTPUT_WEIGHT * s.resp_tokens_buffered as u64;
+            if s.rec.first_token_us.is_none() {
+                // The prompt counts as served once its prefill produced the first token.
+                service += SERVICE_INPUT_WEIGHT * s.rec.prompt_tokens as u64;
+            }
             s.rec.tokens_received += s.resp_tokens_buffered;
             s.resp_tokens_buffered = 0;
             s.rec.first_token_us.get_or_insert(now);
             s.rec.last_token_us = Some(now);
+            let buckets = self.service.entry(s.rec.client.clone()).or_default();
+            let b = (now / 1_000_000) as usize;
+            if buckets.len() <= b {
+                buckets.resize(b + 1, 0);
+            }
+            buckets[b] += service;
         }
         if s.resp_eos {
             if s.rec.outcome == "unfinished" {

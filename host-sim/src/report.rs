@@ -53,12 +53,84 @@ pub struct ClientReport {
     pub failed: usize,
     /// Output tokens received.
     pub output_tokens: u64,
-    /// Service received: prompt tokens of completed requests + 2 × output tokens received.
+    /// Service received: w_p·prompt tokens (once the first token arrived) + w_q·output tokens
+    /// received, with VTC's w_p = 1, w_q = 2.
     pub service: u64,
     /// Time to first token, ms.
     pub ttft_ms: Stats,
     /// End to end, ms.
     pub e2e_ms: Stats,
+}
+
+/// Max, mean and variance of `max_i S_i(t) − min_i S_i(t)` over backlogged clients `i`, where
+/// `S_i(t)` is client i's accumulated service at second t.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct ServiceDifference {
+    /// Samples (seconds with >= 2 backlogged clients).
+    pub samples: usize,
+    /// Maximum.
+    pub max: f64,
+    /// Mean.
+    pub avg: f64,
+    /// Variance.
+    pub var: f64,
+}
+
+/// Half-width T of the service-rate window, seconds.
+pub const SERVICE_WINDOW_S: u64 = 30;
+/// Sampling step of the service-rate series, seconds.
+pub const SERVICE_SAMPLE_S: u64 = 10;
+
+fn service_rate(buckets: &BTreeMap<String, Vec<u64>>, end_s: u64) -> BTreeMap<String, Vec<(u64, f64)>> {
+    let t = SERVICE_WINDOW_S;
+    buckets
+        .iter()
+        .map(|(c, b)| {
+            let at = |i: u64| b.get(i as usize).copied().unwrap_or(0);
+            let series = (0..=end_s / SERVICE_SAMPLE_S)
+                .map(|k| {
+                    let mid = k * SERVICE_SAMPLE_S;
+                    let sum: u64 = (mid.saturating_sub(t)..mid + t).map(at).sum();
+                    (mid, round3(sum as f64 / (2 * t) as f64))
+                })
+                .collect();
+            (c.clone(), series)
+        })
+        .collect()
+}
+
+fn service_difference(buckets: &BTreeMap<String, Vec<u64>>, recs: &[RequestRecord], end_s: u64) -> ServiceDifference {
+    let clients: Vec<&String> = buckets.keys().collect();
+    let mut acc = vec![0u64; clients.len()];
+    // Per client, its requests' [arrival, end) intervals in µs.
+    let mut spans: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
+    for r in recs {
+        spans.entry(r.client.as_str()).or_default().push((r.arrival_us, r.end_us.unwrap_or(u64::MAX)));
+    }
+    let mut diffs = Vec::new();
+    for sec in 0..=end_s {
+        for (i, c) in clients.iter().enumerate() {
+            acc[i] += buckets[*c].get(sec as usize).copied().unwrap_or(0);
+        }
+        let t = (sec + 1) * 1_000_000;
+        let backlogged: Vec<u64> = clients
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| spans.get(c.as_str()).is_some_and(|v| v.iter().any(|&(a, e)| a <= t && t < e)))
+            .map(|(i, _)| acc[i])
+            .collect();
+        if backlogged.len() >= 2 {
+            let (lo, hi) = backlogged.iter().fold((u64::MAX, 0), |(l, h), &x| (l.min(x), h.max(x)));
+            diffs.push((hi - lo) as f64);
+        }
+    }
+    if diffs.is_empty() {
+        return ServiceDifference::default();
+    }
+    let n = diffs.len() as f64;
+    let avg = diffs.iter().sum::<f64>() / n;
+    let var = diffs.iter().map(|d| (d - avg) * (d - avg)).sum::<f64>() / n;
+    ServiceDifference { samples: diffs.len(), max: round3(diffs.iter().cloned().fold(0.0, f64::max)), avg: round3(avg), var: round3(var) }
 }
 
 /// Per-backend counters.
@@ -103,6 +175,12 @@ pub struct Report {
     pub e2e_ms: Stats,
     /// Per client.
     pub clients: BTreeMap<String, ClientReport>,
+    /// Service rate per client over time, as the VTC seed plots it: `W_i(t−T, t+T) / 2T` with
+    /// T = 30 s, sampled every 10 s; pairs of (t seconds, service units per second).
+    pub service_rate: BTreeMap<String, Vec<(u64, f64)>>,
+    /// Difference of accumulated service between backlogged clients (the VTC seed's Table 2),
+    /// sampled every second while at least two clients are backlogged.
+    pub service_difference: ServiceDifference,
     /// Per backend.
     pub backends: Vec<BackendReport>,
     /// The filter's metrics (`proxy_define_metric`) by name: counter/gauge value, or histogram
@@ -136,10 +214,8 @@ impl Report {
             let c = clients.entry(r.client.clone()).or_default();
             c.0.requests += 1;
             c.0.output_tokens += r.tokens_received as u64;
-            c.0.service += 2 * r.tokens_received as u64;
             if ok(r) {
                 c.0.ok += 1;
-                c.0.service += r.prompt_tokens as u64;
                 c.1.extend(r.ttft_ms());
                 c.2.extend(r.e2e_ms());
             } else {
@@ -167,7 +243,11 @@ impl Report {
                 })
             })
             .collect();
+        let buckets = sim.service_buckets();
+        let end_s = end / 1_000_000;
         Report {
+            service_rate: service_rate(buckets, end_s),
+            service_difference: service_difference(buckets, recs, end_s),
             requests: recs.len(),
             duration_s: round3(dur),
             outcomes,
@@ -181,6 +261,7 @@ impl Report {
             clients: clients
                 .into_iter()
                 .map(|(k, (mut c, t, e))| {
+                    c.service = sim.service_buckets().get(&k).map_or(0, |b| b.iter().sum());
                     c.ttft_ms = Stats::of(t);
                     c.e2e_ms = Stats::of(e);
                     (k, c)
@@ -228,6 +309,71 @@ pub fn records_csv(recs: &[RequestRecord]) -> String {
     out
 }
 
+/// A line chart as standalone SVG: one polyline per series, axes with min/max labels.
+pub fn svg_lines(title: &str, x_label: &str, y_label: &str, series: &BTreeMap<String, Vec<(f64, f64)>>) -> String {
+    const W: f64 = 900.0;
+    const H: f64 = 500.0;
+    const L: f64 = 70.0;
+    const R: f64 = 170.0;
+    const T: f64 = 40.0;
+    const B: f64 = 50.0;
+    let pts = series.values().flatten();
+    let (x1, y1) = pts.fold((0.0f64, 0.0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
+    let (x1, y1) = (if x1 > 0.0 { x1 } else { 1.0 }, if y1 > 0.0 { y1 * 1.05 } else { 1.0 });
+    let sx = |x: f64| L + x / x1 * (W - L - R);
+    let sy = |y: f64| H - B - y / y1 * (H - T - B);
+    let esc = |t: &str| t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"22\" font-size=\"16\" text-anchor=\"middle\">{}</text>\n",
+        W / 2.0,
+        esc(title)
+    );
+    out += &format!(
+        "<line x1=\"{L}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{L}\" y1=\"{T}\" x2=\"{L}\" y2=\"{}\" stroke=\"black\"/>\n",
+        H - B,
+        W - R,
+        H - B,
+        H - B
+    );
+    out += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{} (0 to {:.0})</text>\n", (L + W - R) / 2.0, H - 15.0, esc(x_label), x1);
+    out += &format!("<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">{} (0 to {:.1})</text>\n", H / 2.0, H / 2.0, esc(y_label), y1);
+    for (k, (name, pts)) in series.iter().enumerate() {
+        // Evenly spaced hues, deterministic per series index.
+        let color = format!("hsl({},70%,45%)", (k * 137) % 360);
+        let path: Vec<String> = pts.iter().map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y))).collect();
+        out += &format!("<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n", path.join(" "));
+        let ly = T + 14.0 * k as f64;
+        out += &format!(
+            "<line x1=\"{}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{}\" y=\"{}\">{}</text>\n",
+            W - R + 10.0,
+            W - R + 30.0,
+            W - R + 35.0,
+            ly + 4.0,
+            esc(name)
+        );
+    }
+    out + "</svg>\n"
+}
+
+impl Report {
+    /// SVG of each client's service rate over time (the VTC seed's service-rate figures).
+    pub fn service_rate_svg(&self) -> String {
+        let series = self.service_rate.iter().map(|(c, v)| (c.clone(), v.iter().map(|(t, r)| (*t as f64, *r)).collect())).collect();
+        svg_lines("Service rate per client, W(t-30s, t+30s) / 60s", "time (s)", "service units / s", &series)
+    }
+}
+
+/// SVG of each client's end-to-end latency by arrival time (completed requests).
+pub fn latency_svg(recs: &[RequestRecord]) -> String {
+    let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for r in recs.iter().filter(|r| r.outcome == "ok") {
+        if let Some(e) = r.e2e_ms() {
+            series.entry(r.client.clone()).or_default().push((r.arrival_us as f64 / 1e6, e / 1000.0));
+        }
+    }
+    svg_lines("Response time per client", "arrival (s)", "end-to-end latency (s)", &series)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,5 +383,42 @@ mod tests {
         let s = Stats::of((1..=100).map(|x| x as f64).collect());
         assert_eq!((s.n, s.p50, s.p90, s.p99, s.max, s.mean), (100, 50.0, 90.0, 99.0, 100.0, 50.5));
         assert_eq!(Stats::of(vec![]), Stats::default());
+    }
+
+    fn rec(client: &str, arrival_s: u64, end_s: u64) -> RequestRecord {
+        RequestRecord {
+            id: 0,
+            client: client.into(),
+            worker: 1,
+            arrival_us: arrival_s * 1_000_000,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            status: 200,
+            outcome: "ok",
+            reason: None,
+            endpoint: None,
+            dispatched_us: None,
+            first_token_us: None,
+            last_token_us: None,
+            end_us: Some(end_s * 1_000_000),
+            tokens_received: 1,
+            bytes_received: 0,
+            preemptions: 0,
+        }
+    }
+
+    #[test]
+    fn service_difference_counts_only_backlogged_clients() {
+        // a gets 10/s for 4 s, b gets 4/s; both backlogged for the first 3 samples only.
+        let mut b = BTreeMap::new();
+        b.insert("a".to_string(), vec![10, 10, 10, 10]);
+        b.insert("b".to_string(), vec![4, 4, 4, 4]);
+        let recs = vec![rec("a", 0, 10), rec("b", 0, 3)];
+        let d = service_difference(&b, &recs, 3);
+        // Samples at t = 1, 2 s (b ends at 3 s): differences 6 and 12.
+        assert_eq!(d, ServiceDifference { samples: 2, max: 12.0, avg: 9.0, var: 9.0 });
+        let r = service_rate(&b, 10);
+        assert_eq!(r["a"][0], (0, round3(40.0 / 60.0)));
+        assert_eq!(r["a"].len(), 2);
     }
 }

@@ -73,6 +73,12 @@ struct Cli {
     /// Write the module's log records here (JSON lines).
     #[arg(long)]
     logs: Option<PathBuf>,
+    /// Write an SVG plot of each client's service rate over time here.
+    #[arg(long)]
+    svg_service: Option<PathBuf>,
+    /// Write an SVG plot of each client's end-to-end latency by arrival time here.
+    #[arg(long)]
+    svg_latency: Option<PathBuf>,
     /// Print progress (virtual time) to stderr.
     #[arg(long)]
     progress: bool,
@@ -174,12 +180,22 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(p) = &cli.csv {
         std::fs::write(p, records_csv(&recs)).with_context(|| format!("writing {}", p.display()))?;
     }
+    if let Some(p) = &cli.svg_service {
+        std::fs::write(p, report.service_rate_svg()).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &cli.svg_latency {
+        std::fs::write(p, host_sim::report::latency_svg(&recs)).with_context(|| format!("writing {}", p.display()))?;
+    }
     if let Some(p) = &cli.logs {
         let mut f = std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("writing {}", p.display()))?);
         for l in sim.host().logs().iter() {
             writeln!(f, "{}", serde_json::to_string(l)?)?;
         }
     }
+    eprintln!(
+        "service difference max {:.0} avg {:.0} var {:.0}",
+        report.service_difference.max, report.service_difference.avg, report.service_difference.var
+    );
     eprintln!(
         "{} requests, outcomes {:?}; {:.2} req/s, {:.1} output tok/s; TTFT p50 {:.0} ms p99 {:.0} ms; {:.1} s virtual in {:.2} s wall ({:.0}x real time); traps {}",
         report.requests,
