@@ -7,7 +7,7 @@
 
 use crate::abi::{self, action, HeaderMap, LogLevel};
 use crate::host::{Host, PluginSpec, Trap};
-use crate::state::{Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
+use crate::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
 use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
@@ -37,7 +37,10 @@ impl Default for GatewayConfig {
             body_chunk_gap_us: 0,
             call_latency_us: 500,
             horizon_us: None,
-            reason_headers: vec!["x-llm-d-request-dropped-reason".into(), "x-sluice-reject-reason".into()],
+            reason_headers: vec![
+                "x-llm-d-request-dropped-reason".into(),
+                "x-sluice-reject-reason".into(),
+            ],
         }
     }
 }
@@ -74,7 +77,15 @@ pub struct ClientRequest {
 impl ClientRequest {
     /// A streaming OpenAI chat request of `prompt_tokens` tokens (4 bytes each) asking for
     /// exactly `output_tokens` tokens, with usage in the last chunk.
-    pub fn chat(id: u64, arrival_us: u64, tenant_header: &str, client: &str, model: &str, prompt_tokens: u32, output_tokens: u32) -> ClientRequest {
+    pub fn chat(
+        id: u64,
+        arrival_us: u64,
+        tenant_header: &str,
+        client: &str,
+        model: &str,
+        prompt_tokens: u32,
+        output_tokens: u32,
+    ) -> ClientRequest {
         let content = "tok ".repeat(prompt_tokens.max(1) as usize);
         let body = serde_json::json!({
             "model": model,
@@ -90,9 +101,15 @@ impl ClientRequest {
             (":authority".to_string(), b"gateway".to_vec()),
             (":scheme".to_string(), b"http".to_vec()),
             ("content-type".to_string(), b"application/json".to_vec()),
-            ("content-length".to_string(), body.len().to_string().into_bytes()),
+            (
+                "content-length".to_string(),
+                body.len().to_string().into_bytes(),
+            ),
             ("x-request-id".to_string(), format!("req-{id}").into_bytes()),
-            (tenant_header.to_ascii_lowercase(), client.as_bytes().to_vec()),
+            (
+                tenant_header.to_ascii_lowercase(),
+                client.as_bytes().to_vec(),
+            ),
         ];
         ClientRequest {
             id,
@@ -153,13 +170,16 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// Time to first token, ms.
     pub fn ttft_ms(&self) -> Option<f64> {
-        self.first_token_us.map(|t| (t - self.arrival_us) as f64 / 1000.0)
+        self.first_token_us
+            .map(|t| (t - self.arrival_us) as f64 / 1000.0)
     }
 
     /// Time per output token after the first, ms.
     pub fn tpot_ms(&self) -> Option<f64> {
         match (self.first_token_us, self.last_token_us) {
-            (Some(a), Some(b)) if self.tokens_received > 1 => Some((b - a) as f64 / 1000.0 / (self.tokens_received - 1) as f64),
+            (Some(a), Some(b)) if self.tokens_received > 1 => {
+                Some((b - a) as f64 / 1000.0 / (self.tokens_received - 1) as f64)
+            }
             _ => None,
         }
     }
@@ -235,7 +255,7 @@ pub struct Sim {
     by_ctx: BTreeMap<(usize, u32), usize>,
     upstreams: Vec<UpstreamSlot>,
     by_addr: BTreeMap<String, usize>,
-    calls: BTreeMap<u32, (HttpCallOut, Option<(HeaderMap, Vec<u8>, HeaderMap)>)>,
+    calls: BTreeMap<u32, (HttpCallOut, Option<CallResponse>)>,
     ticks: Vec<(u32, u64)>,
     workers: usize,
     rr: usize,
@@ -282,7 +302,11 @@ impl Sim {
     /// Adds an upstream endpoint reachable as `addr` (`ip:port`).
     pub fn add_upstream(&mut self, addr: &str, up: Box<dyn Upstream>) {
         self.by_addr.insert(addr.to_string(), self.upstreams.len());
-        self.upstreams.push(UpstreamSlot { addr: addr.to_string(), up, scheduled: None });
+        self.upstreams.push(UpstreamSlot {
+            addr: addr.to_string(),
+            up,
+            scheduled: None,
+        });
     }
 
     /// Declares a cluster for `dispatch_http_call`.
@@ -350,7 +374,9 @@ impl Sim {
 
     /// An upstream by address.
     pub fn upstream(&self, addr: &str) -> Option<&dyn Upstream> {
-        self.by_addr.get(addr).map(|&i| self.upstreams[i].up.as_ref())
+        self.by_addr
+            .get(addr)
+            .map(|&i| self.upstreams[i].up.as_ref())
     }
 
     /// Records of all requests added so far, in the order they were added.
@@ -376,7 +402,11 @@ impl Sim {
 
     fn push(&mut self, at: u64, ev: Ev) {
         self.seq += 1;
-        self.heap.push(Reverse(Scheduled { at: at.max(self.now), seq: self.seq, ev }));
+        self.heap.push(Reverse(Scheduled {
+            at: at.max(self.now),
+            seq: self.seq,
+            ev,
+        }));
     }
 
     /// Runs until every request has ended (ticks alone do not keep the run going) or the
@@ -390,7 +420,9 @@ impl Sim {
     pub fn run_until(&mut self, t: u64) {
         let horizon = self.cfg.horizon_us.unwrap_or(u64::MAX).min(t);
         while self.open > 0 {
-            let Some(Reverse(s)) = self.heap.peek() else { break };
+            let Some(Reverse(s)) = self.heap.peek() else {
+                break;
+            };
             if s.at > horizon {
                 break;
             }
@@ -457,7 +489,11 @@ impl Sim {
     }
 
     /// Runs a stream callback; on a trap, fails the stream with a 500 and returns `None`.
-    fn stream_call(&mut self, i: usize, f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>) -> Option<i32> {
+    fn stream_call(
+        &mut self,
+        i: usize,
+        f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>,
+    ) -> Option<i32> {
         let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
         let r = f(&mut self.host, vm, ctx);
         match r {
@@ -477,15 +513,29 @@ impl Sim {
             return;
         }
         let msg = format!("wasm trap in {}", t.callback);
-        self.local_reply(i, 500, "trap", Some(msg), b"{\"error\":{\"message\":\"filter failure\",\"type\":\"server_error\",\"code\":500}}".to_vec());
+        self.local_reply(
+            i,
+            500,
+            "trap",
+            Some(msg),
+            b"{\"error\":{\"message\":\"filter failure\",\"type\":\"server_error\",\"code\":500}}"
+                .to_vec(),
+        );
     }
 
     fn arrive(&mut self, i: usize) {
         let vm = 1 + self.rr % self.workers;
         self.rr += 1;
         let req = &self.streams[i].req;
-        let data = StreamData { request_headers: req.headers.clone(), ..Default::default() };
-        let mut chunks: VecDeque<Vec<u8>> = req.body.chunks(self.cfg.body_chunk_bytes.max(1)).map(|c| c.to_vec()).collect();
+        let data = StreamData {
+            request_headers: req.headers.clone(),
+            ..Default::default()
+        };
+        let mut chunks: VecDeque<Vec<u8>> = req
+            .body
+            .chunks(self.cfg.body_chunk_bytes.max(1))
+            .map(|c| c.to_vec())
+            .collect();
         let has_trailers = req.trailers.is_some();
         let ctx = match self.host.create_http_context(vm, data) {
             Ok(ctx) => ctx,
@@ -512,7 +562,9 @@ impl Sim {
         let eos = chunks.is_empty() && !has_trailers;
         let n = chunks.len();
         self.streams[i].chunks = std::mem::take(&mut chunks);
-        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_headers(vm, ctx, eos)) else { return };
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_headers(vm, ctx, eos)) else {
+            return;
+        };
         self.streams[i].req_paused = a == action::PAUSE;
         if eos {
             self.streams[i].req_eos = true;
@@ -535,7 +587,9 @@ impl Sim {
             if let Some(sd) = self.host.stream_mut(vm, ctx) {
                 sd.request_body.extend_from_slice(&chunk);
             }
-            let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_body(vm, ctx, eos)) else { return };
+            let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_body(vm, ctx, eos)) else {
+                return;
+            };
             self.streams[i].req_eos |= eos;
             a
         } else {
@@ -543,7 +597,9 @@ impl Sim {
             if let Some(sd) = self.host.stream_mut(vm, ctx) {
                 sd.request_trailers = tr;
             }
-            let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_trailers(vm, ctx)) else { return };
+            let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_trailers(vm, ctx)) else {
+                return;
+            };
             self.streams[i].req_eos = true;
             a
         };
@@ -561,32 +617,57 @@ impl Sim {
             return;
         }
         let (vm, ctx) = (s.vm, s.ctx);
-        let Some(sd) = self.host.stream_mut(vm, ctx) else { return };
+        let Some(sd) = self.host.stream_mut(vm, ctx) else {
+            return;
+        };
         let body = std::mem::take(&mut sd.request_body);
         self.streams[i].forwarded.extend_from_slice(&body);
         if !self.streams[i].req_eos {
             return;
         }
-        let headers = self.host.stream_mut(vm, ctx).map(|sd| sd.request_headers.clone()).unwrap_or_default();
+        let headers = self
+            .host
+            .stream_mut(vm, ctx)
+            .map(|sd| sd.request_headers.clone())
+            .unwrap_or_default();
         let dest = abi::header_str(&headers, &self.cfg.route_header).map(str::to_string);
         let Some(u) = dest.as_ref().and_then(|d| self.by_addr.get(d)).copied() else {
             let why = match dest {
-                None => format!("no {} header: ORIGINAL_DST has no host", self.cfg.route_header),
+                None => format!(
+                    "no {} header: ORIGINAL_DST has no host",
+                    self.cfg.route_header
+                ),
                 Some(d) => format!("endpoint {d} is not a known upstream"),
             };
-            self.host.host_log(vm, ctx, LogLevel::Warn, format!("request {}: {why}", self.streams[i].req.id));
-            self.local_reply(i, 503, "no_route", Some(why), b"no healthy upstream".to_vec());
+            self.host.host_log(
+                vm,
+                ctx,
+                LogLevel::Warn,
+                format!("request {}: {why}", self.streams[i].req.id),
+            );
+            self.local_reply(
+                i,
+                503,
+                "no_route",
+                Some(why),
+                b"no healthy upstream".to_vec(),
+            );
             return;
         };
         let addr = self.upstreams[u].addr.clone();
         if let Some(sd) = self.host.stream_mut(vm, ctx) {
-            sd.properties.insert("upstream.address".into(), addr.clone().into_bytes());
+            sd.properties
+                .insert("upstream.address".into(), addr.clone().into_bytes());
         }
         let s = &mut self.streams[i];
         s.upstream = Some(u);
         s.rec.endpoint = Some(addr);
         s.rec.dispatched_us = Some(self.now);
-        let req = UpstreamRequest { headers, body: std::mem::take(&mut s.forwarded), prefix_hashes: s.req.prefix_hashes.clone() };
+        let req = UpstreamRequest {
+            headers,
+            body: std::mem::take(&mut s.forwarded),
+            prefix_hashes: s.req.prefix_hashes.clone(),
+        };
         let evs = self.upstreams[u].up.submit(self.now, i as u64, req);
         for ev in evs {
             self.upstream_event(ev);
@@ -629,7 +710,12 @@ impl Sim {
                     self.resp_headers(i, headers, eos);
                 }
             }
-            UpstreamEvent::Body { id, data, tokens, eos } => {
+            UpstreamEvent::Body {
+                id,
+                data,
+                tokens,
+                eos,
+            } => {
                 let i = id as usize;
                 if !self.streams[i].done {
                     self.resp_body(i, data, tokens, eos);
@@ -645,13 +731,21 @@ impl Sim {
                     // Envoy's router answers 503 itself; the reply passes the filter's encode path.
                     let body = b"upstream connect error or disconnect/reset before headers. reset reason: remote reset".to_vec();
                     self.streams[i].rec.outcome = "upstream_reset";
-                    self.resp_headers(i, vec![(":status".into(), b"503".to_vec()), ("content-type".into(), b"text/plain".to_vec())], false);
+                    self.resp_headers(
+                        i,
+                        vec![
+                            (":status".into(), b"503".to_vec()),
+                            ("content-type".into(), b"text/plain".to_vec()),
+                        ],
+                        false,
+                    );
                     if !self.streams[i].done {
                         self.resp_body(i, body, 0, true);
                     }
                 } else {
                     self.streams[i].rec.outcome = "upstream_reset";
-                    self.streams[i].rec.reason = Some("upstream reset after response headers".into());
+                    self.streams[i].rec.reason =
+                        Some("upstream reset after response headers".into());
                     self.end_stream(i);
                 }
             }
@@ -667,7 +761,9 @@ impl Sim {
         if let Some(sd) = self.host.stream_mut(vm, ctx) {
             sd.response_headers = Some(headers);
         }
-        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_headers(vm, ctx, eos)) else { return };
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_headers(vm, ctx, eos)) else {
+            return;
+        };
         self.streams[i].resp_eos = eos;
         self.streams[i].resp_paused = a == action::PAUSE;
         self.after_call(vm);
@@ -680,7 +776,9 @@ impl Sim {
             sd.response_body.extend_from_slice(&data);
         }
         self.streams[i].resp_tokens_buffered += tokens;
-        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_body(vm, ctx, eos)) else { return };
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_body(vm, ctx, eos)) else {
+            return;
+        };
         self.streams[i].resp_eos = eos;
         self.streams[i].resp_paused = a == action::PAUSE;
         self.after_call(vm);
@@ -692,7 +790,9 @@ impl Sim {
         if let Some(sd) = self.host.stream_mut(vm, ctx) {
             sd.response_trailers = Some(trailers);
         }
-        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_trailers(vm, ctx)) else { return };
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_trailers(vm, ctx)) else {
+            return;
+        };
         self.streams[i].resp_eos = true;
         self.streams[i].resp_paused = a == action::PAUSE;
         self.after_call(vm);
@@ -701,13 +801,21 @@ impl Sim {
 
     /// Delivers to the client what the filter released.
     fn resp_flush(&mut self, i: usize) {
-        if self.streams[i].done || self.streams[i].resp_paused || !self.streams[i].got_resp_headers {
+        if self.streams[i].done || self.streams[i].resp_paused || !self.streams[i].got_resp_headers
+        {
             return;
         }
         let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        let Some(sd) = self.host.stream_mut(vm, ctx) else { return };
+        let Some(sd) = self.host.stream_mut(vm, ctx) else {
+            return;
+        };
         let body = std::mem::take(&mut sd.response_body);
-        let status = sd.response_headers.as_ref().and_then(|h| abi::header_str(h, ":status")).and_then(|v| v.parse::<u16>().ok()).unwrap_or(0);
+        let status = sd
+            .response_headers
+            .as_ref()
+            .and_then(|h| abi::header_str(h, ":status"))
+            .and_then(|v| v.parse::<u16>().ok())
+            .unwrap_or(0);
         let now = self.now;
         let s = &mut self.streams[i];
         if !s.resp_headers_sent {
@@ -734,7 +842,11 @@ impl Sim {
         }
         if s.resp_eos {
             if s.rec.outcome == "unfinished" {
-                s.rec.outcome = if (200..300).contains(&s.rec.status) { "ok" } else { "upstream_error" };
+                s.rec.outcome = if (200..300).contains(&s.rec.status) {
+                    "ok"
+                } else {
+                    "upstream_error"
+                };
             }
             s.upstream = None;
             self.end_stream(i);
@@ -742,7 +854,14 @@ impl Sim {
     }
 
     /// Answers the client directly (filter local reply, trap, no route).
-    fn local_reply(&mut self, i: usize, status: u16, outcome: &'static str, reason: Option<String>, body: Vec<u8>) {
+    fn local_reply(
+        &mut self,
+        i: usize,
+        status: u16,
+        outcome: &'static str,
+        reason: Option<String>,
+        body: Vec<u8>,
+    ) {
         if self.streams[i].done {
             return;
         }
@@ -795,7 +914,12 @@ impl Sim {
                 self.streams[i].rec.outcome = "filter_reset";
                 self.end_stream(i);
             }
-            StreamAction::LocalReply { status, details, headers, body } => {
+            StreamAction::LocalReply {
+                status,
+                details,
+                headers,
+                body,
+            } => {
                 let reason = self
                     .cfg
                     .reason_headers
@@ -855,11 +979,17 @@ impl Sim {
     fn start_call(&mut self, call: HttpCallOut) {
         let resp = match call.endpoint.as_ref().and_then(|e| self.by_addr.get(e)) {
             Some(&u) => {
-                let (h, b) = self.upstreams[u].up.handle_call(self.now, &call.headers, &call.body);
+                let (h, b) = self.upstreams[u]
+                    .up
+                    .handle_call(self.now, &call.headers, &call.body);
                 Some((h, b, Vec::new()))
             }
             // Envoy's async client reports "no healthy upstream" as a 503 response.
-            None => Some((vec![(":status".into(), b"503".to_vec())], b"no healthy upstream".to_vec(), Vec::new())),
+            None => Some((
+                vec![(":status".into(), b"503".to_vec())],
+                b"no healthy upstream".to_vec(),
+                Vec::new(),
+            )),
         };
         let latency = self.cfg.call_latency_us;
         let (at, resp) = if call.timeout_ms > 0 && latency > call.timeout_ms as u64 * 1000 {
@@ -873,7 +1003,9 @@ impl Sim {
     }
 
     fn call_done(&mut self, token: u32) {
-        let Some((call, resp)) = self.calls.remove(&token) else { return };
+        let Some((call, resp)) = self.calls.remove(&token) else {
+            return;
+        };
         let vm = call.vm;
         if let Err(t) = self.host.on_http_call_response(&call, resp) {
             self.root_trap(t);

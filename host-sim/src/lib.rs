@@ -16,9 +16,11 @@ pub mod state;
 pub mod upstream;
 pub mod workload;
 
-pub use host::{Host, PluginSpec, Trap, MAIN_VM};
-pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
 pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-pub use upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};
+pub use host::{Host, PluginSpec, Trap, MAIN_VM};
 pub use report::Report;
 pub use scenario::Scenario;
+pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
+pub use upstream::{
+    GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest,
+};

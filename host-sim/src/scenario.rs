@@ -106,7 +106,8 @@ fn default_call_ms() -> f64 {
 impl Scenario {
     /// Parses and validates a scenario; errors name the offending field.
     pub fn from_json(text: &str) -> Result<Scenario> {
-        let s: Scenario = serde_json::from_str(text).map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
+        let s: Scenario =
+            serde_json::from_str(text).map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
         s.validate()?;
         Ok(s)
     }
@@ -120,7 +121,11 @@ impl Scenario {
             bail!("scenario: backends.count must be 1..=250");
         }
         if GpuProfile::by_name(&self.backends.profile).is_none() {
-            bail!("scenario: backends.profile `{}` is unknown (known: {})", self.backends.profile, GpuProfile::NAMES.join(", "));
+            bail!(
+                "scenario: backends.profile `{}` is unknown (known: {})",
+                self.backends.profile,
+                GpuProfile::NAMES.join(", ")
+            );
         }
         if !self.filter_config.is_object() {
             bail!("scenario: filter_config must be a JSON object");
@@ -128,7 +133,11 @@ impl Scenario {
         if let Some(l) = &self.log_level {
             parse_level(l)?;
         }
-        for (name, v) in [("client_timeout_s", self.client_timeout_s), ("horizon_s", self.horizon_s), ("call_latency_ms", Some(self.call_latency_ms))] {
+        for (name, v) in [
+            ("client_timeout_s", self.client_timeout_s),
+            ("horizon_s", self.horizon_s),
+            ("call_latency_ms", Some(self.call_latency_ms)),
+        ] {
             if let Some(v) = v {
                 if !(v >= 0.0 && v.is_finite()) {
                     bail!("scenario: {name} must be a non-negative number");
@@ -140,7 +149,9 @@ impl Scenario {
 
     /// Backend addresses.
     pub fn backend_addresses(&self) -> Vec<String> {
-        (1..=self.backends.count).map(|i| format!("10.0.0.{i}:{}", self.backends.port)).collect()
+        (1..=self.backends.count)
+            .map(|i| format!("10.0.0.{i}:{}", self.backends.port))
+            .collect()
     }
 
     /// The plugin configuration as sent to the filter.
@@ -154,21 +165,38 @@ impl Scenario {
 
     /// Tenant header the filter reads.
     pub fn tenant_header(&self) -> String {
-        self.filter_config.get("tenant_header").and_then(|v| v.as_str()).unwrap_or("x-gateway-inference-fairness-id").to_string()
+        self.filter_config
+            .get("tenant_header")
+            .and_then(|v| v.as_str())
+            .unwrap_or("x-gateway-inference-fairness-id")
+            .to_string()
     }
 
     /// The workload's items (trace paths resolved against `base_dir`).
     pub fn work_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
         match &self.workload {
-            Workload::Poisson { clients, duration_s } => {
-                workload::poisson(clients, *duration_s, self.seed).map_err(|e| anyhow::anyhow!("scenario: workload.{e}"))
-            }
-            Workload::Trace { format, path, limit, max_arrival_s } => {
+            Workload::Poisson {
+                clients,
+                duration_s,
+            } => workload::poisson(clients, *duration_s, self.seed)
+                .map_err(|e| anyhow::anyhow!("scenario: workload.{e}")),
+            Workload::Trace {
+                format,
+                path,
+                limit,
+                max_arrival_s,
+            } => {
                 let p = base_dir.join(path);
-                let text = std::fs::read_to_string(&p).with_context(|| format!("reading trace {}", p.display()))?;
+                let text = std::fs::read_to_string(&p)
+                    .with_context(|| format!("reading trace {}", p.display()))?;
                 let mut items = workload::parse_trace(*format, &text).map_err(|errs| {
                     let shown: Vec<String> = errs.iter().take(20).map(|e| e.to_string()).collect();
-                    anyhow::anyhow!("trace {}: {} bad row(s):\n{}", p.display(), errs.len(), shown.join("\n"))
+                    anyhow::anyhow!(
+                        "trace {}: {} bad row(s):\n{}",
+                        p.display(),
+                        errs.len(),
+                        shown.join("\n")
+                    )
                 })?;
                 if let Some(t) = max_arrival_s {
                     items.retain(|w| (w.arrival_us as f64) < t * 1e6);
@@ -187,7 +215,12 @@ impl Scenario {
         let plugin = PluginSpec {
             configuration: serde_json::to_vec(&self.plugin_config())?,
             workers: self.workers,
-            log_level: self.log_level.as_deref().map(parse_level).transpose()?.unwrap_or(LogLevel::Warn),
+            log_level: self
+                .log_level
+                .as_deref()
+                .map(parse_level)
+                .transpose()?
+                .unwrap_or(LogLevel::Warn),
             seed: self.seed,
             ..Default::default()
         };
@@ -203,14 +236,28 @@ impl Scenario {
         }
         // As envoy/envoy.yaml: `model_servers` is ORIGINAL_DST on the destination header, and
         // serves both the data path and the filter's metric scrapes.
-        let dst = || Cluster::OriginalDst { header: GatewayConfig::default().route_header };
+        let dst = || Cluster::OriginalDst {
+            header: GatewayConfig::default().route_header,
+        };
         sim.add_cluster("model_servers", dst());
-        if let Some(c) = self.filter_config.pointer("/routing/scrape_cluster").and_then(|v| v.as_str()) {
+        if let Some(c) = self
+            .filter_config
+            .pointer("/routing/scrape_cluster")
+            .and_then(|v| v.as_str())
+        {
             sim.add_cluster(c, dst());
         }
         let th = self.tenant_header();
         for (i, w) in items.iter().enumerate() {
-            let mut r = ClientRequest::chat(i as u64, w.arrival_us, &th, &w.client, &self.model, w.prompt_tokens, w.output_tokens);
+            let mut r = ClientRequest::chat(
+                i as u64,
+                w.arrival_us,
+                &th,
+                &w.client,
+                &self.model,
+                w.prompt_tokens,
+                w.output_tokens,
+            );
             r.prefix_hashes = w.prefix_hashes.clone();
             r.cancel_after_us = self.client_timeout_s.map(|s| (s * 1e6) as u64);
             sim.add_request(r);

@@ -105,6 +105,9 @@ pub enum Cluster {
     },
 }
 
+/// An http-call response as delivered to the module: headers, body, trailers.
+pub type CallResponse = (HeaderMap, Vec<u8>, HeaderMap);
+
 /// A deferred stream operation requested during a VM call, applied after the call returns.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StreamAction {
@@ -150,7 +153,9 @@ pub struct StreamData {
 /// A context known to a VM.
 #[derive(Clone, Debug)]
 pub(crate) enum Context {
-    Root { properties: BTreeMap<String, Vec<u8>> },
+    Root {
+        properties: BTreeMap<String, Vec<u8>>,
+    },
     Http(Box<StreamData>),
 }
 
@@ -183,7 +188,14 @@ impl Process {
     pub fn log(&mut self, vm: usize, ctx: u32, level: LogLevel, source: &'static str, msg: String) {
         if level >= self.log_level {
             let time_us = self.now_us;
-            self.logs.push(LogRecord { time_us, vm, context_id: ctx, level, source, message: msg });
+            self.logs.push(LogRecord {
+                time_us,
+                vm,
+                context_id: ctx,
+                level,
+                source,
+                message: msg,
+            });
         }
     }
 
@@ -213,7 +225,7 @@ pub(crate) struct VmState {
     pub contexts: BTreeMap<u32, Context>,
     pub tick_period_ms: u32,
     pub actions: Vec<(u32, StreamAction)>,
-    pub call_response: Option<(HeaderMap, Vec<u8>, HeaderMap)>,
+    pub call_response: Option<CallResponse>,
     pub vm_configuration: Vec<u8>,
     pub plugin_configuration: Vec<u8>,
     pub done_called: bool,
@@ -229,6 +241,8 @@ impl VmState {
     }
 
     pub fn log(&self, level: LogLevel, source: &'static str, msg: String) {
-        self.proc.borrow_mut().log(self.vm, self.effective, level, source, msg);
+        self.proc
+            .borrow_mut()
+            .log(self.vm, self.effective, level, source, msg);
     }
 }

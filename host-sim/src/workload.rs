@@ -38,19 +38,32 @@ pub struct PoissonClient {
 /// Poisson arrivals for each client over `duration_s`, merged in time order (ties by client
 /// order). Each client draws from its own stream derived from `seed`, so adding a client does not
 /// change the others' arrivals.
-pub fn poisson(clients: &[PoissonClient], duration_s: f64, seed: u64) -> Result<Vec<WorkItem>, String> {
+pub fn poisson(
+    clients: &[PoissonClient],
+    duration_s: f64,
+    seed: u64,
+) -> Result<Vec<WorkItem>, String> {
     if !(duration_s > 0.0 && duration_s.is_finite()) {
-        return Err(format!("duration_s must be a positive number, got {duration_s}"));
+        return Err(format!(
+            "duration_s must be a positive number, got {duration_s}"
+        ));
     }
     let mut out = Vec::new();
     for (ci, c) in clients.iter().enumerate() {
         if !(c.rate > 0.0 && c.rate.is_finite()) {
-            return Err(format!("clients[{ci}].rate must be a positive number, got {}", c.rate));
+            return Err(format!(
+                "clients[{ci}].rate must be a positive number, got {}",
+                c.rate
+            ));
         }
         if c.prompt_tokens == 0 || c.output_tokens == 0 {
-            return Err(format!("clients[{ci}]: prompt_tokens and output_tokens must be >= 1"));
+            return Err(format!(
+                "clients[{ci}]: prompt_tokens and output_tokens must be >= 1"
+            ));
         }
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)));
+        let mut rng = ChaCha8Rng::seed_from_u64(
+            seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)),
+        );
         let mut t = 0.0f64;
         loop {
             let u: f64 = rng.random::<f64>();
@@ -105,7 +118,10 @@ impl fmt::Display for TraceError {
 pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec<TraceError>> {
     let mut items = Vec::new();
     let mut errs = Vec::new();
-    let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim_end_matches('\r')));
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim_end_matches('\r')));
     if format != TraceFormat::MooncakeJsonl {
         let expected: &[&str] = match format {
             TraceFormat::VtcCsv => &["arrival_s", "client", "prompt_tokens", "output_tokens"],
@@ -113,8 +129,14 @@ pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec
         };
         match lines.next() {
             Some((_, h)) if h.split(',').map(str::trim).eq(expected.iter().copied()) => {}
-            Some((n, h)) => errs.push(TraceError { line: n, message: format!("header must be `{}`, found `{h}`", expected.join(",")) }),
-            None => errs.push(TraceError { line: 1, message: "empty file: no header".into() }),
+            Some((n, h)) => errs.push(TraceError {
+                line: n,
+                message: format!("header must be `{}`, found `{h}`", expected.join(",")),
+            }),
+            None => errs.push(TraceError {
+                line: 1,
+                message: "empty file: no header".into(),
+            }),
         }
     }
     let mut azure_t0: Option<i64> = None;
@@ -136,7 +158,10 @@ pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec
         return Err(errs);
     }
     if items.is_empty() {
-        return Err(vec![TraceError { line: 1, message: "trace has no requests".into() }]);
+        return Err(vec![TraceError {
+            line: 1,
+            message: "trace has no requests".into(),
+        }]);
     }
     let t0 = items.iter().map(|w| w.arrival_us).min().unwrap_or(0);
     for w in &mut items {
@@ -147,7 +172,10 @@ pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec
 }
 
 fn tokens(field: &str, v: &str) -> Result<u32, String> {
-    let n: u64 = v.trim().parse().map_err(|_| format!("{field} must be a non-negative integer, found `{v}`"))?;
+    let n: u64 = v
+        .trim()
+        .parse()
+        .map_err(|_| format!("{field} must be a non-negative integer, found `{v}`"))?;
     if n == 0 {
         return Err(format!("{field} must be >= 1"));
     }
@@ -159,7 +187,10 @@ fn parse_vtc(line: &str) -> Result<WorkItem, String> {
     if f.len() != 4 {
         return Err(format!("expected 4 fields, found {}", f.len()));
     }
-    let t: f64 = f[0].trim().parse().map_err(|_| format!("arrival_s must be a number, found `{}`", f[0]))?;
+    let t: f64 = f[0]
+        .trim()
+        .parse()
+        .map_err(|_| format!("arrival_s must be a number, found `{}`", f[0]))?;
     if !(t >= 0.0 && t.is_finite()) {
         return Err(format!("arrival_s must be >= 0, found {t}"));
     }
@@ -193,7 +224,11 @@ fn azure_time_us(s: &str) -> Option<i64> {
     }
     let us_frac = format!("{frac_digits:0<6}").parse::<i64>().ok()?;
     // Days from civil (Howard Hinnant's algorithm).
-    let (yy, mm) = if mo <= 2 { (y - 1, mo + 9) } else { (y, mo - 3) };
+    let (yy, mm) = if mo <= 2 {
+        (y - 1, mo + 9)
+    } else {
+        (y, mo - 3)
+    };
     let era = yy.div_euclid(400);
     let yoe = yy - era * 400;
     let doy = (153 * mm + 2) / 5 + da - 1;
@@ -207,7 +242,12 @@ fn parse_azure(line: &str, t0: &mut Option<i64>) -> Result<WorkItem, String> {
     if f.len() != 3 {
         return Err(format!("expected 3 fields, found {}", f.len()));
     }
-    let t = azure_time_us(f[0]).ok_or_else(|| format!("TIMESTAMP must look like `2023-11-16 18:15:46.6805900`, found `{}`", f[0]))?;
+    let t = azure_time_us(f[0]).ok_or_else(|| {
+        format!(
+            "TIMESTAMP must look like `2023-11-16 18:15:46.6805900`, found `{}`",
+            f[0]
+        )
+    })?;
     let base = *t0.get_or_insert(t);
     // Keep a large fixed offset so rows earlier than the first stay non-negative until rebased.
     let rel = t - base + (1i64 << 40);
@@ -253,8 +293,18 @@ mod tests {
     #[test]
     fn poisson_is_seeded_and_rate_shaped() {
         let c = vec![
-            PoissonClient { name: "a".into(), rate: 10.0, prompt_tokens: 5, output_tokens: 7 },
-            PoissonClient { name: "b".into(), rate: 1.0, prompt_tokens: 5, output_tokens: 7 },
+            PoissonClient {
+                name: "a".into(),
+                rate: 10.0,
+                prompt_tokens: 5,
+                output_tokens: 7,
+            },
+            PoissonClient {
+                name: "b".into(),
+                rate: 1.0,
+                prompt_tokens: 5,
+                output_tokens: 7,
+            },
         ];
         let w = poisson(&c, 100.0, 3).unwrap();
         assert_eq!(w, poisson(&c, 100.0, 3).unwrap());
@@ -269,10 +319,27 @@ mod tests {
 
     #[test]
     fn traces_parse_and_bad_rows_name_line_and_field() {
-        let w = parse_trace(TraceFormat::VtcCsv, "arrival_s,client,prompt_tokens,output_tokens\n1.5,c1,10,20\n0.5,c2,3,4\n").unwrap();
-        assert_eq!(w[0], WorkItem { arrival_us: 0, client: "c2".into(), prompt_tokens: 3, output_tokens: 4, prefix_hashes: vec![] });
+        let w = parse_trace(
+            TraceFormat::VtcCsv,
+            "arrival_s,client,prompt_tokens,output_tokens\n1.5,c1,10,20\n0.5,c2,3,4\n",
+        )
+        .unwrap();
+        assert_eq!(
+            w[0],
+            WorkItem {
+                arrival_us: 0,
+                client: "c2".into(),
+                prompt_tokens: 3,
+                output_tokens: 4,
+                prefix_hashes: vec![]
+            }
+        );
         assert_eq!(w[1].arrival_us, 1_000_000);
-        let e = parse_trace(TraceFormat::VtcCsv, "arrival_s,client,prompt_tokens,output_tokens\n1,c,x,2\n2,c,1,0\n").unwrap_err();
+        let e = parse_trace(
+            TraceFormat::VtcCsv,
+            "arrival_s,client,prompt_tokens,output_tokens\n1,c,x,2\n2,c,1,0\n",
+        )
+        .unwrap_err();
         assert_eq!(e.len(), 2);
         assert_eq!((e[0].line, e[1].line), (2, 3));
         assert!(e[0].message.contains("prompt_tokens") && e[1].message.contains("output_tokens"));
@@ -282,14 +349,21 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w[1].arrival_us, 4_314_579);
-        let e = parse_trace(TraceFormat::AzureCsv, "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n").unwrap_err();
+        let e = parse_trace(
+            TraceFormat::AzureCsv,
+            "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n",
+        )
+        .unwrap_err();
         assert!(e[0].message.contains("TIMESTAMP") && e[0].line == 2);
         let w = parse_trace(
             TraceFormat::MooncakeJsonl,
             "{\"timestamp\": 27482, \"input_length\": 6955, \"output_length\": 52, \"hash_ids\": [46, 47]}\n{\"timestamp\": 30535, \"input_length\": 6472, \"output_length\": 26, \"hash_ids\": [46]}\n",
         )
         .unwrap();
-        assert_eq!((w[1].arrival_us, w[0].prefix_hashes.clone()), (3_053_000, vec![46, 47]));
+        assert_eq!(
+            (w[1].arrival_us, w[0].prefix_hashes.clone()),
+            (3_053_000, vec![46, 47])
+        );
         let e = parse_trace(TraceFormat::MooncakeJsonl, "{\"timestamp\": 1}\n").unwrap_err();
         assert!(e[0].message.contains("input_length"));
     }
