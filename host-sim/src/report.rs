@@ -69,6 +69,45 @@ pub struct ClientReport {
     pub e2e_ms: Stats,
 }
 
+/// Latency objectives a request must meet to count towards goodput (unset ones are ignored).
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Slo {
+    /// Time to first token, ms.
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    /// Time per output token, ms.
+    #[serde(default)]
+    pub tpot_ms: Option<f64>,
+    /// End to end, ms.
+    #[serde(default)]
+    pub e2e_ms: Option<f64>,
+}
+
+/// SLO attainment of a run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct SloReport {
+    /// The objectives.
+    pub slo: Slo,
+    /// Requests that completed (2xx) within every objective.
+    pub attained: usize,
+    /// attained / all requests (rejected ones count as missed).
+    pub attainment: f64,
+    /// Attained requests per second.
+    pub goodput_rps: f64,
+}
+
+impl Slo {
+    fn met(&self, r: &RequestRecord) -> bool {
+        let within =
+            |lim: Option<f64>, v: Option<f64>| lim.is_none_or(|l| v.is_some_and(|v| v <= l));
+        r.outcome == "ok"
+            && within(self.ttft_ms, r.ttft_ms())
+            && within(self.e2e_ms, r.e2e_ms())
+            && (self.tpot_ms.is_none() || r.tpot_ms().is_none_or(|v| v <= self.tpot_ms.unwrap()))
+    }
+}
+
 /// Max, mean and variance of `max_i S_i(t) − min_i S_i(t)` over backlogged clients `i`, where
 /// `S_i(t)` is client i's accumulated service at second t.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -214,6 +253,8 @@ pub struct Report {
     /// The filter's metrics (`proxy_define_metric`) by name: counter/gauge value, or histogram
     /// sample count.
     pub filter_metrics: BTreeMap<String, u64>,
+    /// SLO attainment and goodput, when objectives were given.
+    pub slo: Option<SloReport>,
     /// Traps in the module.
     pub traps: usize,
     /// Events processed.
@@ -306,9 +347,29 @@ impl Report {
                 .into_iter()
                 .map(|m| (m.name, m.value))
                 .collect(),
+            slo: None,
             traps: sim.host().traps().len(),
             events: sim.events_run(),
         }
+    }
+
+    /// Adds SLO attainment and goodput for `slo`.
+    pub fn with_slo(mut self, sim: &Sim, slo: &Slo) -> Report {
+        let recs = sim.records();
+        let attained = recs.iter().filter(|r| slo.met(r)).count();
+        let n = recs.len().max(1) as f64;
+        let dur = self.duration_s;
+        self.slo = Some(SloReport {
+            slo: slo.clone(),
+            attained,
+            attainment: round3(attained as f64 / n),
+            goodput_rps: if dur > 0.0 {
+                round3(attained as f64 / dur)
+            } else {
+                0.0
+            },
+        });
+        self
     }
 
     /// Pretty JSON.

@@ -7,7 +7,7 @@ use crate::host::PluginSpec;
 use crate::report::Report;
 use crate::state::Cluster;
 use crate::upstream::GpuUpstream;
-use crate::workload::{self, PoissonClient, TraceFormat, WorkItem};
+use crate::workload::{self, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use sluice_gpu::GpuProfile;
@@ -43,6 +43,9 @@ pub struct Scenario {
     /// Module log level recorded (`trace` .. `critical`); default `warn`.
     #[serde(default)]
     pub log_level: Option<String>,
+    /// Latency objectives for SLO attainment and goodput in the report.
+    #[serde(default)]
+    pub slo: Option<crate::report::Slo>,
     /// Round trip of a `dispatch_http_call` (metrics scrape), ms.
     #[serde(default = "default_call_ms")]
     pub call_latency_ms: f64,
@@ -65,10 +68,12 @@ pub struct Backends {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Workload {
-    /// Poisson arrivals with fixed lengths per client.
-    Poisson {
+    /// Synthetic clients (`poisson` is an alias): each with its arrival process and fixed
+    /// lengths.
+    #[serde(alias = "poisson")]
+    Synthetic {
         /// Clients.
-        clients: Vec<PoissonClient>,
+        clients: Vec<SyntheticClient>,
         /// Length of the arrival window, seconds.
         duration_s: f64,
     },
@@ -175,10 +180,10 @@ impl Scenario {
     /// The workload's items (trace paths resolved against `base_dir`).
     pub fn work_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
         match &self.workload {
-            Workload::Poisson {
+            Workload::Synthetic {
                 clients,
                 duration_s,
-            } => workload::poisson(clients, *duration_s, self.seed)
+            } => workload::synthetic(clients, *duration_s, self.seed)
                 .map_err(|e| anyhow::anyhow!("scenario: workload.{e}")),
             Workload::Trace {
                 format,
@@ -254,7 +259,7 @@ impl Scenario {
                 w.arrival_us,
                 &th,
                 &w.client,
-                &self.model,
+                w.model.as_deref().unwrap_or(&self.model),
                 w.prompt_tokens,
                 w.output_tokens,
             );
@@ -265,12 +270,21 @@ impl Scenario {
         Ok(sim)
     }
 
+    /// The report of a finished run of this scenario (with SLO attainment if objectives are set).
+    pub fn report(&self, sim: &Sim) -> Report {
+        let r = Report::new(sim, &self.backend_addresses());
+        match &self.slo {
+            Some(slo) => r.with_slo(sim, slo),
+            None => r,
+        }
+    }
+
     /// Runs the scenario to completion and reports.
     pub fn run(&self, wasm: &[u8], base_dir: &Path) -> Result<(Sim, Report)> {
         let items = self.work_items(base_dir)?;
         let mut sim = self.build(wasm, &items)?;
         sim.run();
-        let report = Report::new(&sim, &self.backend_addresses());
+        let report = self.report(&sim);
         Ok((sim, report))
     }
 }

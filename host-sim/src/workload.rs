@@ -19,69 +19,219 @@ pub struct WorkItem {
     pub output_tokens: u32,
     /// Prefix-block hashes (Mooncake `hash_ids`).
     pub prefix_hashes: Vec<u64>,
+    /// Model asked for (default: the scenario's).
+    pub model: Option<String>,
 }
 
-/// A synthetic client: Poisson arrivals with fixed lengths.
+/// A synthetic client: an arrival process with fixed request lengths.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PoissonClient {
+pub struct SyntheticClient {
     /// Client name (sent in the tenant header).
     pub name: String,
-    /// Mean requests per second.
+    /// Mean requests per second (for `ramp`, the rate at the start).
     pub rate: f64,
     /// Prompt tokens per request.
     pub prompt_tokens: u32,
     /// Output tokens per request.
     pub output_tokens: u32,
+    /// Arrival process; Poisson when absent.
+    #[serde(default)]
+    pub arrival: Arrival,
+    /// `model` of this client's requests (default: the scenario's).
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
-/// Poisson arrivals for each client over `duration_s`, merged in time order (ties by client
-/// order). Each client draws from its own stream derived from `seed`, so adding a client does not
-/// change the others' arrivals.
-pub fn poisson(
-    clients: &[PoissonClient],
+/// Inter-arrival process of a synthetic client.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Arrival {
+    /// Exponential gaps.
+    #[default]
+    Poisson,
+    /// Gamma gaps with this coefficient of variation (1 = Poisson, > 1 = burstier).
+    Gamma {
+        /// Coefficient of variation of the gaps.
+        cv: f64,
+    },
+    /// Evenly spaced arrivals, 1/rate apart.
+    Uniform,
+    /// Poisson arrivals during `on_s`, none during `off_s`, repeating (starting on).
+    OnOff {
+        /// Length of an on phase, seconds.
+        on_s: f64,
+        /// Length of an off phase, seconds.
+        off_s: f64,
+    },
+    /// Poisson arrivals whose rate moves linearly from `rate` to `to_rate` over the run.
+    Ramp {
+        /// Rate at the end of the run.
+        to_rate: f64,
+    },
+}
+
+/// Kept for scenario files and callers written against the first version.
+pub type PoissonClient = SyntheticClient;
+
+fn std_normal(rng: &mut ChaCha8Rng) -> f64 {
+    // Box-Muller; 1 - u keeps the logarithm finite.
+    let u1: f64 = 1.0 - rng.random::<f64>();
+    let u2: f64 = rng.random::<f64>();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+/// Gamma(shape, 1) by Marsaglia and Tsang (boosted for shape < 1).
+fn gamma(rng: &mut ChaCha8Rng, shape: f64) -> f64 {
+    if shape < 1.0 {
+        let u: f64 = 1.0 - rng.random::<f64>();
+        return gamma(rng, shape + 1.0) * u.powf(1.0 / shape);
+    }
+    let d = shape - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        let x = std_normal(rng);
+        let v = (1.0 + c * x).powi(3);
+        if v <= 0.0 {
+            continue;
+        }
+        let u: f64 = 1.0 - rng.random::<f64>();
+        if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+            return d * v;
+        }
+    }
+}
+
+fn exp_gap(rng: &mut ChaCha8Rng, rate: f64) -> f64 {
+    -(1.0 - rng.random::<f64>()).ln() / rate
+}
+
+fn positive(field: String, v: f64) -> Result<(), String> {
+    if v > 0.0 && v.is_finite() {
+        Ok(())
+    } else {
+        Err(format!("{field} must be a positive number, got {v}"))
+    }
+}
+
+/// Arrivals of every client over `duration_s`, merged in time order (ties by client order).
+/// Each client draws from its own stream derived from `seed`, so adding a client does not
+/// change the others' arrivals. Errors name the field (`clients[2].arrival.cv`).
+pub fn synthetic(
+    clients: &[SyntheticClient],
     duration_s: f64,
     seed: u64,
 ) -> Result<Vec<WorkItem>, String> {
-    if !(duration_s > 0.0 && duration_s.is_finite()) {
-        return Err(format!(
-            "duration_s must be a positive number, got {duration_s}"
-        ));
-    }
+    positive("duration_s".into(), duration_s)?;
     let mut out = Vec::new();
     for (ci, c) in clients.iter().enumerate() {
-        if !(c.rate > 0.0 && c.rate.is_finite()) {
-            return Err(format!(
-                "clients[{ci}].rate must be a positive number, got {}",
-                c.rate
-            ));
-        }
+        positive(format!("clients[{ci}].rate"), c.rate)?;
         if c.prompt_tokens == 0 || c.output_tokens == 0 {
             return Err(format!(
                 "clients[{ci}]: prompt_tokens and output_tokens must be >= 1"
             ));
         }
+        match &c.arrival {
+            Arrival::Gamma { cv } => positive(format!("clients[{ci}].arrival.cv"), *cv)?,
+            Arrival::OnOff { on_s, off_s } => {
+                positive(format!("clients[{ci}].arrival.on_s"), *on_s)?;
+                if !(*off_s >= 0.0 && off_s.is_finite()) {
+                    return Err(format!("clients[{ci}].arrival.off_s must be >= 0"));
+                }
+            }
+            Arrival::Ramp { to_rate } => {
+                positive(format!("clients[{ci}].arrival.to_rate"), *to_rate)?
+            }
+            Arrival::Poisson | Arrival::Uniform => {}
+        }
         let mut rng = ChaCha8Rng::seed_from_u64(
             seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)),
         );
+        let mut times = Vec::new();
         let mut t = 0.0f64;
-        loop {
-            let u: f64 = rng.random::<f64>();
-            t += -(1.0 - u).ln() / c.rate;
-            if t >= duration_s {
-                break;
+        match &c.arrival {
+            Arrival::Poisson => loop {
+                t += exp_gap(&mut rng, c.rate);
+                if t >= duration_s {
+                    break;
+                }
+                times.push(t);
+            },
+            Arrival::Gamma { cv } => {
+                let shape = 1.0 / (cv * cv);
+                let scale = 1.0 / (c.rate * shape);
+                loop {
+                    t += gamma(&mut rng, shape) * scale;
+                    if t >= duration_s {
+                        break;
+                    }
+                    times.push(t);
+                }
             }
-            out.push(WorkItem {
-                arrival_us: (t * 1e6) as u64,
-                client: c.name.clone(),
-                prompt_tokens: c.prompt_tokens,
-                output_tokens: c.output_tokens,
-                prefix_hashes: Vec::new(),
-            });
+            Arrival::Uniform => {
+                let gap = 1.0 / c.rate;
+                t = gap;
+                while t < duration_s {
+                    times.push(t);
+                    t += gap;
+                }
+            }
+            Arrival::OnOff { on_s, off_s } => {
+                // Poisson in "on time", mapped onto the wall timeline.
+                let mut on_time = 0.0;
+                loop {
+                    on_time += exp_gap(&mut rng, c.rate);
+                    let cycles = (on_time / on_s).floor();
+                    let at = cycles * (on_s + off_s) + (on_time - cycles * on_s);
+                    if at >= duration_s {
+                        break;
+                    }
+                    times.push(at);
+                }
+            }
+            Arrival::Ramp { to_rate } => {
+                // Thinning of a Poisson process at the peak rate.
+                let peak = c.rate.max(*to_rate);
+                loop {
+                    t += exp_gap(&mut rng, peak);
+                    if t >= duration_s {
+                        break;
+                    }
+                    let r = c.rate + (to_rate - c.rate) * t / duration_s;
+                    if rng.random::<f64>() * peak < r {
+                        times.push(t);
+                    }
+                }
+            }
         }
+        out.extend(times.into_iter().map(|t| WorkItem {
+            arrival_us: (t * 1e6) as u64,
+            client: c.name.clone(),
+            prompt_tokens: c.prompt_tokens,
+            output_tokens: c.output_tokens,
+            prefix_hashes: Vec::new(),
+            model: c.model.clone(),
+        }));
     }
     out.sort_by_key(|w| w.arrival_us);
     Ok(out)
+}
+
+/// Poisson arrivals for every client, whatever their `arrival` says (the first API).
+pub fn poisson(
+    clients: &[SyntheticClient],
+    duration_s: f64,
+    seed: u64,
+) -> Result<Vec<WorkItem>, String> {
+    let c: Vec<SyntheticClient> = clients
+        .iter()
+        .cloned()
+        .map(|mut c| {
+            c.arrival = Arrival::Poisson;
+            c
+        })
+        .collect();
+    synthetic(&c, duration_s, seed)
 }
 
 /// Trace file formats.
@@ -204,6 +354,7 @@ fn parse_vtc(line: &str) -> Result<WorkItem, String> {
         prompt_tokens: tokens("prompt_tokens", f[2])?,
         output_tokens: tokens("output_tokens", f[3])?,
         prefix_hashes: Vec::new(),
+        model: None,
     })
 }
 
@@ -260,6 +411,7 @@ fn parse_azure(line: &str, t0: &mut Option<i64>) -> Result<WorkItem, String> {
         prompt_tokens: tokens("ContextTokens", f[1])?,
         output_tokens: tokens("GeneratedTokens", f[2])?,
         prefix_hashes: Vec::new(),
+        model: None,
     })
 }
 
@@ -283,6 +435,7 @@ fn parse_mooncake(line: &str) -> Result<WorkItem, String> {
         prompt_tokens: tokens("input_length", &r.input_length.to_string())?,
         output_tokens: tokens("output_length", &r.output_length.to_string())?,
         prefix_hashes: r.hash_ids,
+        model: None,
     })
 }
 
@@ -293,17 +446,13 @@ mod tests {
     #[test]
     fn poisson_is_seeded_and_rate_shaped() {
         let c = vec![
-            PoissonClient {
+            SyntheticClient {
                 name: "a".into(),
-                rate: 10.0,
-                prompt_tokens: 5,
-                output_tokens: 7,
+                ..client(Arrival::Poisson, 10.0)
             },
-            PoissonClient {
+            SyntheticClient {
                 name: "b".into(),
-                rate: 1.0,
-                prompt_tokens: 5,
-                output_tokens: 7,
+                ..client(Arrival::Poisson, 1.0)
             },
         ];
         let w = poisson(&c, 100.0, 3).unwrap();
@@ -315,6 +464,74 @@ mod tests {
         assert!((60..140).contains(&b), "{b}");
         assert!(w.windows(2).all(|p| p[0].arrival_us <= p[1].arrival_us));
         assert!(poisson(&c, 0.0, 1).unwrap_err().contains("duration_s"));
+    }
+
+    fn client(arrival: Arrival, rate: f64) -> SyntheticClient {
+        SyntheticClient {
+            name: "c".into(),
+            rate,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            arrival,
+            model: None,
+        }
+    }
+
+    fn gaps(w: &[WorkItem]) -> (f64, f64) {
+        let g: Vec<f64> = w
+            .windows(2)
+            .map(|p| (p[1].arrival_us - p[0].arrival_us) as f64 / 1e6)
+            .collect();
+        let m = g.iter().sum::<f64>() / g.len() as f64;
+        let sd = (g.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / g.len() as f64).sqrt();
+        (m, sd / m)
+    }
+
+    #[test]
+    fn arrival_processes_have_their_rate_and_shape() {
+        let (m, cv) =
+            gaps(&synthetic(&[client(Arrival::Gamma { cv: 3.0 }, 20.0)], 2000.0, 1).unwrap());
+        assert!(
+            (m - 0.05).abs() < 0.005 && (cv - 3.0).abs() < 0.3,
+            "gamma mean {m} cv {cv}"
+        );
+        let (m, cv) =
+            gaps(&synthetic(&[client(Arrival::Gamma { cv: 0.5 }, 20.0)], 2000.0, 1).unwrap());
+        assert!(
+            (m - 0.05).abs() < 0.005 && (cv - 0.5).abs() < 0.05,
+            "gamma mean {m} cv {cv}"
+        );
+        let u = synthetic(&[client(Arrival::Uniform, 4.0)], 10.0, 1).unwrap();
+        assert_eq!(
+            u.iter().map(|w| w.arrival_us).collect::<Vec<_>>()[..3],
+            [250_000, 500_000, 750_000]
+        );
+        let o = synthetic(
+            &[client(
+                Arrival::OnOff {
+                    on_s: 1.0,
+                    off_s: 4.0,
+                },
+                50.0,
+            )],
+            100.0,
+            1,
+        )
+        .unwrap();
+        assert!(
+            o.iter().all(|w| w.arrival_us % 5_000_000 < 1_000_000),
+            "arrivals only in on phases"
+        );
+        assert!((900..1100).contains(&o.len()), "{}", o.len());
+        let r = synthetic(&[client(Arrival::Ramp { to_rate: 40.0 }, 0.5)], 100.0, 1).unwrap();
+        let first = r.iter().filter(|w| w.arrival_us < 50_000_000).count();
+        assert!(
+            first * 2 < r.len() && (1800..2300).contains(&r.len()),
+            "{first} of {}",
+            r.len()
+        );
+        let e = synthetic(&[client(Arrival::Gamma { cv: -1.0 }, 1.0)], 1.0, 1).unwrap_err();
+        assert!(e.contains("clients[0].arrival.cv"), "{e}");
     }
 
     #[test]
@@ -331,7 +548,8 @@ mod tests {
                 client: "c2".into(),
                 prompt_tokens: 3,
                 output_tokens: 4,
-                prefix_hashes: vec![]
+                prefix_hashes: vec![],
+                model: None,
             }
         );
         assert_eq!(w[1].arrival_us, 1_000_000);

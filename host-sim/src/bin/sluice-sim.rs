@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use host_sim::report::records_csv;
 use host_sim::workload::TraceFormat;
-use host_sim::{Report, Scenario};
+use host_sim::Scenario;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -64,6 +64,12 @@ struct Cli {
     /// Clients give up after this many seconds.
     #[arg(long)]
     client_timeout_s: Option<f64>,
+    /// SLO on time to first token, ms (adds attainment and goodput to the report).
+    #[arg(long)]
+    slo_ttft_ms: Option<f64>,
+    /// SLO on end-to-end latency, ms.
+    #[arg(long)]
+    slo_e2e_ms: Option<f64>,
     /// Module log level recorded: trace, debug, info, warn, error, critical.
     #[arg(long)]
     log_level: Option<String>,
@@ -160,6 +166,11 @@ fn run(cli: Cli) -> Result<()> {
             sc.filter_config[k] = v.clone();
         }
     }
+    if cli.slo_ttft_ms.is_some() || cli.slo_e2e_ms.is_some() {
+        let slo = sc.slo.get_or_insert_with(Default::default);
+        slo.ttft_ms = cli.slo_ttft_ms.or(slo.ttft_ms);
+        slo.e2e_ms = cli.slo_e2e_ms.or(slo.e2e_ms);
+    }
     if let Some(t) = cli.client_timeout_s {
         sc.client_timeout_s = Some(t);
     }
@@ -201,7 +212,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     let recs = sim.run();
     let elapsed = wall.elapsed().as_secs_f64();
-    let report = Report::new(&sim, &sc.backend_addresses());
+    let report = sc.report(&sim);
     let json = report.to_json();
     match &cli.json {
         Some(p) => std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?,
