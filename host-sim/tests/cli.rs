@@ -1,0 +1,119 @@
+//! The `sluice-sim` command line: documented options, clear errors, deterministic output.
+
+mod common;
+
+use std::process::Command;
+
+fn sim() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sluice-sim"))
+}
+
+#[test]
+fn help_documents_every_option() {
+    let out = sim().arg("--help").output().unwrap();
+    let help = String::from_utf8(out.stdout).unwrap();
+    for opt in [
+        "--wasm",
+        "--scenario",
+        "--trace",
+        "--format",
+        "--check-trace",
+        "--backends",
+        "--profile",
+        "--workers",
+        "--seed",
+        "--policy",
+        "--filter-config",
+        "--json",
+        "--csv",
+        "--svg-service",
+        "--svg-latency",
+        "--slo-ttft-ms",
+        "--progress",
+    ] {
+        assert!(help.contains(opt), "{opt} missing from --help");
+    }
+}
+
+#[test]
+fn bad_inputs_fail_with_the_field_named() {
+    let dir = std::env::temp_dir().join(format!("sluice-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.csv");
+    std::fs::write(
+        &bad,
+        "arrival_s,client,prompt_tokens,output_tokens\n0,a,1,1\nx,b,1,1\n",
+    )
+    .unwrap();
+    let out = sim()
+        .args([
+            "--trace",
+            bad.to_str().unwrap(),
+            "--format",
+            "vtc-csv",
+            "--check-trace",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 3") && err.contains("arrival_s"), "{err}");
+    let sc = dir.join("s.json");
+    std::fs::write(&sc, r#"{"backends": {"count": 0, "profile": "fast"}, "workload": {"kind": "poisson", "duration_s": 1, "clients": []}}"#).unwrap();
+    let out = sim()
+        .args(["--scenario", sc.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("backends.count"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_trace_run_prints_a_deterministic_report() {
+    let wasm = dir_with_filter();
+    let dir = std::env::temp_dir().join(format!("sluice-cli-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("t.csv");
+    let mut csv = String::from("arrival_s,client,prompt_tokens,output_tokens\n");
+    for i in 0..30 {
+        csv.push_str(&format!("{},c{},{},{}\n", i as f64 * 0.1, i % 2, 30, 20));
+    }
+    std::fs::write(&trace, csv).unwrap();
+    let run = || {
+        let out = sim()
+            .args([
+                "--wasm",
+                wasm.to_str().unwrap(),
+                "--trace",
+                trace.to_str().unwrap(),
+                "--format",
+                "vtc-csv",
+                "--profile",
+                "fast",
+                "--backends",
+                "2",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains("x real time"));
+        out.stdout
+    };
+    let a = run();
+    assert_eq!(a, run());
+    let v: serde_json::Value = serde_json::from_slice(&a).unwrap();
+    assert_eq!(v["requests"], 30);
+    assert_eq!(v["outcomes"]["ok"], 30);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn dir_with_filter() -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("sluice-cli-filter-{}.wasm", std::process::id()));
+    std::fs::write(&p, common::filter_wasm()).unwrap();
+    p
+}
