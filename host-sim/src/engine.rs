@@ -6,7 +6,7 @@
 //! events at the same virtual time run in the order they were scheduled.
 
 use crate::abi::{self, action, HeaderMap, LogLevel};
-use crate::host::{Host, PluginSpec, Trap};
+use crate::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
 use crate::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
 use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
 use std::cmp::Reverse;
@@ -144,7 +144,7 @@ pub struct RequestRecord {
     /// HTTP status the client got (0 = stream reset before any response).
     pub status: u16,
     /// `ok`, `upstream_error`, `local_reply`, `trap`, `no_route`, `client_cancel`,
-    /// `upstream_reset`, `filter_reset` or `unfinished`.
+    /// `upstream_reset`, `filter_reset`, `vm_failed` or `unfinished`.
     pub outcome: &'static str,
     /// Reject reason: a reason header of a local reply (`GatewayConfig::reason_headers`), else
     /// its details, else a host explanation.
@@ -262,6 +262,7 @@ pub struct Sim {
     open: usize,
     events_run: u64,
     service: BTreeMap<String, Vec<u64>>,
+    failure_policy: FailurePolicy,
 }
 
 /// VTC's service weights: w_p per prompt token, w_q per output token.
@@ -291,6 +292,7 @@ impl Sim {
             open: 0,
             events_run: 0,
             service: BTreeMap::new(),
+            failure_policy: plugin.failure_policy,
         };
         // Start-up calls may have set tick periods, registered queues or enqueued messages.
         for vm in 0..n {
@@ -512,6 +514,12 @@ impl Sim {
         if self.streams[i].done {
             return;
         }
+        if t.message == VM_FAILED {
+            // Envoy answers streams of a failed VM itself (fail closed).
+            let why = Some("wasm VM failed".to_string());
+            self.local_reply(i, 503, "vm_failed", why, b"wasm VM failed".to_vec());
+            return;
+        }
         let msg = format!("wasm trap in {}", t.callback);
         self.local_reply(
             i,
@@ -526,6 +534,13 @@ impl Sim {
     fn arrive(&mut self, i: usize) {
         let vm = 1 + self.rr % self.workers;
         self.rr += 1;
+        if self.host.is_failed(vm) && !self.recover_vm(vm) {
+            self.streams[i].vm = vm;
+            self.streams[i].rec.worker = vm;
+            let why = Some("wasm VM failed".to_string());
+            self.local_reply(i, 503, "vm_failed", why, b"wasm VM failed".to_vec());
+            return;
+        }
         let req = &self.streams[i].req;
         let data = StreamData {
             request_headers: req.headers.clone(),
@@ -608,6 +623,36 @@ impl Sim {
         self.streams[i].req_paused = a == action::PAUSE;
         self.after_call(vm);
         self.req_flush(i);
+    }
+
+    /// Applies the failure policy to a failed VM before it takes a new stream; returns whether
+    /// the VM is usable again.
+    fn recover_vm(&mut self, vm: usize) -> bool {
+        if self.failure_policy != FailurePolicy::FailReload {
+            return false;
+        }
+        // The old instance's streams cannot continue: their contexts die with it.
+        let open: Vec<usize> = self
+            .by_ctx
+            .iter()
+            .filter(|((v, _), _)| *v == vm)
+            .map(|(_, &i)| i)
+            .collect();
+        for i in open {
+            let why = Some("wasm VM reloaded".to_string());
+            self.local_reply(i, 503, "vm_failed", why, b"wasm VM reloaded".to_vec());
+        }
+        match self.host.reload_vm(vm) {
+            Ok(()) => {
+                self.after_call(vm);
+                true
+            }
+            Err(e) => {
+                let msg = format!("VM reload failed: {e:#}");
+                self.host.host_log(vm, 0, LogLevel::Critical, msg);
+                false
+            }
+        }
     }
 
     /// Passes what the filter released upstream; starts the upstream request at end of stream.

@@ -41,6 +41,20 @@ pub struct PluginSpec {
     /// Fuel given to every call (wasm instructions, roughly); a call that runs out traps, so an
     /// endless loop in a module fails one request instead of hanging the simulation.
     pub fuel_per_call: u64,
+    /// What happens to a VM after a trap (Envoy's `failure_policy`).
+    pub failure_policy: FailurePolicy,
+}
+
+/// Envoy's Wasm `failure_policy`: what a worker does once its VM has trapped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePolicy {
+    /// Envoy's default: the VM stays failed; its streams and new streams on that worker get 503.
+    #[default]
+    FailClosed,
+    /// The next stream on that worker reloads the VM (Envoy >= 1.33); streams of the old VM
+    /// get 503, state in shared data survives.
+    FailReload,
 }
 
 impl Default for PluginSpec {
@@ -55,6 +69,7 @@ impl Default for PluginSpec {
             log_level: LogLevel::Info,
             seed: 0,
             fuel_per_call: 2_000_000_000,
+            failure_policy: FailurePolicy::FailClosed,
         }
     }
 }
@@ -116,6 +131,10 @@ pub struct Host {
     vms: Vec<Vm>,
     fuel: u64,
     traps: Vec<Trap>,
+    pre: InstancePre<VmState>,
+    spec: PluginSpec,
+    failed: Vec<bool>,
+    reloads: u64,
 }
 
 /// Compiles a module once per process: the engine and compiled code are shared by every
@@ -138,6 +157,9 @@ fn compile(wasm: &[u8]) -> Result<Module> {
     cache.push((wasm.to_vec(), module.clone()));
     Ok(module)
 }
+
+/// Message of the error returned for calls into a VM that trapped earlier.
+pub const VM_FAILED: &str = "VM failed earlier; no call made";
 
 /// VM index of the main thread.
 pub const MAIN_VM: usize = 0;
@@ -195,15 +217,40 @@ impl Host {
             vms: Vec::new(),
             fuel: spec.fuel_per_call,
             traps: Vec::new(),
+            pre,
+            spec: spec.clone(),
+            failed: Vec::new(),
+            reloads: 0,
         };
         for vm in 0..=spec.workers {
-            host.start_vm(&pre, vm, spec)
+            host.start_vm(vm)
                 .with_context(|| format!("starting VM {vm}"))?;
         }
         Ok(host)
     }
 
-    fn start_vm(&mut self, pre: &InstancePre<VmState>, vm: usize, spec: &PluginSpec) -> Result<()> {
+    /// Replaces a VM by a fresh instance of the same module (Envoy's `FAIL_RELOAD`): new
+    /// memory, new root context, `on_vm_start` and `on_configure` again. Its streams are gone;
+    /// shared data and shared queues, which live in the process, survive.
+    pub fn reload_vm(&mut self, vm: usize) -> Result<()> {
+        self.reloads += 1;
+        self.start_vm(vm)
+            .with_context(|| format!("reloading VM {vm}"))
+    }
+
+    /// Whether a VM has trapped (and not been reloaded since). Envoy makes no further calls
+    /// into a failed VM.
+    pub fn is_failed(&self, vm: usize) -> bool {
+        self.failed[vm]
+    }
+
+    /// VM reloads so far.
+    pub fn reloads(&self) -> u64 {
+        self.reloads
+    }
+
+    fn start_vm(&mut self, vm: usize) -> Result<()> {
+        let (pre, spec) = (self.pre.clone(), self.spec.clone());
         let state = VmState {
             vm,
             proc: self.proc.clone(),
@@ -261,9 +308,14 @@ impl Host {
             .get_typed_func(&mut store, "_initialize")
             .or_else(|_| inst.get_typed_func(&mut store, "_start"))
             .ok();
-        self.vms.push(Vm { store, ex });
-        self.proc.borrow_mut().alive.push(true);
-        debug_assert_eq!(self.vms.len() - 1, vm);
+        if vm < self.vms.len() {
+            self.vms[vm] = Vm { store, ex };
+            self.failed[vm] = false;
+        } else {
+            self.vms.push(Vm { store, ex });
+            self.failed.push(false);
+            self.proc.borrow_mut().alive.push(true);
+        }
         if let Some(init) = init {
             self.invoke(vm, 0, "_initialize", init, ())
                 .map_err(|t| anyhow::anyhow!("{t}"))?;
@@ -326,6 +378,16 @@ impl Host {
         f: TypedFunc<P, R>,
         params: P,
     ) -> Result<R, Trap> {
+        if self.failed[vm] {
+            let time_us = self.proc.borrow().now_us;
+            return Err(Trap {
+                time_us,
+                vm,
+                context_id: ctx,
+                callback: name,
+                message: VM_FAILED.into(),
+            });
+        }
         let v = &mut self.vms[vm];
         assert!(!v.store.data().in_call, "re-entrant VM call into {name}");
         v.store.data_mut().in_call = true;
@@ -349,6 +411,7 @@ impl Host {
                 .borrow_mut()
                 .log(vm, ctx, LogLevel::Critical, "host", t.to_string());
             self.traps.push(t.clone());
+            self.failed[vm] = true;
             t
         })
     }

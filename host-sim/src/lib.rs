@@ -17,7 +17,7 @@ pub mod upstream;
 pub mod workload;
 
 pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-pub use host::{Host, PluginSpec, Trap, MAIN_VM};
+pub use host::{FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
 pub use report::Report;
 pub use scenario::Scenario;
 pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};

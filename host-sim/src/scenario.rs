@@ -43,6 +43,9 @@ pub struct Scenario {
     /// Module log level recorded (`trace` .. `critical`); default `warn`.
     #[serde(default)]
     pub log_level: Option<String>,
+    /// What a worker does after its VM traps: `fail_closed` (Envoy's default) or `fail_reload`.
+    #[serde(default)]
+    pub failure_policy: crate::host::FailurePolicy,
     /// Latency objectives for SLO attainment and goodput in the report.
     #[serde(default)]
     pub slo: Option<crate::report::Slo>,
@@ -227,6 +230,7 @@ impl Scenario {
                 .transpose()?
                 .unwrap_or(LogLevel::Warn),
             seed: self.seed,
+            failure_policy: self.failure_policy,
             ..Default::default()
         };
         let gw = GatewayConfig {

@@ -595,7 +595,12 @@ fn trap_fails_only_that_request_with_500_and_a_backtrace() {
     let recs = s.run();
     assert_eq!((recs[0].status, recs[0].outcome), (500, "trap"));
     assert_eq!((recs[1].status, recs[1].outcome), (200, "ok"));
-    assert_eq!(recs[2].worker, 1);
+    // Fail closed (Envoy's default): the failed VM takes no more calls; its worker answers 503.
+    assert_eq!(
+        (recs[2].worker, recs[2].status, recs[2].outcome),
+        (1, 503, "vm_failed")
+    );
+    assert_eq!(s.host().traps().len(), 1);
     let t = &s.host().traps()[0];
     assert_eq!((t.vm, t.callback), (1, "proxy_on_request_headers"));
     assert!(t.message.contains("wasm backtrace"), "{}", t.message);
@@ -604,6 +609,37 @@ fn trap_fails_only_that_request_with_500_and_a_backtrace() {
         1,
         "panic message logged by the SDK hook"
     );
+}
+
+#[test]
+fn fail_reload_restarts_the_vm_and_shared_data_survives() {
+    let mut p = spec("queue=1", 2);
+    p.failure_policy = host_sim::FailurePolicy::FailReload;
+    let mut s = Sim::new(&common::probe_wasm(), &p, GatewayConfig::default()).unwrap();
+    s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
+    let mut slow = req(0, 0, "pause", b"");
+    slow.cancel_after_us = Some(50_000);
+    s.add_request(slow); // vm 1, left paused
+    s.add_request(req(1, 0, "", b"")); // vm 2
+    s.add_request(req(2, 10, "trap", b"")); // vm 1 traps
+    s.add_request(req(3, 20, "", b"")); // vm 2
+    s.add_request(req(4, 30, "cas=after", b"")); // vm 1: reloaded first
+    let recs = s.run();
+    assert_eq!(recs[2].outcome, "trap");
+    assert_eq!(
+        (recs[4].worker, recs[4].status, recs[4].outcome),
+        (1, 200, "ok")
+    );
+    assert_eq!(
+        (recs[0].status, recs[0].outcome, recs[0].end_us),
+        (503, "vm_failed", Some(30))
+    );
+    assert_eq!(s.host().reloads(), 1);
+    let starts: Vec<usize> = lines(&s, "vm_start").iter().map(|l| l.0).collect();
+    assert_eq!(starts, vec![0, 1, 2, 1]);
+    // The reloaded VM drew a fresh worker number from the counter that survived in shared data.
+    assert_eq!(s.host().shared_data("probe.workers").unwrap().0, b"4");
+    assert_eq!(s.host().queue_info("probe.q.4").map(|q| q.0), Some(1));
 }
 
 #[test]
