@@ -688,3 +688,27 @@ fn virtual_time_seeded_random_and_stdout_are_deterministic() {
     assert_eq!(a.3, ["hello from stdout ctx=2"]);
     assert_ne!(a.2, run(2).2, "the seed drives random_get");
 }
+
+#[test]
+fn http_call_timeout_is_delivered_as_a_failed_response() {
+    let gw = GatewayConfig {
+        call_latency_us: 2_000_000,
+        ..Default::default()
+    };
+    let mut s = Sim::new(&common::probe_wasm(), &spec("", 1), gw).unwrap();
+    s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
+    s.add_cluster("backend", Cluster::Static(vec![UP.into()]));
+    s.add_request(req(0, 0, "call=backend", b""));
+    let recs = s.run();
+    // The probe asked for a 1 s timeout: zero headers at 1 s, then it resumes the request.
+    assert_eq!(
+        lines(
+            &s,
+            "call_response ctx=2 token=1 headers=0 status=None body_len=0"
+        )
+        .len(),
+        1
+    );
+    assert_eq!(recs[0].dispatched_us, Some(1_000_000));
+    assert_eq!(recs[0].outcome, "ok");
+}
