@@ -235,3 +235,46 @@ async fn invalid_plugin_config_is_refused_naming_the_field() -> anyhow::Result<(
     assert!(failures.is_empty(), "invalid configurations not reported as required:\n{}", failures.join("\n"));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_comes_from_the_configured_header() -> anyhow::Result<()> {
+    let _g = serial();
+    let overrides = sluice_e2e::with_overrides(
+        one_slot(),
+        json!({"tenant_header": "x-team", "default_tenant": "anonymous", "flow_capacity": 2}),
+    );
+    let rig = rig("tenant-header", backends(1, 0.2), "vtc", overrides, 2).await?;
+    let client = LoadClient::default();
+    let addr = rig.envoy.listener;
+    let send_all = |header: &'static str| {
+        let c = client.clone();
+        async move {
+            // Eight requests from eight different teams named in `header`, each holding the slot ~0.1 s.
+            let tasks: Vec<_> = (0..8)
+                .map(|i| {
+                    let c = c.clone();
+                    let mut req = ChatRequest::chat(None, 20);
+                    req.headers.push((header.to_string(), format!("team{i}")));
+                    tokio::spawn(async move { c.send(addr, &req, Instant::now()).await })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.expect("request task"));
+            }
+            out
+        }
+    };
+    // Distinct tenants by the configured header: one request per flow, nobody over flow_capacity.
+    let distinct = send_all("x-team").await;
+    assert_eq!(count(&distinct, 200), 8, "distinct x-team values are distinct flows: {}", status_histogram(&distinct));
+    wait_idle(&rig.envoy).await?;
+    // The default header is not the configured one: all eight fall into the default tenant's flow.
+    let ignored = send_all(sluice_e2e::config::TENANT_HEADER).await;
+    let shed = count(&ignored, 429);
+    assert!(shed >= 3, "the unconfigured header must not split the default tenant: {}", status_histogram(&ignored));
+    for o in ignored.iter().filter(|o| o.status == Some(429)) {
+        assert_outcome_reject(o, &["rejected-flow-capacity"]);
+    }
+    Ok(())
+}

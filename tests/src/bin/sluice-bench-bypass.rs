@@ -26,9 +26,6 @@ struct Args {
     /// Rounds of (direct, filter) phases.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// max_tokens per request (SSE chunks the filter counts).
-    #[arg(long, default_value_t = 8)]
-    max_tokens: u32,
     /// Send non-streaming requests instead of SSE.
     #[arg(long)]
     no_stream: bool,
@@ -87,15 +84,16 @@ async fn run(args: Args) -> Result<()> {
     })
     .await?;
     let direct_addr = envoy.direct.expect("direct listener requested");
-    let mut req = ChatRequest::chat(Some("bench"), args.max_tokens);
+    // The instant backend answers one token whatever max_tokens says.
+    let mut req = ChatRequest::chat(Some("bench"), 1);
     req.stream = !args.no_stream;
     let mut direct_req = req.clone();
     direct_req.headers.push((DESTINATION_HEADER.to_string(), endpoint.clone()));
     let client = LoadClient::new(Duration::from_secs(30));
     let phase = Duration::from_secs_f64(args.phase_secs);
     eprintln!(
-        "backend {endpoint} (--instant); Envoy --concurrency {}; {} clients, {} rounds of {:.1} s per path, max_tokens {}, stream {}",
-        args.envoy_concurrency, args.concurrency, args.rounds, args.phase_secs, args.max_tokens, req.stream
+        "backend {endpoint} (--instant, one-token answers); Envoy --concurrency {}; {} closed-loop clients; {} rounds of {:.1} s per path; stream {}",
+        args.envoy_concurrency, args.concurrency, args.rounds, args.phase_secs, req.stream
     );
     // Warm-up: connections, Wasm JIT, backend.
     closed_loop(&client, direct_addr, &direct_req, args.concurrency, Duration::from_secs(1)).await;

@@ -39,10 +39,10 @@ struct Args {
     /// Envoy worker threads.
     #[arg(long, default_value_t = 2)]
     concurrency: u32,
-    /// Listener port (falls back to a free port if busy).
+    /// Listener port (falls back to a free port if busy; 0 picks a free one).
     #[arg(long, default_value_t = 10000)]
     listener_port: u16,
-    /// Admin port (falls back to a free port if busy).
+    /// Admin port (falls back to a free port if busy; 0 picks a free one).
     #[arg(long, default_value_t = 9901)]
     admin_port: u16,
     /// Policies to compare, in order.
@@ -54,6 +54,9 @@ struct Args {
 }
 
 fn port_or_free(port: u16, what: &str) -> Option<u16> {
+    if port == 0 {
+        return None;
+    }
     match TcpListener::bind(("127.0.0.1", port)) {
         Ok(_) => Some(port),
         Err(e) => {
