@@ -56,9 +56,16 @@ pub async fn request(
     tokio::time::timeout(timeout, async {
         let mut s = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
         let head = request_head(method, path, headers, Some(body.len()));
-        s.write_all(head.as_bytes()).await?;
-        s.write_all(body).await?;
-        read_response(&mut s).await
+        // A server may answer (413, 400) and close before reading the whole body: a failed write
+        // is not the outcome, the response is.
+        let wrote = async {
+            s.write_all(head.as_bytes()).await?;
+            s.write_all(body).await
+        }
+        .await;
+        read_response(&mut s)
+            .await
+            .with_context(|| format!("{method} {path} to {addr} (request write: {wrote:?})"))
     })
     .await
     .map_err(|_| anyhow!("{method} {path} to {addr}: no complete response within {timeout:?}"))?
@@ -70,11 +77,43 @@ pub async fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     Ok((r.status, r.text()))
 }
 
-/// Reads a response until the server closes the connection.
+/// Reads one response: up to its content-length or last chunk, else until the server closes.
+///
+/// Stopping at the end of the message matters: Envoy delays closing a connection it wants closed
+/// until the peer closes (`delayed_close_timeout`, 1 s), so waiting for EOF would add a second.
+/// A reset after part of the response arrived (the server closed with our request body unread)
+/// still yields what was received.
 pub async fn read_response(s: &mut TcpStream) -> Result<RawResponse> {
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await?;
+    let mut chunk = [0u8; 16384];
+    loop {
+        if response_complete(&buf) {
+            break;
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) if !buf.is_empty() => break,
+            Err(e) => return Err(e).context("reading the response"),
+        }
+    }
     parse_response(&buf)
+}
+
+/// Whether `buf` holds a whole response with a known length (content-length or chunked).
+fn response_complete(buf: &[u8]) -> bool {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else { return false };
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let body = &buf[end + 4..];
+    for line in head.split("\r\n") {
+        if let Some(v) = line.strip_prefix("content-length:") {
+            return v.trim().parse::<usize>().is_ok_and(|n| body.len() >= n);
+        }
+        if line.starts_with("transfer-encoding:") && line.contains("chunked") {
+            return dechunk(body).is_ok();
+        }
+    }
+    false
 }
 
 /// Parses a complete response (head and body, chunked or not).
