@@ -101,7 +101,13 @@ impl Scheduler {
                     predicted_output: (max_tokens > 0).then_some(max_tokens),
                 };
                 self.queue.advance(now_ms);
-                match self.queue.push_with(band_of_code(band), r, meta) {
+                let band = band_of_code(band);
+                if max_tokens > 0 {
+                    // The oracle policy reads it as the true length: true in the
+                    // simulator, whose backends generate exactly max_tokens.
+                    self.queue.band_mut(band).policy_mut().hint_output(req, max_tokens);
+                }
+                match self.queue.push_with(band, r, meta) {
                     Ok(evicted) => {
                         self.routes.insert(req, route);
                         if let Some(victim) = evicted {
@@ -116,7 +122,7 @@ impl Scheduler {
                 self.queue.remove(req);
                 self.routes.remove(&req);
             }
-            ToScheduler::Charge { req, band, input_tokens, output_tokens, done, tenant } => {
+            ToScheduler::Charge { req, band, input_tokens, max_tokens, output_tokens, done, tenant } => {
                 let (band, flow) = match self.running.get(&req) {
                     Some(&known) => known,
                     None if tenant.is_empty() => return, // a wake-up, not a charge
@@ -125,7 +131,10 @@ impl Scheduler {
                 let policy = self.queue.band_mut(band).policy_mut();
                 if input_tokens > 0 {
                     // A request that bypassed the queue: charged as if dispatched from it.
-                    let r = Request { id: req, flow, input_tokens, max_output_tokens: 0, arrival_ms: now_ms };
+                    if max_tokens > 0 {
+                        policy.hint_output(req, max_tokens);
+                    }
+                    let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
                     policy.on_dispatch(&r);
                     self.running.insert(req, (band, flow));
                 }
@@ -243,7 +252,7 @@ mod tests {
     }
 
     fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
-        ToScheduler::Charge { req, band: 1, input_tokens, output_tokens, done, tenant: tenant.into() }
+        ToScheduler::Charge { req, band: 1, input_tokens, max_tokens: 0, output_tokens, done, tenant: tenant.into() }
     }
 
     /// Grants up to `n` slots on endpoint 0, then says wait.

@@ -42,7 +42,7 @@ pub enum ToScheduler {
     /// with `input_tokens`, or `output_tokens` more were generated; `done`
     /// means it finished and released its stock. An empty tenant with
     /// nothing charged is a bare wake-up (stock was freed).
-    Charge { req: u64, band: u8, input_tokens: u32, output_tokens: u32, done: bool, tenant: String },
+    Charge { req: u64, band: u8, input_tokens: u32, max_tokens: u32, output_tokens: u32, done: bool, tenant: String },
 }
 
 /// The scheduler tells a worker.
@@ -136,11 +136,12 @@ impl ToScheduler {
                 b.push(2);
                 b.extend_from_slice(&req.to_le_bytes());
             }
-            ToScheduler::Charge { req, band, input_tokens, output_tokens, done, tenant } => {
+            ToScheduler::Charge { req, band, input_tokens, max_tokens, output_tokens, done, tenant } => {
                 b.push(3);
                 b.extend_from_slice(&req.to_le_bytes());
                 b.push(*band);
                 b.extend_from_slice(&input_tokens.to_le_bytes());
+                b.extend_from_slice(&max_tokens.to_le_bytes());
                 b.extend_from_slice(&output_tokens.to_le_bytes());
                 b.push(*done as u8);
                 b.extend_from_slice(tenant.as_bytes());
@@ -171,6 +172,7 @@ impl ToScheduler {
                 req: r.u64()?,
                 band: r.u8()?,
                 input_tokens: r.u32()?,
+                max_tokens: r.u32()?,
                 output_tokens: r.u32()?,
                 done: r.u8()? != 0,
                 tenant: r.rest_str()?,
@@ -239,7 +241,15 @@ mod tests {
                 tenant: String::new(),
             },
             ToScheduler::Cancel { req: 42 },
-            ToScheduler::Charge { req: 3 << 32 | 9, band: 1, input_tokens: 7, output_tokens: 5, done: true, tenant: "t".into() },
+            ToScheduler::Charge {
+                req: 3 << 32 | 9,
+                band: 1,
+                input_tokens: 7,
+                max_tokens: 30,
+                output_tokens: 5,
+                done: true,
+                tenant: "t".into(),
+            },
         ];
         for m in to_sched {
             assert_eq!(ToScheduler::decode(&m.encode()), Some(m));

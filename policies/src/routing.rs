@@ -175,6 +175,10 @@ pub enum Picker {
     MaxScore,
     /// Probability proportional to score.
     WeightedRandom,
+    /// Uniform over healthy endpoints, scores ignored (a baseline).
+    Random,
+    /// Healthy endpoints in turn, scores ignored (a baseline).
+    RoundRobin,
 }
 
 /// What the router needs of a request.
@@ -237,6 +241,11 @@ impl AffinityIndex {
                 map.retain(|_, &mut (_, t)| t + cap / 2 > clock);
             }
         }
+    }
+
+    /// Requests recorded so far (the turn counter of the round-robin picker).
+    pub fn routed(&self) -> u64 {
+        self.clock
     }
 
     /// Leading blocks of `prefix` last served by `endpoint`.
@@ -303,7 +312,10 @@ impl Router {
             }
             s
         };
+        let healthy = || candidates().map(|(i, _)| i);
         match self.picker {
+            Picker::Random => healthy().nth((random.clamp(0.0, 1.0) * healthy().count() as f64) as usize).or(healthy().last()),
+            Picker::RoundRobin => healthy().nth((index.routed() % healthy().count() as u64) as usize),
             Picker::MaxScore => candidates()
                 .map(|(i, e)| (score(i, e), std::cmp::Reverse(e.in_flight), std::cmp::Reverse(i)))
                 .max_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)))
@@ -444,6 +456,27 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         let pool = [view(&good, 0), view(&good, 0)];
         let wins = (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
         assert_eq!(wins, 500);
+    }
+
+    #[test]
+    fn baseline_pickers_ignore_scores() {
+        let idle = m(0.0, 0.0);
+        let busy = m(50.0, 0.99);
+        let sick = EndpointView { healthy: false, ..view(&idle, 0) };
+        let pool = [view(&busy, 9), sick, view(&idle, 0), view(&busy, 9)];
+        let rr = Router { picker: Picker::RoundRobin, ..Default::default() };
+        let mut idx = AffinityIndex::new(100);
+        let mut turns = Vec::new();
+        for _ in 0..6 {
+            let e = rr.pick(&RouteRequest::default(), &pool, &idx, 0.0).unwrap();
+            idx.record(&RouteRequest::default(), e);
+            turns.push(e);
+        }
+        assert_eq!(turns, vec![0, 2, 3, 0, 2, 3], "in turn over the healthy ones, loaded or not");
+        let random = Router { picker: Picker::Random, ..Default::default() };
+        let draws: Vec<usize> =
+            [0.0, 0.34, 0.67, 0.999, 1.0].iter().map(|&r| random.pick(&RouteRequest::default(), &pool, &idx, r).unwrap()).collect();
+        assert_eq!(draws, vec![0, 2, 3, 3, 3]);
     }
 
     #[test]
