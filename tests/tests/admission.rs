@@ -50,6 +50,12 @@ async fn light_load_bypasses_the_queue() -> anyhow::Result<()> {
         let backend = o.backend.clone().unwrap_or_default();
         assert!(endpoints.contains(&backend), "request {i} served by {backend:?}, not one of {endpoints:?}");
     }
+    // Streaming is not buffered: the first token arrives long before the last.
+    let o = client.send(rig.envoy.listener, &ChatRequest::chat(Some("alice"), 200), Instant::now()).await;
+    sent += 1;
+    assert!(o.ok() && o.tokens == 200, "{o:?}");
+    let ttft = o.ttft.expect("a streamed response has a first token");
+    assert!(ttft * 5 < o.latency, "the response looks buffered: TTFT {ttft:?} of {:?}", o.latency);
     // A path the filter does not schedule passes through without touching the counters.
     let before = rig.envoy.stats().await?;
     let r = raw_http::request(rig.envoy.listener, "GET", "/health", &[(DESTINATION_HEADER, &endpoints[0])], b"", Duration::from_secs(5)).await?;

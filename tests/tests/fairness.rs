@@ -24,10 +24,10 @@ struct Run {
     stats: String,
 }
 
-async fn run(policy: &str, flood_rate: f64) -> anyhow::Result<Run> {
+async fn run(policy: &str, flood_rate: f64, workers: u32) -> anyhow::Result<Run> {
     // Two backends at ~5 ms per token, about 4 requests in flight in total (watermark 2 per
     // backend): roughly 20 requests/s of capacity, which a flood of 40/s saturates.
-    let rig = rig(&format!("fair-{policy}"), backends(2, 0.2), policy, json!({"flow_capacity": 40}), 2).await?;
+    let rig = rig(&format!("fair-{policy}"), backends(2, 0.2), policy, json!({"flow_capacity": 40}), workers).await?;
     let client = LoadClient::new(Duration::from_secs(60));
     let loads = [
         TenantLoad { request: ChatRequest::chat(Some("flood"), MAX_TOKENS), rate_per_s: flood_rate },
@@ -64,11 +64,11 @@ fn describe(name: &str, r: &Run) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vtc_shields_the_modest_tenant_from_a_flood() -> anyhow::Result<()> {
     let _g = serial();
-    let fcfs = run("fcfs", FLOOD_RATE).await?;
+    let fcfs = run("fcfs", FLOOD_RATE, 2).await?;
     eprintln!("{}", describe("fcfs", &fcfs));
-    let vtc = run("vtc", FLOOD_RATE).await?;
+    let vtc = run("vtc", FLOOD_RATE, 2).await?;
     eprintln!("{}", describe("vtc", &vtc));
-    let vtc2 = run("vtc", 2.0 * FLOOD_RATE).await?;
+    let vtc2 = run("vtc", 2.0 * FLOOD_RATE, 2).await?;
     eprintln!("{}", describe("vtc, flood doubled", &vtc2));
 
     let mean = |r: &Run| r.modest.ttft_mean.expect("modest requests were measured").as_secs_f64();
@@ -85,6 +85,22 @@ async fn vtc_shields_the_modest_tenant_from_a_flood() -> anyhow::Result<()> {
         "with vtc the modest tenant's TTFT must not grow when the flood doubles: {:.3}s -> {:.3}s",
         mean(&vtc),
         mean(&vtc2)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vtc_order_is_global_across_four_workers() -> anyhow::Result<()> {
+    let _g = serial();
+    // With four workers the two tenants' requests are held by different workers; only one global
+    // order (shared counters, one scheduler) lets the modest tenant overtake the flood's queue.
+    let vtc = run("vtc", FLOOD_RATE, 4).await?;
+    eprintln!("{}", describe("vtc, 4 workers", &vtc));
+    let modest = vtc.modest.ttft_mean.expect("modest requests were measured").as_secs_f64();
+    let flood = vtc.flood.ttft_mean.expect("flood requests were served").as_secs_f64();
+    assert!(
+        modest * 3.0 < flood,
+        "the modest tenant should wait several times less than the flood: modest {modest:.3}s, flood {flood:.3}s"
     );
     Ok(())
 }
