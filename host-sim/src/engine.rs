@@ -25,6 +25,11 @@ pub struct GatewayConfig {
     pub call_latency_us: u64,
     /// Events after this virtual time are not run; streams still open are reported unfinished.
     pub horizon_us: Option<u64>,
+    /// Envoy's `allow_on_headers_stop_iteration` for the Wasm filter. With `true` (sluice's
+    /// Envoy config) a pause in the headers still delivers body callbacks; with `false`, ABI
+    /// 0.2.1 turns the pause into StopAllIterationAndWatermark and the body reaches the filter,
+    /// in one callback, only after the stream is continued.
+    pub allow_on_headers_stop_iteration: bool,
     /// Local-reply headers whose value is recorded as the reject reason (first present wins).
     pub reason_headers: Vec<String>,
 }
@@ -37,6 +42,7 @@ impl Default for GatewayConfig {
             body_chunk_gap_us: 0,
             call_latency_us: 500,
             horizon_us: None,
+            allow_on_headers_stop_iteration: true,
             reason_headers: vec![
                 "x-llm-d-request-dropped-reason".into(),
                 "x-sluice-reject-reason".into(),
@@ -236,6 +242,9 @@ struct Stream {
     resp_tokens_buffered: u32,
     done: bool,
     rec: RequestRecord,
+    /// Body Envoy holds while headers are stopped with StopAllIterationAndWatermark.
+    held: Option<Vec<u8>>,
+    held_eos: bool,
 }
 
 struct UpstreamSlot {
@@ -356,6 +365,8 @@ impl Sim {
             resp_tokens_buffered: 0,
             done: false,
             rec,
+            held: None,
+            held_eos: false,
         });
         self.open += 1;
         self.push(at, Ev::Arrive(i));
@@ -577,18 +588,50 @@ impl Sim {
         let eos = chunks.is_empty() && !has_trailers;
         let n = chunks.len();
         self.streams[i].chunks = std::mem::take(&mut chunks);
+        // The body arrives with the headers (same read), so its events are queued before
+        // anything the headers callback posts.
+        let gap = self.cfg.body_chunk_gap_us;
+        for k in 0..(n + has_trailers as usize) {
+            self.push(self.now + gap * k as u64, Ev::ReqChunk(i));
+        }
         let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_headers(vm, ctx, eos)) else {
             return;
         };
         self.streams[i].req_paused = a == action::PAUSE;
+        if a == action::PAUSE && !eos && !self.cfg.allow_on_headers_stop_iteration {
+            // ABI 0.2.1 without the flag: StopAllIterationAndWatermark, body held by Envoy.
+            self.streams[i].held = Some(Vec::new());
+        }
         if eos {
             self.streams[i].req_eos = true;
         }
         self.after_call(vm);
         self.req_flush(i);
-        let gap = self.cfg.body_chunk_gap_us;
-        for k in 0..(n + has_trailers as usize) {
-            self.push(self.now + gap * k as u64, Ev::ReqChunk(i));
+    }
+
+    /// Hands the body Envoy held during a StopAll pause to the filter, in one callback.
+    fn release_held(&mut self, i: usize) {
+        let Some(buf) = self.streams[i].held.take() else {
+            return;
+        };
+        let eos = self.streams[i].held_eos;
+        if buf.is_empty() && !eos {
+            return;
+        }
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            sd.request_body.extend_from_slice(&buf);
+        }
+        let body_eos = eos && self.streams[i].req.trailers.is_none();
+        let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_body(vm, ctx, body_eos)) else {
+            return;
+        };
+        self.streams[i].req_paused = a == action::PAUSE;
+        self.streams[i].req_eos |= body_eos;
+        self.after_call(vm);
+        if eos && !body_eos && !self.streams[i].done {
+            // Trailers were held too.
+            self.push(self.now, Ev::ReqChunk(i));
         }
     }
 
@@ -597,6 +640,18 @@ impl Sim {
             return;
         }
         let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        let s = &mut self.streams[i];
+        if let Some(held) = s.held.as_mut() {
+            // A trailers event (no chunk left) ends the held request; trailers follow the body.
+            match s.chunks.pop_front() {
+                Some(chunk) => {
+                    held.extend_from_slice(&chunk);
+                    s.held_eos = s.chunks.is_empty() && s.req.trailers.is_none();
+                }
+                None => s.held_eos = true,
+            }
+            return;
+        }
         let a = if let Some(chunk) = self.streams[i].chunks.pop_front() {
             let eos = self.streams[i].chunks.is_empty() && self.streams[i].req.trailers.is_none();
             if let Some(sd) = self.host.stream_mut(vm, ctx) {
@@ -948,6 +1003,7 @@ impl Sim {
         match a {
             StreamAction::ContinueRequest => {
                 self.streams[i].req_paused = false;
+                self.release_held(i);
                 self.req_flush(i);
             }
             StreamAction::ContinueResponse => {

@@ -46,6 +46,10 @@ pub struct Scenario {
     /// What a worker does after its VM traps: `fail_closed` (Envoy's default) or `fail_reload`.
     #[serde(default)]
     pub failure_policy: crate::host::FailurePolicy,
+    /// Envoy's `allow_on_headers_stop_iteration` for the filter (default true, as in
+    /// envoy/envoy.yaml); false reproduces ABI 0.2.1's StopAllIterationAndWatermark.
+    #[serde(default = "yes")]
+    pub allow_on_headers_stop_iteration: bool,
     /// Latency objectives for SLO attainment and goodput in the report.
     #[serde(default)]
     pub slo: Option<crate::report::Slo>,
@@ -103,6 +107,9 @@ fn empty_object() -> serde_json::Value {
 }
 fn default_model() -> String {
     "llama-2-7b".into()
+}
+fn yes() -> bool {
+    true
 }
 fn default_port() -> u16 {
     8000
@@ -236,6 +243,7 @@ impl Scenario {
         let gw = GatewayConfig {
             horizon_us: self.horizon_s.map(|s| (s * 1e6) as u64),
             call_latency_us: (self.call_latency_ms * 1000.0) as u64,
+            allow_on_headers_stop_iteration: self.allow_on_headers_stop_iteration,
             ..Default::default()
         };
         let mut sim = Sim::new(wasm, &plugin, gw)?;
