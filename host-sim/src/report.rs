@@ -215,6 +215,8 @@ pub struct BackendReport {
     pub generation_tokens: u64,
     /// Fraction of the run the GPU was busy.
     pub busy_fraction: f64,
+    /// Model swaps.
+    pub swaps: u64,
     /// Prompt tokens found in the prefix cache / prompt tokens looked up (0 without lookups).
     pub prefix_hit_rate: f64,
 }
@@ -310,6 +312,7 @@ impl Report {
                     aborted: m.aborted,
                     preemptions: m.preemptions,
                     generation_tokens: m.generation_tokens_total,
+                    swaps: m.swaps,
                     prefix_hit_rate: if m.prefix_queries_tokens > 0 {
                         round3(m.prefix_hits_tokens as f64 / m.prefix_queries_tokens as f64)
                     } else {

@@ -69,6 +69,64 @@ pub struct Backends {
     /// Port of every backend.
     #[serde(default = "default_port")]
     pub port: u16,
+    /// Changes to the named profile.
+    #[serde(default)]
+    pub overrides: ProfileOverrides,
+}
+
+/// Fields of a GPU profile a scenario may change (see `sluice_gpu::GpuProfile`).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileOverrides {
+    /// Tokens per KV block.
+    pub block_size: Option<u32>,
+    /// KV blocks on the GPU.
+    pub num_blocks: Option<u32>,
+    /// Running batch limit.
+    pub max_num_seqs: Option<u32>,
+    /// Tokens per iteration limit.
+    pub max_num_batched_tokens: Option<u32>,
+    /// Longest prompt + output.
+    pub max_model_len: Option<u32>,
+    /// Chunked prefill on/off.
+    pub chunked_prefill: Option<bool>,
+    /// Prefix cache on/off.
+    pub prefix_caching: Option<bool>,
+    /// Models resident at once (0 = unlimited).
+    pub max_loaded_models: Option<u32>,
+    /// Model swap time, µs.
+    pub swap_us: Option<u64>,
+}
+
+impl Backends {
+    /// The named profile with the overrides applied and validated.
+    pub fn profile(&self) -> Result<GpuProfile> {
+        let Some(mut p) = GpuProfile::by_name(&self.profile) else {
+            bail!(
+                "scenario: backends.profile `{}` is unknown (known: {})",
+                self.profile,
+                GpuProfile::NAMES.join(", ")
+            );
+        };
+        let o = &self.overrides;
+        macro_rules! set {
+            ($($f:ident),*) => { $(if let Some(v) = o.$f { p.$f = v; })* };
+        }
+        set!(
+            block_size,
+            num_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            chunked_prefill,
+            prefix_caching,
+            max_loaded_models,
+            swap_us
+        );
+        p.validate()
+            .map_err(|e| anyhow::anyhow!("scenario: backends.overrides: {e}"))?;
+        Ok(p)
+    }
 }
 
 /// Where requests come from.
@@ -135,13 +193,7 @@ impl Scenario {
         if self.backends.count == 0 || self.backends.count > 250 {
             bail!("scenario: backends.count must be 1..=250");
         }
-        if GpuProfile::by_name(&self.backends.profile).is_none() {
-            bail!(
-                "scenario: backends.profile `{}` is unknown (known: {})",
-                self.backends.profile,
-                GpuProfile::NAMES.join(", ")
-            );
-        }
+        self.backends.profile()?;
         if !self.filter_config.is_object() {
             bail!("scenario: filter_config must be a JSON object");
         }
@@ -247,7 +299,7 @@ impl Scenario {
             ..Default::default()
         };
         let mut sim = Sim::new(wasm, &plugin, gw)?;
-        let profile = GpuProfile::by_name(&self.backends.profile).expect("validated");
+        let profile = self.backends.profile()?;
         for addr in self.backend_addresses() {
             sim.add_upstream(&addr, Box::new(GpuUpstream::new(profile.clone(), 256)?));
         }

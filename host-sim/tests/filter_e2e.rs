@@ -268,3 +268,36 @@ fn the_filter_scrapes_gpu_metrics_through_its_cluster() {
     assert_eq!(report.filter_metrics.get("sluice_scrapes_failed"), Some(&0));
     assert_eq!(report.outcomes.get("ok"), Some(&sim.records().len()));
 }
+
+#[test]
+fn two_models_on_one_gpu_swap_and_profile_overrides_are_validated() {
+    let wasm = common::filter_wasm();
+    let sc = Scenario::from_json(
+        r#"{
+            "filter_config": {"policy": "fcfs", "watermark_per_backend": 8},
+            "backends": {"count": 1, "profile": "fast", "overrides": {"max_loaded_models": 1, "swap_us": 200000}},
+            "workload": {"kind": "synthetic", "duration_s": 5, "clients": [
+                {"name": "a", "rate": 2, "prompt_tokens": 20, "output_tokens": 10, "model": "model-a"},
+                {"name": "b", "rate": 2, "prompt_tokens": 20, "output_tokens": 10, "model": "model-b"}]}
+        }"#,
+    )
+    .unwrap();
+    let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
+    assert_eq!(
+        report.outcomes.get("ok"),
+        Some(&sim.records().len()),
+        "{:?}",
+        report.outcomes
+    );
+    assert!(report.backends[0].swaps > 0, "{:?}", report.backends);
+    let bad = r#"{"backends": {"count": 1, "profile": "fast", "overrides": {"block_size": 0}},
+                  "workload": {"kind": "synthetic", "duration_s": 1, "clients": []}}"#;
+    let e = Scenario::from_json(bad).unwrap_err().to_string();
+    assert!(e.contains("backends.overrides"), "{e}");
+    let typo = r#"{"backends": {"count": 1, "profile": "fast", "overrides": {"blocks": 1}},
+                   "workload": {"kind": "synthetic", "duration_s": 1, "clients": []}}"#;
+    assert!(Scenario::from_json(typo)
+        .unwrap_err()
+        .to_string()
+        .contains("blocks"));
+}
