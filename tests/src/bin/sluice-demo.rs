@@ -141,6 +141,15 @@ fn print_table(results: &[PhaseResult]) {
     for r in results {
         println!("[{}] filter stats: {}", r.policy, r.stats);
     }
+    let find = |p: &str| results.iter().find(|r| r.policy == p).and_then(|r| r.modest.ttft_p50);
+    if let (Some(f), Some(v)) = (find("fcfs"), find("vtc")) {
+        println!(
+            "\nmodest tenant's TTFT p50: fcfs {} ms -> vtc {} ms ({:.0}x lower with vtc)",
+            fmt_ms(Some(f)),
+            fmt_ms(Some(v)),
+            f.as_secs_f64() / v.as_secs_f64().max(1e-6)
+        );
+    }
 }
 
 async fn run(args: Args) -> Result<()> {
