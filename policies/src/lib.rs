@@ -12,6 +12,7 @@
 pub mod admission;
 pub mod alloc;
 pub mod bands;
+pub mod bench;
 pub mod order;
 pub mod overload;
 pub mod prom;

@@ -3,7 +3,7 @@
 //! workload is `sluice_policies::bench` in both, so the ratio is the cost of
 //! running the filter's scheduling code as wasm.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Parser;
 use sluice_policies::bench::{Workload, POLICIES, QUEUED, TENANTS};
 use sluice_policies::order::{FeasibleSet, Fifo, FlowOrder};
@@ -35,8 +35,12 @@ struct WasmBench {
 impl WasmBench {
     fn new(path: &PathBuf) -> Result<WasmBench> {
         let engine = Engine::default();
-        let module = Module::from_file(&engine, path)
-            .with_context(|| format!("loading {} (build it with `cargo build -p sluice-bench-wasm --target wasm32-wasip1 --release`)", path.display()))?;
+        let module = Module::from_file(&engine, path).map_err(|e| {
+            anyhow::anyhow!(
+                "loading {}: {e} (build it with `cargo build -p sluice-bench-wasm --target wasm32-wasip1 --release`)",
+                path.display()
+            )
+        })?;
         let mut linker = Linker::new(&engine);
         // The workload calls no WASI function; any call would trap and fail the run loudly.
         linker.define_unknown_imports_as_traps(&module)?;
