@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod config;
 pub mod envoy;
+pub mod fleet;
 pub mod load;
 pub mod paths;
 pub mod process;
