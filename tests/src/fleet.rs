@@ -48,7 +48,10 @@ impl Backend {
             }
             child.ensure_running()?;
             if Instant::now() > deadline {
-                bail!("sluice-backend on port {port} did not print `listening` in 20 s; log:\n{}", child.log_tail(4000));
+                bail!(
+                    "sluice-backend on port {port} did not print `listening` in 20 s; log:\n{}",
+                    child.log_tail(4000)
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -12,6 +12,9 @@
 //! gateway's stock bound, so requests are dispatched as they arrive, not held in the queue).
 //! `cargo test -p sluice-e2e --test routing -- --nocapture` prints the per-window timelines.
 
+// `serial()` is held across awaits on purpose: it serialises whole tests, each on its own runtime.
+#![allow(clippy::await_holding_lock)]
+
 mod common;
 
 use common::*;
@@ -19,7 +22,9 @@ use serde_json::{json, Value};
 use sluice_e2e::config::with_overrides;
 use sluice_e2e::fleet::Backend;
 use sluice_e2e::load::closed_loop;
-use sluice_e2e::{default_plugin_config, serial, BackendOptions, ChatRequest, Envoy, EnvoyOptions, LoadClient, Outcome};
+use sluice_e2e::{
+    default_plugin_config, serial, BackendOptions, ChatRequest, Envoy, EnvoyOptions, LoadClient, Outcome,
+};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -134,7 +139,10 @@ fn check_kill<'a>(outcomes: &'a [Outcome], killed_at: Duration, killed: &str) ->
     println!("failed requests: {} of {} ({})", failed.len(), outcomes.len(), status_histogram(outcomes));
     for o in &failed {
         let rel_ms = (o.sent_at.as_secs_f64() - killed_at.as_secs_f64()) * 1000.0;
-        println!("  sent {rel_ms:+.0} ms from the kill: status {:?} backend {:?} error {:?} body {:?}", o.status, o.backend, o.error, o.error_body);
+        println!(
+            "  sent {rel_ms:+.0} ms from the kill: status {:?} backend {:?} error {:?} body {:?}",
+            o.status, o.backend, o.error, o.error_body
+        );
     }
     for o in &failed {
         let hung = o.error.as_deref().is_some_and(|e| e.starts_with("no complete response"));
@@ -187,11 +195,9 @@ async fn slow_and_killed_backends_lose_traffic_and_no_request_is_lost() -> anyho
     let outcomes = sender.await?;
     let flood = flood.await?;
     let after = wait_idle(&envoy).await?;
-    let names: Vec<(&str, String)> = endpoints
-        .iter()
-        .enumerate()
-        .map(|(i, a)| (if i == slow { "slow" } else if i == killed { "kill" } else { "ok" }, a.clone()))
-        .collect();
+    let mut names: Vec<(&str, String)> = endpoints.iter().map(|a| ("ok", a.clone())).collect();
+    names[slow].0 = "slow";
+    names[killed].0 = "kill";
     print_timeline(&outcomes, &names, END);
     println!("stats before the kill: {}", before_kill.sluice_summary());
     println!("stats at the end:      {}", after.sluice_summary());
@@ -246,7 +252,12 @@ async fn slow_and_killed_backends_lose_traffic_and_no_request_is_lost() -> anyho
     // The stats agree: scrapes of the flooded backend kept succeeding (slow is not dead), scrapes
     // of the killed one failed, the others kept being scraped; every dispatched request was
     // released exactly once.
-    assert_eq!(before_kill.value("sluice_scrapes_failed"), 0.0, "a live backend's scrape failed: {}", before_kill.sluice_summary());
+    assert_eq!(
+        before_kill.value("sluice_scrapes_failed"),
+        0.0,
+        "a live backend's scrape failed: {}",
+        before_kill.sluice_summary()
+    );
     let failed_scrapes = after.value("sluice_scrapes_failed");
     assert!(failed_scrapes >= 5.0, "only {failed_scrapes} failed scrapes after the kill: {}", after.sluice_summary());
     let ok_after_kill = after.value("sluice_scrapes_ok") - before_kill.value("sluice_scrapes_ok");
@@ -274,7 +285,8 @@ async fn failed_scrapes_alone_drop_a_killed_backend_until_it_returns() -> anyhow
     const END: Duration = Duration::from_millis(5500);
     let mut pool = Backend::start_many(3, &fast_backend()).await?;
     let endpoints: Vec<String> = pool.iter().map(|b| b.addr.to_string()).collect();
-    let killed = 0usize; // the index ties favour: it carries the most traffic
+    // The index ties favour: it carries the most traffic.
+    let killed = 0usize;
     // No quarantine on connection failures: only the failed scrapes can take it out of rotation.
     let envoy = gateway("routing-scrape-only", &endpoints, json!({"quarantine_ms": 0})).await?;
 
@@ -295,8 +307,8 @@ async fn failed_scrapes_alone_drop_a_killed_backend_until_it_returns() -> anyhow
 
     let outcomes = sender.await?;
     let after = wait_idle(&envoy).await?;
-    let names: Vec<(&str, String)> =
-        endpoints.iter().enumerate().map(|(i, a)| (if i == killed { "kill" } else { "ok" }, a.clone())).collect();
+    let mut names: Vec<(&str, String)> = endpoints.iter().map(|a| ("ok", a.clone())).collect();
+    names[killed].0 = "kill";
     print_timeline(&outcomes, &names, END);
     println!("killed at {killed_at:?}, back at {revived_at:?}");
     println!("stats at the end: {}", after.sluice_summary());
@@ -324,12 +336,29 @@ async fn failed_scrapes_alone_drop_a_killed_backend_until_it_returns() -> anyhow
     println!("revived: first request routed to it was sent {first_back:?} after it listened again");
 
     let failed_scrapes = after.value("sluice_scrapes_failed") - before_kill.value("sluice_scrapes_failed");
-    assert!(failed_scrapes >= 5.0, "only {failed_scrapes} failed scrapes while it was down: {}", after.sluice_summary());
+    assert!(
+        failed_scrapes >= 5.0,
+        "only {failed_scrapes} failed scrapes while it was down: {}",
+        after.sluice_summary()
+    );
     assert_eq!(after.get("sluice_stock"), Some(0.0), "{}", after.sluice_summary());
-    assert_eq!(after.value("sluice_requests_dispatched"), after.value("sluice_requests_completed"), "{}", after.sluice_summary());
+    assert_eq!(
+        after.value("sluice_requests_dispatched"),
+        after.value("sluice_requests_completed"),
+        "{}",
+        after.sluice_summary()
+    );
     let log = envoy.log();
     let addr = &endpoints[killed];
-    assert!(log.contains(&format!("scraping {addr} failed")), "no failed-scrape line for {addr}; tail:\n{}", envoy.log_tail(3000));
-    assert!(log.contains(&format!("{addr} answers its metrics scrape again")), "no recovery line for {addr}; tail:\n{}", envoy.log_tail(3000));
+    assert!(
+        log.contains(&format!("scraping {addr} failed")),
+        "no failed-scrape line for {addr}; tail:\n{}",
+        envoy.log_tail(3000)
+    );
+    assert!(
+        log.contains(&format!("{addr} answers its metrics scrape again")),
+        "no recovery line for {addr}; tail:\n{}",
+        envoy.log_tail(3000)
+    );
     Ok(())
 }
