@@ -71,6 +71,26 @@ impl Backend {
         self.child.kill();
     }
 
+    /// SIGSTOPs the process: a hung server. The kernel still accepts connections, nothing answers.
+    pub fn freeze(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// SIGCONTs a frozen process: it picks up where it stopped.
+    pub fn thaw(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        let pid = self.child.pid() as libc::pid_t;
+        if pid > 0 {
+            // SAFETY: plain syscall on our own live child.
+            unsafe {
+                libc::kill(pid, sig);
+            }
+        }
+    }
+
     /// Fails (with the log) if the process has exited.
     pub fn ensure_running(&mut self) -> Result<()> {
         self.child.ensure_running()
