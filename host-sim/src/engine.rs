@@ -30,6 +30,12 @@ pub struct GatewayConfig {
     /// 0.2.1 turns the pause into StopAllIterationAndWatermark and the body reaches the filter,
     /// in one callback, only after the stream is continued.
     pub allow_on_headers_stop_iteration: bool,
+    /// Each tick fires up to this much late (uniform, seeded): Envoy's timers drift. 0 = exact.
+    pub tick_jitter_us: u64,
+    /// Delay of an `on_queue_ready` post to its registrant's thread (cross-thread dispatch).
+    pub queue_post_delay_us: u64,
+    /// Seed of the jitter stream.
+    pub seed: u64,
     /// Local-reply headers whose value is recorded as the reject reason (first present wins).
     pub reason_headers: Vec<String>,
 }
@@ -43,6 +49,9 @@ impl Default for GatewayConfig {
             call_latency_us: 500,
             horizon_us: None,
             allow_on_headers_stop_iteration: true,
+            tick_jitter_us: 0,
+            queue_post_delay_us: 0,
+            seed: 0,
             reason_headers: vec![
                 "x-llm-d-request-dropped-reason".into(),
                 "x-sluice-reject-reason".into(),
@@ -272,6 +281,7 @@ pub struct Sim {
     events_run: u64,
     service: BTreeMap<String, Vec<u64>>,
     failure_policy: FailurePolicy,
+    rng: rand_chacha::ChaCha8Rng,
 }
 
 /// VTC's service weights: w_p per prompt token, w_q per output token.
@@ -283,6 +293,7 @@ impl Sim {
     /// Loads the plugin (see [`Host::new`]) and prepares an empty simulation.
     pub fn new(wasm: &[u8], plugin: &PluginSpec, cfg: GatewayConfig) -> anyhow::Result<Sim> {
         let host = Host::new(wasm, plugin)?;
+        let cfg_seed = cfg.seed;
         let n = host.vm_count();
         let mut sim = Sim {
             host,
@@ -302,6 +313,7 @@ impl Sim {
             events_run: 0,
             service: BTreeMap::new(),
             failure_policy: plugin.failure_policy,
+            rng: <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(cfg_seed),
         };
         // Start-up calls may have set tick periods, registered queues or enqueued messages.
         for vm in 0..n {
@@ -827,6 +839,17 @@ impl Sim {
                     return;
                 }
                 self.streams[i].upstream = None;
+                // Envoy's response code details for a reset (filters read them in on_log).
+                let details: &[u8] = if self.streams[i].got_resp_headers {
+                    b"upstream_reset_after_response_started{remote_reset}"
+                } else {
+                    b"upstream_reset_before_response_started{remote_reset}"
+                };
+                let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+                if let Some(sd) = self.host.stream_mut(vm, ctx) {
+                    sd.properties
+                        .insert("response.code_details".into(), details.to_vec());
+                }
                 if !self.streams[i].got_resp_headers {
                     // Envoy's router answers 503 itself; the reply passes the filter's encode path.
                     let body = b"upstream connect error or disconnect/reset before headers. reset reason: remote reset".to_vec();
@@ -1048,7 +1071,7 @@ impl Sim {
             }
         }
         for post in self.host.take_queue_posts() {
-            self.push(self.now, Ev::Queue(post));
+            self.push(self.now + self.cfg.queue_post_delay_us, Ev::Queue(post));
         }
         for call in self.host.take_http_calls() {
             self.start_call(call);
@@ -1059,8 +1082,17 @@ impl Sim {
             self.ticks[vm].1 += 1;
             if p >= 1 {
                 let gen = self.ticks[vm].1;
-                self.push(self.now + p as u64 * 1000, Ev::Tick(vm, gen));
+                let at = self.now + p as u64 * 1000 + self.jitter();
+                self.push(at, Ev::Tick(vm, gen));
             }
+        }
+    }
+
+    fn jitter(&mut self) -> u64 {
+        use rand::Rng;
+        match self.cfg.tick_jitter_us {
+            0 => 0,
+            j => self.rng.random_range(0..=j),
         }
     }
 
@@ -1073,7 +1105,8 @@ impl Sim {
         }
         self.after_call(vm);
         if self.ticks[vm].1 == gen && self.ticks[vm].0 >= 1 {
-            self.push(self.now + self.ticks[vm].0 as u64 * 1000, Ev::Tick(vm, gen));
+            let at = self.now + self.ticks[vm].0 as u64 * 1000 + self.jitter();
+            self.push(at, Ev::Tick(vm, gen));
         }
     }
 

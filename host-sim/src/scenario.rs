@@ -296,6 +296,7 @@ impl Scenario {
             horizon_us: self.horizon_s.map(|s| (s * 1e6) as u64),
             call_latency_us: (self.call_latency_ms * 1000.0) as u64,
             allow_on_headers_stop_iteration: self.allow_on_headers_stop_iteration,
+            seed: self.seed,
             ..Default::default()
         };
         let mut sim = Sim::new(wasm, &plugin, gw)?;

@@ -754,3 +754,45 @@ fn without_allow_on_headers_stop_iteration_the_body_waits_for_resume() {
         ["resume ctx=2 status=Ok", "req_body ctx=2 size=10 eos=true"]
     );
 }
+
+#[test]
+fn tick_jitter_and_queue_post_delay_are_seeded() {
+    let run = |seed: u64| {
+        let gw = GatewayConfig {
+            tick_jitter_us: 3_000,
+            queue_post_delay_us: 250,
+            seed,
+            ..Default::default()
+        };
+        let mut s = Sim::new(&common::probe_wasm(), &spec("tick=10;queue=1", 1), gw).unwrap();
+        s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
+        let own = queue_of(&s, 1);
+        s.add_request(req(0, 1_000, &format!("enqueue={own}"), b""));
+        s.run_idle_until(200_000);
+        let ready = s
+            .host()
+            .logs()
+            .iter()
+            .find(|l| l.message.starts_with("queue_ready root"))
+            .unwrap()
+            .time_us;
+        assert_eq!(ready, 1_250);
+        let ticks: Vec<u64> = s
+            .host()
+            .logs()
+            .iter()
+            .filter(|l| l.vm == 1 && l.message.starts_with("tick"))
+            .map(|l| l.time_us)
+            .collect();
+        ticks
+    };
+    let a = run(1);
+    assert_eq!(a, run(1));
+    assert_ne!(a, run(2));
+    assert!(
+        a.windows(2)
+            .all(|w| (10_000..=13_000).contains(&(w[1] - w[0]))),
+        "{a:?}"
+    );
+    assert!(a.iter().any(|t| t % 10_000 != 0), "{a:?}");
+}
