@@ -301,3 +301,49 @@ fn two_models_on_one_gpu_swap_and_profile_overrides_are_validated() {
         .to_string()
         .contains("blocks"));
 }
+
+#[test]
+fn a_client_cannot_choose_its_backend_by_sending_the_destination_header() {
+    let wasm = common::filter_wasm();
+    let plugin = host_sim::PluginSpec {
+        configuration:
+            br#"{"endpoints": ["10.0.0.1:8000"], "policy": "fcfs", "watermark_per_backend": 8}"#
+                .to_vec(),
+        ..Default::default()
+    };
+    let mut sim = host_sim::Sim::new(&wasm, &plugin, host_sim::GatewayConfig::default()).unwrap();
+    let fast = sluice_gpu::GpuProfile::by_name("fast").unwrap();
+    sim.add_upstream(
+        "10.0.0.1:8000",
+        Box::new(host_sim::GpuUpstream::new(fast.clone(), 16).unwrap()),
+    );
+    // Reachable through ORIGINAL_DST but not in the filter's endpoint list.
+    sim.add_upstream(
+        "10.0.0.9:8000",
+        Box::new(host_sim::GpuUpstream::new(fast, 16).unwrap()),
+    );
+    for i in 0..10 {
+        let mut r = host_sim::ClientRequest::chat(
+            i,
+            i * 1000,
+            "x-gateway-inference-fairness-id",
+            "mallory",
+            "m",
+            10,
+            5,
+        );
+        r.headers.push((
+            "x-gateway-destination-endpoint".into(),
+            b"10.0.0.9:8000".to_vec(),
+        ));
+        sim.add_request(r);
+    }
+    let recs = sim.run();
+    for r in &recs {
+        assert_eq!(
+            (r.status, r.endpoint.as_deref()),
+            (200, Some("10.0.0.1:8000")),
+            "{r:?}"
+        );
+    }
+}
