@@ -323,7 +323,7 @@ impl Config {
         let routing = Routing {
             // Without metrics only the gateway's own counts are real: least-request.
             router: if scraping {
-                Router { weights: w, picker: r.picker }
+                Router { weights: w, picker: r.picker, saturation: Some(s) }
             } else {
                 Router {
                     weights: ScorerWeights {
@@ -336,6 +336,7 @@ impl Config {
                         lora: 0.0,
                     },
                     picker: Picker::MaxScore,
+                    saturation: None,
                 }
             },
             scrape_cluster: r.scrape_cluster,

@@ -12,7 +12,7 @@ use crate::config::{Config, NoEndpoint};
 use crate::openai::{self, TokenCounter};
 use crate::scheduler::{band_code, Scheduler, Slot, EVICTED, NO_ENDPOINT, OVERLOADED, REASONS};
 use crate::shared::{self, Lease, Store};
-use crate::wire::{RouteInfo, ToScheduler, ToWorker};
+use crate::wire::{decode_entry, encode_batch, RouteInfo, ToScheduler, ToWorker};
 use sluice_policies::bands::Criticality;
 use sluice_policies::overload::{LadderDecision, LoadSignals};
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
@@ -37,6 +37,8 @@ const REJECT_REASON: &str = "x-sluice-reject-reason";
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// Most bytes of a `/metrics` page read; the rest is ignored (a truncated last line is skipped).
 const MAX_SCRAPE_BYTES: usize = 1 << 20;
+/// Charges a worker holds before it flushes them without waiting for the tick.
+const MAX_PENDING_CHARGES: usize = 256;
 /// Dispatched requests the scheduler tracks for charging, at most.
 const MAX_RUNNING: usize = 1 << 16;
 /// Prefix blocks and sessions remembered for affinity, per VM.
@@ -189,9 +191,13 @@ struct Vm {
     rng: u64,
     /// Scrapes in flight: call token → endpoint.
     scrapes: HashMap<u32, usize>,
-    last_scrape_ms: u64,
+    /// When each endpoint's last scrape was sent. Scrapes are paced per
+    /// endpoint, so that one hung server cannot delay the others' metrics.
+    scrape_sent_ms: Vec<u64>,
     /// Endpoints whose malformed metrics were already logged (log once).
     logged_bad_metrics: Vec<bool>,
+    /// Charges waiting for the next tick or the next urgent message.
+    pending: Vec<ToScheduler>,
 }
 
 /// What admission decided for a request whose body was read.
@@ -219,15 +225,42 @@ impl Vm {
         self.metrics.set(self.metrics.stock, stock);
     }
 
-    /// Sends to the scheduler, electing one on the spot if there is none yet.
+    /// Sends to the scheduler now, together with the charges waiting for the
+    /// next tick (so that it decides on fresh counters).
     fn send_to_scheduler(&mut self, msg: &ToScheduler) -> bool {
+        let bytes =
+            if self.pending.is_empty() { msg.encode() } else { encode_batch(self.pending.iter().chain([msg])) };
+        self.pending.clear();
+        self.post_to_scheduler(&bytes)
+    }
+
+    /// Queues a charge for the next tick: service accounting tolerates a tick
+    /// of delay, and one message per tick instead of one per token keeps the
+    /// scheduler's thread free.
+    fn charge_later(&mut self, msg: ToScheduler) {
+        self.pending.push(msg);
+        if self.pending.len() >= MAX_PENDING_CHARGES {
+            self.flush_charges();
+        }
+    }
+
+    fn flush_charges(&mut self) {
+        if !self.pending.is_empty() {
+            let bytes = encode_batch(&self.pending);
+            self.pending.clear();
+            self.post_to_scheduler(&bytes);
+        }
+    }
+
+    /// Posts to the scheduler's queue, electing a scheduler on the spot if there is none yet.
+    fn post_to_scheduler(&mut self, bytes: &[u8]) -> bool {
         let mut id = hostcalls::resolve_shared_queue(&self.vm_id, SCHEDULER_QUEUE).ok().flatten();
         if id.is_none() {
             self.claim_lease(now_ms());
             id = hostcalls::resolve_shared_queue(&self.vm_id, SCHEDULER_QUEUE).ok().flatten();
         }
         match id {
-            Some(id) => hostcalls::enqueue_shared_queue(id, Some(&msg.encode())).is_ok(),
+            Some(id) => hostcalls::enqueue_shared_queue(id, Some(bytes)).is_ok(),
             None => false,
         }
     }
@@ -268,7 +301,7 @@ impl Vm {
                 Slot::Granted(endpoint) => {
                     self.metrics.inc(self.metrics.bypassed);
                     self.metrics.inc(self.metrics.dispatched);
-                    let charge = ToScheduler::Charge {
+                    self.charge_later(ToScheduler::Charge {
                         req: req_id,
                         band,
                         input_tokens: req.prompt_tokens,
@@ -276,8 +309,7 @@ impl Vm {
                         output_tokens: 0,
                         done: false,
                         tenant: tenant.clone(),
-                    };
-                    self.send_to_scheduler(&charge);
+                    });
                     self.streams.insert(ctx, Stream::Dispatched { tenant, band, endpoint });
                     return Admission::Bypass(endpoint);
                 }
@@ -390,16 +422,21 @@ impl Vm {
                 let stock = shared::release(&HostStore, self.endpoints(), endpoint);
                 self.publish_stock(stock);
                 self.metrics.inc(self.metrics.completed);
-                let req = self.request_id(ctx);
-                self.send_to_scheduler(&ToScheduler::Charge {
-                    req,
+                let done = ToScheduler::Charge {
+                    req: self.request_id(ctx),
                     band,
                     input_tokens: 0,
                     max_tokens: 0,
                     output_tokens: uncharged_tokens,
                     done: true,
                     tenant,
-                });
+                };
+                // Freed stock matters now only if something waits for it.
+                if shared::get_u64(&HostStore, shared::QUEUED_KEY) > 0 {
+                    self.send_to_scheduler(&done);
+                } else {
+                    self.charge_later(done);
+                }
             }
             Some(Stream::Queued { .. }) => {
                 self.metrics.inc(self.metrics.cancelled_in_queue);
@@ -421,7 +458,7 @@ impl Vm {
                 done: false,
                 tenant: tenant.clone(),
             };
-            self.send_to_scheduler(&msg);
+            self.charge_later(msg);
         }
     }
 
@@ -478,8 +515,8 @@ impl Vm {
         let now = now_ms();
         let mut out = Vec::new();
         while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(id) {
-            match ToScheduler::decode(&bytes) {
-                Some(msg) => role.scheduler.on_message(msg, now, &mut out),
+            match decode_entry(&bytes) {
+                Some(msgs) => msgs.into_iter().for_each(|m| role.scheduler.on_message(m, now, &mut out)),
                 None => log::warn!("ignoring a malformed scheduler message"),
             }
         }
@@ -574,18 +611,23 @@ impl Vm {
         }
     }
 
-    /// Endpoints due for a scrape: only the scheduler scrapes, once per
-    /// interval, and not while the previous round is still out.
+    /// Endpoints due for a scrape: only the scheduler scrapes; each endpoint
+    /// once per interval, and not while its previous scrape is still out.
     fn due_scrapes(&mut self, now: u64) -> Vec<usize> {
         let routing = &self.cfg.routing;
-        if self.role.is_none() || routing.scrape_cluster.is_none() || !self.scrapes.is_empty() {
+        if self.role.is_none() || routing.scrape_cluster.is_none() {
             return Vec::new();
         }
-        if now.saturating_sub(self.last_scrape_ms) < routing.scrape_interval_ms {
-            return Vec::new();
+        let interval = routing.scrape_interval_ms;
+        let out: Vec<usize> = self.scrapes.values().copied().collect();
+        let mut due = Vec::new();
+        for (i, sent) in self.scrape_sent_ms.iter_mut().enumerate() {
+            if !out.contains(&i) && now.saturating_sub(*sent) >= interval {
+                *sent = now;
+                due.push(i);
+            }
         }
-        self.last_scrape_ms = now;
-        (0..self.endpoints()).collect()
+        due
     }
 
     /// A scrape answered (`page`), or failed (`None`): update the shared
@@ -627,6 +669,7 @@ impl Vm {
 
     fn on_tick(&mut self) {
         let now = now_ms();
+        self.flush_charges();
         self.claim_lease(now);
         if let Some(role) = self.role.as_mut() {
             let mut out = Vec::new();
@@ -759,10 +802,12 @@ impl RootContext for Root {
             affinity: AffinityIndex::new(AFFINITY_CAPACITY),
             rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | self.id as u64),
             scrapes: HashMap::new(),
-            last_scrape_ms: 0,
+            scrape_sent_ms: Vec::new(),
             logged_bad_metrics: Vec::new(),
+            pending: Vec::new(),
         };
         vm.logged_bad_metrics = vec![false; vm.endpoints()];
+        vm.scrape_sent_ms = vec![0; vm.endpoints()];
         vm.queue_ids.insert(worker, queue);
         self.vm = Some(Rc::new(RefCell::new(vm)));
         self.set_tick_period(Duration::from_millis(tick));

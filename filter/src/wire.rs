@@ -182,6 +182,37 @@ impl ToScheduler {
     }
 }
 
+/// Several messages in one queue entry (one wake-up of the scheduler):
+/// tag 4, then each message as a u32 length and its bytes.
+pub fn encode_batch<'a>(msgs: impl IntoIterator<Item = &'a ToScheduler>) -> Vec<u8> {
+    let mut b = vec![4];
+    for m in msgs {
+        let one = m.encode();
+        b.extend_from_slice(&(one.len() as u32).to_le_bytes());
+        b.extend_from_slice(&one);
+    }
+    b
+}
+
+/// Decodes one queue entry: a batch or a single message; `None` if any part
+/// is malformed (nothing of a damaged entry is applied).
+pub fn decode_entry(bytes: &[u8]) -> Option<Vec<ToScheduler>> {
+    let Some((&4, mut rest)) = bytes.split_first() else {
+        return ToScheduler::decode(bytes).map(|m| vec![m]);
+    };
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        let (len, tail) = rest.split_first_chunk::<4>()?;
+        let len = u32::from_le_bytes(*len) as usize;
+        if tail.len() < len {
+            return None;
+        }
+        out.push(ToScheduler::decode(&tail[..len])?);
+        rest = &tail[len..];
+    }
+    Some(out)
+}
+
 impl ToWorker {
     /// Encodes for `enqueue_shared_queue`.
     pub fn encode(&self) -> Vec<u8> {
@@ -257,6 +288,22 @@ mod tests {
         for m in [ToWorker::Dispatch { req: 9, endpoint: 2 }, ToWorker::Reject { req: 1, reason: 3 }] {
             assert_eq!(ToWorker::decode(&m.encode()), Some(m));
         }
+    }
+
+    #[test]
+    fn batches_round_trip_and_damage_spoils_the_whole_entry() {
+        let msgs = vec![
+            ToScheduler::Cancel { req: 1 },
+            ToScheduler::Charge { req: 2, band: 0, input_tokens: 3, max_tokens: 4, output_tokens: 5, done: false, tenant: "a".into() },
+        ];
+        let b = encode_batch(&msgs);
+        assert_eq!(decode_entry(&b), Some(msgs.clone()));
+        assert_eq!(decode_entry(&encode_batch(&[])), Some(vec![]));
+        assert_eq!(decode_entry(&msgs[0].encode()), Some(vec![msgs[0].clone()]), "a single message is an entry too");
+        assert_eq!(decode_entry(&b[..b.len() - 1]), None);
+        let mut bad = b.clone();
+        bad[5] = 9; // the first message's tag
+        assert_eq!(decode_entry(&bad), None);
     }
 
     #[test]

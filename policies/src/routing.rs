@@ -274,15 +274,23 @@ pub struct Router {
     pub weights: ScorerWeights,
     /// How the winner is drawn.
     pub picker: Picker,
+    /// When set, the scoring pickers consider only endpoints that are not
+    /// saturated, if there are any (the inference extension's filter).
+    pub saturation: Option<SaturationThresholds>,
 }
 
 impl Router {
     /// Picks an endpoint, or `None` when none is healthy. `random` is a
     /// uniform value in [0, 1) for the weighted-random picker.
     pub fn pick(&self, req: &RouteRequest<'_>, pool: &[EndpointView<'_>], index: &AffinityIndex, random: f64) -> Option<usize> {
-        // Filter: healthy endpoints only.
-        let candidates = || pool.iter().enumerate().filter(|(_, e)| e.healthy);
-        candidates().next()?;
+        // Filters: healthy endpoints; for the scoring pickers, the unsaturated
+        // ones among them when there are any.
+        let healthy = || pool.iter().enumerate().filter(|(_, e)| e.healthy);
+        healthy().next()?;
+        let scoring = !matches!(self.picker, Picker::Random | Picker::RoundRobin);
+        let unsaturated = |e: &EndpointView<'_>| self.saturation.is_none_or(|t| !t.saturated(e));
+        let narrow = scoring && self.saturation.is_some() && healthy().any(|(_, e)| unsaturated(e));
+        let candidates = || healthy().filter(move |(_, e)| !narrow || unsaturated(e));
         let range = |f: &dyn Fn(&EndpointView<'_>) -> f64| {
             candidates().map(|(_, e)| f(e)).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)))
         };
@@ -312,14 +320,20 @@ impl Router {
             }
             s
         };
-        let healthy = || candidates().map(|(i, _)| i);
+        let nth = |n: usize| candidates().nth(n).map(|(i, _)| i);
+        let count = candidates().count();
+        let draw = |n: usize| ((random.clamp(0.0, 1.0) * n as f64) as usize).min(n - 1);
         match self.picker {
-            Picker::Random => healthy().nth((random.clamp(0.0, 1.0) * healthy().count() as f64) as usize).or(healthy().last()),
-            Picker::RoundRobin => healthy().nth((index.routed() % healthy().count() as u64) as usize),
-            Picker::MaxScore => candidates()
-                .map(|(i, e)| (score(i, e), std::cmp::Reverse(e.in_flight), std::cmp::Reverse(i)))
-                .max_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)))
-                .map(|(_, _, std::cmp::Reverse(i))| i),
+            Picker::Random => nth(draw(count)),
+            Picker::RoundRobin => nth((index.routed() % count as u64) as usize),
+            Picker::MaxScore => {
+                // Ties are drawn at random, so equal endpoints share the load
+                // instead of filling up in index order.
+                let scores: Vec<(usize, f64)> = candidates().map(|(i, e)| (i, score(i, e))).collect();
+                let best = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+                let tied: Vec<usize> = scores.iter().filter(|s| s.1 >= best - 1e-9).map(|s| s.0).collect();
+                Some(tied[draw(tied.len())])
+            }
             Picker::WeightedRandom => {
                 let scores: Vec<(usize, f64)> = candidates().map(|(i, e)| (i, score(i, e).max(0.0))).collect();
                 let total: f64 = scores.iter().map(|s| s.1).sum();
@@ -434,7 +448,7 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
     #[test]
     fn session_and_lora_affinity() {
         let w = ScorerWeights { session: 5.0, lora: 5.0, ..Default::default() };
-        let r = Router { weights: w, picker: Picker::MaxScore };
+        let r = Router { weights: w, picker: Picker::MaxScore, saturation: None };
         let mut idx = AffinityIndex::new(100);
         let plain = m(0.0, 0.0);
         let lora = EndpointMetrics { loras: vec!["sql".into()], ..m(0.0, 0.0) };
@@ -447,7 +461,11 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
 
     #[test]
     fn weighted_random_draws_in_proportion() {
-        let r = Router { picker: Picker::WeightedRandom, weights: ScorerWeights { in_flight: 0.0, ..Default::default() } };
+        let r = Router {
+            picker: Picker::WeightedRandom,
+            weights: ScorerWeights { in_flight: 0.0, ..Default::default() },
+            saturation: None,
+        };
         let idx = AffinityIndex::new(10);
         let (good, bad) = (m(0.0, 0.0), m(10.0, 1.0));
         let pool = [view(&good, 0), view(&bad, 0)];
@@ -456,6 +474,31 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         let pool = [view(&good, 0), view(&good, 0)];
         let wins = (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
         assert_eq!(wins, 500);
+    }
+
+    #[test]
+    fn saturated_endpoints_are_avoided_while_others_are_not() {
+        let r = Router { saturation: Some(SaturationThresholds::default()), ..Default::default() };
+        let idx = AffinityIndex::new(10);
+        let (fresh_idle, stale) = (m(0.0, 0.1), m(0.0, 0.0));
+        // The stale endpoint looks better on paper (empty KV) but its metrics are old.
+        let pool = [EndpointView { age_ms: 5_000, ..view(&stale, 0) }, view(&fresh_idle, 3)];
+        assert_eq!(r.pick(&RouteRequest::default(), &pool, &idx, 0.0), Some(1));
+        // All saturated: fall back to scoring them all.
+        let full = m(9.0, 0.9);
+        let pool = [view(&full, 0), view(&full, 5)];
+        assert_eq!(r.pick(&RouteRequest::default(), &pool, &idx, 0.0), Some(0));
+    }
+
+    #[test]
+    fn max_score_draws_ties_at_random() {
+        let r = Router::default();
+        let idx = AffinityIndex::new(10);
+        let same = m(1.0, 0.5);
+        let pool = [view(&same, 2), view(&same, 2), view(&same, 2)];
+        let picks: Vec<usize> =
+            [0.0, 0.5, 0.99].iter().map(|&x| r.pick(&RouteRequest::default(), &pool, &idx, x).unwrap()).collect();
+        assert_eq!(picks, vec![0, 1, 2]);
     }
 
     #[test]
