@@ -1,0 +1,647 @@
+//! Comparison of the filter's endpoint pickers in virtual time: the real filter `.wasm` in front
+//! of a heterogeneous GPU pool (optionally with a backend that dies mid-run), replaying the Azure
+//! conversation trace or the Mooncake trace, one run per picker. The `sluice-routing` binary
+//! wraps it; `tests/routing.rs` checks its claims on short runs.
+//!
+//! Prompts are synthetic text of exactly `4 × prompt_tokens` bytes (4 bytes per token, as both
+//! the filter and the GPU model count). For Mooncake rows, block `j` of 512 tokens (2048 bytes;
+//! in general the GPU profile's `prefix_hash_tokens`) is derived from `hash_ids[j]` alone, so rows that share leading `hash_ids` share identical
+//! leading text: the filter's prefix hashing (64-byte blocks) sees the same sharing as the GPU
+//! model's prefix cache, which gets the `hash_ids` themselves. Azure rows carry no prefix
+//! information, so each prompt is text unique to its request (no prefix sharing at all).
+
+use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::host::PluginSpec;
+use crate::report::Stats;
+use crate::state::Cluster;
+use crate::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
+use crate::workload::{self, TraceFormat, WorkItem};
+use crate::abi::HeaderMap;
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use sluice_gpu::{GpuProfile, TimeModel};
+use std::any::Any;
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Header naming the tenant (every trace request belongs to one tenant).
+pub const TENANT_HEADER: &str = "x-gateway-inference-fairness-id";
+/// `model` of every request.
+pub const MODEL: &str = "llama-3-8b";
+
+/// The pickers compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PickerKind {
+    /// Uniform over healthy endpoints (`{"picker":"random"}`).
+    Random,
+    /// Healthy endpoints in turn (`{"picker":"round_robin"}`).
+    RoundRobin,
+    /// Fewest requests in flight from this gateway (only the `in_flight` scorer).
+    LeastRequest,
+    /// The filter's defaults: queue 2, KV cache 2, prefix 3, in-flight 1, max score.
+    KvAware,
+}
+
+impl PickerKind {
+    /// All pickers, in table order.
+    pub const ALL: [PickerKind; 4] = [
+        PickerKind::Random,
+        PickerKind::RoundRobin,
+        PickerKind::LeastRequest,
+        PickerKind::KvAware,
+    ];
+
+    /// Name used in tables and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            PickerKind::Random => "random",
+            PickerKind::RoundRobin => "round-robin",
+            PickerKind::LeastRequest => "least-request",
+            PickerKind::KvAware => "kv-aware",
+        }
+    }
+
+    /// The filter's `routing` object for this picker (scraping on through `model_servers`).
+    pub fn routing_config(self, scrape_interval_ms: u64) -> serde_json::Value {
+        let mut r = serde_json::json!({
+            "scrape_cluster": "model_servers",
+            "scrape_interval_ms": scrape_interval_ms,
+        });
+        match self {
+            PickerKind::Random => r["picker"] = "random".into(),
+            PickerKind::RoundRobin => r["picker"] = "round_robin".into(),
+            PickerKind::LeastRequest => {
+                r["weights"] = serde_json::json!({"queue": 0, "kv_cache": 0, "prefix": 0,
+                    "running": 0, "in_flight": 1, "session": 0, "lora": 0})
+            }
+            PickerKind::KvAware => {}
+        }
+        r
+    }
+}
+
+/// The traces compared on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum TraceKind {
+    /// Azure LLM inference trace 2023, conversation (`azure-llm-2023-conv.csv`).
+    Azure,
+    /// Mooncake conversation trace (`mooncake-conversation.jsonl`), with prefix `hash_ids`.
+    Mooncake,
+}
+
+impl TraceKind {
+    /// Name used in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceKind::Azure => "azure-conv",
+            TraceKind::Mooncake => "mooncake",
+        }
+    }
+
+    /// File format.
+    pub fn format(self) -> TraceFormat {
+        match self {
+            TraceKind::Azure => TraceFormat::AzureCsv,
+            TraceKind::Mooncake => TraceFormat::MooncakeJsonl,
+        }
+    }
+}
+
+/// Reads a trace, keeps its first `limit` rows and divides every arrival time by `speedup`
+/// (a speed-up of 2 replays the same requests in half the time: twice the load).
+pub fn load_trace(kind: TraceKind, path: &Path, limit: usize, speedup: f64) -> Result<Vec<WorkItem>> {
+    if !(speedup > 0.0 && speedup.is_finite()) {
+        bail!("speed-up must be a positive number, got {speedup}");
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading trace {}", path.display()))?;
+    let mut items = workload::parse_trace(kind.format(), &text).map_err(|errs| {
+        let shown: Vec<String> = errs.iter().take(5).map(|e| e.to_string()).collect();
+        anyhow::anyhow!("trace {}: {}", path.display(), shown.join("; "))
+    })?;
+    items.truncate(limit);
+    for w in &mut items {
+        w.arrival_us = (w.arrival_us as f64 / speedup).round() as u64;
+    }
+    Ok(items)
+}
+
+/// The slow half of the default pool: Llama-3.1-8B on an NVIDIA A100 80 GB, derived from
+/// `llama3-8b-h100` by the data-sheet ratios (2.0 vs 3.35 TB/s of HBM, 312 vs 989 dense bf16
+/// TFLOPS; same memory, so the same KV pool and limits): weights streamed once per iteration
+/// 6 → 10 ms, a KV token 0.05 → 0.08 µs, a prefill token 30 → 95 µs (compute-bound), the
+/// per-sequence decode term 30 → 50 µs. It keeps the 128 k context and the prefix cache, so both
+/// traces run on it; the A10G profile cannot serve Mooncake's long prompts (4 k context).
+pub fn a100_profile() -> GpuProfile {
+    let mut p = GpuProfile::llama3_8b_h100();
+    p.name = "llama3-8b-a100".into();
+    p.time = TimeModel { base_us: 10_000.0, per_prefill_token_us: 95.0, per_decode_seq_us: 50.0, per_kv_token_us: 0.08 };
+    p
+}
+
+/// A profile by name: the GPU crate's names plus `llama3-8b-a100` ([`a100_profile`]).
+pub fn profile_by_name(name: &str) -> Result<GpuProfile> {
+    if name == "llama3-8b-a100" {
+        return Ok(a100_profile());
+    }
+    GpuProfile::by_name(name).ok_or_else(|| {
+        anyhow::anyhow!("unknown GPU profile `{name}` (known: llama3-8b-a100, {})", GpuProfile::NAMES.join(", "))
+    })
+}
+
+/// A backend that stops answering at `at_us`: its GPU stops, its open streams are reset, new
+/// connections are reset at once (Envoy answers 503), and scrapes fail.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Death {
+    /// Index of the backend in the pool.
+    pub backend: usize,
+    /// Virtual time of death, µs.
+    pub at_us: u64,
+}
+
+/// Backends of a run, at `10.0.0.<i+1>:8000`.
+#[derive(Clone, Debug)]
+pub struct PoolSpec {
+    /// Name in tables.
+    pub name: String,
+    /// One profile per backend.
+    pub profiles: Vec<GpuProfile>,
+    /// A backend that dies mid-run, if any.
+    pub death: Option<Death>,
+}
+
+impl PoolSpec {
+    /// `fast_count` backends of `fast` then `slow_count` of `slow`.
+    pub fn mixed(name: &str, fast: &GpuProfile, fast_count: usize, slow: &GpuProfile, slow_count: usize) -> PoolSpec {
+        let profiles = std::iter::repeat_n(fast.clone(), fast_count).chain(std::iter::repeat_n(slow.clone(), slow_count)).collect();
+        PoolSpec { name: name.into(), profiles, death: None }
+    }
+
+    /// Backend addresses, in pool order.
+    pub fn addresses(&self) -> Vec<String> {
+        (0..self.profiles.len()).map(|i| format!("10.0.0.{}:8000", i + 1)).collect()
+    }
+}
+
+/// A [`GpuUpstream`] that dies at a given time (see [`Death`]).
+pub struct DyingUpstream {
+    inner: GpuUpstream,
+    die_at_us: u64,
+    dead: bool,
+    open: BTreeSet<u64>,
+    /// Requests refused after death.
+    pub refused: u64,
+    /// Streams reset at death.
+    pub reset_at_death: u64,
+}
+
+impl DyingUpstream {
+    /// Wraps `inner`, which dies at `die_at_us`.
+    pub fn new(inner: GpuUpstream, die_at_us: u64) -> DyingUpstream {
+        DyingUpstream { inner, die_at_us, dead: false, open: BTreeSet::new(), refused: 0, reset_at_death: 0 }
+    }
+
+    /// The wrapped server (its GPU stopped at death).
+    pub fn inner(&self) -> &GpuUpstream {
+        &self.inner
+    }
+
+    fn track(&mut self, evs: &[UpstreamEvent]) {
+        for ev in evs {
+            match ev {
+                UpstreamEvent::Headers { id, eos: true, .. } | UpstreamEvent::Body { id, eos: true, .. } | UpstreamEvent::Reset { id } => {
+                    self.open.remove(id);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+impl Upstream for DyingUpstream {
+    fn submit(&mut self, now_us: u64, id: u64, req: UpstreamRequest) -> Vec<UpstreamEvent> {
+        if self.dead || now_us >= self.die_at_us {
+            self.refused += 1;
+            return vec![UpstreamEvent::Reset { id }];
+        }
+        self.open.insert(id);
+        let evs = self.inner.submit(now_us, id, req);
+        self.track(&evs);
+        evs
+    }
+
+    fn abort(&mut self, now_us: u64, id: u64) {
+        if self.open.remove(&id) && !self.dead {
+            self.inner.abort(now_us, id);
+        }
+    }
+
+    fn next_event_us(&self) -> Option<u64> {
+        if self.dead {
+            return None;
+        }
+        Some(self.inner.next_event_us().map_or(self.die_at_us, |t| t.min(self.die_at_us)))
+    }
+
+    fn advance(&mut self, now_us: u64) -> Vec<UpstreamEvent> {
+        if self.dead {
+            return Vec::new();
+        }
+        let mut evs = self.inner.advance(now_us.min(self.die_at_us));
+        self.track(&evs);
+        if now_us >= self.die_at_us {
+            self.dead = true;
+            let open = std::mem::take(&mut self.open);
+            self.reset_at_death = open.len() as u64;
+            evs.extend(open.into_iter().map(|id| UpstreamEvent::Reset { id }));
+        }
+        evs
+    }
+
+    fn handle_call(&mut self, now_us: u64, headers: &HeaderMap, body: &[u8]) -> (HeaderMap, Vec<u8>) {
+        if self.dead || now_us >= self.die_at_us {
+            // What Envoy's async client reports for a refused connection.
+            return (
+                vec![(":status".into(), b"503".to_vec())],
+                b"upstream connect error or disconnect/reset before headers. reset reason: connection failure".to_vec(),
+            );
+        }
+        self.inner.handle_call(now_us, headers, body)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The GPU server behind an upstream of a routing run, dead or alive.
+fn gpu_of(up: &dyn Upstream) -> Option<&GpuUpstream> {
+    let any = up.as_any();
+    any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner))
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Appends `n` lowercase letters drawn from a stream seeded by `seed`.
+fn letters(seed: u64, n: usize, out: &mut String) {
+    let mut s = seed;
+    let mut left = n;
+    while left > 0 {
+        s = splitmix(s);
+        for k in 0..8.min(left) {
+            out.push((b'a' + ((s >> (k * 8)) as u8 % 26)) as char);
+        }
+        left -= 8.min(left);
+    }
+}
+
+/// The prompt text of a request: `4 × prompt_tokens` bytes; block `j` of `4 × hash_block_tokens`
+/// bytes comes from `prefix_hashes[j]` when there is one, else from (`id`, `j`), unique.
+pub fn prompt_text(item: &WorkItem, id: u64, hash_block_tokens: u32) -> String {
+    let block = (hash_block_tokens.max(1) * 4) as usize;
+    let total = item.prompt_tokens as usize * 4;
+    let mut text = String::with_capacity(total);
+    let mut j = 0usize;
+    while text.len() < total {
+        let n = block.min(total - text.len());
+        let seed = match item.prefix_hashes.get(j) {
+            Some(&h) => splitmix(h ^ 0x5eed_0000_0000_0001),
+            None => splitmix(id.wrapping_mul(0x1_0000_0001) ^ (j as u64) << 40 ^ 0xa2a2),
+        };
+        letters(seed, n, &mut text);
+        j += 1;
+    }
+    text
+}
+
+/// The streaming chat request a trace row becomes (`hash_block_tokens`: tokens per entry of its
+/// `prefix_hashes`, the GPU profile's `prefix_hash_tokens`).
+pub fn client_request(id: u64, item: &WorkItem, hash_block_tokens: u32) -> ClientRequest {
+    let mut r = ClientRequest::chat(id, item.arrival_us, TENANT_HEADER, &item.client, MODEL, 1, item.output_tokens);
+    let body = serde_json::json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt_text(item, id, hash_block_tokens)}],
+        "max_tokens": item.output_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    r.body = serde_json::to_vec(&body).expect("json");
+    for (k, v) in &mut r.headers {
+        if k == "content-length" {
+            *v = r.body.len().to_string().into_bytes();
+        }
+    }
+    r.prompt_tokens = item.prompt_tokens;
+    r.prefix_hashes = item.prefix_hashes.clone();
+    r
+}
+
+/// Settings of one run.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// Trace name (tables only).
+    pub trace: String,
+    /// Picker under test.
+    pub picker: PickerKind,
+    /// Backends.
+    pub pool: PoolSpec,
+    /// Envoy worker threads.
+    pub workers: usize,
+    /// The filter's `watermark_per_backend` (stock bound; the pool's saturation also gates).
+    pub watermark_per_backend: u32,
+    /// The filter's `routing.scrape_interval_ms` (its `tick_ms` is set to the same value).
+    pub scrape_interval_ms: u64,
+    /// Seed of the filter's random choices.
+    pub seed: u64,
+    /// Round trip of a scrape, µs.
+    pub call_latency_us: u64,
+}
+
+impl RunConfig {
+    /// The plugin configuration: FCFS, queues large enough that nothing is refused (so every
+    /// picker is judged on the same requests), and the picker's routing.
+    pub fn filter_config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "endpoints": self.pool.addresses(),
+            "policy": "fcfs",
+            "tenant_header": TENANT_HEADER,
+            "total_capacity": 1_000_000,
+            "flow_capacity": 1_000_000,
+            // The default reserve (flow_capacity) would leave one slot to standard requests.
+            "critical_reserve": 0,
+            "queue_ttl_ms": 86_400_000u64,
+            "watermark_per_backend": self.watermark_per_backend,
+            "tick_ms": self.scrape_interval_ms.clamp(1, 10_000),
+            "routing": self.picker.routing_config(self.scrape_interval_ms),
+        })
+    }
+}
+
+/// Figures of one run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunResult {
+    /// Trace.
+    pub trace: String,
+    /// Pool name.
+    pub pool: String,
+    /// Picker.
+    pub picker: &'static str,
+    /// Requests sent.
+    pub requests: usize,
+    /// Completed with 2xx.
+    pub ok: usize,
+    /// Ended otherwise (503 from a dead backend, reset mid-stream, rejected).
+    pub failed: usize,
+    /// Still open when the run stopped (a lost request).
+    pub unfinished: usize,
+    /// Requests that did not complete, by `outcome status reason`.
+    pub failures: std::collections::BTreeMap<String, usize>,
+    /// Time to first token of completed requests, ms.
+    pub ttft_ms: Stats,
+    /// Time per output token of completed requests, ms.
+    pub tpot_ms: Stats,
+    /// Output tokens of completed requests per second of the run (first arrival to last end).
+    pub output_tokens_per_s: f64,
+    /// Completed requests per second of the run.
+    pub requests_per_s: f64,
+    /// Prompt tokens found in the backends' prefix caches ÷ prompt tokens looked up.
+    pub prefix_hit_rate: f64,
+    /// Requests dispatched to each backend, in pool order.
+    pub per_backend: Vec<usize>,
+    /// With a death: requests dispatched to the dead backend after it died.
+    pub sent_to_dead: usize,
+    /// With a death: the last dispatch to the dead backend, ms after its death (0 if none).
+    pub last_to_dead_ms: f64,
+    /// The filter's `sluice_stock` at the end (0 when every slot was given back).
+    pub final_stock: u64,
+    /// Wall-clock seconds the simulation took.
+    pub wall_s: f64,
+}
+
+/// Builds the simulation of one run.
+pub fn build(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<Sim> {
+    let plugin = PluginSpec {
+        configuration: serde_json::to_vec(&cfg.filter_config())?,
+        workers: cfg.workers,
+        seed: cfg.seed,
+        ..Default::default()
+    };
+    let gw = GatewayConfig { call_latency_us: cfg.call_latency_us, ..Default::default() };
+    let mut sim = Sim::new(wasm, &plugin, gw)?;
+    for (i, (addr, p)) in cfg.pool.addresses().iter().zip(&cfg.pool.profiles).enumerate() {
+        let gpu = GpuUpstream::new(p.clone(), 256)?;
+        match cfg.pool.death {
+            Some(d) if d.backend == i => sim.add_upstream(addr, Box::new(DyingUpstream::new(gpu, d.at_us))),
+            _ => sim.add_upstream(addr, Box::new(gpu)),
+        }
+    }
+    sim.add_cluster("model_servers", Cluster::OriginalDst { header: GatewayConfig::default().route_header });
+    let tokens = cfg.pool.profiles.first().map_or(512, |p| p.prefix_hash_tokens);
+    if cfg.pool.profiles.iter().any(|p| p.prefix_hash_tokens != tokens) {
+        bail!("every backend of a routing run must have the same prefix_hash_tokens");
+    }
+    for (i, w) in items.iter().enumerate() {
+        sim.add_request(client_request(i as u64, w, tokens));
+    }
+    Ok(sim)
+}
+
+/// Runs one picker on one pool and trace to completion.
+pub fn run(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<(Sim, RunResult)> {
+    let start = std::time::Instant::now();
+    let mut sim = build(wasm, cfg, items)?;
+    let recs = sim.run();
+    let wall_s = start.elapsed().as_secs_f64();
+    let res = summarize(&sim, cfg, &recs, wall_s);
+    Ok((sim, res))
+}
+
+/// The figures of a finished run.
+pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64) -> RunResult {
+    let addrs = cfg.pool.addresses();
+    let ok: Vec<&RequestRecord> = recs.iter().filter(|r| r.outcome == "ok").collect();
+    let start = recs.iter().map(|r| r.arrival_us).min().unwrap_or(0);
+    let end = recs.iter().filter_map(|r| r.end_us).max().unwrap_or(start);
+    let secs = ((end - start) as f64 / 1e6).max(1e-9);
+    let out_tokens: u64 = ok.iter().map(|r| r.tokens_received as u64).sum();
+    let (mut hits, mut queries) = (0u64, 0u64);
+    for a in &addrs {
+        if let Some(g) = sim.upstream(a).and_then(gpu_of) {
+            let m = g.model().metrics();
+            hits += m.prefix_hits_tokens;
+            queries += m.prefix_queries_tokens;
+        }
+    }
+    let per_backend = addrs.iter().map(|a| recs.iter().filter(|r| r.endpoint.as_deref() == Some(a)).count()).collect();
+    let (mut sent_to_dead, mut last_to_dead_ms) = (0, 0.0f64);
+    if let Some(d) = cfg.pool.death {
+        for r in recs.iter().filter(|r| r.endpoint.as_deref() == Some(addrs[d.backend].as_str())) {
+            if let Some(t) = r.dispatched_us.filter(|&t| t >= d.at_us) {
+                sent_to_dead += 1;
+                last_to_dead_ms = last_to_dead_ms.max((t - d.at_us) as f64 / 1000.0);
+            }
+        }
+    }
+    let mut failures = std::collections::BTreeMap::new();
+    for r in recs.iter().filter(|r| r.outcome != "ok") {
+        let key = format!("{} {} {}", r.outcome, r.status, r.reason.as_deref().unwrap_or("-"));
+        *failures.entry(key).or_insert(0) += 1;
+    }
+    let final_stock = sim.host().metric("sluice_stock").map_or(0, |m| m.value);
+    RunResult {
+        trace: cfg.trace.clone(),
+        pool: cfg.pool.name.clone(),
+        picker: cfg.picker.name(),
+        requests: recs.len(),
+        ok: ok.len(),
+        failed: recs.iter().filter(|r| r.outcome != "ok" && r.outcome != "unfinished").count(),
+        unfinished: recs.iter().filter(|r| r.outcome == "unfinished").count(),
+        failures,
+        ttft_ms: Stats::of(ok.iter().filter_map(|r| r.ttft_ms()).collect()),
+        tpot_ms: Stats::of(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
+        output_tokens_per_s: out_tokens as f64 / secs,
+        requests_per_s: ok.len() as f64 / secs,
+        prefix_hit_rate: if queries > 0 { hits as f64 / queries as f64 } else { 0.0 },
+        per_backend,
+        sent_to_dead,
+        last_to_dead_ms,
+        final_stock,
+        wall_s,
+    }
+}
+
+/// The comparison table in Markdown.
+pub fn markdown_table(results: &[RunResult]) -> String {
+    let mut s = String::from(
+        "| trace | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | out tok/s | prefix hit | per backend | to dead after death |\n\
+         |---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|\n",
+    );
+    for r in results {
+        let dead = if r.pool.contains("dies") {
+            format!("{} (last +{:.0} ms)", r.sent_to_dead, r.last_to_dead_ms)
+        } else {
+            "-".into()
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {}/{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} |",
+            r.trace,
+            r.pool,
+            r.picker,
+            r.ok,
+            r.requests,
+            r.ttft_ms.p50,
+            r.ttft_ms.p99,
+            r.tpot_ms.p50,
+            r.tpot_ms.p99,
+            r.output_tokens_per_s,
+            r.prefix_hit_rate * 100.0,
+            r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
+            dead
+        );
+    }
+    s
+}
+
+/// The comparison table as CSV (one row per run).
+pub fn csv(results: &[RunResult]) -> String {
+    let mut s = String::from(
+        "trace,pool,picker,requests,ok,failed,unfinished,ttft_p50_ms,ttft_p99_ms,tpot_p50_ms,tpot_p99_ms,output_tokens_per_s,requests_per_s,prefix_hit_rate,per_backend,sent_to_dead,last_to_dead_ms,final_stock,wall_s\n",
+    );
+    for r in results {
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{},{},{},{},{:.2}",
+            r.trace,
+            r.pool,
+            r.picker,
+            r.requests,
+            r.ok,
+            r.failed,
+            r.unfinished,
+            r.ttft_ms.p50,
+            r.ttft_ms.p99,
+            r.tpot_ms.p50,
+            r.tpot_ms.p99,
+            r.output_tokens_per_s,
+            r.requests_per_s,
+            r.prefix_hit_rate,
+            r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
+            r.sent_to_dead,
+            r.last_to_dead_ms,
+            r.final_stock,
+            r.wall_s
+        );
+    }
+    s
+}
+
+const COLORS: [&str; 4] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f"];
+
+/// A figure: for each (trace, pool), bars of TTFT p99 and of the prefix hit rate per picker.
+pub fn svg(results: &[RunResult]) -> String {
+    let mut groups: Vec<(String, String)> = Vec::new();
+    for r in results {
+        let g = (r.trace.clone(), r.pool.clone());
+        if !groups.contains(&g) {
+            groups.push(g);
+        }
+    }
+    let pickers: Vec<&str> = PickerKind::ALL.iter().map(|p| p.name()).collect();
+    let (panel_w, panel_h, top) = (300.0, 170.0, 50.0);
+    let width = 40.0 + 2.0 * (panel_w + 40.0);
+    let height = top + groups.len() as f64 * (panel_h + 50.0) + 10.0;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    for (k, p) in pickers.iter().enumerate() {
+        let x = 40.0 + k as f64 * 120.0;
+        let _ = writeln!(s, "<rect x=\"{x}\" y=\"12\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"22\">{p}</text>", COLORS[k], x + 16.0);
+    }
+    for (gi, (trace, pool)) in groups.iter().enumerate() {
+        let y0 = top + gi as f64 * (panel_h + 50.0);
+        let rows: Vec<&RunResult> = results.iter().filter(|r| &r.trace == trace && &r.pool == pool).collect();
+        let metrics: [(&str, Box<dyn Fn(&RunResult) -> f64>); 2] = [
+            ("TTFT p99 (s)", Box::new(|r: &RunResult| r.ttft_ms.p99 / 1000.0)),
+            ("prefix-cache hit rate (%)", Box::new(|r: &RunResult| r.prefix_hit_rate * 100.0)),
+        ];
+        for (mi, (label, f)) in metrics.iter().enumerate() {
+            let x0 = 40.0 + mi as f64 * (panel_w + 40.0);
+            let max = rows.iter().map(|r| f(r)).fold(0.0f64, f64::max).max(1e-9);
+            let _ = writeln!(
+                s,
+                "<text x=\"{x0}\" y=\"{}\" font-weight=\"bold\">{trace}, {pool}: {label}</text>\n<line x1=\"{x0}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+                y0 + 12.0,
+                y0 + panel_h,
+                x0 + panel_w,
+                y0 + panel_h
+            );
+            let bw = panel_w / (pickers.len() as f64 * 1.5);
+            for r in &rows {
+                let Some(k) = pickers.iter().position(|p| *p == r.picker) else { continue };
+                let v = f(r);
+                let h = (v / max) * (panel_h - 40.0);
+                let x = x0 + 10.0 + k as f64 * bw * 1.5;
+                let _ = writeln!(
+                    s,
+                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{bw:.1}\" height=\"{h:.1}\" fill=\"{}\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
+                    y0 + panel_h - h,
+                    COLORS[k],
+                    x + bw / 2.0,
+                    y0 + panel_h - h - 3.0,
+                    if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }
+                );
+            }
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}

@@ -1,0 +1,138 @@
+//! Routing through the real filter in virtual time: the KV-aware picker against the baselines on
+//! short synthetic runs with the small `fast` GPU profile, and a backend dying mid-run.
+
+mod common;
+
+use host_sim::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult};
+use host_sim::workload::{self, SyntheticClient, WorkItem};
+use sluice_gpu::GpuProfile;
+
+/// The `fast` profile at a quarter of its speed: every iteration term ×4.
+fn slow_fast() -> GpuProfile {
+    let mut p = GpuProfile::fast();
+    p.name = "fast-x4".into();
+    p.time.base_us *= 4.0;
+    p.time.per_prefill_token_us *= 4.0;
+    p.time.per_decode_seq_us *= 4.0;
+    p.time.per_kv_token_us *= 4.0;
+    p
+}
+
+fn config(picker: PickerKind, pool: PoolSpec) -> RunConfig {
+    RunConfig {
+        trace: "synthetic".into(),
+        picker,
+        pool,
+        workers: 2,
+        watermark_per_backend: 64,
+        scrape_interval_ms: 50,
+        seed: 3,
+        call_latency_us: 500,
+    }
+}
+
+fn poisson(rate: f64, duration_s: f64, prompt: u32, output: u32) -> Vec<WorkItem> {
+    let c = SyntheticClient {
+        name: "t".into(),
+        rate,
+        prompt_tokens: prompt,
+        output_tokens: output,
+        arrival: Default::default(),
+        model: None,
+    };
+    workload::synthetic(&[c], duration_s, 11).expect("valid workload")
+}
+
+fn run(cfg: &RunConfig, items: &[WorkItem]) -> RunResult {
+    let (sim, r) = rc::run(&common::filter_wasm(), cfg, items).expect("runs");
+    assert!(sim.host().traps().is_empty(), "traps: {:?}", sim.host().traps());
+    eprintln!("{}", rc::markdown_table(std::slice::from_ref(&r)));
+    r
+}
+
+/// Every request ended exactly once, nothing is left open, and the filter gave back every slot.
+fn assert_nothing_lost(r: &RunResult) {
+    assert_eq!(r.unfinished, 0, "{r:?}");
+    assert_eq!(r.ok + r.failed, r.requests, "{r:?}");
+    assert_eq!(r.final_stock, 0, "every slot was released: {r:?}");
+}
+
+#[test]
+fn kv_aware_beats_round_robin_on_p99_ttft_on_a_heterogeneous_pool() {
+    // Two fast GPUs and two 4x slower ones; 240 req/s is ~2/3 of the pool's capacity but more
+    // than a slow GPU's share under round-robin can take.
+    let pool = PoolSpec::mixed("2 fast + 2 slow", &GpuProfile::fast(), 2, &slow_fast(), 2);
+    let items = poisson(240.0, 3.0, 96, 24);
+    let rr = run(&config(PickerKind::RoundRobin, pool.clone()), &items);
+    let kv = run(&config(PickerKind::KvAware, pool), &items);
+    for r in [&rr, &kv] {
+        assert_nothing_lost(r);
+        assert_eq!(r.ok, r.requests, "no backend fails here: {r:?}");
+    }
+    // Round-robin splits evenly; the KV-aware picker sends most to the fast GPUs.
+    let spread = |r: &RunResult| r.per_backend.iter().max().unwrap() - r.per_backend.iter().min().unwrap();
+    assert!(spread(&rr) <= 2, "round-robin is even: {:?}", rr.per_backend);
+    let fast_share = |r: &RunResult| (r.per_backend[0] + r.per_backend[1]) as f64 / r.requests as f64;
+    assert!(fast_share(&kv) > 0.6, "kv-aware favours the fast GPUs: {:?}", kv.per_backend);
+    assert!(
+        kv.ttft_ms.p99 * 2.0 < rr.ttft_ms.p99,
+        "p99 TTFT kv-aware {} ms vs round-robin {} ms",
+        kv.ttft_ms.p99,
+        rr.ttft_ms.p99
+    );
+}
+
+#[test]
+fn kv_aware_gets_more_prefix_cache_hits_than_least_request() {
+    // 12 documents of 192 shared tokens (6 hash blocks of 32), each request adds 64 tokens of its
+    // own: the pool's caches (1024 tokens each) cannot hold every document everywhere.
+    let mut items = poisson(120.0, 3.0, 256, 8);
+    for (i, w) in items.iter_mut().enumerate() {
+        let doc = (i * 7 % 12) as u64;
+        w.prefix_hashes = (0..6).map(|b| doc * 1000 + b).chain([1_000_000 + 2 * i as u64, 1_000_001 + 2 * i as u64]).collect();
+    }
+    let pool = PoolSpec::mixed("4 fast", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+    let lr = run(&config(PickerKind::LeastRequest, pool.clone()), &items);
+    let kv = run(&config(PickerKind::KvAware, pool), &items);
+    for r in [&lr, &kv] {
+        assert_nothing_lost(r);
+        assert_eq!(r.ok, r.requests, "{r:?}");
+    }
+    assert!(
+        kv.prefix_hit_rate > lr.prefix_hit_rate + 0.05,
+        "prefix hit rate kv-aware {:.3} vs least-request {:.3}",
+        kv.prefix_hit_rate,
+        lr.prefix_hit_rate
+    );
+}
+
+#[test]
+fn traffic_leaves_a_dead_backend_within_a_few_scrapes_and_no_request_is_lost() {
+    let items = poisson(150.0, 3.0, 96, 24);
+    for picker in [PickerKind::KvAware, PickerKind::RoundRobin] {
+        let mut pool = PoolSpec::mixed("4 fast, one dies", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+        let at_us = 1_500_000;
+        pool.death = Some(Death { backend: 0, at_us });
+        let cfg = config(picker, pool);
+        let (sim, r) = rc::run(&common::filter_wasm(), &cfg, &items).expect("runs");
+        eprintln!("{}", rc::markdown_table(std::slice::from_ref(&r)));
+        assert!(sim.host().traps().is_empty());
+        assert_nothing_lost(&r);
+        let recs = sim.records();
+        let dead = "10.0.0.1:8000";
+        // Traffic moved away within three scrape intervals of the death.
+        assert!(r.last_to_dead_ms <= 150.0, "{picker:?}: last dispatch to the dead backend {} ms after", r.last_to_dead_ms);
+        assert!(recs.iter().any(|x| x.endpoint.as_deref() == Some(dead) && x.dispatched_us < Some(at_us)), "it served before dying");
+        // Only requests that were on, or sent to, the dead backend failed; all others completed.
+        for x in &recs {
+            if x.endpoint.as_deref() != Some(dead) {
+                assert_eq!((x.outcome, x.status), ("ok", 200), "{picker:?}: {x:?}");
+            } else if x.dispatched_us.unwrap() < at_us && x.end_us.unwrap() >= at_us {
+                assert_eq!(x.outcome, "upstream_reset", "{x:?}");
+            }
+        }
+        let after: Vec<_> = recs.iter().filter(|x| x.arrival_us > at_us + 200_000).collect();
+        assert!(after.len() > 100 && after.iter().all(|x| x.endpoint.as_deref() != Some(dead) && x.outcome == "ok"));
+        assert!(r.failed < r.requests / 10, "{r:?}");
+    }
+}
