@@ -43,6 +43,10 @@ pub struct PluginSpec {
     pub fuel_per_call: u64,
     /// What happens to a VM after a trap (Envoy's `failure_policy`).
     pub failure_policy: FailurePolicy,
+    /// Probability that a conditional `set_shared_data` whose CAS matches still fails with
+    /// CasMismatch, as when another worker thread wins the race (seeded). VM calls never
+    /// interleave in the simulation, so without this a module's CAS retry loops never run.
+    pub cas_conflict_rate: f64,
 }
 
 /// Envoy's Wasm `failure_policy`: what a worker does once its VM has trapped.
@@ -70,6 +74,7 @@ impl Default for PluginSpec {
             seed: 0,
             fuel_per_call: 2_000_000_000,
             failure_policy: FailurePolicy::FailClosed,
+            cas_conflict_rate: 0.0,
         }
     }
 }
@@ -211,6 +216,9 @@ impl Host {
             properties: BTreeMap::new(),
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed),
             alive: Vec::new(),
+            cas_conflict_rate: spec.cas_conflict_rate,
+            cas_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x5eed_ca5),
+            cas_conflicts_injected: 0,
         }));
         let mut host = Host {
             proc,
@@ -242,6 +250,11 @@ impl Host {
     /// into a failed VM.
     pub fn is_failed(&self, vm: usize) -> bool {
         self.failed[vm]
+    }
+
+    /// CAS conflicts injected so far (see [`PluginSpec::cas_conflict_rate`]).
+    pub fn cas_conflicts_injected(&self) -> u64 {
+        self.proc.borrow().cas_conflicts_injected
     }
 
     /// VM reloads so far.

@@ -437,6 +437,14 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
                 if cas != 0 && cas as u32 != e.cas {
                     return Ok(st(Status::CasMismatch));
                 }
+                if cas != 0 && p.inject_cas_conflict() {
+                    // Another worker wrote the key between this VM's get and set (threads run
+                    // in parallel in Envoy, not here): same value, new version.
+                    let bumped = p.next_cas();
+                    p.shared.get_mut(&key).expect("present").cas = bumped;
+                    p.cas_conflicts_injected += 1;
+                    return Ok(st(Status::CasMismatch));
+                }
             }
             let cas = p.next_cas();
             p.shared.insert(key, SharedEntry { value, cas });

@@ -279,7 +279,18 @@ impl Scenario {
     /// Builds the simulation: plugin, backends, the scrape cluster if the filter names one,
     /// and the requests.
     pub fn build(&self, wasm: &[u8], items: &[WorkItem]) -> Result<Sim> {
-        let plugin = PluginSpec {
+        self.build_with(wasm, items, |_, _| {})
+    }
+
+    /// [`Scenario::build`], with a hook that adjusts the plugin and gateway settings derived
+    /// from the scenario (fault injection, jitter) before the simulation starts.
+    pub fn build_with(
+        &self,
+        wasm: &[u8],
+        items: &[WorkItem],
+        adjust: impl FnOnce(&mut PluginSpec, &mut GatewayConfig),
+    ) -> Result<Sim> {
+        let mut plugin = PluginSpec {
             configuration: serde_json::to_vec(&self.plugin_config())?,
             workers: self.workers,
             log_level: self
@@ -292,13 +303,14 @@ impl Scenario {
             failure_policy: self.failure_policy,
             ..Default::default()
         };
-        let gw = GatewayConfig {
+        let mut gw = GatewayConfig {
             horizon_us: self.horizon_s.map(|s| (s * 1e6) as u64),
             call_latency_us: (self.call_latency_ms * 1000.0) as u64,
             allow_on_headers_stop_iteration: self.allow_on_headers_stop_iteration,
             seed: self.seed,
             ..Default::default()
         };
+        adjust(&mut plugin, &mut gw);
         let mut sim = Sim::new(wasm, &plugin, gw)?;
         let profile = self.backends.profile()?;
         for addr in self.backend_addresses() {

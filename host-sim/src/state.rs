@@ -182,6 +182,9 @@ pub(crate) struct Process {
     pub properties: BTreeMap<String, Vec<u8>>,
     pub rng: ChaCha8Rng,
     pub alive: Vec<bool>,
+    pub cas_conflict_rate: f64,
+    pub cas_rng: ChaCha8Rng,
+    pub cas_conflicts_injected: u64,
 }
 
 impl Process {
@@ -205,6 +208,12 @@ impl Process {
             self.next_cas = 1;
         }
         self.next_cas
+    }
+
+    /// Whether to fail this conditional write as if another thread had won the race.
+    pub fn inject_cas_conflict(&mut self) -> bool {
+        use rand::Rng;
+        self.cas_conflict_rate > 0.0 && self.cas_rng.random::<f64>() < self.cas_conflict_rate
     }
 
     pub fn fill_random(&mut self, buf: &mut [u8]) {

@@ -796,3 +796,28 @@ fn tick_jitter_and_queue_post_delay_are_seeded() {
     );
     assert!(a.iter().any(|t| t % 10_000 != 0), "{a:?}");
 }
+
+#[test]
+fn injected_cas_conflicts_exercise_retry_loops_without_losing_updates() {
+    let mut p = spec("", 2);
+    p.cas_conflict_rate = 0.5;
+    let mut s = Sim::new(&common::probe_wasm(), &p, GatewayConfig::default()).unwrap();
+    s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
+    for i in 0..20 {
+        s.add_request(req(i, i, "cas=counter", b""));
+    }
+    s.run();
+    assert_eq!(s.host().shared_data("counter").unwrap().0, b"20");
+    let retries: u64 = lines(&s, "cas counter")
+        .iter()
+        .map(|l| {
+            l.2.rsplit("retries=")
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .sum();
+    assert!(retries > 5, "retries {retries}");
+    assert_eq!(retries, s.host().cas_conflicts_injected());
+}

@@ -347,3 +347,23 @@ fn a_client_cannot_choose_its_backend_by_sending_the_destination_header() {
         );
     }
 }
+
+#[test]
+fn the_filter_survives_cas_races_between_workers() {
+    let wasm = common::filter_wasm();
+    let sc = scenario("vtc", r#", "watermark_per_backend": 4"#);
+    let items = sc.work_items(Path::new(".")).unwrap();
+    let mut sim = sc
+        .build_with(&wasm, &items, |p, _| p.cas_conflict_rate = 0.3)
+        .unwrap();
+    let recs = sim.run();
+    assert!(
+        sim.host().cas_conflicts_injected() > 10,
+        "{}",
+        sim.host().cas_conflicts_injected()
+    );
+    assert!(sim.host().traps().is_empty(), "{:?}", sim.host().traps());
+    for r in &recs {
+        assert_eq!((r.status, r.outcome), (200, "ok"), "{r:?}");
+    }
+}
