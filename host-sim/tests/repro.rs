@@ -1,0 +1,165 @@
+//! The VTC seed's claims, checked through the real filter in host-sim on the seed's workloads
+//! (shortened as `sluice-repro --quick` runs them). Each claim has an explicit tolerance.
+//! Fast in release: `cargo test --release -p sluice-host-sim --test repro`.
+
+mod common;
+
+use host_sim::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+
+fn opts() -> ReproOptions {
+    ReproOptions {
+        quick: true,
+        ..Default::default()
+    }
+}
+
+fn trace() -> &'static Path {
+    Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/traces/chatbot-arena-27-clients.csv"
+    ))
+}
+
+fn workload(name: &str) -> ReproWorkload {
+    repro::seed_workloads(&opts(), trace())
+        .unwrap()
+        .into_iter()
+        .find(|w| w.name == name)
+        .unwrap()
+}
+
+/// Runs (and memoises: several claims read the same run) one workload under one policy.
+fn case(name: &str, p: PolicyCase) -> CaseResult {
+    static RUNS: OnceLock<Mutex<BTreeMap<(String, String), CaseResult>>> = OnceLock::new();
+    let key = (name.to_string(), p.label.clone());
+    let runs = RUNS.get_or_init(Default::default);
+    if let Some(c) = runs.lock().unwrap().get(&key) {
+        return c.clone();
+    }
+    let c = repro::run_case(&common::filter_wasm(), &workload(name), &p, &opts()).unwrap();
+    assert_eq!(c.report.traps, 0, "{name} {}: traps", p.label);
+    eprintln!("{name} {}: {:?} ({:.1} s wall)", p.label, c.row, c.wall_s);
+    runs.lock().unwrap().insert(key, c.clone());
+    c
+}
+
+fn acc_at(c: &CaseResult, t: f64) -> f64 {
+    c.acc_diff
+        .iter()
+        .take_while(|(s, _)| *s <= t)
+        .last()
+        .map_or(0.0, |(_, v)| *v)
+}
+
+#[test]
+fn vtc_service_difference_stays_bounded_while_fcfs_grows() {
+    let span = workload("overload").span_s();
+    let fcfs = case("overload", PolicyCase::fcfs());
+    let vtc = case("overload", PolicyCase::vtc());
+    let (f_half, f_end) = (acc_at(&fcfs, span / 2.0), acc_at(&fcfs, span));
+    let (v_half, v_end) = (acc_at(&vtc, span / 2.0), acc_at(&vtc, span));
+    eprintln!("acc diff FCFS {f_half} -> {f_end}, VTC {v_half} -> {v_end}");
+    // FCFS serves the 2x client 2x as much: the gap grows with time (≥ 1.6x from half to end).
+    assert!(f_end >= 1.6 * f_half && f_end > 20_000.0, "FCFS {f_half} -> {f_end}");
+    // VTC: no growth beyond the bound U (one batch of 256-token requests, w_q·M with
+    // M ≈ 10,000 KV tokens would allow 20,000; we require well under it) and ≤ 5% of FCFS.
+    let v_max = vtc.row.acc_diff_max;
+    assert!(v_max <= 6_000.0, "VTC acc diff max {v_max}");
+    assert!(v_end <= 0.05 * f_end, "VTC end {v_end} vs FCFS {f_end}");
+}
+
+#[test]
+fn vtc_throughput_within_two_percent_of_fcfs() {
+    for name in ["overload", "arena-27"] {
+        let f = case(name, PolicyCase::fcfs()).row.throughput;
+        let v = case(name, PolicyCase::vtc()).row.throughput;
+        assert!((v - f).abs() <= 0.02 * f, "{name}: VTC {v} vs FCFS {f} tokens/s");
+    }
+}
+
+#[test]
+fn rpm_loses_throughput() {
+    let f = case("arena-27", PolicyCase::fcfs()).row.throughput;
+    let r5 = case("arena-27", PolicyCase::rpm(5)).row.throughput;
+    let r20 = case("arena-27", PolicyCase::rpm(20)).row.throughput;
+    eprintln!("throughput FCFS {f}, RPM(5) {r5}, RPM(20) {r20}");
+    // The seed: 340 (RPM 5) and 694 (RPM 20) vs 777 (FCFS).
+    assert!(r5 <= 0.75 * f, "RPM(5) {r5} vs FCFS {f}");
+    assert!(r20 < 0.98 * f, "RPM(20) {r20} vs FCFS {f}");
+    assert!(r5 < r20, "a lower limit loses more: RPM(5) {r5}, RPM(20) {r20}");
+}
+
+#[test]
+fn lcf_breaks_under_distribution_shift_and_vtc_does_not() {
+    let w = workload("dist-shift");
+    let third = (w.span_s() / 3.0).round();
+    // Phase 2 (both clients at the same overloading rate): a fair server gives them equal
+    // service. Measured over the middle of the phase, after the backlog of phase 1 settles.
+    let (a, b) = (third + 10.0, 2.0 * third);
+    let ratio = |c: &CaseResult| {
+        repro::service_between(c, "client1", a, b) / repro::service_between(c, "client2", a, b).max(1.0)
+    };
+    let lcf = ratio(&case("dist-shift", PolicyCase::lcf()));
+    let vtc = ratio(&case("dist-shift", PolicyCase::vtc()));
+    eprintln!("phase-2 service ratio client1/client2: LCF {lcf:.2}, VTC {vtc:.2}");
+    // LCF lets client 1 spend the deficit it built while under its share in phase 1.
+    assert!(lcf >= 1.5, "LCF ratio {lcf}");
+    assert!((0.8..=1.25).contains(&vtc), "VTC ratio {vtc}");
+}
+
+#[test]
+fn vtc_keeps_the_modest_clients_response_time_flat_as_the_other_ramps_up() {
+    let span = workload("increase").span_s();
+    let thirds = |c: &CaseResult| {
+        (
+            repro::mean_ttft_s(c, "client1", 0.0, span / 3.0).unwrap(),
+            repro::mean_ttft_s(c, "client1", 2.0 * span / 3.0, span).unwrap(),
+        )
+    };
+    let (v0, v2) = thirds(&case("increase", PolicyCase::vtc()));
+    let (f0, f2) = thirds(&case("increase", PolicyCase::fcfs()));
+    eprintln!("client1 TTFT first/last third: VTC {v0:.2} -> {v2:.2} s, FCFS {f0:.2} -> {f2:.2} s");
+    assert!(v2 <= 1.5 * v0 + 0.5, "VTC {v0} -> {v2}");
+    assert!(f2 >= 3.0 * f0 && f2 >= v2 + 2.0, "FCFS {f0} -> {f2}");
+}
+
+#[test]
+fn length_prediction_lowers_the_service_difference() {
+    let vtc = case("overload", PolicyCase::vtc()).row;
+    let pred = case("overload", PolicyCase::vtc_predict()).row;
+    let oracle = case("overload", PolicyCase::vtc_oracle()).row;
+    eprintln!(
+        "acc diff max / avg diff: VTC {} / {}, predict {} / {}, oracle {} / {}",
+        vtc.acc_diff_max, vtc.avg_diff, pred.acc_diff_max, pred.avg_diff, oracle.acc_diff_max, oracle.avg_diff
+    );
+    assert!(pred.acc_diff_max <= 0.8 * vtc.acc_diff_max, "predict {pred:?} vs VTC {vtc:?}");
+    assert!(oracle.acc_diff_max <= 0.8 * vtc.acc_diff_max, "oracle {oracle:?} vs VTC {vtc:?}");
+}
+
+#[test]
+fn bands_never_evict_critical_requests_and_shed_sheddable_first() {
+    let (rows, case) =
+        repro::run_bands(&common::filter_wasm(), &PolicyCase::new("WFQ", serde_json::json!({"policy": "wfq"})), 120.0, &opts())
+            .unwrap();
+    eprintln!("{}", repro::bands_markdown(&rows));
+    assert_eq!(case.report.traps, 0);
+    let band = |b: &str| rows.iter().find(|r| r.band == b).unwrap().clone();
+    let (crit, std, shed) = (band("critical"), band("standard"), band("sheddable"));
+    assert!(crit.requests > 0 && std.requests > 0 && shed.requests > 0);
+    // Critical: never evicted, never refused, all served.
+    assert_eq!((crit.evicted, crit.rejected, crit.completed), (0, 0, crit.requests));
+    // The queue did fill, and sheddable work was shed first (more of it, as a fraction).
+    assert!(shed.evicted + shed.rejected > 0, "{shed:?}");
+    let lost = |r: &repro::BandRow| (r.evicted + r.rejected) as f64 / r.requests as f64;
+    assert!(lost(&shed) > lost(&std) + 0.2, "sheddable {shed:?} vs standard {std:?}");
+    // Fairness inside the standard band: chat and code (equal weights, both backlogged) get
+    // service within 10% of each other.
+    let s: Vec<f64> = std.flow_service.values().copied().collect();
+    let (lo, hi) = (s[0].min(s[1]), s[0].max(s[1]));
+    assert!(lo >= 0.9 * hi, "standard flows {:?}", std.flow_service);
+    // Nothing is lost: every request ended with a response or a gateway answer.
+    assert!(case.records.iter().all(|r| r.outcome != "unfinished"));
+}
