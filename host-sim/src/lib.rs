@@ -75,6 +75,7 @@ pub mod engine;
 pub mod host;
 mod hostcalls;
 pub mod report;
+pub mod repro;
 pub mod routing_compare;
 pub mod scenario;
 pub mod state;
