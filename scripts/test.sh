@@ -11,8 +11,12 @@ bash scripts/setup.sh
 echo "==> envoy --mode validate envoy/envoy.yaml" >&2
 .venv/bin/envoy --mode validate -c envoy/envoy.yaml --disable-hot-restart --log-level warn
 
-echo "==> cargo test --workspace" >&2
+echo "==> cargo test --release --workspace" >&2
+# Release, so the tests reuse what setup built and the simulator runs at full speed.
 # The e2e tests start Envoy and backends; they find them through CARGO_TARGET_DIR and .venv.
-cargo test --workspace
+cargo test --release --workspace
+
+echo "==> sluice-policies tests compiled to wasm32, under Node" >&2
+bash policies/run-wasm-tests.sh
 
 echo "==> all tests passed" >&2
