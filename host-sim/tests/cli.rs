@@ -30,6 +30,8 @@ fn help_documents_every_option() {
         "--svg-latency",
         "--slo-ttft-ms",
         "--progress",
+        "--cas-conflict-rate",
+        "--tick-jitter-ms",
     ] {
         assert!(help.contains(opt), "{opt} missing from --help");
     }

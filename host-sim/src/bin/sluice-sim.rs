@@ -70,6 +70,13 @@ struct Cli {
     /// SLO on end-to-end latency, ms.
     #[arg(long)]
     slo_e2e_ms: Option<f64>,
+    /// Fault injection: probability that a conditional shared-data write fails with
+    /// CasMismatch as if another worker had won the race (0..1).
+    #[arg(long, default_value_t = 0.0)]
+    cas_conflict_rate: f64,
+    /// Ticks fire up to this many ms late (uniform, seeded), as Envoy timers drift.
+    #[arg(long, default_value_t = 0.0)]
+    tick_jitter_ms: f64,
     /// Module log level recorded: trace, debug, info, warn, error, critical.
     #[arg(long)]
     log_level: Option<String>,
@@ -191,12 +198,22 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     sc.validate()?;
+    if !(0.0..=1.0).contains(&cli.cas_conflict_rate) {
+        bail!("--cas-conflict-rate must be between 0 and 1");
+    }
+    if !(cli.tick_jitter_ms >= 0.0 && cli.tick_jitter_ms.is_finite()) {
+        bail!("--tick-jitter-ms must be >= 0");
+    }
     let wasm = std::fs::read(&cli.wasm)
         .with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
 
     let wall = Instant::now();
     let items = sc.work_items(&base)?;
-    let mut sim = sc.build(&wasm, &items)?;
+    let (cas_rate, jitter_us) = (cli.cas_conflict_rate, (cli.tick_jitter_ms * 1000.0) as u64);
+    let mut sim = sc.build_with(&wasm, &items, |p, g| {
+        p.cas_conflict_rate = cas_rate;
+        g.tick_jitter_us = jitter_us;
+    })?;
     let last_arrival = items.last().map_or(0, |w| w.arrival_us);
     if cli.progress && last_arrival > 0 {
         for k in 1..=20u64 {
