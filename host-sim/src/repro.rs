@@ -955,6 +955,9 @@ pub fn band_clients() -> Vec<BandClient> {
 
 /// Capacity settings of the bands scenario: a small queue so that it fills.
 pub const BANDS_TOTAL_CAPACITY: usize = 48;
+/// Queue slots per flow (model): fair queuing needs each flow its own share of the buffer,
+/// or the flow that arrives more often fills the shared queue and loses fewer requests.
+pub const BANDS_FLOW_CAPACITY: usize = 16;
 /// Slots reserved for critical requests.
 pub const BANDS_CRITICAL_RESERVE: usize = 8;
 
@@ -986,7 +989,7 @@ pub fn run_bands(
         "watermark_per_backend": 16,
         "queue_ttl_ms": NO_TTL_MS,
         "total_capacity": BANDS_TOTAL_CAPACITY,
-        "flow_capacity": BANDS_TOTAL_CAPACITY,
+        "flow_capacity": BANDS_FLOW_CAPACITY,
         "critical_reserve": BANDS_CRITICAL_RESERVE,
         "criticality_header": CRITICALITY_HEADER,
     });

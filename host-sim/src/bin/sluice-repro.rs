@@ -233,8 +233,9 @@ fn run(cli: Cli) -> Result<()> {
         let md = format!(
             "### bands: WFQ across models with criticality bands ({dur:.0} s; critical chat 0.3 req/s 128/64; \
              standard chat 1.6 req/s 128/128 and code 0.7 req/s 384/384; sheddable summarize 1 req/s 1024/64; \
-             total_capacity {}, critical_reserve {})\n\n{}",
+             total_capacity {}, flow_capacity {}, critical_reserve {})\n\n{}",
             repro::BANDS_TOTAL_CAPACITY,
+            repro::BANDS_FLOW_CAPACITY,
             repro::BANDS_CRITICAL_RESERVE,
             repro::bands_markdown(&rows)
         );
