@@ -272,6 +272,20 @@ impl Default for ReproOptions {
 
 /// Virtual seconds simulated after the last arrival of a synthetic workload.
 pub const DRAIN_S: f64 = 30.0;
+/// Names of the workloads [`seed_workloads`] builds, then the bands scenario, in run order.
+pub const WORKLOAD_NAMES: [&str; 11] = [
+    "overload",
+    "proportional",
+    "on-off-less",
+    "on-off-overload",
+    "poisson-short-long",
+    "poisson-short-long-2",
+    "increase",
+    "dist-shift",
+    "weighted",
+    "arena-27",
+    "bands",
+];
 /// Duration factor of `--quick`.
 pub const QUICK_SCALE: f64 = 0.35;
 /// Queue TTL of every non-RPM row: long enough that nothing expires (the seed drops nothing).
@@ -419,8 +433,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
                 vec![u(0.0, a, 2.0, 256, 256), u(a, b, 1.0, 256, 256), u(b, c, 1.5, 256, 256)],
             ),
             t2(),
-        )
-        .light(&["client1"]),
+        ),
     );
 
     let weights = [("client1", 1.0), ("client2", 2.0), ("client3", 3.0), ("client4", 4.0)];

@@ -179,3 +179,84 @@ fn bands_never_evict_critical_requests_and_shed_sheddable_first() {
     // Nothing is lost: every request ended with a response or a gateway answer.
     assert!(case.records.iter().all(|r| r.outcome != "unfinished"));
 }
+
+#[test]
+fn workload_names_match_what_is_built() {
+    let mut names: Vec<String> = repro::seed_workloads(&opts(), trace())
+        .unwrap()
+        .into_iter()
+        .map(|w| w.name)
+        .collect();
+    names.push("bands".into());
+    assert_eq!(names, repro::WORKLOAD_NAMES);
+}
+
+fn repro_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sluice-repro"))
+        .args(args)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_documents_every_option_and_names_bad_ones() {
+    let help = String::from_utf8(repro_cli(&["--help"]).stdout).unwrap();
+    for opt in [
+        "--wasm", "--trace", "--out", "--quick", "--only", "--policies", "--seed", "--workers",
+        "--watermark", "--rpm-ttl-ms", "--jobs",
+    ] {
+        assert!(help.contains(opt), "--help lacks {opt}:\n{help}");
+    }
+    let out = repro_cli(&["--only", "nope"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--only") && err.contains("nope"), "{err}");
+    let out = repro_cli(&["--wasm", "/nonexistent.wasm", "--only", "bands"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.wasm"));
+}
+
+#[test]
+fn cli_writes_tables_and_figures() {
+    let wasm = std::env::temp_dir().join(format!("sluice-repro-test-{}.wasm", std::process::id()));
+    std::fs::write(&wasm, common::filter_wasm()).unwrap();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("repro-cli");
+    let _ = std::fs::remove_dir_all(&out);
+    let o = repro_cli(&[
+        "--wasm",
+        wasm.to_str().unwrap(),
+        "--quick",
+        "--only",
+        "overload,bands",
+        "--policies",
+        "FCFS,VTC",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_file(&wasm);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("| Scheduler | Max Diff |") && stdout.contains("| VTC |"), "{stdout}");
+    for f in [
+        "summary.md",
+        "overload/table.md",
+        "overload/table.csv",
+        "overload/clients.md",
+        "overload/acc-diff.svg",
+        "overload/fcfs-service-rate.svg",
+        "overload/vtc-response-time.svg",
+        "bands/table.md",
+        "bands/table.csv",
+        "bands/vtc-service-rate.svg",
+    ] {
+        let p = out.join(f);
+        let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        assert!(!text.is_empty(), "{f} is empty");
+        if f.ends_with(".svg") {
+            assert!(text.starts_with("<svg") && text.contains("<polyline"), "{f}");
+        }
+    }
+    let csv = std::fs::read_to_string(out.join("overload/table.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+}

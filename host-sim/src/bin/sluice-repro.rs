@@ -94,19 +94,20 @@ fn run(cli: Cli) -> Result<()> {
         watermark: cli.watermark,
         rpm_ttl_ms: cli.rpm_ttl_ms,
     };
+    for o in &cli.only {
+        if !repro::WORKLOAD_NAMES.contains(&o.as_str()) {
+            bail!(
+                "--only: unknown workload `{o}` (known: {})",
+                repro::WORKLOAD_NAMES.join(", ")
+            );
+        }
+    }
+    if let Some(0) = cli.jobs {
+        bail!("--jobs must be >= 1");
+    }
     let wasm = std::fs::read(&cli.wasm)
         .with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
     let mut workloads = repro::seed_workloads(&opts, &cli.trace)?;
-    let known: Vec<String> = workloads
-        .iter()
-        .map(|w| w.name.clone())
-        .chain(["bands".to_string()])
-        .collect();
-    for o in &cli.only {
-        if !known.contains(o) {
-            bail!("--only: unknown workload `{o}` (known: {})", known.join(", "));
-        }
-    }
     let wanted = |name: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == name);
     workloads.retain(|w| wanted(&w.name));
     if !cli.policies.is_empty() {
