@@ -15,7 +15,9 @@
 //!   them; RPM rows get a queue TTL ([`ReproOptions::rpm_ttl_ms`]) so that requests blocked
 //!   past it are dropped (503), close to the seed's admission control.
 
-use crate::engine::{ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT};
+use crate::engine::{
+    ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT,
+};
 use crate::report::{svg_lines, Report};
 use crate::scenario::Scenario;
 use crate::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
@@ -331,8 +333,16 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
 
     let dur = d(600.0);
     let mut v = uniform_client("client1", &[u(0.0, dur, 0.25, 256, 256)], s);
-    v.extend(uniform_client("client2", &[u(0.0, dur, 0.5, 256, 256)], s + 1));
-    v.extend(uniform_client("client3", &[u(0.0, dur, 1.5, 256, 256)], s + 2));
+    v.extend(uniform_client(
+        "client2",
+        &[u(0.0, dur, 0.5, 256, 256)],
+        s + 1,
+    ));
+    v.extend(uniform_client(
+        "client3",
+        &[u(0.0, dur, 1.5, 256, 256)],
+        s + 2,
+    ));
     out.push(
         ReproWorkload::new(
             "proportional",
@@ -436,10 +446,19 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         ),
     );
 
-    let weights = [("client1", 1.0), ("client2", 2.0), ("client3", 3.0), ("client4", 4.0)];
+    let weights = [
+        ("client1", 1.0),
+        ("client2", 2.0),
+        ("client3", 3.0),
+        ("client4", 4.0),
+    ];
     let mut v = Vec::new();
     for (i, (c, _)) in weights.iter().enumerate() {
-        v.extend(uniform_client(c, &[u(0.0, dur, 0.8, 256, 256)], s + i as u64));
+        v.extend(uniform_client(
+            c,
+            &[u(0.0, dur, 0.8, 256, 256)],
+            s + i as u64,
+        ));
     }
     out.push(ReproWorkload::new(
         "weighted",
@@ -448,14 +467,21 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         vec![PolicyCase::fcfs(), PolicyCase::vtc(), PolicyCase::weighted_vtc(&weights)],
     ));
 
-    let mut out: Vec<ReproWorkload> = out.into_iter().map(ReproWorkload::measured_within_trace).collect();
+    let mut out: Vec<ReproWorkload> = out
+        .into_iter()
+        .map(ReproWorkload::measured_within_trace)
+        .collect();
     let text = std::fs::read_to_string(trace)
         .with_context(|| format!("reading trace {}", trace.display()))?;
     let mut v = workload::parse_trace(TraceFormat::VtcCsv, &text).map_err(|errs| {
         anyhow::anyhow!(
             "trace {}: {}",
             trace.display(),
-            errs.iter().take(5).map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
+            errs.iter()
+                .take(5)
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
         )
     })?;
     if opts.quick {
@@ -478,7 +504,8 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
 pub fn light_clients(items: &[WorkItem]) -> Vec<String> {
     let mut demand: BTreeMap<&str, f64> = BTreeMap::new();
     for w in items {
-        *demand.entry(w.client.as_str()).or_default() += service_of(w.prompt_tokens, w.output_tokens);
+        *demand.entry(w.client.as_str()).or_default() +=
+            service_of(w.prompt_tokens, w.output_tokens);
     }
     let mean = demand.values().sum::<f64>() / demand.len().max(1) as f64;
     demand
@@ -592,7 +619,12 @@ pub struct CaseResult {
 }
 
 /// Runs one workload under one policy through the filter `wasm`.
-pub fn run_case(wasm: &[u8], w: &ReproWorkload, p: &PolicyCase, opts: &ReproOptions) -> Result<CaseResult> {
+pub fn run_case(
+    wasm: &[u8],
+    w: &ReproWorkload,
+    p: &PolicyCase,
+    opts: &ReproOptions,
+) -> Result<CaseResult> {
     let t0 = std::time::Instant::now();
     let sc = scenario(filter_config(w, p, opts), w.horizon_s, opts)?;
     let mut sim = sc.build(wasm, &w.items)?;
@@ -642,15 +674,26 @@ fn finish(
         max_diff: round2(max_diff),
         avg_diff: round2(avg_diff),
         diff_var: round2(diff_var),
-        throughput: round2(if makespan > 0.0 { tokens as f64 / makespan } else { 0.0 }),
+        throughput: round2(if makespan > 0.0 {
+            tokens as f64 / makespan
+        } else {
+            0.0
+        }),
         output_tok_s: round2(if makespan > 0.0 {
-            records.iter().map(|r| r.tokens_received as f64).sum::<f64>() / makespan
+            records
+                .iter()
+                .map(|r| r.tokens_received as f64)
+                .sum::<f64>()
+                / makespan
         } else {
             0.0
         }),
         acc_diff_max: acc_within.map(round2),
         light_ttft_s,
-        failed: records.iter().filter(|r| r.outcome != "ok" && r.outcome != "unfinished").count(),
+        failed: records
+            .iter()
+            .filter(|r| r.outcome != "ok" && r.outcome != "unfinished")
+            .count(),
         unfinished: records.iter().filter(|r| r.outcome == "unfinished").count(),
         makespan_s: makespan,
     };
@@ -698,7 +741,9 @@ pub fn table2_diff(records: &[RequestRecord], span_s: f64) -> (f64, f64, f64) {
     clients.dedup();
     let idx = |c: &str| clients.binary_search(&c).unwrap_or(0);
     let win = 2.0 * WINDOW_HALF_S;
-    let ticks: Vec<f64> = (0..100).map(|i| span_s.floor() / 100.0 * i as f64).collect();
+    let ticks: Vec<f64> = (0..100)
+        .map(|i| span_s.floor() / 100.0 * i as f64)
+        .collect();
     let mut sums = Vec::with_capacity(ticks.len());
     for &x in &ticks {
         let (l, r) = (x - WINDOW_HALF_S, x + WINDOW_HALF_S);
@@ -851,9 +896,17 @@ pub fn table2_csv(workload: &str, rows: &[Table2Row]) -> String {
 pub fn clients_markdown(w: &ReproWorkload, results: &[&CaseResult]) -> String {
     let mut s = String::from("| Scheduler | Client | Requests | Completed | Service in trace | Share | Mean TTFT (s) | p90 TTFT (s) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
     let span = w.span_s();
-    let clients = if w.clients().len() > 8 { w.plotted_clients.clone() } else { w.clients() };
+    let clients = if w.clients().len() > 8 {
+        w.plotted_clients.clone()
+    } else {
+        w.clients()
+    };
     for c in results {
-        let total: f64 = w.clients().iter().map(|k| service_between(c, k, 0.0, span)).sum();
+        let total: f64 = w
+            .clients()
+            .iter()
+            .map(|k| service_between(c, k, 0.0, span))
+            .sum();
         for k in &clients {
             let cr = c.report.clients.get(k).cloned().unwrap_or_default();
             let got = service_between(c, k, 0.0, span);
@@ -876,10 +929,17 @@ pub fn clients_markdown(w: &ReproWorkload, results: &[&CaseResult]) -> String {
 
 /// SVG figures of one case: service rate (the report's) and response time per client.
 pub fn case_svgs(w: &ReproWorkload, c: &CaseResult) -> (String, String) {
-    let clients = if w.plotted_clients.is_empty() { w.clients() } else { w.plotted_clients.clone() };
+    let clients = if w.plotted_clients.is_empty() {
+        w.clients()
+    } else {
+        w.plotted_clients.clone()
+    };
     let rt = response_time_series(&c.records, &clients);
     let rt_svg = svg_lines(
-        &format!("{}: response time (mean TTFT, ±30 s window), {}", w.name, c.policy),
+        &format!(
+            "{}: response time (mean TTFT, ±30 s window), {}",
+            w.name, c.policy
+        ),
         "time (s)",
         "response time (s)",
         &rt,
@@ -895,7 +955,11 @@ pub fn acc_diff_svg(w: &ReproWorkload, results: &[&CaseResult]) -> String {
         .map(|c| {
             (
                 c.policy.clone(),
-                c.acc_diff.iter().copied().filter(|(t, _)| *t <= span).collect(),
+                c.acc_diff
+                    .iter()
+                    .copied()
+                    .filter(|(t, _)| *t <= span)
+                    .collect(),
             )
         })
         .collect();
@@ -996,7 +1060,8 @@ pub fn run_bands(
             model: Some(b.model.clone()),
         })
         .collect();
-    let items = workload::synthetic(&synth, duration_s, opts.seed).map_err(|e| anyhow::anyhow!(e))?;
+    let items =
+        workload::synthetic(&synth, duration_s, opts.seed).map_err(|e| anyhow::anyhow!(e))?;
     let config = json!({
         "policy": policy.policy,
         "watermark_per_backend": 16,
@@ -1009,12 +1074,24 @@ pub fn run_bands(
     let sc = scenario(config, None, opts)?;
     let mut sim = sc.build(wasm, &[])?;
     for (i, w) in items.iter().enumerate() {
-        let b = clients.iter().find(|b| label(b) == w.client).expect("known client");
+        let b = clients
+            .iter()
+            .find(|b| label(b) == w.client)
+            .expect("known client");
         // The flow is the model: the tenant header carries it; the band comes from the
         // trusted header an upstream filter would set.
-        let mut r = ClientRequest::chat(i as u64, w.arrival_us, TENANT_HEADER, &b.model, &b.model, w.prompt_tokens, w.output_tokens);
+        let mut r = ClientRequest::chat(
+            i as u64,
+            w.arrival_us,
+            TENANT_HEADER,
+            &b.model,
+            &b.model,
+            w.prompt_tokens,
+            w.output_tokens,
+        );
         r.client = w.client.clone();
-        r.headers.push((CRITICALITY_HEADER.into(), b.band.clone().into_bytes()));
+        r.headers
+            .push((CRITICALITY_HEADER.into(), b.band.clone().into_bytes()));
         sim.add_request(r);
     }
     sim.run();
@@ -1025,10 +1102,21 @@ pub fn run_bands(
     let span = w.span_s();
     let mut rows = Vec::new();
     for band in ["critical", "standard", "sheddable"] {
-        let recs: Vec<&RequestRecord> = case.records.iter().filter(|r| r.client.starts_with(&format!("{band}/"))).collect();
+        let recs: Vec<&RequestRecord> = case
+            .records
+            .iter()
+            .filter(|r| r.client.starts_with(&format!("{band}/")))
+            .collect();
         let ok: Vec<&&RequestRecord> = recs.iter().filter(|r| r.outcome == "ok").collect();
-        let evicted = recs.iter().filter(|r| r.reason.as_deref() == Some("evicted")).count();
-        let flows: Vec<String> = clients.iter().filter(|b| b.band == band).map(label).collect();
+        let evicted = recs
+            .iter()
+            .filter(|r| r.reason.as_deref() == Some("evicted"))
+            .count();
+        let flows: Vec<String> = clients
+            .iter()
+            .filter(|b| b.band == band)
+            .map(label)
+            .collect();
         let flow_service: BTreeMap<String, f64> = flows
             .iter()
             .map(|f| (f.clone(), service_between(&case, f, 0.0, span)))
@@ -1040,7 +1128,11 @@ pub fn run_bands(
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         let acc = if flows.len() > 1 {
-            acc_diff_series(&sub).iter().filter(|(t, _)| *t <= span).map(|(_, v)| *v).fold(0.0, f64::max)
+            acc_diff_series(&sub)
+                .iter()
+                .filter(|(t, _)| *t <= span)
+                .map(|(_, v)| *v)
+                .fold(0.0, f64::max)
         } else {
             0.0
         };
@@ -1064,7 +1156,11 @@ pub fn run_bands(
 pub fn bands_markdown(rows: &[BandRow]) -> String {
     let mut s = String::from("| Scheduler | Band | Requests | Completed | Evicted | Rejected | Mean TTFT (s) | Flow acc diff max | Service per flow |\n|---|---|---:|---:|---:|---:|---:|---:|---|\n");
     for r in rows {
-        let flows: Vec<String> = r.flow_service.iter().map(|(k, v)| format!("{k}: {v:.0}")).collect();
+        let flows: Vec<String> = r
+            .flow_service
+            .iter()
+            .map(|(k, v)| format!("{k}: {v:.0}"))
+            .collect();
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {} | {} | {:.2} | {:.0} | {} |",
@@ -1084,12 +1180,21 @@ pub fn bands_markdown(rows: &[BandRow]) -> String {
 
 /// CSV of the bands scenario.
 pub fn bands_csv(rows: &[BandRow]) -> String {
-    let mut s = String::from("scheduler,band,requests,completed,evicted,rejected,mean_ttft_s,flow_acc_diff_max\n");
+    let mut s = String::from(
+        "scheduler,band,requests,completed,evicted,rejected,mean_ttft_s,flow_acc_diff_max\n",
+    );
     for r in rows {
         let _ = writeln!(
             s,
             "{},{},{},{},{},{},{},{}",
-            r.scheduler, r.band, r.requests, r.completed, r.evicted, r.rejected, r.mean_ttft_s, r.flow_acc_diff_max
+            r.scheduler,
+            r.band,
+            r.requests,
+            r.completed,
+            r.evicted,
+            r.rejected,
+            r.mean_ttft_s,
+            r.flow_acc_diff_max
         );
     }
     s

@@ -63,7 +63,10 @@ fn vtc_service_difference_stays_bounded_while_fcfs_grows() {
     let (v_half, v_end) = (acc_at(&vtc, span / 2.0), acc_at(&vtc, span));
     eprintln!("acc diff FCFS {f_half} -> {f_end}, VTC {v_half} -> {v_end}");
     // FCFS serves the 2x client 2x as much: the gap grows with time (≥ 1.6x from half to end).
-    assert!(f_end >= 1.6 * f_half && f_end > 20_000.0, "FCFS {f_half} -> {f_end}");
+    assert!(
+        f_end >= 1.6 * f_half && f_end > 20_000.0,
+        "FCFS {f_half} -> {f_end}"
+    );
     // VTC: bounded. The seed's bound U = max(w_p·L_input, w_q·M) is 20,000 here (M = the
     // 10,000-token KV pool); we require half of it, no growth from half-time to the end
     // beyond one request's service (768), and under 10% of FCFS's gap.
@@ -78,7 +81,10 @@ fn vtc_throughput_within_two_percent_of_fcfs() {
     for name in ["overload", "arena-27"] {
         let f = case(name, PolicyCase::fcfs()).row.throughput;
         let v = case(name, PolicyCase::vtc()).row.throughput;
-        assert!((v - f).abs() <= 0.02 * f, "{name}: VTC {v} vs FCFS {f} tokens/s");
+        assert!(
+            (v - f).abs() <= 0.02 * f,
+            "{name}: VTC {v} vs FCFS {f} tokens/s"
+        );
     }
 }
 
@@ -94,7 +100,10 @@ fn rpm_loses_throughput() {
     // Measured (quick, 200 s): 580 and 665 vs 745; full trace: 431 and 730 vs 781.
     assert!(r5 <= 0.85 * f, "RPM(5) {r5} vs FCFS {f}");
     assert!(r20 <= 0.95 * f, "RPM(20) {r20} vs FCFS {f}");
-    assert!(r5 < r20, "a lower limit loses more: RPM(5) {r5}, RPM(20) {r20}");
+    assert!(
+        r5 < r20,
+        "a lower limit loses more: RPM(5) {r5}, RPM(20) {r20}"
+    );
     // Under a steady overload (two clients far above their share) every limit idles the GPU.
     let f = case("overload", PolicyCase::fcfs()).row.throughput;
     let r30 = case("overload", PolicyCase::rpm(30)).row.throughput;
@@ -110,7 +119,8 @@ fn lcf_breaks_under_distribution_shift_and_vtc_does_not() {
     // service. Measured over the middle of the phase, after the backlog of phase 1 settles.
     let (a, b) = (third + 10.0, 2.0 * third);
     let ratio = |c: &CaseResult| {
-        repro::service_between(c, "client1", a, b) / repro::service_between(c, "client2", a, b).max(1.0)
+        repro::service_between(c, "client1", a, b)
+            / repro::service_between(c, "client2", a, b).max(1.0)
     };
     let lcf = ratio(&case("dist-shift", PolicyCase::lcf()));
     let vtc = ratio(&case("dist-shift", PolicyCase::vtc()));
@@ -150,27 +160,43 @@ fn length_prediction_lowers_the_service_difference() {
         "avg diff / max diff: VTC {} / {}, predict {} / {}, oracle {} / {}",
         vtc.avg_diff, vtc.max_diff, pred.avg_diff, pred.max_diff, oracle.avg_diff, oracle.max_diff
     );
-    assert!(pred.avg_diff <= 0.8 * vtc.avg_diff, "predict {pred:?} vs VTC {vtc:?}");
-    assert!(oracle.avg_diff <= 0.8 * vtc.avg_diff, "oracle {oracle:?} vs VTC {vtc:?}");
+    assert!(
+        pred.avg_diff <= 0.8 * vtc.avg_diff,
+        "predict {pred:?} vs VTC {vtc:?}"
+    );
+    assert!(
+        oracle.avg_diff <= 0.8 * vtc.avg_diff,
+        "oracle {oracle:?} vs VTC {vtc:?}"
+    );
     assert!(pred.max_diff <= vtc.max_diff && oracle.max_diff <= vtc.max_diff);
 }
 
 #[test]
 fn bands_never_evict_critical_requests_and_shed_sheddable_first() {
-    let (rows, case) =
-        repro::run_bands(&common::filter_wasm(), &PolicyCase::new("WFQ", serde_json::json!({"policy": "wfq"})), 120.0, &opts())
-            .unwrap();
+    let (rows, case) = repro::run_bands(
+        &common::filter_wasm(),
+        &PolicyCase::new("WFQ", serde_json::json!({"policy": "wfq"})),
+        120.0,
+        &opts(),
+    )
+    .unwrap();
     eprintln!("{}", repro::bands_markdown(&rows));
     assert_eq!(case.report.traps, 0);
     let band = |b: &str| rows.iter().find(|r| r.band == b).unwrap().clone();
     let (crit, std, shed) = (band("critical"), band("standard"), band("sheddable"));
     assert!(crit.requests > 0 && std.requests > 0 && shed.requests > 0);
     // Critical: never evicted, never refused, all served.
-    assert_eq!((crit.evicted, crit.rejected, crit.completed), (0, 0, crit.requests));
+    assert_eq!(
+        (crit.evicted, crit.rejected, crit.completed),
+        (0, 0, crit.requests)
+    );
     // The queue did fill, and sheddable work was shed first (more of it, as a fraction).
     assert!(shed.evicted + shed.rejected > 0, "{shed:?}");
     let lost = |r: &repro::BandRow| (r.evicted + r.rejected) as f64 / r.requests as f64;
-    assert!(lost(&shed) > lost(&std) + 0.2, "sheddable {shed:?} vs standard {std:?}");
+    assert!(
+        lost(&shed) > lost(&std) + 0.2,
+        "sheddable {shed:?} vs standard {std:?}"
+    );
     // Fairness inside the standard band: chat and code (equal weights, both backlogged, each
     // with its own flow_capacity) get service within 10% of each other.
     let s: Vec<f64> = std.flow_service.values().copied().collect();
@@ -203,8 +229,17 @@ fn repro_cli(args: &[&str]) -> std::process::Output {
 fn cli_documents_every_option_and_names_bad_ones() {
     let help = String::from_utf8(repro_cli(&["--help"]).stdout).unwrap();
     for opt in [
-        "--wasm", "--trace", "--out", "--quick", "--only", "--policies", "--seed", "--workers",
-        "--watermark", "--rpm-ttl-ms", "--jobs",
+        "--wasm",
+        "--trace",
+        "--out",
+        "--quick",
+        "--only",
+        "--policies",
+        "--seed",
+        "--workers",
+        "--watermark",
+        "--rpm-ttl-ms",
+        "--jobs",
     ] {
         assert!(help.contains(opt), "--help lacks {opt}:\n{help}");
     }
@@ -237,7 +272,10 @@ fn cli_writes_tables_and_figures() {
     let _ = std::fs::remove_file(&wasm);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("| Scheduler | Max Diff |") && stdout.contains("| VTC |"), "{stdout}");
+    assert!(
+        stdout.contains("| Scheduler | Max Diff |") && stdout.contains("| VTC |"),
+        "{stdout}"
+    );
     for f in [
         "summary.md",
         "overload/table.md",
@@ -254,7 +292,10 @@ fn cli_writes_tables_and_figures() {
         let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
         assert!(!text.is_empty(), "{f} is empty");
         if f.ends_with(".svg") {
-            assert!(text.starts_with("<svg") && text.contains("<polyline"), "{f}");
+            assert!(
+                text.starts_with("<svg") && text.contains("<polyline"),
+                "{f}"
+            );
         }
     }
     let csv = std::fs::read_to_string(out.join("overload/table.csv")).unwrap();

@@ -22,7 +22,10 @@ use std::time::Instant;
 #[command(name = "sluice-repro", version)]
 struct Cli {
     /// The filter module (build: `cargo build -p sluice-filter --target wasm32-wasip1 --release`).
-    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
+    #[arg(
+        long,
+        default_value = "target/wasm32-wasip1/release/sluice_filter.wasm"
+    )]
     wasm: PathBuf,
     /// The 27-client real trace (`arrival_s,client,prompt_tokens,output_tokens`).
     #[arg(long, default_value = "../shared/traces/chatbot-arena-27-clients.csv")]
@@ -115,8 +118,7 @@ fn run(cli: Cli) -> Result<()> {
             w.policies.retain(|p| cli.policies.contains(&p.label));
         }
     }
-    std::fs::create_dir_all(&cli.out)
-        .with_context(|| format!("creating {}", cli.out.display()))?;
+    std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
 
     // Every (workload, policy) pair is an independent simulation: run them on a small pool.
     let cases: Vec<(usize, PolicyCase)> = workloads
@@ -188,8 +190,14 @@ fn run(cli: Cli) -> Result<()> {
         write(&dir.join("acc-diff.svg"), &repro::acc_diff_svg(w, &mine))?;
         for c in &mine {
             let (svc, rt) = repro::case_svgs(w, c);
-            write(&dir.join(format!("{}-service-rate.svg", slug(&c.policy))), &svc)?;
-            write(&dir.join(format!("{}-response-time.svg", slug(&c.policy))), &rt)?;
+            write(
+                &dir.join(format!("{}-service-rate.svg", slug(&c.policy))),
+                &svc,
+            )?;
+            write(
+                &dir.join(format!("{}-response-time.svg", slug(&c.policy))),
+                &rt,
+            )?;
         }
         println!("{md}");
         summary += &md;
@@ -227,8 +235,14 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 &case,
             );
-            write(&dir.join(format!("{}-service-rate.svg", slug(&p.label))), &svc)?;
-            write(&dir.join(format!("{}-response-time.svg", slug(&p.label))), &rt)?;
+            write(
+                &dir.join(format!("{}-service-rate.svg", slug(&p.label))),
+                &svc,
+            )?;
+            write(
+                &dir.join(format!("{}-response-time.svg", slug(&p.label))),
+                &rt,
+            )?;
             rows.extend(r);
         }
         let md = format!(
@@ -269,7 +283,9 @@ fn print_weighted_note(w: &ReproWorkload, mine: &[&CaseResult], summary: &mut St
         return;
     }
     let span = w.span_s();
-    let mut s = String::from("Service share within the trace (weights 1:2:3:4 ask for 0.100, 0.200, 0.300, 0.400):\n\n");
+    let mut s = String::from(
+        "Service share within the trace (weights 1:2:3:4 ask for 0.100, 0.200, 0.300, 0.400):\n\n",
+    );
     for c in mine {
         let got: Vec<f64> = w
             .clients()
@@ -277,7 +293,10 @@ fn print_weighted_note(w: &ReproWorkload, mine: &[&CaseResult], summary: &mut St
             .map(|k| repro::service_between(c, k, 0.0, span))
             .collect();
         let total: f64 = got.iter().sum();
-        let shares: Vec<String> = got.iter().map(|g| format!("{:.3}", g / total.max(1.0))).collect();
+        let shares: Vec<String> = got
+            .iter()
+            .map(|g| format!("{:.3}", g / total.max(1.0)))
+            .collect();
         s += &format!("- {}: {}\n", c.policy, shares.join(", "));
     }
     println!("{s}");
