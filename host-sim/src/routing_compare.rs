@@ -362,12 +362,19 @@ pub struct RunConfig {
     pub seed: u64,
     /// Round trip of a scrape, µs.
     pub call_latency_us: u64,
+    /// Scorer weights of the KV-aware picker instead of the filter's defaults (a
+    /// `routing.weights` object), for ablations.
+    pub kv_weights: Option<serde_json::Value>,
 }
 
 impl RunConfig {
     /// The plugin configuration: FCFS, queues large enough that nothing is refused (so every
     /// picker is judged on the same requests), and the picker's routing.
     pub fn filter_config(&self) -> serde_json::Value {
+        let mut routing = self.picker.routing_config(self.scrape_interval_ms);
+        if let (PickerKind::KvAware, Some(w)) = (self.picker, &self.kv_weights) {
+            routing["weights"] = w.clone();
+        }
         serde_json::json!({
             "endpoints": self.pool.addresses(),
             "policy": "fcfs",
@@ -379,7 +386,7 @@ impl RunConfig {
             "queue_ttl_ms": 86_400_000u64,
             "watermark_per_backend": self.watermark_per_backend,
             "tick_ms": self.scrape_interval_ms.clamp(1, 10_000),
-            "routing": self.picker.routing_config(self.scrape_interval_ms),
+            "routing": routing,
         })
     }
 }
@@ -413,6 +420,9 @@ pub struct RunResult {
     pub requests_per_s: f64,
     /// Prompt tokens found in the backends' prefix caches ÷ prompt tokens looked up.
     pub prefix_hit_rate: f64,
+    /// Requests the backends preempted (recompute) at least once: their re-admission finds
+    /// their own prompt blocks in the prefix cache, which counts as hits.
+    pub preempted: usize,
     /// Requests dispatched to each backend, in pool order.
     pub per_backend: Vec<usize>,
     /// With a death: requests dispatched to the dead backend after it died.
@@ -509,6 +519,7 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
         output_tokens_per_s: out_tokens as f64 / secs,
         requests_per_s: ok.len() as f64 / secs,
         prefix_hit_rate: if queries > 0 { hits as f64 / queries as f64 } else { 0.0 },
+        preempted: recs.iter().filter(|r| r.preemptions > 0).count(),
         per_backend,
         sent_to_dead,
         last_to_dead_ms,
@@ -520,8 +531,8 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
 /// The comparison table in Markdown.
 pub fn markdown_table(results: &[RunResult]) -> String {
     let mut s = String::from(
-        "| trace | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | out tok/s | prefix hit | per backend | to dead after death |\n\
-         |---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|\n",
+        "| trace | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | out tok/s | prefix hit | preempted | per backend | to dead after death |\n\
+         |---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n",
     );
     for r in results {
         let dead = if r.pool.contains("dies") {
@@ -531,7 +542,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {}/{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} |",
+            "| {} | {} | {} | {}/{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} | {} |",
             r.trace,
             r.pool,
             r.picker,
@@ -543,6 +554,7 @@ pub fn markdown_table(results: &[RunResult]) -> String {
             r.tpot_ms.p99,
             r.output_tokens_per_s,
             r.prefix_hit_rate * 100.0,
+            r.preempted,
             r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
             dead
         );
@@ -553,12 +565,12 @@ pub fn markdown_table(results: &[RunResult]) -> String {
 /// The comparison table as CSV (one row per run).
 pub fn csv(results: &[RunResult]) -> String {
     let mut s = String::from(
-        "trace,pool,picker,requests,ok,failed,unfinished,ttft_p50_ms,ttft_p99_ms,tpot_p50_ms,tpot_p99_ms,output_tokens_per_s,requests_per_s,prefix_hit_rate,per_backend,sent_to_dead,last_to_dead_ms,final_stock,wall_s\n",
+        "trace,pool,picker,requests,ok,failed,unfinished,ttft_p50_ms,ttft_p99_ms,tpot_p50_ms,tpot_p99_ms,output_tokens_per_s,requests_per_s,prefix_hit_rate,preempted,per_backend,sent_to_dead,last_to_dead_ms,final_stock,wall_s\n",
     );
     for r in results {
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{},{},{},{},{:.2}",
+            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{},{},{},{},{},{:.2}",
             r.trace,
             r.pool,
             r.picker,
@@ -573,6 +585,7 @@ pub fn csv(results: &[RunResult]) -> String {
             r.output_tokens_per_s,
             r.requests_per_s,
             r.prefix_hit_rate,
+            r.preempted,
             r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
             r.sent_to_dead,
             r.last_to_dead_ms,

@@ -28,6 +28,7 @@ fn config(picker: PickerKind, pool: PoolSpec) -> RunConfig {
         scrape_interval_ms: 50,
         seed: 3,
         call_latency_us: 500,
+        kv_weights: None,
     }
 }
 

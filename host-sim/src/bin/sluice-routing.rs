@@ -45,11 +45,13 @@ struct Cli {
     /// First N requests of the Mooncake trace.
     #[arg(long, default_value_t = 1200)]
     mooncake_requests: usize,
-    /// Azure arrivals are replayed this many times faster than recorded (load scaling).
-    #[arg(long, default_value_t = 12.0)]
+    /// Azure arrivals are replayed this many times faster than recorded (load scaling: the
+    /// recorded ~5.5 req/s would leave this pool nearly idle; x8 is about 44 req/s).
+    #[arg(long, default_value_t = 8.0)]
     azure_speedup: f64,
-    /// Mooncake arrivals are replayed this many times faster than recorded (load scaling).
-    #[arg(long, default_value_t = 1.5)]
+    /// Mooncake arrivals are replayed this many times faster than recorded (its ~3 req/s of
+    /// ~14 k-token prompts already loads this pool heavily; x1.5 overloads it).
+    #[arg(long, default_value_t = 1.0)]
     mooncake_speedup: f64,
     /// Profile of the two fast backends.
     #[arg(long, default_value = "llama3-8b-h100")]
@@ -64,8 +66,9 @@ struct Cli {
     /// Envoy worker threads (each has its own VM and its own prefix-affinity index).
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// The filter's watermark_per_backend (stock bound); the pool's saturation also gates.
-    #[arg(long, default_value_t = 64)]
+    /// The filter's watermark_per_backend (stock bound). The default, the GPUs' max_num_seqs,
+    /// lets the scraped saturation signals gate admission rather than the stock count.
+    #[arg(long, default_value_t = 256)]
     watermark_per_backend: u32,
     /// The filter's scrape interval (and tick), ms.
     #[arg(long, default_value_t = 50)]
@@ -76,6 +79,10 @@ struct Cli {
     /// Seed of the filter's random choices.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Scorer weights of the KV-aware picker instead of the filter's defaults, as a JSON
+    /// `routing.weights` object (for ablations, e.g. '{"prefix":0}').
+    #[arg(long)]
+    kv_aware_weights: Option<String>,
     /// Simulations run in parallel (threads).
     #[arg(long, default_value_t = 2)]
     jobs: usize,
@@ -101,6 +108,16 @@ fn run(cli: Cli) -> Result<()> {
     if cli.workers == 0 || cli.jobs == 0 {
         bail!("--workers and --jobs must be at least 1");
     }
+    let kv_weights = match &cli.kv_aware_weights {
+        Some(w) => {
+            let v: serde_json::Value = serde_json::from_str(w).context("--kv-aware-weights must be a JSON object")?;
+            if !v.is_object() {
+                bail!("--kv-aware-weights must be a JSON object, got {w}");
+            }
+            Some(v)
+        }
+        None => None,
+    };
     let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading --wasm {}", cli.wasm.display()))?;
     let fast = rc::profile_by_name(&cli.fast_profile).context("--fast-profile")?;
     let slow = rc::profile_by_name(&cli.slow_profile).context("--slow-profile")?;
@@ -141,6 +158,7 @@ fn run(cli: Cli) -> Result<()> {
                     scrape_interval_ms: cli.scrape_interval_ms,
                     seed: cli.seed,
                     call_latency_us: cli.call_latency_us,
+                    kv_weights: kv_weights.clone(),
                 };
                 jobs.push((cfg, traces.len()));
             }
