@@ -137,3 +137,63 @@ fn traffic_leaves_a_dead_backend_within_a_few_scrapes_and_no_request_is_lost() {
         assert!(r.failed < r.requests / 10, "{r:?}");
     }
 }
+
+#[test]
+fn a_backend_dead_with_nothing_in_flight_is_dropped_after_its_scrapes_fail() {
+    // One short request every 100 ms; the backend dies between two of them, with nothing open
+    // there, so only the failed scrapes (503, connection failure) can reveal it.
+    let c = SyntheticClient {
+        name: "t".into(),
+        rate: 10.0,
+        prompt_tokens: 16,
+        output_tokens: 2,
+        arrival: workload::Arrival::Uniform,
+        model: None,
+    };
+    let items = workload::synthetic(&[c], 3.0, 1).unwrap();
+    let mut pool = PoolSpec::mixed("4 fast, one dies idle", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+    let at_us = 1_530_000;
+    pool.death = Some(Death { backend: 1, at_us });
+    let (sim, r) = rc::run(&common::filter_wasm(), &config(PickerKind::RoundRobin, pool), &items).expect("runs");
+    assert_nothing_lost(&r);
+    let dead = sim.upstream("10.0.0.2:8000").unwrap().as_any().downcast_ref::<rc::DyingUpstream>().unwrap();
+    assert_eq!((dead.reset_at_death, dead.refused), (0, 0), "nothing was open there, nothing sent after");
+    assert_eq!((r.ok, r.sent_to_dead), (r.requests, 0), "{r:?}");
+    assert!(r.per_backend[1] >= 3, "it served before dying: {:?}", r.per_backend);
+    let scrapes_failed = sim.host().metric("sluice_scrapes_failed").map_or(0, |m| m.value);
+    assert!(scrapes_failed >= 10, "the dead backend's scrapes fail from then on: {scrapes_failed}");
+}
+
+#[test]
+fn prompts_share_exactly_the_text_of_their_shared_hash_blocks() {
+    let item = |hashes: Vec<u64>, tokens: u32| WorkItem {
+        arrival_us: 0,
+        client: "c".into(),
+        prompt_tokens: tokens,
+        output_tokens: 1,
+        prefix_hashes: hashes,
+        model: None,
+    };
+    // 32 tokens per hash block = 128 bytes.
+    let a = rc::prompt_text(&item(vec![1, 2, 3], 90), 0, 32);
+    let b = rc::prompt_text(&item(vec![1, 2, 4], 96), 1, 32);
+    assert_eq!((a.len(), b.len()), (360, 384), "4 bytes per token");
+    assert_eq!(a[..256], b[..256]);
+    assert_ne!(a[256..300], b[256..300]);
+    // The filter's prefix hashing (64-byte blocks) sees the same sharing.
+    let (mut ha, mut hb) = (Vec::new(), Vec::new());
+    sluice_policies::routing::prefix_hashes(a.as_bytes(), 64, 128, &mut ha);
+    sluice_policies::routing::prefix_hashes(b.as_bytes(), 64, 128, &mut hb);
+    assert_eq!(ha[..4], hb[..4]);
+    assert_ne!(ha[4], hb[4]);
+    // Without hashes (Azure rows) prompts are unique from the first byte.
+    let c = rc::prompt_text(&item(vec![], 40), 7, 32);
+    let d = rc::prompt_text(&item(vec![], 40), 8, 32);
+    assert_ne!(c[..64], d[..64]);
+    assert!(c.bytes().all(|x| x.is_ascii_lowercase()), "JSON-safe text");
+    // The request carries the text, its length and the hashes.
+    let req = rc::client_request(5, &item(vec![9], 40), 32);
+    let body: serde_json::Value = serde_json::from_slice(&req.body).unwrap();
+    assert_eq!(body["messages"][0]["content"].as_str().unwrap().len(), 160);
+    assert_eq!((req.prompt_tokens, req.prefix_hashes.clone()), (40, vec![9]));
+}
