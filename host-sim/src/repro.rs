@@ -12,8 +12,11 @@
 //!   to `watermark_per_backend` requests to the GPU, which batches them FCFS. The watermark is
 //!   sized so the KV pool stays full ([`default_watermark`]).
 //! - sluice's RPM policy delays requests over the limit to the next minute instead of aborting
-//!   them; RPM rows get a queue TTL ([`ReproOptions::rpm_ttl_ms`]) so that requests blocked
-//!   past it are dropped (503), close to the seed's admission control.
+//!   them. RPM rows cap each tenant's queue at one minute's allowance (`flow_capacity` = the
+//!   limit), so that a client's excess is refused at arrival (429), close to the seed's
+//!   admission control; [`ReproOptions::rpm_ttl_ms`] can add a queue TTL. Requests that
+//!   bypass the queue (stock under the watermark, nothing queued) are not rate limited by
+//!   the filter, so RPM limits less than the seed's when the GPU is not saturated.
 
 use crate::engine::{
     ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT,
@@ -256,7 +259,7 @@ pub struct ReproOptions {
     pub workers: usize,
     /// `watermark_per_backend`; None sizes it from the workload ([`default_watermark`]).
     pub watermark: Option<u32>,
-    /// Queue TTL of RPM rows, ms (0: the same as the other policies).
+    /// Queue TTL of RPM rows, ms (0: the same as the other policies, i.e. none).
     pub rpm_ttl_ms: u64,
 }
 
@@ -267,7 +270,7 @@ impl Default for ReproOptions {
             seed: 1,
             workers: 2,
             watermark: None,
-            rpm_ttl_ms: 60_000,
+            rpm_ttl_ms: 0,
         }
     }
 }
@@ -542,12 +545,16 @@ pub fn filter_config(w: &ReproWorkload, p: &PolicyCase, opts: &ReproOptions) -> 
     } else {
         NO_TTL_MS
     };
+    let flow_cap = match p.policy.get("requests_per_minute").and_then(Value::as_u64) {
+        Some(n) if p.is_rpm() => n.max(1),
+        _ => 200_000,
+    };
     json!({
         "policy": p.policy,
         "watermark_per_backend": opts.watermark.unwrap_or_else(|| default_watermark(&w.items)),
         "queue_ttl_ms": ttl,
         "total_capacity": 200_000,
-        "flow_capacity": 200_000,
+        "flow_capacity": flow_cap,
         "critical_reserve": 0,
     })
 }

