@@ -238,6 +238,9 @@ pub struct Report {
     pub throughput_rps: f64,
     /// Output tokens received per second.
     pub output_tokens_per_s: f64,
+    /// Prompt plus output tokens of completed requests per second: the
+    /// throughput the VTC seed's Table 2 reports.
+    pub tokens_per_s: f64,
     /// Time to first token of completed requests, ms.
     pub ttft_ms: Stats,
     /// Time per output token of completed requests, ms.
@@ -338,6 +341,7 @@ impl Report {
             reasons,
             throughput_rps: per_s(done.len() as f64),
             output_tokens_per_s: per_s(tokens as f64),
+            tokens_per_s: per_s(done.iter().map(|r| r.prompt_tokens as f64 + r.tokens_received as f64).sum()),
             ttft_ms: Stats::of(done.iter().filter_map(|r| r.ttft_ms()).collect()),
             tpot_ms: Stats::of(done.iter().filter_map(|r| r.tpot_ms()).collect()),
             e2e_ms: Stats::of(done.iter().filter_map(|r| r.e2e_ms()).collect()),
