@@ -202,6 +202,9 @@ pub struct ReproWorkload {
     /// Stop the simulation at this virtual time (s) instead of draining the backlog; the
     /// seed measures within the trace, and draining a 5× overload costs minutes of run time.
     pub horizon_s: Option<f64>,
+    /// Every client stays backlogged throughout, so the accumulated service difference is the
+    /// seed's fairness measure (otherwise it only reflects different demands).
+    pub all_backlogged: bool,
 }
 
 impl ReproWorkload {
@@ -215,18 +218,19 @@ impl ReproWorkload {
             light_clients: Vec::new(),
             plotted_clients: Vec::new(),
             horizon_s: None,
+            all_backlogged: false,
         }
+    }
+    fn backlogged(mut self) -> Self {
+        self.all_backlogged = true;
+        self
     }
     /// Stops the run 30 s after the last arrival.
     fn measured_within_trace(mut self) -> Self {
         self.horizon_s = Some(self.span_s().ceil() + DRAIN_S);
         self
     }
-    /// Whether every client is backlogged throughout, so that the accumulated service
-    /// difference is the seed's fairness measure (with light clients it only shows demand).
-    pub fn all_backlogged(&self) -> bool {
-        self.light_clients.is_empty() && self.name != "arena-27"
-    }
+
     fn light(mut self, clients: &[&str]) -> Self {
         self.light_clients = clients.iter().map(|c| c.to_string()).collect();
         self
@@ -332,7 +336,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         "Two overloaded clients: 90 and 180 req/min, uniform, 256 in / 256 out (Fig. 3, Tables 4-5)",
         two(vec![u(0.0, dur, 1.5, 256, 256)], vec![u(0.0, dur, 3.0, 256, 256)]),
         t2(),
-    ));
+    ).backlogged());
 
     let dur = d(600.0);
     let mut v = uniform_client("client1", &[u(0.0, dur, 0.25, 256, 256)], s);
@@ -377,7 +381,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
             vec![u(0.0, dur, 3.0, 256, 256)],
         ),
         t2(),
-    ));
+    ).backlogged());
 
     let poisson = |name: &str, rate: f64, p: u32, o: u32| SyntheticClient {
         name: name.into(),
@@ -396,12 +400,15 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         s,
     )
     .map_err(|e| anyhow::anyhow!(e))?;
-    out.push(ReproWorkload::new(
-        "poisson-short-long",
-        "Poisson: client 1 at 480 req/min of 64/64, client 2 at 90 req/min of 256/256 (Fig. 7)",
-        v,
-        t2(),
-    ));
+    out.push(
+        ReproWorkload::new(
+            "poisson-short-long",
+            "Poisson: client 1 at 480 req/min of 64/64, client 2 at 90 req/min of 256/256 (Fig. 7)",
+            v,
+            t2(),
+        )
+        .backlogged(),
+    );
     let v = workload::synthetic(
         &[
             poisson("client1", 8.0, 64, 512),
@@ -416,7 +423,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         "Poisson: client 1 at 480 req/min of 64 in / 512 out, client 2 at 90 req/min of 512 in / 64 out (Fig. 8)",
         v,
         t2(),
-    ));
+    ).backlogged());
 
     out.push(
         ReproWorkload::new(
@@ -468,7 +475,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         "Four overloaded clients at 48 req/min each, 256/256; weighted VTC with weights 1:2:3:4 (Appendix B.1, Fig. 16)",
         v,
         vec![PolicyCase::fcfs(), PolicyCase::vtc(), PolicyCase::weighted_vtc(&weights)],
-    ));
+    ).backlogged());
 
     let mut out: Vec<ReproWorkload> = out
         .into_iter()
@@ -670,7 +677,7 @@ fn finish(
         round2(v.iter().sum::<f64>() / v.len().max(1) as f64 / 1000.0)
     });
     let acc = acc_diff_series(&buckets);
-    let acc_within = w.all_backlogged().then(|| {
+    let acc_within = w.all_backlogged.then(|| {
         acc.iter()
             .filter(|(t, _)| *t <= span)
             .map(|(_, v)| *v)

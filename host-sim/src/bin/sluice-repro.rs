@@ -233,6 +233,7 @@ fn run(cli: Cli) -> Result<()> {
                     light_clients: Vec::new(),
                     plotted_clients: case.report.clients.keys().cloned().collect(),
                     horizon_s: None,
+                    all_backlogged: false,
                 },
                 &case,
             );
