@@ -167,7 +167,7 @@ pub fn uniform_client(client: &str, phases: &[Phase], seed: u64) -> Vec<WorkItem
         };
         let mut t = p.start_s + rng.random::<f64>() / p.rate;
         while t < p.end_s {
-            let on = p.on_off_s.is_none_or(|q| ((t / q).floor() as u64) % 2 == 0);
+            let on = p.on_off_s.is_none_or(|q| ((t / q).floor() as u64).is_multiple_of(2));
             if on {
                 out.push(WorkItem {
                     arrival_us: (t * 1e6) as u64,
