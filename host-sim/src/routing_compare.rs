@@ -9,6 +9,13 @@
 //! leading text: the filter's prefix hashing (64-byte blocks) sees the same sharing as the GPU
 //! model's prefix cache, which gets the `hash_ids` themselves. Azure rows carry no prefix
 //! information, so each prompt is text unique to its request (no prefix sharing at all).
+//!
+//! Every picker is judged on the same requests: the filter runs FCFS with queues that never
+//! refuse (capacities of a million, a day of TTL, no critical reserve), so latency shows up as
+//! TTFT rather than as rejects. The prefix hit rate is the GPU model's own counter (vLLM's
+//! `prefix_cache_hits / prefix_cache_queries`, in tokens); like vLLM's, it also counts a
+//! preempted request finding its own blocks again when it is re-admitted, so
+//! [`RunResult::preempted`] is reported beside it.
 
 use crate::abi::HeaderMap;
 use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
@@ -704,6 +711,14 @@ pub fn csv(results: &[RunResult]) -> String {
     s
 }
 
+/// A panel of the figure: its label and the value of a run.
+type Panel = (&'static str, fn(&RunResult) -> f64);
+
+const PANELS: [Panel; 2] = [
+    ("TTFT p99 (s)", |r| r.ttft_ms.p99 / 1000.0),
+    ("prefix-cache hit rate (%)", |r| r.prefix_hit_rate * 100.0),
+];
+
 const COLORS: [&str; 4] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f"];
 
 /// A figure: for each (trace, pool), bars of TTFT p99 and of the prefix hit rate per picker.
@@ -733,17 +748,7 @@ pub fn svg(results: &[RunResult]) -> String {
             .iter()
             .filter(|r| &r.trace == trace && &r.pool == pool)
             .collect();
-        let metrics: [(&str, Box<dyn Fn(&RunResult) -> f64>); 2] = [
-            (
-                "TTFT p99 (s)",
-                Box::new(|r: &RunResult| r.ttft_ms.p99 / 1000.0),
-            ),
-            (
-                "prefix-cache hit rate (%)",
-                Box::new(|r: &RunResult| r.prefix_hit_rate * 100.0),
-            ),
-        ];
-        for (mi, (label, f)) in metrics.iter().enumerate() {
+        for (mi, (label, f)) in PANELS.iter().enumerate() {
             let x0 = 40.0 + mi as f64 * (panel_w + 40.0);
             let max = rows.iter().map(|r| f(r)).fold(0.0f64, f64::max).max(1e-9);
             if mi == 0 {
