@@ -61,7 +61,8 @@ struct Cli {
     #[arg(long, default_value_t = 1200)]
     mooncake_requests: usize,
     /// Azure arrivals are replayed this many times faster than recorded (load scaling: the
-    /// recorded ~5.5 req/s would leave this pool nearly idle; x8 is about 44 req/s).
+    /// recorded ~5 req/s would leave this pool nearly idle; x8 gives ~39 req/s on the first
+    /// 4000 rows).
     #[arg(long, default_value_t = 8.0)]
     azure_speedup: f64,
     /// Mooncake arrivals are replayed this many times faster than recorded (its ~3 req/s of
