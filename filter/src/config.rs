@@ -371,11 +371,19 @@ impl Config {
         policy.build().map_err(|e| format!("field `policy`: {e}"))?;
         let order: OrderSpec = tagged("order", "order", raw.order)?;
         order.build().map_err(|e| format!("field `order`: {e}"))?;
+        let may_be_critical = raw.criticality_header.is_some()
+            || raw.default_criticality == Criticality::Critical
+            || raw.criticality_by_tenant.values().any(|&c| c == Criticality::Critical);
         let bands = BandLimits {
             total_capacity: raw.total_capacity,
             flow_capacity: raw.flow_capacity,
             ttl_ms: raw.queue_ttl_ms,
-            critical_reserve: raw.critical_reserve.unwrap_or(raw.flow_capacity.min(raw.total_capacity - 1)),
+            // Reserve room for critical requests only where some can exist.
+            critical_reserve: raw.critical_reserve.unwrap_or(if may_be_critical {
+                raw.flow_capacity.min(raw.total_capacity / 2)
+            } else {
+                0
+            }),
         };
         bands.validate("limits").map_err(|e| format!("field {}", e.trim_start_matches("limits.")))?;
         if let Some(ladder) = &raw.overload {
@@ -425,8 +433,12 @@ mod tests {
         assert_eq!(c.order, OrderSpec::Fifo);
         assert_eq!(
             c.bands,
-            BandLimits { total_capacity: 1000, flow_capacity: 100, ttl_ms: 30_000, critical_reserve: 100 }
+            BandLimits { total_capacity: 1000, flow_capacity: 100, ttl_ms: 30_000, critical_reserve: 0 },
+            "no critical requests can exist, so nothing is reserved for them"
         );
+        let critical = br#"{"endpoints":["127.0.0.1:1"],"criticality_header":"x-c","flow_capacity":900}"#;
+        let reserve = Config::from_json(critical).unwrap().bands.critical_reserve;
+        assert_eq!(reserve, 500, "flow_capacity, at most half the queue");
         assert_eq!(c.default_criticality, Criticality::Standard);
         assert!(c.criticality_header.is_none() && c.overload.is_none());
         assert!((c.bounds.upper_per_backend - 2.2).abs() < 1e-9);

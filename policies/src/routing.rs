@@ -248,9 +248,12 @@ impl AffinityIndex {
         self.clock
     }
 
-    /// Leading blocks of `prefix` last served by `endpoint`.
+    /// Length of the longest prefix of `prefix` last served by `endpoint`.
+    /// Hashes are chained, so block `i` served there means blocks `0..=i`
+    /// were too, even if a shared first block (a system prompt) was last
+    /// seen on another endpoint.
     fn matched_blocks(&self, prefix: &[u64], endpoint: usize) -> usize {
-        prefix.iter().take_while(|h| self.blocks.get(*h).is_some_and(|&(e, _)| e as usize == endpoint)).count()
+        prefix.iter().rposition(|h| self.blocks.get(h).is_some_and(|&(e, _)| e as usize == endpoint)).map_or(0, |i| i + 1)
     }
 
     fn session_endpoint(&self, session: Option<u64>) -> Option<usize> {
@@ -443,6 +446,25 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         assert_eq!(h2[..4], h[..4]);
         assert_ne!(h2[4], h[4]);
         assert_eq!(r.pick(&RouteRequest { prefix: &h2, ..Default::default() }, &pool, &idx, 0.0), Some(2));
+    }
+
+    #[test]
+    fn a_shared_first_block_does_not_hide_a_longer_match_elsewhere() {
+        // Every conversation starts with the same system prompt (block 0). Endpoint 1
+        // served this conversation's earlier turn; endpoint 0 served another
+        // conversation later, so it holds the newest copy of block 0 only.
+        let mut idx = AffinityIndex::new(1000);
+        let mut turn = Vec::new();
+        prefix_hashes(&[[1u8; 64], [2u8; 64], [3u8; 64]].concat(), 64, 100, &mut turn);
+        let mut other = Vec::new();
+        prefix_hashes(&[[1u8; 64], [9u8; 64]].concat(), 64, 100, &mut other);
+        idx.record(&RouteRequest { prefix: &turn, ..Default::default() }, 1);
+        idx.record(&RouteRequest { prefix: &other, ..Default::default() }, 0);
+        assert_eq!(idx.matched_blocks(&turn, 1), 3);
+        assert_eq!(idx.matched_blocks(&turn, 0), 1);
+        let same = m(0.0, 0.3);
+        let pool = [view(&same, 0), view(&same, 0)];
+        assert_eq!(Router::default().pick(&RouteRequest { prefix: &turn, ..Default::default() }, &pool, &idx, 0.0), Some(1));
     }
 
     #[test]
