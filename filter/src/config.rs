@@ -233,6 +233,10 @@ pub struct Config {
     pub default_tenant: String,
     /// Allocation policy across tenants, built once per criticality band.
     pub policy: PolicySpec,
+    /// May a request skip the queue when there is room? Not under a policy
+    /// that may hold requests while capacity is free (a rate limit): every
+    /// request must meet it.
+    pub bypass: bool,
     /// Ordering inside a tenant's queue.
     pub order: OrderSpec,
     /// Trusted header carrying the request's criticality (set by an upstream filter).
@@ -368,7 +372,7 @@ impl Config {
             return Err("field `max_body_bytes` must be at least 1, got 0".into());
         }
         let policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
-        policy.build().map_err(|e| format!("field `policy`: {e}"))?;
+        let work_conserving = policy.build().map_err(|e| format!("field `policy`: {e}"))?.is_work_conserving();
         let order: OrderSpec = tagged("order", "order", raw.order)?;
         order.build().map_err(|e| format!("field `order`: {e}"))?;
         let may_be_critical = raw.criticality_header.is_some()
@@ -405,6 +409,7 @@ impl Config {
             tenant_header: raw.tenant_header.to_ascii_lowercase(),
             default_tenant: raw.default_tenant,
             policy,
+            bypass: work_conserving,
             order,
             criticality_header: raw.criticality_header.map(|h| h.to_ascii_lowercase()),
             criticality_by_tenant: raw.criticality_by_tenant,
@@ -518,6 +523,9 @@ mod tests {
             let c = Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"policy":{p}}}"#).as_bytes());
             assert!(c.is_ok(), "{p}: {:?}", c.err());
         }
+        let rpm = br#"{"endpoints":["127.0.0.1:1"],"policy":{"policy":"rpm","requests_per_minute":5}}"#;
+        assert!(!Config::from_json(rpm).unwrap().bypass, "a rate limit must see every request");
+        assert!(Config::from_json(br#"{"endpoints":["127.0.0.1:1"]}"#).unwrap().bypass);
         for o in [r#""edf""#, r#""shortest-predicted""#, r#"{"order":"feasible-set"}"#] {
             let c = Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"order":{o}}}"#).as_bytes());
             assert!(c.is_ok(), "{o}: {:?}", c.err());

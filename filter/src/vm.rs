@@ -285,7 +285,7 @@ impl Vm {
     fn admit(&mut self, ctx: u32, who: Admit, req: &openai::CompletionRequest) -> Admission {
         let Admit { tenant, band, route } = who;
         let queued = shared::get_u64(&HostStore, shared::QUEUED_KEY);
-        let mut may_bypass = queued == 0;
+        let mut may_bypass = queued == 0 && self.cfg.bypass;
         if let Some(ladder) = self.cfg.overload {
             let tokens = req.prompt_tokens as f64 + req.max_tokens as f64;
             match ladder.evaluate(&self.load_signals(queued), tokens) {
