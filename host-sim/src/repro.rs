@@ -388,6 +388,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         rate,
         prompt_tokens: p,
         output_tokens: o,
+        lengths: Default::default(),
         arrival: Arrival::Poisson,
         model: None,
     };
@@ -1070,6 +1071,7 @@ pub fn run_bands(
             rate: b.rate,
             prompt_tokens: b.prompt,
             output_tokens: b.output,
+            lengths: Default::default(),
             arrival: Arrival::Poisson,
             model: Some(b.model.clone()),
         })

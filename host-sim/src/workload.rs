@@ -23,7 +23,7 @@ pub struct WorkItem {
     pub model: Option<String>,
 }
 
-/// A synthetic client: an arrival process with fixed request lengths.
+/// A synthetic client: an arrival process and a length distribution.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SyntheticClient {
@@ -31,10 +31,13 @@ pub struct SyntheticClient {
     pub name: String,
     /// Mean requests per second (for `ramp`, the rate at the start).
     pub rate: f64,
-    /// Prompt tokens per request.
+    /// Prompt tokens per request (the mean, when `lengths` varies them).
     pub prompt_tokens: u32,
-    /// Output tokens per request.
+    /// Output tokens per request (the mean, when `lengths` varies them).
     pub output_tokens: u32,
+    /// How lengths vary around those means; fixed when absent.
+    #[serde(default)]
+    pub lengths: Lengths,
     /// Arrival process; Poisson when absent.
     #[serde(default)]
     pub arrival: Arrival,
@@ -69,6 +72,55 @@ pub enum Arrival {
         /// Rate at the end of the run.
         to_rate: f64,
     },
+}
+
+/// Distribution of a synthetic client's prompt and output lengths, each drawn
+/// independently around its mean (`prompt_tokens`, `output_tokens`), at least
+/// 1 and at most 16 times the mean.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Lengths {
+    /// Exactly the means.
+    #[default]
+    Fixed,
+    /// Uniform in `[mean·(1 − spread), mean·(1 + spread)]`.
+    Uniform {
+        /// Relative half-width, in `[0, 1)`.
+        spread: f64,
+    },
+    /// Exponential with the given mean.
+    Exponential,
+    /// Log-normal with the given mean and coefficient of variation.
+    LogNormal {
+        /// Standard deviation over mean.
+        cv: f64,
+    },
+}
+
+impl Lengths {
+    fn validate(&self, field: String) -> Result<(), String> {
+        match *self {
+            Lengths::Uniform { spread } if !(0.0..1.0).contains(&spread) => {
+                Err(format!("{field}.spread must be in [0, 1), got {spread}"))
+            }
+            Lengths::LogNormal { cv } => positive(format!("{field}.cv"), cv),
+            _ => Ok(()),
+        }
+    }
+
+    fn draw(&self, rng: &mut ChaCha8Rng, mean: u32) -> u32 {
+        let m = mean as f64;
+        let x = match *self {
+            Lengths::Fixed => return mean,
+            Lengths::Uniform { spread } => m * (1.0 - spread + 2.0 * spread * rng.random::<f64>()),
+            Lengths::Exponential => -(1.0 - rng.random::<f64>()).ln() * m,
+            Lengths::LogNormal { cv } => {
+                let sigma2 = (1.0 + cv * cv).ln();
+                (m.ln() - sigma2 / 2.0 + sigma2.sqrt() * std_normal(rng)).exp()
+            }
+        };
+        x.round().clamp(1.0, 16.0 * m) as u32
+    }
 }
 
 /// Kept for scenario files and callers written against the first version.
@@ -144,6 +196,9 @@ pub fn synthetic(
             }
             Arrival::Poisson | Arrival::Uniform => {}
         }
+        c.lengths.validate(format!("clients[{ci}].lengths"))?;
+        // Lengths draw from their own stream, so varying them leaves arrivals as they were.
+        let mut len_rng = ChaCha8Rng::seed_from_u64(seed ^ (0xd1b5_4a32_d192_ed03u64.wrapping_mul(ci as u64 + 1)));
         let mut rng = ChaCha8Rng::seed_from_u64(
             seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)),
         );
@@ -207,8 +262,8 @@ pub fn synthetic(
         out.extend(times.into_iter().map(|t| WorkItem {
             arrival_us: (t * 1e6) as u64,
             client: c.name.clone(),
-            prompt_tokens: c.prompt_tokens,
-            output_tokens: c.output_tokens,
+            prompt_tokens: c.lengths.draw(&mut len_rng, c.prompt_tokens),
+            output_tokens: c.lengths.draw(&mut len_rng, c.output_tokens),
             prefix_hashes: Vec::new(),
             model: c.model.clone(),
         }));
@@ -472,9 +527,31 @@ mod tests {
             rate,
             prompt_tokens: 1,
             output_tokens: 1,
+            lengths: Lengths::Fixed,
             arrival,
             model: None,
         }
+    }
+
+    #[test]
+    fn length_distributions_keep_their_mean_and_leave_arrivals_alone() {
+        let base = SyntheticClient { prompt_tokens: 200, output_tokens: 100, ..client(Arrival::Poisson, 50.0) };
+        let fixed = synthetic(&[base.clone()], 100.0, 7).unwrap();
+        assert!(fixed.iter().all(|w| w.prompt_tokens == 200 && w.output_tokens == 100));
+        for lengths in [Lengths::Uniform { spread: 0.5 }, Lengths::Exponential, Lengths::LogNormal { cv: 1.5 }] {
+            let w = synthetic(&[SyntheticClient { lengths, ..base.clone() }], 100.0, 7).unwrap();
+            let arrivals = |v: &[WorkItem]| v.iter().map(|x| x.arrival_us).collect::<Vec<_>>();
+            assert_eq!(arrivals(&w), arrivals(&fixed), "{lengths:?}");
+            let mean = |f: fn(&WorkItem) -> u32| w.iter().map(|x| f(x) as f64).sum::<f64>() / w.len() as f64;
+            let (p, o) = (mean(|x| x.prompt_tokens), mean(|x| x.output_tokens));
+            assert!((p - 200.0).abs() < 20.0 && (o - 100.0).abs() < 10.0, "{lengths:?}: means {p} {o}");
+            assert!(w.iter().any(|x| x.prompt_tokens != 200), "{lengths:?} varies");
+            assert!(w.iter().all(|x| (1..=3200).contains(&x.prompt_tokens)));
+        }
+        let bad = SyntheticClient { lengths: Lengths::Uniform { spread: 1.0 }, ..base.clone() };
+        assert!(synthetic(&[bad], 10.0, 1).unwrap_err().contains("clients[0].lengths.spread"));
+        let bad = SyntheticClient { lengths: Lengths::LogNormal { cv: 0.0 }, ..base };
+        assert!(synthetic(&[bad], 10.0, 1).unwrap_err().contains("clients[0].lengths.cv"));
     }
 
     fn gaps(w: &[WorkItem]) -> (f64, f64) {

@@ -38,6 +38,7 @@ fn poisson(rate: f64, duration_s: f64, prompt: u32, output: u32) -> Vec<WorkItem
         rate,
         prompt_tokens: prompt,
         output_tokens: output,
+        lengths: Default::default(),
         arrival: Default::default(),
         model: None,
     };
@@ -186,6 +187,7 @@ fn a_backend_dead_with_nothing_in_flight_is_dropped_after_its_scrapes_fail() {
         rate: 10.0,
         prompt_tokens: 16,
         output_tokens: 2,
+        lengths: Default::default(),
         arrival: workload::Arrival::Uniform,
         model: None,
     };
