@@ -5,9 +5,9 @@ use sluice_policies::admission::StockBounds;
 use sluice_policies::bands::{BandLimits, Criticality};
 use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
+use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
 use sluice_policies::spec::{OrderSpec, PolicySpec};
 use std::collections::BTreeMap;
-use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
 
 /// An endpoint written as an object naming its model server.
 #[derive(Debug, Deserialize)]
@@ -458,18 +458,27 @@ mod tests {
             (r#"{"endpoints":["backend:80"]}"#, "backend:80"),
             (r#"{"endpoints":["127.0.0.1:1"],"policy":"lottery"}"#, "lottery"),
             (r#"{"endpoints":["127.0.0.1:1"],"flow_capacity":0}"#, "flow_capacity"),
-            (r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#, "percentage_deviation_for_bounds"),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#,
+                "percentage_deviation_for_bounds",
+            ),
             (r#"{"endpoints":["127.0.0.1:1"],"lower_bound_per_backend":1}"#, "upper_bound_per_backend"),
             (r#"{"endpoints":["127.0.0.1:1"],"endpoint":["x"]}"#, "endpoint"),
             (r#"{"endpoints":["127.0.0.1:1"],"vtc":{"output":-1}}"#, "vtc"),
-            (r#"{"endpoints":["127.0.0.1:1"],"policy":{"policy":"vtc","output_weight":"x"}}"#, "field `policy`: invalid type: string \"x\""),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"policy":{"policy":"vtc","output_weight":"x"}}"#,
+                "field `policy`: invalid type: string \"x\"",
+            ),
             (r#"{"endpoints":["127.0.0.1:1"],"policy":"rpm"}"#, "requests_per_minute"),
             (r#"{"endpoints":["127.0.0.1:1"],"order":"lifo"}"#, "lifo"),
             (r#"{"endpoints":["127.0.0.1:1"],"criticality_by_tenant":{"a":"urgent"}}"#, "criticality_by_tenant.a"),
             (r#"{"endpoints":["127.0.0.1:1"],"total_capacity":10,"critical_reserve":10}"#, "critical_reserve"),
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"defer_above":0.9}}"#, "overload"),
             (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#, "routing.saturation.queue_depth"),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#,
+                "routing.saturation.queue_depth",
+            ),
             (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
             (r#"not json"#, "invalid plugin configuration"),
             (r#"{"endpoints":["127.0.0.1:1","127.0.0.1:1"]}"#, "listed twice"),

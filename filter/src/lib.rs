@@ -9,6 +9,6 @@ pub mod config;
 pub mod openai;
 pub mod scheduler;
 pub mod shared;
-pub mod wire;
 #[cfg(target_arch = "wasm32")]
 pub mod vm;
+pub mod wire;

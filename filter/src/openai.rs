@@ -225,7 +225,8 @@ mod tests {
         .unwrap();
         assert_eq!((r.model.as_str(), r.stream, r.max_tokens, r.prompt_tokens), ("m", true, 7, 3));
         assert_eq!(r.prefix.len(), 3, "12 bytes of text in 4-byte blocks");
-        let r = parse_request(br#"{"model":"m","prompt":"hello","max_completion_tokens":9,"max_tokens":1}"#, 0).unwrap();
+        let r =
+            parse_request(br#"{"model":"m","prompt":"hello","max_completion_tokens":9,"max_tokens":1}"#, 0).unwrap();
         assert!(r.prefix.is_empty());
         assert_eq!((r.stream, r.max_tokens, r.prompt_tokens), (false, 9, 2));
     }
@@ -260,7 +261,9 @@ mod tests {
     fn usage_in_the_last_chunk_corrects_the_count() {
         let mut c = TokenCounter::new(Some("text/event-stream"));
         c.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a b c\"}}]}\n\n");
-        c.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":3,\"total_tokens\":7}}\n\n");
+        c.feed(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":3,\"total_tokens\":7}}\n\n",
+        );
         assert_eq!(c.finish(), 2);
         assert_eq!(c.total(), 3);
     }

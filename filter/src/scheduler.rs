@@ -230,8 +230,10 @@ mod tests {
     use super::*;
 
     fn cfg(policy: &str, extra: &str) -> Config {
-        Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1","127.0.0.1:2"],"policy":"{policy}"{extra}}}"#).as_bytes())
-            .unwrap()
+        Config::from_json(
+            format!(r#"{{"endpoints":["127.0.0.1:1","127.0.0.1:2"],"policy":"{policy}"{extra}}}"#).as_bytes(),
+        )
+        .unwrap()
     }
 
     fn enqueue_in(band: Criticality, worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
@@ -366,15 +368,22 @@ mod tests {
             0,
             &mut |r: &RouteInfo| {
                 seen.push(r.model.clone());
-                if r.model == "a" { Slot::NoEndpoint } else { Slot::Granted(1) }
+                if r.model == "a" {
+                    Slot::NoEndpoint
+                } else {
+                    Slot::Granted(1)
+                }
             },
             &mut out,
         );
         assert_eq!(seen, vec!["a", "b"]);
-        assert_eq!(out, vec![
-            (0, ToWorker::Reject { req: 1, reason: NO_ENDPOINT }),
-            (0, ToWorker::Dispatch { req: 2, endpoint: 1 }),
-        ]);
+        assert_eq!(
+            out,
+            vec![
+                (0, ToWorker::Reject { req: 1, reason: NO_ENDPOINT }),
+                (0, ToWorker::Dispatch { req: 2, endpoint: 1 }),
+            ]
+        );
         assert!(s.routes.is_empty(), "route facts leave with their requests");
     }
 

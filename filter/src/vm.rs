@@ -13,13 +13,13 @@ use crate::openai::{self, TokenCounter};
 use crate::scheduler::{band_code, Scheduler, Slot, EVICTED, NO_ENDPOINT, OVERLOADED, REASONS};
 use crate::shared::{self, Lease, Store};
 use crate::wire::{decode_entry, encode_batch, RouteInfo, ToScheduler, ToWorker};
-use sluice_policies::bands::Criticality;
-use sluice_policies::overload::{LadderDecision, LoadSignals};
-use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel, MapType, MetricType, Status};
+use sluice_policies::bands::Criticality;
+use sluice_policies::overload::{LadderDecision, LoadSignals};
+use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -228,8 +228,7 @@ impl Vm {
     /// Sends to the scheduler now, together with the charges waiting for the
     /// next tick (so that it decides on fresh counters).
     fn send_to_scheduler(&mut self, msg: &ToScheduler) -> bool {
-        let bytes =
-            if self.pending.is_empty() { msg.encode() } else { encode_batch(self.pending.iter().chain([msg])) };
+        let bytes = if self.pending.is_empty() { msg.encode() } else { encode_batch(self.pending.iter().chain([msg])) };
         self.pending.clear();
         self.post_to_scheduler(&bytes)
     }
@@ -343,7 +342,8 @@ impl Vm {
         let n = self.endpoints();
         let upper = self.cfg.bounds.upper_per_backend * n as f64;
         let stock = shared::stock(&HostStore, n) as f64;
-        let records = if self.cfg.routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
+        let records =
+            if self.cfg.routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
         let kv: Vec<f64> = records.iter().filter_map(|r| r.metrics.as_ref().map(|m| m.kv_usage)).collect();
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
@@ -360,8 +360,7 @@ impl Vm {
         let n = cfg.endpoints.len();
         let now = now_ms();
         let routing = &cfg.routing;
-        let records =
-            if routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
+        let records = if routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
         // Full GPUs hold requests back; but never all of them, or nothing
         // would finish to trigger the next attempt.
         let saturated = !records.is_empty() && {
@@ -414,7 +413,11 @@ impl Vm {
             Some(Stream::Dispatched { tenant, band, endpoint }) => {
                 if upstream_failed {
                     let until = now_ms() + self.cfg.routing.quarantine_ms;
-                    log::warn!("endpoint {} failed a request; avoiding it for {} ms", self.cfg.endpoints[endpoint as usize], self.cfg.routing.quarantine_ms);
+                    log::warn!(
+                        "endpoint {} failed a request; avoiding it for {} ms",
+                        self.cfg.endpoints[endpoint as usize],
+                        self.cfg.routing.quarantine_ms
+                    );
                     shared::update_record(&HostStore, self.endpoints(), endpoint as usize, |r| {
                         r.quarantined_until_ms = r.quarantined_until_ms.max(until)
                     });
@@ -566,11 +569,16 @@ impl Vm {
         let resumed = arrival.is_some()
             && (endpoint as usize) < self.endpoints()
             && hostcalls::set_effective_context(ctx).is_ok()
-            && hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION, Some(&self.cfg.endpoints[endpoint as usize]))
-                .is_ok()
+            && hostcalls::set_map_value(
+                MapType::HttpRequestHeaders,
+                DESTINATION,
+                Some(&self.cfg.endpoints[endpoint as usize]),
+            )
+            .is_ok()
             && hostcalls::resume_http_request().is_ok();
         if resumed {
-            let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, .. }) = self.streams.remove(&ctx)
+            let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, .. }) =
+                self.streams.remove(&ctx)
             else {
                 unreachable!("checked above")
             };
@@ -601,11 +609,8 @@ impl Vm {
         self.metrics.inc(self.metrics.rejected[why.index()]);
         let body = openai::error_body(message, kind, reason);
         let retry = self.cfg.retry_after_s.to_string();
-        let headers = vec![
-            ("content-type", "application/json"),
-            ("retry-after", retry.as_str()),
-            (REJECT_REASON, reason),
-        ];
+        let headers =
+            vec![("content-type", "application/json"), ("retry-after", retry.as_str()), (REJECT_REASON, reason)];
         if let Err(e) = hostcalls::send_http_response(status, headers, Some(&body)) {
             log::warn!("could not send a {status} reply: {e:?}");
         }
@@ -659,7 +664,9 @@ impl Vm {
             _ => {
                 self.metrics.inc(self.metrics.scrapes_failed);
                 if !std::mem::replace(&mut self.logged_bad_metrics[endpoint], true) {
-                    log::warn!("scraping {address} failed or found no known metric; it is avoided until a scrape succeeds");
+                    log::warn!(
+                        "scraping {address} failed or found no known metric; it is avoided until a scrape succeeds"
+                    );
                 }
                 shared::update_record(&HostStore, n, endpoint, |r| r.failures = r.failures.saturating_add(1));
             }
@@ -783,10 +790,7 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let vm_id = self
-            .get_property(vec!["plugin_vm_id"])
-            .and_then(|b| String::from_utf8(b).ok())
-            .unwrap_or_default();
+        let vm_id = self.get_property(vec!["plugin_vm_id"]).and_then(|b| String::from_utf8(b).ok()).unwrap_or_default();
         let tick = cfg.tick_ms;
         let lease_ms = (20 * tick).max(1000);
         let mut vm = Vm {
@@ -899,7 +903,13 @@ impl HttpContext for Http {
             .get_http_request_header(&vm.cfg.tenant_header)
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| vm.cfg.default_tenant.clone());
-        self.session = vm.cfg.routing.session_header.as_deref().and_then(|h| self.get_http_request_header(h)).map(|v| hash_str(&v));
+        self.session = vm
+            .cfg
+            .routing
+            .session_header
+            .as_deref()
+            .and_then(|h| self.get_http_request_header(h))
+            .map(|v| hash_str(&v));
         // Criticality only from what the operator trusts: a header an upstream
         // filter sets (clients cannot reach it if that filter overwrites it), or the tenant table.
         self.band = vm
@@ -962,13 +972,10 @@ impl HttpContext for Http {
                 self.phase = Phase::Scheduled;
                 Action::Pause
             }
-            Admission::NoScheduler => {
-                self.answer(Reject::Scheduler(0), "no scheduler is available; retry later")
-            }
+            Admission::NoScheduler => self.answer(Reject::Scheduler(0), "no scheduler is available; retry later"),
             Admission::NoEndpoint => self.answer(Reject::Scheduler(NO_ENDPOINT), "no backend is healthy"),
-            Admission::Overloaded => {
-                self.answer(Reject::Scheduler(OVERLOADED), "the gateway is overloaded; long requests are refused for now")
-            }
+            Admission::Overloaded => self
+                .answer(Reject::Scheduler(OVERLOADED), "the gateway is overloaded; long requests are refused for now"),
         }
     }
 

@@ -294,7 +294,15 @@ mod tests {
     fn batches_round_trip_and_damage_spoils_the_whole_entry() {
         let msgs = vec![
             ToScheduler::Cancel { req: 1 },
-            ToScheduler::Charge { req: 2, band: 0, input_tokens: 3, max_tokens: 4, output_tokens: 5, done: false, tenant: "a".into() },
+            ToScheduler::Charge {
+                req: 2,
+                band: 0,
+                input_tokens: 3,
+                max_tokens: 4,
+                output_tokens: 5,
+                done: false,
+                tenant: "a".into(),
+            },
         ];
         let b = encode_batch(&msgs);
         assert_eq!(decode_entry(&b), Some(msgs.clone()));

@@ -151,9 +151,8 @@ pub fn deserialize_map(bytes: &[u8]) -> Option<HeaderMap> {
     if bytes.is_empty() {
         return Some(Vec::new());
     }
-    let rd = |at: usize| -> Option<usize> {
-        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
-    };
+    let rd =
+        |at: usize| -> Option<usize> { Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize) };
     let n = rd(0)?;
     let mut p = 4usize.checked_add(n.checked_mul(8)?)?;
     if p > bytes.len() {
@@ -178,18 +177,12 @@ pub fn deserialize_map(bytes: &[u8]) -> Option<HeaderMap> {
 /// Joins a serialised property path (segments separated by NUL) with dots, the way the harness
 /// names properties (`request.path`, `plugin_name`).
 pub fn property_path(bytes: &[u8]) -> String {
-    bytes
-        .split(|b| *b == 0)
-        .map(|s| String::from_utf8_lossy(s).into_owned())
-        .collect::<Vec<_>>()
-        .join(".")
+    bytes.split(|b| *b == 0).map(|s| String::from_utf8_lossy(s).into_owned()).collect::<Vec<_>>().join(".")
 }
 
 /// First value of `name` (case-insensitive) in a header map.
 pub fn header<'a>(map: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
-    map.iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_slice())
+    map.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
 }
 
 /// First value of `name` as UTF-8 text.
@@ -203,11 +196,8 @@ mod tests {
 
     #[test]
     fn map_round_trip_and_truncation() {
-        let m: HeaderMap = vec![
-            (":path".into(), b"/v1".to_vec()),
-            ("x-a".into(), b"".to_vec()),
-            ("x-a".into(), b"2".to_vec()),
-        ];
+        let m: HeaderMap =
+            vec![(":path".into(), b"/v1".to_vec()), ("x-a".into(), b"".to_vec()), ("x-a".into(), b"2".to_vec())];
         let b = serialize_map(&m);
         assert_eq!(deserialize_map(&b).unwrap(), m);
         assert!(deserialize_map(&b[..b.len() - 3]).is_none());

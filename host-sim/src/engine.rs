@@ -52,10 +52,7 @@ impl Default for GatewayConfig {
             tick_jitter_us: 0,
             queue_post_delay_us: 0,
             seed: 0,
-            reason_headers: vec![
-                "x-llm-d-request-dropped-reason".into(),
-                "x-sluice-reject-reason".into(),
-            ],
+            reason_headers: vec!["x-llm-d-request-dropped-reason".into(), "x-sluice-reject-reason".into()],
         }
     }
 }
@@ -116,15 +113,9 @@ impl ClientRequest {
             (":authority".to_string(), b"gateway".to_vec()),
             (":scheme".to_string(), b"http".to_vec()),
             ("content-type".to_string(), b"application/json".to_vec()),
-            (
-                "content-length".to_string(),
-                body.len().to_string().into_bytes(),
-            ),
+            ("content-length".to_string(), body.len().to_string().into_bytes()),
             ("x-request-id".to_string(), format!("req-{id}").into_bytes()),
-            (
-                tenant_header.to_ascii_lowercase(),
-                client.as_bytes().to_vec(),
-            ),
+            (tenant_header.to_ascii_lowercase(), client.as_bytes().to_vec()),
         ];
         ClientRequest {
             id,
@@ -185,8 +176,7 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// Time to first token, ms.
     pub fn ttft_ms(&self) -> Option<f64> {
-        self.first_token_us
-            .map(|t| (t - self.arrival_us) as f64 / 1000.0)
+        self.first_token_us.map(|t| (t - self.arrival_us) as f64 / 1000.0)
     }
 
     /// Time per output token after the first, ms.
@@ -325,11 +315,7 @@ impl Sim {
     /// Adds an upstream endpoint reachable as `addr` (`ip:port`).
     pub fn add_upstream(&mut self, addr: &str, up: Box<dyn Upstream>) {
         self.by_addr.insert(addr.to_string(), self.upstreams.len());
-        self.upstreams.push(UpstreamSlot {
-            addr: addr.to_string(),
-            up,
-            scheduled: None,
-        });
+        self.upstreams.push(UpstreamSlot { addr: addr.to_string(), up, scheduled: None });
     }
 
     /// Declares a cluster for `dispatch_http_call`.
@@ -399,9 +385,7 @@ impl Sim {
 
     /// An upstream by address.
     pub fn upstream(&self, addr: &str) -> Option<&dyn Upstream> {
-        self.by_addr
-            .get(addr)
-            .map(|&i| self.upstreams[i].up.as_ref())
+        self.by_addr.get(addr).map(|&i| self.upstreams[i].up.as_ref())
     }
 
     /// Records of all requests added so far, in the order they were added.
@@ -427,11 +411,7 @@ impl Sim {
 
     fn push(&mut self, at: u64, ev: Ev) {
         self.seq += 1;
-        self.heap.push(Reverse(Scheduled {
-            at: at.max(self.now),
-            seq: self.seq,
-            ev,
-        }));
+        self.heap.push(Reverse(Scheduled { at: at.max(self.now), seq: self.seq, ev }));
     }
 
     /// Runs until every request has ended (ticks alone do not keep the run going) or the
@@ -514,11 +494,7 @@ impl Sim {
     }
 
     /// Runs a stream callback; on a trap, fails the stream with a 500 and returns `None`.
-    fn stream_call(
-        &mut self,
-        i: usize,
-        f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>,
-    ) -> Option<i32> {
+    fn stream_call(&mut self, i: usize, f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>) -> Option<i32> {
         let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
         let r = f(&mut self.host, vm, ctx);
         match r {
@@ -549,8 +525,7 @@ impl Sim {
             500,
             "trap",
             Some(msg),
-            b"{\"error\":{\"message\":\"filter failure\",\"type\":\"server_error\",\"code\":500}}"
-                .to_vec(),
+            b"{\"error\":{\"message\":\"filter failure\",\"type\":\"server_error\",\"code\":500}}".to_vec(),
         );
     }
 
@@ -565,15 +540,9 @@ impl Sim {
             return;
         }
         let req = &self.streams[i].req;
-        let data = StreamData {
-            request_headers: req.headers.clone(),
-            ..Default::default()
-        };
-        let mut chunks: VecDeque<Vec<u8>> = req
-            .body
-            .chunks(self.cfg.body_chunk_bytes.max(1))
-            .map(|c| c.to_vec())
-            .collect();
+        let data = StreamData { request_headers: req.headers.clone(), ..Default::default() };
+        let mut chunks: VecDeque<Vec<u8>> =
+            req.body.chunks(self.cfg.body_chunk_bytes.max(1)).map(|c| c.to_vec()).collect();
         let has_trailers = req.trailers.is_some();
         let ctx = match self.host.create_http_context(vm, data) {
             Ok(ctx) => ctx,
@@ -699,12 +668,7 @@ impl Sim {
             return false;
         }
         // The old instance's streams cannot continue: their contexts die with it.
-        let open: Vec<usize> = self
-            .by_ctx
-            .iter()
-            .filter(|((v, _), _)| *v == vm)
-            .map(|(_, &i)| i)
-            .collect();
+        let open: Vec<usize> = self.by_ctx.iter().filter(|((v, _), _)| *v == vm).map(|(_, &i)| i).collect();
         for i in open {
             let why = Some("wasm VM reloaded".to_string());
             self.local_reply(i, 503, "vm_failed", why, b"wasm VM reloaded".to_vec());
@@ -737,39 +701,20 @@ impl Sim {
         if !self.streams[i].req_eos {
             return;
         }
-        let headers = self
-            .host
-            .stream_mut(vm, ctx)
-            .map(|sd| sd.request_headers.clone())
-            .unwrap_or_default();
+        let headers = self.host.stream_mut(vm, ctx).map(|sd| sd.request_headers.clone()).unwrap_or_default();
         let dest = abi::header_str(&headers, &self.cfg.route_header).map(str::to_string);
         let Some(u) = dest.as_ref().and_then(|d| self.by_addr.get(d)).copied() else {
             let why = match dest {
-                None => format!(
-                    "no {} header: ORIGINAL_DST has no host",
-                    self.cfg.route_header
-                ),
+                None => format!("no {} header: ORIGINAL_DST has no host", self.cfg.route_header),
                 Some(d) => format!("endpoint {d} is not a known upstream"),
             };
-            self.host.host_log(
-                vm,
-                ctx,
-                LogLevel::Warn,
-                format!("request {}: {why}", self.streams[i].req.id),
-            );
-            self.local_reply(
-                i,
-                503,
-                "no_route",
-                Some(why),
-                b"no healthy upstream".to_vec(),
-            );
+            self.host.host_log(vm, ctx, LogLevel::Warn, format!("request {}: {why}", self.streams[i].req.id));
+            self.local_reply(i, 503, "no_route", Some(why), b"no healthy upstream".to_vec());
             return;
         };
         let addr = self.upstreams[u].addr.clone();
         if let Some(sd) = self.host.stream_mut(vm, ctx) {
-            sd.properties
-                .insert("upstream.address".into(), addr.clone().into_bytes());
+            sd.properties.insert("upstream.address".into(), addr.clone().into_bytes());
         }
         let s = &mut self.streams[i];
         s.upstream = Some(u);
@@ -822,12 +767,7 @@ impl Sim {
                     self.resp_headers(i, headers, eos);
                 }
             }
-            UpstreamEvent::Body {
-                id,
-                data,
-                tokens,
-                eos,
-            } => {
+            UpstreamEvent::Body { id, data, tokens, eos } => {
                 let i = id as usize;
                 if !self.streams[i].done {
                     self.resp_body(i, data, tokens, eos);
@@ -847,19 +787,16 @@ impl Sim {
                 };
                 let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
                 if let Some(sd) = self.host.stream_mut(vm, ctx) {
-                    sd.properties
-                        .insert("response.code_details".into(), details.to_vec());
+                    sd.properties.insert("response.code_details".into(), details.to_vec());
                 }
                 if !self.streams[i].got_resp_headers {
                     // Envoy's router answers 503 itself; the reply passes the filter's encode path.
-                    let body = b"upstream connect error or disconnect/reset before headers. reset reason: remote reset".to_vec();
+                    let body = b"upstream connect error or disconnect/reset before headers. reset reason: remote reset"
+                        .to_vec();
                     self.streams[i].rec.outcome = "upstream_reset";
                     self.resp_headers(
                         i,
-                        vec![
-                            (":status".into(), b"503".to_vec()),
-                            ("content-type".into(), b"text/plain".to_vec()),
-                        ],
+                        vec![(":status".into(), b"503".to_vec()), ("content-type".into(), b"text/plain".to_vec())],
                         false,
                     );
                     if !self.streams[i].done {
@@ -867,8 +804,7 @@ impl Sim {
                     }
                 } else {
                     self.streams[i].rec.outcome = "upstream_reset";
-                    self.streams[i].rec.reason =
-                        Some("upstream reset after response headers".into());
+                    self.streams[i].rec.reason = Some("upstream reset after response headers".into());
                     self.end_stream(i);
                 }
             }
@@ -924,8 +860,7 @@ impl Sim {
 
     /// Delivers to the client what the filter released.
     fn resp_flush(&mut self, i: usize) {
-        if self.streams[i].done || self.streams[i].resp_paused || !self.streams[i].got_resp_headers
-        {
+        if self.streams[i].done || self.streams[i].resp_paused || !self.streams[i].got_resp_headers {
             return;
         }
         let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
@@ -965,11 +900,7 @@ impl Sim {
         }
         if s.resp_eos {
             if s.rec.outcome == "unfinished" {
-                s.rec.outcome = if (200..300).contains(&s.rec.status) {
-                    "ok"
-                } else {
-                    "upstream_error"
-                };
+                s.rec.outcome = if (200..300).contains(&s.rec.status) { "ok" } else { "upstream_error" };
             }
             s.upstream = None;
             self.end_stream(i);
@@ -977,14 +908,7 @@ impl Sim {
     }
 
     /// Answers the client directly (filter local reply, trap, no route).
-    fn local_reply(
-        &mut self,
-        i: usize,
-        status: u16,
-        outcome: &'static str,
-        reason: Option<String>,
-        body: Vec<u8>,
-    ) {
+    fn local_reply(&mut self, i: usize, status: u16, outcome: &'static str, reason: Option<String>, body: Vec<u8>) {
         if self.streams[i].done {
             return;
         }
@@ -1038,12 +962,7 @@ impl Sim {
                 self.streams[i].rec.outcome = "filter_reset";
                 self.end_stream(i);
             }
-            StreamAction::LocalReply {
-                status,
-                details,
-                headers,
-                body,
-            } => {
+            StreamAction::LocalReply { status, details, headers, body } => {
                 let reason = self
                     .cfg
                     .reason_headers
@@ -1113,17 +1032,11 @@ impl Sim {
     fn start_call(&mut self, call: HttpCallOut) {
         let resp = match call.endpoint.as_ref().and_then(|e| self.by_addr.get(e)) {
             Some(&u) => {
-                let (h, b) = self.upstreams[u]
-                    .up
-                    .handle_call(self.now, &call.headers, &call.body);
+                let (h, b) = self.upstreams[u].up.handle_call(self.now, &call.headers, &call.body);
                 Some((h, b, Vec::new()))
             }
             // Envoy's async client reports "no healthy upstream" as a 503 response.
-            None => Some((
-                vec![(":status".into(), b"503".to_vec())],
-                b"no healthy upstream".to_vec(),
-                Vec::new(),
-            )),
+            None => Some((vec![(":status".into(), b"503".to_vec())], b"no healthy upstream".to_vec(), Vec::new())),
         };
         let latency = self.cfg.call_latency_us;
         let (at, resp) = if call.timeout_ms > 0 && latency > call.timeout_ms as u64 * 1000 {

@@ -7,17 +7,15 @@
 
 use crate::abi::LogLevel;
 use crate::state::{
-    CallResponse, Cluster, Context, HttpCallOut, LogRecord, Metric, Process, QueuePost,
-    StreamAction, StreamData, VmState,
+    CallResponse, Cluster, Context, HttpCallOut, LogRecord, Metric, Process, QueuePost, StreamAction, StreamData,
+    VmState,
 };
 use anyhow::{bail, Context as _, Result};
 use rand::SeedableRng;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use wasmtime::{
-    Config, Engine, InstancePre, Linker, Module, Store, TypedFunc, WasmParams, WasmResults,
-};
+use wasmtime::{Config, Engine, InstancePre, Linker, Module, Store, TypedFunc, WasmParams, WasmResults};
 
 /// How the plugin is deployed: Envoy's `PluginConfig` / `VmConfig` plus the thread count.
 #[derive(Clone, Debug)]
@@ -157,8 +155,7 @@ fn compile(wasm: &[u8]) -> Result<Module> {
         cfg.wasm_backtrace_details(wasmtime::WasmBacktraceDetails::Enable);
         Engine::new(&cfg).expect("wasmtime engine")
     });
-    let module = Module::new(engine, wasm)
-        .map_err(|e| anyhow::anyhow!("compiling the wasm module: {e:?}"))?;
+    let module = Module::new(engine, wasm).map_err(|e| anyhow::anyhow!("compiling the wasm module: {e:?}"))?;
     cache.push((wasm.to_vec(), module.clone()));
     Ok(module)
 }
@@ -177,10 +174,7 @@ impl Host {
     pub fn new(wasm: &[u8], spec: &PluginSpec) -> Result<Host> {
         let module = compile(wasm)?;
         let engine = module.engine().clone();
-        let abi = module
-            .exports()
-            .find(|e| e.name().starts_with("proxy_abi_version_"))
-            .map(|e| e.name().to_string());
+        let abi = module.exports().find(|e| e.name().starts_with("proxy_abi_version_")).map(|e| e.name().to_string());
         match abi.as_deref() {
             Some("proxy_abi_version_0_2_1") | Some("proxy_abi_version_0_2_0") => {}
             Some(other) => {
@@ -231,8 +225,7 @@ impl Host {
             reloads: 0,
         };
         for vm in 0..=spec.workers {
-            host.start_vm(vm)
-                .with_context(|| format!("starting VM {vm}"))?;
+            host.start_vm(vm).with_context(|| format!("starting VM {vm}"))?;
         }
         Ok(host)
     }
@@ -242,8 +235,7 @@ impl Host {
     /// shared data and shared queues, which live in the process, survive.
     pub fn reload_vm(&mut self, vm: usize) -> Result<()> {
         self.reloads += 1;
-        self.start_vm(vm)
-            .with_context(|| format!("reloading VM {vm}"))
+        self.start_vm(vm).with_context(|| format!("reloading VM {vm}"))
     }
 
     /// Whether a VM has trapped (and not been reloaded since). Envoy makes no further calls
@@ -284,15 +276,11 @@ impl Host {
         let mut store = Store::new(pre.module().engine(), state);
         store.set_fuel(self.fuel)?;
         let inst = pre.instantiate(&mut store)?;
-        let memory = inst
-            .get_memory(&mut store, "memory")
-            .context("module exports no memory")?;
+        let memory = inst.get_memory(&mut store, "memory").context("module exports no memory")?;
         let malloc = inst
             .get_typed_func::<i32, i32>(&mut store, "proxy_on_memory_allocate")
             .or_else(|_| inst.get_typed_func::<i32, i32>(&mut store, "malloc"))
-            .map_err(|_| {
-                anyhow::anyhow!("module exports neither proxy_on_memory_allocate nor malloc")
-            })?;
+            .map_err(|_| anyhow::anyhow!("module exports neither proxy_on_memory_allocate nor malloc"))?;
         store.data_mut().memory = Some(memory);
         store.data_mut().malloc = Some(malloc);
         macro_rules! f {
@@ -317,10 +305,8 @@ impl Host {
             on_delete: f!("proxy_on_delete"),
             on_http_call_response: f!("proxy_on_http_call_response"),
         };
-        let init: Option<TypedFunc<(), ()>> = inst
-            .get_typed_func(&mut store, "_initialize")
-            .or_else(|_| inst.get_typed_func(&mut store, "_start"))
-            .ok();
+        let init: Option<TypedFunc<(), ()>> =
+            inst.get_typed_func(&mut store, "_initialize").or_else(|_| inst.get_typed_func(&mut store, "_start")).ok();
         if vm < self.vms.len() {
             self.vms[vm] = Vm { store, ex };
             self.failed[vm] = false;
@@ -330,21 +316,12 @@ impl Host {
             self.proc.borrow_mut().alive.push(true);
         }
         if let Some(init) = init {
-            self.invoke(vm, 0, "_initialize", init, ())
-                .map_err(|t| anyhow::anyhow!("{t}"))?;
+            self.invoke(vm, 0, "_initialize", init, ()).map_err(|t| anyhow::anyhow!("{t}"))?;
         }
         let root = self.vms[vm].store.data().root_id;
         self.vms[vm].store.data_mut().next_context = root + 1;
-        self.vms[vm].store.data_mut().contexts.insert(
-            root,
-            Context::Root {
-                properties: BTreeMap::new(),
-            },
-        );
-        let (vm_cfg_len, plugin_cfg_len) = (
-            spec.vm_configuration.len() as i32,
-            spec.configuration.len() as i32,
-        );
+        self.vms[vm].store.data_mut().contexts.insert(root, Context::Root { properties: BTreeMap::new() });
+        let (vm_cfg_len, plugin_cfg_len) = (spec.vm_configuration.len() as i32, spec.configuration.len() as i32);
         let ex = self.vms[vm].ex.clone();
         if let Some(f) = ex.on_context_create {
             self.invoke(vm, root, "proxy_on_context_create", f, (root as i32, 0))
@@ -360,22 +337,10 @@ impl Host {
         }
         if let Some(f) = ex.on_configure {
             let ok = self
-                .invoke(
-                    vm,
-                    root,
-                    "proxy_on_configure",
-                    f,
-                    (root as i32, plugin_cfg_len),
-                )
+                .invoke(vm, root, "proxy_on_configure", f, (root as i32, plugin_cfg_len))
                 .map_err(|t| anyhow::anyhow!("{t}"))?;
             if ok == 0 {
-                let tail: Vec<String> = self
-                    .logs()
-                    .iter()
-                    .rev()
-                    .take(3)
-                    .map(|l| l.message.clone())
-                    .collect();
+                let tail: Vec<String> = self.logs().iter().rev().take(3).map(|l| l.message.clone()).collect();
                 bail!("on_configure returned false (the plugin rejected its configuration); last logs: {tail:?}");
             }
         }
@@ -393,13 +358,7 @@ impl Host {
     ) -> Result<R, Trap> {
         if self.failed[vm] {
             let time_us = self.proc.borrow().now_us;
-            return Err(Trap {
-                time_us,
-                vm,
-                context_id: ctx,
-                callback: name,
-                message: VM_FAILED.into(),
-            });
+            return Err(Trap { time_us, vm, context_id: ctx, callback: name, message: VM_FAILED.into() });
         }
         let v = &mut self.vms[vm];
         assert!(!v.store.data().in_call, "re-entrant VM call into {name}");
@@ -413,16 +372,8 @@ impl Host {
         d.call_response = None;
         r.map_err(|e| {
             let time_us = self.proc.borrow().now_us;
-            let t = Trap {
-                time_us,
-                vm,
-                context_id: ctx,
-                callback: name,
-                message: format!("{e:?}"),
-            };
-            self.proc
-                .borrow_mut()
-                .log(vm, ctx, LogLevel::Critical, "host", t.to_string());
+            let t = Trap { time_us, vm, context_id: ctx, callback: name, message: format!("{e:?}") };
+            self.proc.borrow_mut().log(vm, ctx, LogLevel::Critical, "host", t.to_string());
             self.traps.push(t.clone());
             self.failed[vm] = true;
             t
@@ -451,18 +402,12 @@ impl Host {
 
     /// Declares a cluster that `proxy_http_call` can name.
     pub fn add_cluster(&mut self, name: &str, cluster: Cluster) {
-        self.proc
-            .borrow_mut()
-            .clusters
-            .insert(name.to_string(), (cluster, 0));
+        self.proc.borrow_mut().clusters.insert(name.to_string(), (cluster, 0));
     }
 
     /// Sets a process-wide property readable with `proxy_get_property` (dot-joined path).
     pub fn set_property(&mut self, path: &str, value: &[u8]) {
-        self.proc
-            .borrow_mut()
-            .properties
-            .insert(path.to_string(), value.to_vec());
+        self.proc.borrow_mut().properties.insert(path.to_string(), value.to_vec());
     }
 
     /// Creates an HTTP context on `vm` for a new stream and returns its id.
@@ -473,13 +418,7 @@ impl Host {
         let root = d.root_id;
         d.contexts.insert(id, Context::Http(Box::new(data)));
         if let Some(f) = self.vms[vm].ex.on_context_create.clone() {
-            self.invoke(
-                vm,
-                id,
-                "proxy_on_context_create",
-                f,
-                (id as i32, root as i32),
-            )?;
+            self.invoke(vm, id, "proxy_on_context_create", f, (id as i32, root as i32))?;
         }
         Ok(id)
     }
@@ -528,9 +467,7 @@ impl Host {
 
     /// `proxy_on_request_headers`; returns the action (0 continue, 1 pause).
     pub fn on_request_headers(&mut self, vm: usize, ctx: u32, eos: bool) -> Result<i32, Trap> {
-        let n = self
-            .stream_mut(vm, ctx)
-            .map_or(0, |s| s.request_headers.len()) as i32;
+        let n = self.stream_mut(vm, ctx).map_or(0, |s| s.request_headers.len()) as i32;
         let f = self.vms[vm].ex.on_request_headers.clone();
         self.action_call3(vm, ctx, "proxy_on_request_headers", f, n, eos)
     }
@@ -544,39 +481,29 @@ impl Host {
 
     /// `proxy_on_request_trailers`.
     pub fn on_request_trailers(&mut self, vm: usize, ctx: u32) -> Result<i32, Trap> {
-        let n = self
-            .stream_mut(vm, ctx)
-            .and_then(|s| s.request_trailers.as_ref().map(|t| t.len()))
-            .unwrap_or(0) as i32;
+        let n = self.stream_mut(vm, ctx).and_then(|s| s.request_trailers.as_ref().map(|t| t.len())).unwrap_or(0) as i32;
         let f = self.vms[vm].ex.on_request_trailers.clone();
         self.action_call2(vm, ctx, "proxy_on_request_trailers", f, n)
     }
 
     /// `proxy_on_response_headers`.
     pub fn on_response_headers(&mut self, vm: usize, ctx: u32, eos: bool) -> Result<i32, Trap> {
-        let n = self
-            .stream_mut(vm, ctx)
-            .and_then(|s| s.response_headers.as_ref().map(|t| t.len()))
-            .unwrap_or(0) as i32;
+        let n = self.stream_mut(vm, ctx).and_then(|s| s.response_headers.as_ref().map(|t| t.len())).unwrap_or(0) as i32;
         let f = self.vms[vm].ex.on_response_headers.clone();
         self.action_call3(vm, ctx, "proxy_on_response_headers", f, n, eos)
     }
 
     /// `proxy_on_response_body` with the size of the stream's current `response_body`.
     pub fn on_response_body(&mut self, vm: usize, ctx: u32, eos: bool) -> Result<i32, Trap> {
-        let n = self
-            .stream_mut(vm, ctx)
-            .map_or(0, |s| s.response_body.len()) as i32;
+        let n = self.stream_mut(vm, ctx).map_or(0, |s| s.response_body.len()) as i32;
         let f = self.vms[vm].ex.on_response_body.clone();
         self.action_call3(vm, ctx, "proxy_on_response_body", f, n, eos)
     }
 
     /// `proxy_on_response_trailers`.
     pub fn on_response_trailers(&mut self, vm: usize, ctx: u32) -> Result<i32, Trap> {
-        let n = self
-            .stream_mut(vm, ctx)
-            .and_then(|s| s.response_trailers.as_ref().map(|t| t.len()))
-            .unwrap_or(0) as i32;
+        let n =
+            self.stream_mut(vm, ctx).and_then(|s| s.response_trailers.as_ref().map(|t| t.len())).unwrap_or(0) as i32;
         let f = self.vms[vm].ex.on_response_trailers.clone();
         self.action_call2(vm, ctx, "proxy_on_response_trailers", f, n)
     }
@@ -645,30 +572,18 @@ impl Host {
 
     /// Delivers an http-call response (`None` = failure: reset, timeout or no host, delivered
     /// as zero headers, as Envoy does). Dropped if the calling context is gone.
-    pub fn on_http_call_response(
-        &mut self,
-        call: &HttpCallOut,
-        response: Option<CallResponse>,
-    ) -> Result<(), Trap> {
+    pub fn on_http_call_response(&mut self, call: &HttpCallOut, response: Option<CallResponse>) -> Result<(), Trap> {
         if !self.proc.borrow().alive[call.vm] || !self.has_context(call.vm, call.context_id) {
             return Ok(());
         }
         let Some(f) = self.vms[call.vm].ex.on_http_call_response.clone() else {
             return Ok(());
         };
-        let (nh, nb, nt) = response
-            .as_ref()
-            .map_or((0, 0, 0), |r| (r.0.len(), r.1.len(), r.2.len()));
+        let (nh, nb, nt) = response.as_ref().map_or((0, 0, 0), |r| (r.0.len(), r.1.len(), r.2.len()));
         let vm = call.vm;
         let v = &mut self.vms[vm];
         v.store.data_mut().call_response = response;
-        let args = (
-            call.context_id as i32,
-            call.token as i32,
-            nh as i32,
-            nb as i32,
-            nt as i32,
-        );
+        let args = (call.context_id as i32, call.token as i32, nh as i32, nb as i32, nt as i32);
         self.invoke(vm, call.context_id, "proxy_on_http_call_response", f, args)
     }
 
@@ -710,13 +625,7 @@ impl Host {
 
     /// Log messages containing `needle`, for assertions.
     pub fn log_lines(&self, needle: &str) -> Vec<LogRecord> {
-        self.proc
-            .borrow()
-            .logs
-            .iter()
-            .filter(|l| l.message.contains(needle))
-            .cloned()
-            .collect()
+        self.proc.borrow().logs.iter().filter(|l| l.message.contains(needle)).cloned().collect()
     }
 
     /// Metrics defined by the module, in definition order.
@@ -726,21 +635,12 @@ impl Host {
 
     /// One metric by name.
     pub fn metric(&self, name: &str) -> Option<Metric> {
-        self.proc
-            .borrow()
-            .metrics
-            .iter()
-            .find(|m| m.name == name)
-            .cloned()
+        self.proc.borrow().metrics.iter().find(|m| m.name == name).cloned()
     }
 
     /// A shared-data entry (value, cas).
     pub fn shared_data(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.proc
-            .borrow()
-            .shared
-            .get(key)
-            .map(|e| (e.value.clone(), e.cas))
+        self.proc.borrow().shared.get(key).map(|e| (e.value.clone(), e.cas))
     }
 
     /// All shared-data keys.

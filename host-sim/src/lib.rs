@@ -87,6 +87,4 @@ pub use host::{FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
 pub use report::Report;
 pub use scenario::Scenario;
 pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
-pub use upstream::{
-    GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest,
-};
+pub use upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};

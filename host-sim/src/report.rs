@@ -99,8 +99,7 @@ pub struct SloReport {
 
 impl Slo {
     fn met(&self, r: &RequestRecord) -> bool {
-        let within =
-            |lim: Option<f64>, v: Option<f64>| lim.is_none_or(|l| v.is_some_and(|v| v <= l));
+        let within = |lim: Option<f64>, v: Option<f64>| lim.is_none_or(|l| v.is_some_and(|v| v <= l));
         r.outcome == "ok"
             && within(self.ttft_ms, r.ttft_ms())
             && within(self.e2e_ms, r.e2e_ms())
@@ -127,10 +126,7 @@ pub const SERVICE_WINDOW_S: u64 = 30;
 /// Sampling step of the service-rate series, seconds.
 pub const SERVICE_SAMPLE_S: u64 = 10;
 
-fn service_rate(
-    buckets: &BTreeMap<String, Vec<u64>>,
-    end_s: u64,
-) -> BTreeMap<String, Vec<(u64, f64)>> {
+fn service_rate(buckets: &BTreeMap<String, Vec<u64>>, end_s: u64) -> BTreeMap<String, Vec<(u64, f64)>> {
     let t = SERVICE_WINDOW_S;
     buckets
         .iter()
@@ -148,20 +144,13 @@ fn service_rate(
         .collect()
 }
 
-fn service_difference(
-    buckets: &BTreeMap<String, Vec<u64>>,
-    recs: &[RequestRecord],
-    end_s: u64,
-) -> ServiceDifference {
+fn service_difference(buckets: &BTreeMap<String, Vec<u64>>, recs: &[RequestRecord], end_s: u64) -> ServiceDifference {
     let clients: Vec<&String> = buckets.keys().collect();
     let mut acc = vec![0u64; clients.len()];
     // Per client, its requests' [arrival, end) intervals in µs.
     let mut spans: BTreeMap<&str, Vec<(u64, u64)>> = BTreeMap::new();
     for r in recs {
-        spans
-            .entry(r.client.as_str())
-            .or_default()
-            .push((r.arrival_us, r.end_us.unwrap_or(u64::MAX)));
+        spans.entry(r.client.as_str()).or_default().push((r.arrival_us, r.end_us.unwrap_or(u64::MAX)));
     }
     let mut diffs = Vec::new();
     for sec in 0..=end_s {
@@ -172,17 +161,11 @@ fn service_difference(
         let backlogged: Vec<u64> = clients
             .iter()
             .enumerate()
-            .filter(|(_, c)| {
-                spans
-                    .get(c.as_str())
-                    .is_some_and(|v| v.iter().any(|&(a, e)| a <= t && t < e))
-            })
+            .filter(|(_, c)| spans.get(c.as_str()).is_some_and(|v| v.iter().any(|&(a, e)| a <= t && t < e)))
             .map(|(i, _)| acc[i])
             .collect();
         if backlogged.len() >= 2 {
-            let (lo, hi) = backlogged
-                .iter()
-                .fold((u64::MAX, 0), |(l, h), &x| (l.min(x), h.max(x)));
+            let (lo, hi) = backlogged.iter().fold((u64::MAX, 0), |(l, h), &x| (l.min(x), h.max(x)));
             diffs.push((hi - lo) as f64);
         }
     }
@@ -321,11 +304,7 @@ impl Report {
                     } else {
                         0.0
                     },
-                    busy_fraction: if end > 0 {
-                        round3(m.busy_us as f64 / end as f64)
-                    } else {
-                        0.0
-                    },
+                    busy_fraction: if end > 0 { round3(m.busy_us as f64 / end as f64) } else { 0.0 },
                 })
             })
             .collect();
@@ -355,12 +334,7 @@ impl Report {
                 })
                 .collect(),
             backends,
-            filter_metrics: sim
-                .host()
-                .metrics()
-                .into_iter()
-                .map(|m| (m.name, m.value))
-                .collect(),
+            filter_metrics: sim.host().metrics().into_iter().map(|m| (m.name, m.value)).collect(),
             slo: None,
             traps: sim.host().traps().len(),
             events: sim.events_run(),
@@ -377,11 +351,7 @@ impl Report {
             slo: slo.clone(),
             attained,
             attainment: round3(attained as f64 / n),
-            goodput_rps: if dur > 0.0 {
-                round3(attained as f64 / dur)
-            } else {
-                0.0
-            },
+            goodput_rps: if dur > 0.0 { round3(attained as f64 / dur) } else { 0.0 },
         });
         self
     }
@@ -397,11 +367,7 @@ pub fn records_csv(recs: &[RequestRecord]) -> String {
     let mut out = String::from("id,client,worker,arrival_us,prompt_tokens,output_tokens,status,outcome,reason,endpoint,dispatched_us,first_token_us,last_token_us,end_us,tokens_received,preemptions\n");
     let o = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_default();
     for r in recs {
-        let reason = r
-            .reason
-            .clone()
-            .unwrap_or_default()
-            .replace(['"', ',', '\n'], " ");
+        let reason = r.reason.clone().unwrap_or_default().replace(['"', ',', '\n'], " ");
         out.push_str(&format!(
             "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
             r.id,
@@ -426,12 +392,7 @@ pub fn records_csv(recs: &[RequestRecord]) -> String {
 }
 
 /// A line chart as standalone SVG: one polyline per series, axes with min/max labels.
-pub fn svg_lines(
-    title: &str,
-    x_label: &str,
-    y_label: &str,
-    series: &BTreeMap<String, Vec<(f64, f64)>>,
-) -> String {
+pub fn svg_lines(title: &str, x_label: &str, y_label: &str, series: &BTreeMap<String, Vec<(f64, f64)>>) -> String {
     const W: f64 = 900.0;
     const H: f64 = 500.0;
     const L: f64 = 70.0;
@@ -440,17 +401,10 @@ pub fn svg_lines(
     const B: f64 = 50.0;
     let pts = series.values().flatten();
     let (x1, y1) = pts.fold((0.0f64, 0.0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
-    let (x1, y1) = (
-        if x1 > 0.0 { x1 } else { 1.0 },
-        if y1 > 0.0 { y1 * 1.05 } else { 1.0 },
-    );
+    let (x1, y1) = (if x1 > 0.0 { x1 } else { 1.0 }, if y1 > 0.0 { y1 * 1.05 } else { 1.0 });
     let sx = |x: f64| L + x / x1 * (W - L - R);
     let sy = |y: f64| H - B - y / y1 * (H - T - B);
-    let esc = |t: &str| {
-        t.replace('&', "&amp;")
-            .replace('<', "&lt;")
-            .replace('>', "&gt;")
-    };
+    let esc = |t: &str| t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
     let mut out = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"22\" font-size=\"16\" text-anchor=\"middle\">{}</text>\n",
         W / 2.0,
@@ -470,14 +424,17 @@ pub fn svg_lines(
         esc(x_label),
         x1
     );
-    out += &format!("<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">{} (0 to {:.1})</text>\n", H / 2.0, H / 2.0, esc(y_label), y1);
+    out += &format!(
+        "<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">{} (0 to {:.1})</text>\n",
+        H / 2.0,
+        H / 2.0,
+        esc(y_label),
+        y1
+    );
     for (k, (name, pts)) in series.iter().enumerate() {
         // Evenly spaced hues, deterministic per series index.
         let color = format!("hsl({},70%,45%)", (k * 137) % 360);
-        let path: Vec<String> = pts
-            .iter()
-            .map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y)))
-            .collect();
+        let path: Vec<String> = pts.iter().map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y))).collect();
         out += &format!(
             "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
             path.join(" ")
@@ -503,12 +460,7 @@ impl Report {
             .iter()
             .map(|(c, v)| (c.clone(), v.iter().map(|(t, r)| (*t as f64, *r)).collect()))
             .collect();
-        svg_lines(
-            "Service rate per client, W(t-30s, t+30s) / 60s",
-            "time (s)",
-            "service units / s",
-            &series,
-        )
+        svg_lines("Service rate per client, W(t-30s, t+30s) / 60s", "time (s)", "service units / s", &series)
     }
 }
 
@@ -517,18 +469,10 @@ pub fn latency_svg(recs: &[RequestRecord]) -> String {
     let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for r in recs.iter().filter(|r| r.outcome == "ok") {
         if let Some(e) = r.e2e_ms() {
-            series
-                .entry(r.client.clone())
-                .or_default()
-                .push((r.arrival_us as f64 / 1e6, e / 1000.0));
+            series.entry(r.client.clone()).or_default().push((r.arrival_us as f64 / 1e6, e / 1000.0));
         }
     }
-    svg_lines(
-        "Response time per client",
-        "arrival (s)",
-        "end-to-end latency (s)",
-        &series,
-    )
+    svg_lines("Response time per client", "arrival (s)", "end-to-end latency (s)", &series)
 }
 
 #[cfg(test)]
@@ -538,10 +482,7 @@ mod tests {
     #[test]
     fn nearest_rank_percentiles() {
         let s = Stats::of((1..=100).map(|x| x as f64).collect());
-        assert_eq!(
-            (s.n, s.p50, s.p90, s.p99, s.max, s.mean),
-            (100, 50.0, 90.0, 99.0, 100.0, 50.5)
-        );
+        assert_eq!((s.n, s.p50, s.p90, s.p99, s.max, s.mean), (100, 50.0, 90.0, 99.0, 100.0, 50.5));
         assert_eq!(Stats::of(vec![]), Stats::default());
     }
 
@@ -576,15 +517,7 @@ mod tests {
         let recs = vec![rec("a", 0, 10), rec("b", 0, 3)];
         let d = service_difference(&b, &recs, 3);
         // Samples at t = 1, 2 s (b ends at 3 s): differences 6 and 12.
-        assert_eq!(
-            d,
-            ServiceDifference {
-                samples: 2,
-                max: 12.0,
-                avg: 9.0,
-                var: 9.0
-            }
-        );
+        assert_eq!(d, ServiceDifference { samples: 2, max: 12.0, avg: 9.0, var: 9.0 });
         let r = service_rate(&b, 10);
         assert_eq!(r["a"][0], (0, round3(40.0 / 60.0)));
         assert_eq!(r["a"].len(), 2);

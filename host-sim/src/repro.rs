@@ -18,9 +18,7 @@
 //!   bypass the queue (stock under the watermark, nothing queued) are not rate limited by
 //!   the filter, so RPM limits less than the seed's when the GPU is not saturated.
 
-use crate::engine::{
-    ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT,
-};
+use crate::engine::{ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT};
 use crate::report::{svg_lines, Report};
 use crate::scenario::Scenario;
 use crate::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
@@ -55,10 +53,7 @@ pub struct PolicyCase {
 impl PolicyCase {
     /// A case from a label and a `policy` value.
     pub fn new(label: &str, policy: Value) -> PolicyCase {
-        PolicyCase {
-            label: label.to_string(),
-            policy,
-        }
+        PolicyCase { label: label.to_string(), policy }
     }
     /// First come, first served.
     pub fn fcfs() -> PolicyCase {
@@ -66,10 +61,7 @@ impl PolicyCase {
     }
     /// Per-client requests-per-minute limit.
     pub fn rpm(n: u32) -> PolicyCase {
-        Self::new(
-            &format!("RPM({n})"),
-            json!({"policy": "rpm", "requests_per_minute": n}),
-        )
+        Self::new(&format!("RPM({n})"), json!({"policy": "rpm", "requests_per_minute": n}))
     }
     /// Least counter first.
     pub fn lcf() -> PolicyCase {
@@ -133,15 +125,7 @@ pub struct Phase {
 impl Phase {
     /// Constant rate over `[start_s, end_s)` with fixed lengths.
     pub fn uniform(start_s: f64, end_s: f64, rate: f64, prompt: u32, output: u32) -> Phase {
-        Phase {
-            start_s,
-            end_s,
-            rate,
-            ramp_to: None,
-            on_off_s: None,
-            prompt_tokens: prompt,
-            output_tokens: output,
-        }
+        Phase { start_s, end_s, rate, ramp_to: None, on_off_s: None, prompt_tokens: prompt, output_tokens: output }
     }
     /// The same phase, sending only in even periods of `period_s`.
     pub fn on_off(mut self, period_s: f64) -> Phase {
@@ -269,13 +253,7 @@ pub struct ReproOptions {
 
 impl Default for ReproOptions {
     fn default() -> Self {
-        ReproOptions {
-            quick: false,
-            seed: 1,
-            workers: 2,
-            watermark: None,
-            rpm_ttl_ms: 0,
-        }
+        ReproOptions { quick: false, seed: 1, workers: 2, watermark: None, rpm_ttl_ms: 0 }
     }
 }
 
@@ -306,11 +284,7 @@ pub fn default_watermark(items: &[WorkItem]) -> u32 {
     if items.is_empty() {
         return 24;
     }
-    let mean = items
-        .iter()
-        .map(|w| (w.prompt_tokens + w.output_tokens) as f64)
-        .sum::<f64>()
-        / items.len() as f64;
+    let mean = items.iter().map(|w| (w.prompt_tokens + w.output_tokens) as f64).sum::<f64>() / items.len() as f64;
     ((KV_TOKENS / mean).ceil() as u32 + 4).clamp(8, 96)
 }
 
@@ -331,25 +305,20 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
     let mut out = Vec::new();
 
     let dur = d(360.0);
-    out.push(ReproWorkload::new(
-        "overload",
-        "Two overloaded clients: 90 and 180 req/min, uniform, 256 in / 256 out (Fig. 3, Tables 4-5)",
-        two(vec![u(0.0, dur, 1.5, 256, 256)], vec![u(0.0, dur, 3.0, 256, 256)]),
-        t2(),
-    ).backlogged());
+    out.push(
+        ReproWorkload::new(
+            "overload",
+            "Two overloaded clients: 90 and 180 req/min, uniform, 256 in / 256 out (Fig. 3, Tables 4-5)",
+            two(vec![u(0.0, dur, 1.5, 256, 256)], vec![u(0.0, dur, 3.0, 256, 256)]),
+            t2(),
+        )
+        .backlogged(),
+    );
 
     let dur = d(600.0);
     let mut v = uniform_client("client1", &[u(0.0, dur, 0.25, 256, 256)], s);
-    v.extend(uniform_client(
-        "client2",
-        &[u(0.0, dur, 0.5, 256, 256)],
-        s + 1,
-    ));
-    v.extend(uniform_client(
-        "client3",
-        &[u(0.0, dur, 1.5, 256, 256)],
-        s + 2,
-    ));
+    v.extend(uniform_client("client2", &[u(0.0, dur, 0.5, 256, 256)], s + 1));
+    v.extend(uniform_client("client3", &[u(0.0, dur, 1.5, 256, 256)], s + 2));
     out.push(
         ReproWorkload::new(
             "proportional",
@@ -364,24 +333,21 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         ReproWorkload::new(
             "on-off-less",
             "ON/OFF: client 1 at 30 req/min in 60 s ON phases, client 2 at 120 req/min always, 256/256 (Fig. 5)",
-            two(
-                vec![u(0.0, dur, 0.5, 256, 256).on_off(60.0)],
-                vec![u(0.0, dur, 2.0, 256, 256)],
-            ),
+            two(vec![u(0.0, dur, 0.5, 256, 256).on_off(60.0)], vec![u(0.0, dur, 2.0, 256, 256)]),
             t2(),
         )
         .light(&["client1"]),
     );
 
-    out.push(ReproWorkload::new(
-        "on-off-overload",
-        "ON/OFF overloaded: client 1 at 120 req/min in 60 s ON phases, client 2 at 180 req/min, 256/256 (Fig. 6)",
-        two(
-            vec![u(0.0, dur, 2.0, 256, 256).on_off(60.0)],
-            vec![u(0.0, dur, 3.0, 256, 256)],
-        ),
-        t2(),
-    ).backlogged());
+    out.push(
+        ReproWorkload::new(
+            "on-off-overload",
+            "ON/OFF overloaded: client 1 at 120 req/min in 60 s ON phases, client 2 at 180 req/min, 256/256 (Fig. 6)",
+            two(vec![u(0.0, dur, 2.0, 256, 256).on_off(60.0)], vec![u(0.0, dur, 3.0, 256, 256)]),
+            t2(),
+        )
+        .backlogged(),
+    );
 
     let poisson = |name: &str, rate: f64, p: u32, o: u32| SyntheticClient {
         name: name.into(),
@@ -392,15 +358,8 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         arrival: Arrival::Poisson,
         model: None,
     };
-    let v = workload::synthetic(
-        &[
-            poisson("client1", 8.0, 64, 64),
-            poisson("client2", 1.5, 256, 256),
-        ],
-        dur,
-        s,
-    )
-    .map_err(|e| anyhow::anyhow!(e))?;
+    let v = workload::synthetic(&[poisson("client1", 8.0, 64, 64), poisson("client2", 1.5, 256, 256)], dur, s)
+        .map_err(|e| anyhow::anyhow!(e))?;
     out.push(
         ReproWorkload::new(
             "poisson-short-long",
@@ -410,30 +369,23 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         )
         .backlogged(),
     );
-    let v = workload::synthetic(
-        &[
-            poisson("client1", 8.0, 64, 512),
-            poisson("client2", 1.5, 512, 64),
-        ],
-        dur,
-        s,
-    )
-    .map_err(|e| anyhow::anyhow!(e))?;
-    out.push(ReproWorkload::new(
-        "poisson-short-long-2",
-        "Poisson: client 1 at 480 req/min of 64 in / 512 out, client 2 at 90 req/min of 512 in / 64 out (Fig. 8)",
-        v,
-        t2(),
-    ).backlogged());
+    let v = workload::synthetic(&[poisson("client1", 8.0, 64, 512), poisson("client2", 1.5, 512, 64)], dur, s)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    out.push(
+        ReproWorkload::new(
+            "poisson-short-long-2",
+            "Poisson: client 1 at 480 req/min of 64 in / 512 out, client 2 at 90 req/min of 512 in / 64 out (Fig. 8)",
+            v,
+            t2(),
+        )
+        .backlogged(),
+    );
 
     out.push(
         ReproWorkload::new(
             "increase",
             "Isolation: client 1 at 30 req/min, client 2 ramping from 12 to 120 req/min, uniform, 256/256 (Fig. 9)",
-            two(
-                vec![u(0.0, dur, 0.5, 256, 256)],
-                vec![u(0.0, dur, 0.2, 256, 256).ramp(2.0)],
-            ),
+            two(vec![u(0.0, dur, 0.5, 256, 256)], vec![u(0.0, dur, 0.2, 256, 256).ramp(2.0)]),
             t2(),
         )
         .light(&["client1"]),
@@ -457,19 +409,10 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         ),
     );
 
-    let weights = [
-        ("client1", 1.0),
-        ("client2", 2.0),
-        ("client3", 3.0),
-        ("client4", 4.0),
-    ];
+    let weights = [("client1", 1.0), ("client2", 2.0), ("client3", 3.0), ("client4", 4.0)];
     let mut v = Vec::new();
     for (i, (c, _)) in weights.iter().enumerate() {
-        v.extend(uniform_client(
-            c,
-            &[u(0.0, dur, 0.8, 256, 256)],
-            s + i as u64,
-        ));
+        v.extend(uniform_client(c, &[u(0.0, dur, 0.8, 256, 256)], s + i as u64));
     }
     out.push(ReproWorkload::new(
         "weighted",
@@ -478,21 +421,13 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         vec![PolicyCase::fcfs(), PolicyCase::vtc(), PolicyCase::weighted_vtc(&weights)],
     ).backlogged());
 
-    let mut out: Vec<ReproWorkload> = out
-        .into_iter()
-        .map(ReproWorkload::measured_within_trace)
-        .collect();
-    let text = std::fs::read_to_string(trace)
-        .with_context(|| format!("reading trace {}", trace.display()))?;
+    let mut out: Vec<ReproWorkload> = out.into_iter().map(ReproWorkload::measured_within_trace).collect();
+    let text = std::fs::read_to_string(trace).with_context(|| format!("reading trace {}", trace.display()))?;
     let mut v = workload::parse_trace(TraceFormat::VtcCsv, &text).map_err(|errs| {
         anyhow::anyhow!(
             "trace {}: {}",
             trace.display(),
-            errs.iter()
-                .take(5)
-                .map(|e| e.to_string())
-                .collect::<Vec<_>>()
-                .join("; ")
+            errs.iter().take(5).map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
         )
     })?;
     if opts.quick {
@@ -515,15 +450,10 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
 pub fn light_clients(items: &[WorkItem]) -> Vec<String> {
     let mut demand: BTreeMap<&str, f64> = BTreeMap::new();
     for w in items {
-        *demand.entry(w.client.as_str()).or_default() +=
-            service_of(w.prompt_tokens, w.output_tokens);
+        *demand.entry(w.client.as_str()).or_default() += service_of(w.prompt_tokens, w.output_tokens);
     }
     let mean = demand.values().sum::<f64>() / demand.len().max(1) as f64;
-    demand
-        .into_iter()
-        .filter(|(_, d)| *d < 0.5 * mean)
-        .map(|(c, _)| c.to_string())
-        .collect()
+    demand.into_iter().filter(|(_, d)| *d < 0.5 * mean).map(|(c, _)| c.to_string()).collect()
 }
 
 /// The seed's four plotted clients of the real trace: 13th, 14th, 26th and 27th by number of
@@ -535,10 +465,7 @@ pub fn selected_clients(items: &[WorkItem]) -> Vec<String> {
     }
     let mut v: Vec<(usize, &str)> = n.into_iter().map(|(c, k)| (k, c)).collect();
     v.sort();
-    [12, 13, 25, 26]
-        .iter()
-        .filter_map(|&i| v.get(i).map(|(_, c)| c.to_string()))
-        .collect()
+    [12, 13, 25, 26].iter().filter_map(|&i| v.get(i).map(|(_, c)| c.to_string())).collect()
 }
 
 fn service_of(prompt: u32, output: u32) -> f64 {
@@ -548,11 +475,7 @@ fn service_of(prompt: u32, output: u32) -> f64 {
 /// The filter configuration of one case: the policy, a queue that holds the whole backlog (the
 /// seed drops nothing), and the stock that keeps the KV pool full.
 pub fn filter_config(w: &ReproWorkload, p: &PolicyCase, opts: &ReproOptions) -> Value {
-    let ttl = if p.is_rpm() && opts.rpm_ttl_ms > 0 {
-        opts.rpm_ttl_ms
-    } else {
-        NO_TTL_MS
-    };
+    let ttl = if p.is_rpm() && opts.rpm_ttl_ms > 0 { opts.rpm_ttl_ms } else { NO_TTL_MS };
     let flow_cap = match p.policy.get("requests_per_minute").and_then(Value::as_u64) {
         Some(n) if p.is_rpm() => n.max(1),
         _ => 200_000,
@@ -634,12 +557,7 @@ pub struct CaseResult {
 }
 
 /// Runs one workload under one policy through the filter `wasm`.
-pub fn run_case(
-    wasm: &[u8],
-    w: &ReproWorkload,
-    p: &PolicyCase,
-    opts: &ReproOptions,
-) -> Result<CaseResult> {
+pub fn run_case(wasm: &[u8], w: &ReproWorkload, p: &PolicyCase, opts: &ReproOptions) -> Result<CaseResult> {
     let t0 = std::time::Instant::now();
     let sc = scenario(filter_config(w, p, opts), w.horizon_s, opts)?;
     let mut sim = sc.build(wasm, &w.items)?;
@@ -670,45 +588,27 @@ fn finish(
         .sum();
     let makespan = w.horizon_s.unwrap_or(report.duration_s);
     let light_ttft_s = (!w.light_clients.is_empty()).then(|| {
-        let v: Vec<f64> = ok
-            .iter()
-            .filter(|r| w.light_clients.contains(&r.client))
-            .filter_map(|r| r.ttft_ms())
-            .collect();
+        let v: Vec<f64> =
+            ok.iter().filter(|r| w.light_clients.contains(&r.client)).filter_map(|r| r.ttft_ms()).collect();
         round2(v.iter().sum::<f64>() / v.len().max(1) as f64 / 1000.0)
     });
     let acc = acc_diff_series(&buckets);
-    let acc_within = w.all_backlogged.then(|| {
-        acc.iter()
-            .filter(|(t, _)| *t <= span)
-            .map(|(_, v)| *v)
-            .fold(0.0, f64::max)
-    });
+    let acc_within =
+        w.all_backlogged.then(|| acc.iter().filter(|(t, _)| *t <= span).map(|(_, v)| *v).fold(0.0, f64::max));
     let row = Table2Row {
         scheduler: p.label.clone(),
         max_diff: round2(max_diff),
         avg_diff: round2(avg_diff),
         diff_var: round2(diff_var),
-        throughput: round2(if makespan > 0.0 {
-            tokens as f64 / makespan
-        } else {
-            0.0
-        }),
+        throughput: round2(if makespan > 0.0 { tokens as f64 / makespan } else { 0.0 }),
         output_tok_s: round2(if makespan > 0.0 {
-            records
-                .iter()
-                .map(|r| r.tokens_received as f64)
-                .sum::<f64>()
-                / makespan
+            records.iter().map(|r| r.tokens_received as f64).sum::<f64>() / makespan
         } else {
             0.0
         }),
         acc_diff_max: acc_within.map(round2),
         light_ttft_s,
-        failed: records
-            .iter()
-            .filter(|r| r.outcome != "ok" && r.outcome != "unfinished")
-            .count(),
+        failed: records.iter().filter(|r| r.outcome != "ok" && r.outcome != "unfinished").count(),
         unfinished: records.iter().filter(|r| r.outcome == "unfinished").count(),
         makespan_s: makespan,
     };
@@ -756,9 +656,7 @@ pub fn table2_diff(records: &[RequestRecord], span_s: f64) -> (f64, f64, f64) {
     clients.dedup();
     let idx = |c: &str| clients.binary_search(&c).unwrap_or(0);
     let win = 2.0 * WINDOW_HALF_S;
-    let ticks: Vec<f64> = (0..100)
-        .map(|i| span_s.floor() / 100.0 * i as f64)
-        .collect();
+    let ticks: Vec<f64> = (0..100).map(|i| span_s.floor() / 100.0 * i as f64).collect();
     let mut sums = Vec::with_capacity(ticks.len());
     for &x in &ticks {
         let (l, r) = (x - WINDOW_HALF_S, x + WINDOW_HALF_S);
@@ -804,11 +702,7 @@ pub fn table2_diff(records: &[RequestRecord], span_s: f64) -> (f64, f64, f64) {
 /// Service received by `client` between `from_s` and `to_s` (whole seconds), service units.
 pub fn service_between(c: &CaseResult, client: &str, from_s: f64, to_s: f64) -> f64 {
     c.buckets.get(client).map_or(0.0, |b| {
-        b.iter()
-            .enumerate()
-            .filter(|(s, _)| (*s as f64) >= from_s && (*s as f64) < to_s)
-            .map(|(_, v)| *v as f64)
-            .sum()
+        b.iter().enumerate().filter(|(s, _)| (*s as f64) >= from_s && (*s as f64) < to_s).map(|(_, v)| *v as f64).sum()
     })
 }
 
@@ -829,10 +723,7 @@ pub fn mean_ttft_s(c: &CaseResult, client: &str, from_s: f64, to_s: f64) -> Opti
 
 /// The seed's response time of each client over time: mean TTFT of the requests whose first
 /// token came within `[t−30 s, t+30 s]`, every 10 s.
-pub fn response_time_series(
-    records: &[RequestRecord],
-    clients: &[String],
-) -> BTreeMap<String, Vec<(f64, f64)>> {
+pub fn response_time_series(records: &[RequestRecord], clients: &[String]) -> BTreeMap<String, Vec<(f64, f64)>> {
     let end = records.iter().filter_map(|r| r.end_us).max().unwrap_or(0) as f64 / 1e6;
     let mut out = BTreeMap::new();
     for c in clients {
@@ -844,11 +735,8 @@ pub fn response_time_series(
         let mut series = Vec::new();
         let mut t = 0.0;
         while t <= end {
-            let inside: Vec<f64> = firsts
-                .iter()
-                .filter(|(at, _)| (at - t).abs() <= WINDOW_HALF_S)
-                .map(|(_, v)| *v)
-                .collect();
+            let inside: Vec<f64> =
+                firsts.iter().filter(|(at, _)| (at - t).abs() <= WINDOW_HALF_S).map(|(_, v)| *v).collect();
             if !inside.is_empty() {
                 series.push((t, inside.iter().sum::<f64>() / inside.len() as f64));
             }
@@ -911,17 +799,9 @@ pub fn table2_csv(workload: &str, rows: &[Table2Row]) -> String {
 pub fn clients_markdown(w: &ReproWorkload, results: &[&CaseResult]) -> String {
     let mut s = String::from("| Scheduler | Client | Requests | Completed | Service in trace | Share | Mean TTFT (s) | p90 TTFT (s) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
     let span = w.span_s();
-    let clients = if w.clients().len() > 8 {
-        w.plotted_clients.clone()
-    } else {
-        w.clients()
-    };
+    let clients = if w.clients().len() > 8 { w.plotted_clients.clone() } else { w.clients() };
     for c in results {
-        let total: f64 = w
-            .clients()
-            .iter()
-            .map(|k| service_between(c, k, 0.0, span))
-            .sum();
+        let total: f64 = w.clients().iter().map(|k| service_between(c, k, 0.0, span)).sum();
         for k in &clients {
             let cr = c.report.clients.get(k).cloned().unwrap_or_default();
             let got = service_between(c, k, 0.0, span);
@@ -944,17 +824,10 @@ pub fn clients_markdown(w: &ReproWorkload, results: &[&CaseResult]) -> String {
 
 /// SVG figures of one case: service rate (the report's) and response time per client.
 pub fn case_svgs(w: &ReproWorkload, c: &CaseResult) -> (String, String) {
-    let clients = if w.plotted_clients.is_empty() {
-        w.clients()
-    } else {
-        w.plotted_clients.clone()
-    };
+    let clients = if w.plotted_clients.is_empty() { w.clients() } else { w.plotted_clients.clone() };
     let rt = response_time_series(&c.records, &clients);
     let rt_svg = svg_lines(
-        &format!(
-            "{}: response time (mean TTFT, ±30 s window), {}",
-            w.name, c.policy
-        ),
+        &format!("{}: response time (mean TTFT, ±30 s window), {}", w.name, c.policy),
         "time (s)",
         "response time (s)",
         &rt,
@@ -967,23 +840,9 @@ pub fn acc_diff_svg(w: &ReproWorkload, results: &[&CaseResult]) -> String {
     let span = w.span_s();
     let series = results
         .iter()
-        .map(|c| {
-            (
-                c.policy.clone(),
-                c.acc_diff
-                    .iter()
-                    .copied()
-                    .filter(|(t, _)| *t <= span)
-                    .collect(),
-            )
-        })
+        .map(|c| (c.policy.clone(), c.acc_diff.iter().copied().filter(|(t, _)| *t <= span).collect()))
         .collect();
-    svg_lines(
-        &format!("{}: absolute difference of accumulated service", w.name),
-        "time (s)",
-        "service units",
-        &series,
-    )
+    svg_lines(&format!("{}: absolute difference of accumulated service", w.name), "time (s)", "service units", &series)
 }
 
 /// Results of the bands scenario for one policy.
@@ -1076,8 +935,7 @@ pub fn run_bands(
             model: Some(b.model.clone()),
         })
         .collect();
-    let items =
-        workload::synthetic(&synth, duration_s, opts.seed).map_err(|e| anyhow::anyhow!(e))?;
+    let items = workload::synthetic(&synth, duration_s, opts.seed).map_err(|e| anyhow::anyhow!(e))?;
     let config = json!({
         "policy": policy.policy,
         "watermark_per_backend": 16,
@@ -1090,10 +948,7 @@ pub fn run_bands(
     let sc = scenario(config, None, opts)?;
     let mut sim = sc.build(wasm, &[])?;
     for (i, w) in items.iter().enumerate() {
-        let b = clients
-            .iter()
-            .find(|b| label(b) == w.client)
-            .expect("known client");
+        let b = clients.iter().find(|b| label(b) == w.client).expect("known client");
         // The flow is the model: the tenant header carries it; the band comes from the
         // trusted header an upstream filter would set.
         let mut r = ClientRequest::chat(
@@ -1106,8 +961,7 @@ pub fn run_bands(
             w.output_tokens,
         );
         r.client = w.client.clone();
-        r.headers
-            .push((CRITICALITY_HEADER.into(), b.band.clone().into_bytes()));
+        r.headers.push((CRITICALITY_HEADER.into(), b.band.clone().into_bytes()));
         sim.add_request(r);
     }
     sim.run();
@@ -1118,37 +972,17 @@ pub fn run_bands(
     let span = w.span_s();
     let mut rows = Vec::new();
     for band in ["critical", "standard", "sheddable"] {
-        let recs: Vec<&RequestRecord> = case
-            .records
-            .iter()
-            .filter(|r| r.client.starts_with(&format!("{band}/")))
-            .collect();
+        let recs: Vec<&RequestRecord> =
+            case.records.iter().filter(|r| r.client.starts_with(&format!("{band}/"))).collect();
         let ok: Vec<&&RequestRecord> = recs.iter().filter(|r| r.outcome == "ok").collect();
-        let evicted = recs
-            .iter()
-            .filter(|r| r.reason.as_deref() == Some("evicted"))
-            .count();
-        let flows: Vec<String> = clients
-            .iter()
-            .filter(|b| b.band == band)
-            .map(label)
-            .collect();
-        let flow_service: BTreeMap<String, f64> = flows
-            .iter()
-            .map(|f| (f.clone(), service_between(&case, f, 0.0, span)))
-            .collect();
-        let sub: BTreeMap<String, Vec<u64>> = case
-            .buckets
-            .iter()
-            .filter(|(k, _)| flows.contains(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let evicted = recs.iter().filter(|r| r.reason.as_deref() == Some("evicted")).count();
+        let flows: Vec<String> = clients.iter().filter(|b| b.band == band).map(label).collect();
+        let flow_service: BTreeMap<String, f64> =
+            flows.iter().map(|f| (f.clone(), service_between(&case, f, 0.0, span))).collect();
+        let sub: BTreeMap<String, Vec<u64>> =
+            case.buckets.iter().filter(|(k, _)| flows.contains(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
         let acc = if flows.len() > 1 {
-            acc_diff_series(&sub)
-                .iter()
-                .filter(|(t, _)| *t <= span)
-                .map(|(_, v)| *v)
-                .fold(0.0, f64::max)
+            acc_diff_series(&sub).iter().filter(|(t, _)| *t <= span).map(|(_, v)| *v).fold(0.0, f64::max)
         } else {
             0.0
         };
@@ -1172,11 +1006,7 @@ pub fn run_bands(
 pub fn bands_markdown(rows: &[BandRow]) -> String {
     let mut s = String::from("| Scheduler | Band | Requests | Completed | Evicted | Rejected | Mean TTFT (s) | Flow acc diff max | Service per flow |\n|---|---|---:|---:|---:|---:|---:|---:|---|\n");
     for r in rows {
-        let flows: Vec<String> = r
-            .flow_service
-            .iter()
-            .map(|(k, v)| format!("{k}: {v:.0}"))
-            .collect();
+        let flows: Vec<String> = r.flow_service.iter().map(|(k, v)| format!("{k}: {v:.0}")).collect();
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {} | {} | {:.2} | {:.0} | {} |",
@@ -1196,21 +1026,12 @@ pub fn bands_markdown(rows: &[BandRow]) -> String {
 
 /// CSV of the bands scenario.
 pub fn bands_csv(rows: &[BandRow]) -> String {
-    let mut s = String::from(
-        "scheduler,band,requests,completed,evicted,rejected,mean_ttft_s,flow_acc_diff_max\n",
-    );
+    let mut s = String::from("scheduler,band,requests,completed,evicted,rejected,mean_ttft_s,flow_acc_diff_max\n");
     for r in rows {
         let _ = writeln!(
             s,
             "{},{},{},{},{},{},{},{}",
-            r.scheduler,
-            r.band,
-            r.requests,
-            r.completed,
-            r.evicted,
-            r.rejected,
-            r.mean_ttft_s,
-            r.flow_acc_diff_max
+            r.scheduler, r.band, r.requests, r.completed, r.evicted, r.rejected, r.mean_ttft_s, r.flow_acc_diff_max
         );
     }
     s

@@ -53,12 +53,8 @@ pub enum PickerKind {
 
 impl PickerKind {
     /// All pickers, in table order.
-    pub const ALL: [PickerKind; 4] = [
-        PickerKind::Random,
-        PickerKind::RoundRobin,
-        PickerKind::LeastRequest,
-        PickerKind::KvAware,
-    ];
+    pub const ALL: [PickerKind; 4] =
+        [PickerKind::Random, PickerKind::RoundRobin, PickerKind::LeastRequest, PickerKind::KvAware];
 
     /// Name used in tables and on the command line.
     pub fn name(self) -> &'static str {
@@ -119,17 +115,11 @@ impl TraceKind {
 
 /// Reads a trace, keeps its first `limit` rows and divides every arrival time by `speedup`
 /// (a speed-up of 2 replays the same requests in half the time: twice the load).
-pub fn load_trace(
-    kind: TraceKind,
-    path: &Path,
-    limit: usize,
-    speedup: f64,
-) -> Result<Vec<WorkItem>> {
+pub fn load_trace(kind: TraceKind, path: &Path, limit: usize, speedup: f64) -> Result<Vec<WorkItem>> {
     if !(speedup > 0.0 && speedup.is_finite()) {
         bail!("speed-up must be a positive number, got {speedup}");
     }
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading trace {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading trace {}", path.display()))?;
     let mut items = workload::parse_trace(kind.format(), &text).map_err(|errs| {
         let shown: Vec<String> = errs.iter().take(5).map(|e| e.to_string()).collect();
         anyhow::anyhow!("trace {}: {}", path.display(), shown.join("; "))
@@ -150,12 +140,8 @@ pub fn load_trace(
 pub fn a100_profile() -> GpuProfile {
     let mut p = GpuProfile::llama3_8b_h100();
     p.name = "llama3-8b-a100".into();
-    p.time = TimeModel {
-        base_us: 10_000.0,
-        per_prefill_token_us: 95.0,
-        per_decode_seq_us: 50.0,
-        per_kv_token_us: 0.08,
-    };
+    p.time =
+        TimeModel { base_us: 10_000.0, per_prefill_token_us: 95.0, per_decode_seq_us: 50.0, per_kv_token_us: 0.08 };
     p
 }
 
@@ -165,10 +151,7 @@ pub fn profile_by_name(name: &str) -> Result<GpuProfile> {
         return Ok(a100_profile());
     }
     GpuProfile::by_name(name).ok_or_else(|| {
-        anyhow::anyhow!(
-            "unknown GPU profile `{name}` (known: llama3-8b-a100, {})",
-            GpuProfile::NAMES.join(", ")
-        )
+        anyhow::anyhow!("unknown GPU profile `{name}` (known: llama3-8b-a100, {})", GpuProfile::NAMES.join(", "))
     })
 }
 
@@ -195,28 +178,16 @@ pub struct PoolSpec {
 
 impl PoolSpec {
     /// `fast_count` backends of `fast` then `slow_count` of `slow`.
-    pub fn mixed(
-        name: &str,
-        fast: &GpuProfile,
-        fast_count: usize,
-        slow: &GpuProfile,
-        slow_count: usize,
-    ) -> PoolSpec {
+    pub fn mixed(name: &str, fast: &GpuProfile, fast_count: usize, slow: &GpuProfile, slow_count: usize) -> PoolSpec {
         let profiles = std::iter::repeat_n(fast.clone(), fast_count)
             .chain(std::iter::repeat_n(slow.clone(), slow_count))
             .collect();
-        PoolSpec {
-            name: name.into(),
-            profiles,
-            death: None,
-        }
+        PoolSpec { name: name.into(), profiles, death: None }
     }
 
     /// Backend addresses, in pool order.
     pub fn addresses(&self) -> Vec<String> {
-        (0..self.profiles.len())
-            .map(|i| format!("10.0.0.{}:8000", i + 1))
-            .collect()
+        (0..self.profiles.len()).map(|i| format!("10.0.0.{}:8000", i + 1)).collect()
     }
 }
 
@@ -235,14 +206,7 @@ pub struct DyingUpstream {
 impl DyingUpstream {
     /// Wraps `inner`, which dies at `die_at_us`.
     pub fn new(inner: GpuUpstream, die_at_us: u64) -> DyingUpstream {
-        DyingUpstream {
-            inner,
-            die_at_us,
-            dead: false,
-            open: BTreeSet::new(),
-            refused: 0,
-            reset_at_death: 0,
-        }
+        DyingUpstream { inner, die_at_us, dead: false, open: BTreeSet::new(), refused: 0, reset_at_death: 0 }
     }
 
     /// The wrapped server (its GPU stopped at death).
@@ -286,11 +250,7 @@ impl Upstream for DyingUpstream {
         if self.dead {
             return None;
         }
-        Some(
-            self.inner
-                .next_event_us()
-                .map_or(self.die_at_us, |t| t.min(self.die_at_us)),
-        )
+        Some(self.inner.next_event_us().map_or(self.die_at_us, |t| t.min(self.die_at_us)))
     }
 
     fn advance(&mut self, now_us: u64) -> Vec<UpstreamEvent> {
@@ -308,12 +268,7 @@ impl Upstream for DyingUpstream {
         evs
     }
 
-    fn handle_call(
-        &mut self,
-        now_us: u64,
-        headers: &HeaderMap,
-        body: &[u8],
-    ) -> (HeaderMap, Vec<u8>) {
+    fn handle_call(&mut self, now_us: u64, headers: &HeaderMap, body: &[u8]) -> (HeaderMap, Vec<u8>) {
         if self.dead || now_us >= self.die_at_us {
             // What Envoy's async client reports for a refused connection.
             return (
@@ -332,10 +287,7 @@ impl Upstream for DyingUpstream {
 /// The GPU server behind an upstream of a routing run, dead or alive.
 fn gpu_of(up: &dyn Upstream) -> Option<&GpuUpstream> {
     let any = up.as_any();
-    any.downcast_ref::<GpuUpstream>().or_else(|| {
-        any.downcast_ref::<DyingUpstream>()
-            .map(DyingUpstream::inner)
-    })
+    any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner))
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -380,15 +332,7 @@ pub fn prompt_text(item: &WorkItem, id: u64, hash_block_tokens: u32) -> String {
 /// The streaming chat request a trace row becomes (`hash_block_tokens`: tokens per entry of its
 /// `prefix_hashes`, the GPU profile's `prefix_hash_tokens`).
 pub fn client_request(id: u64, item: &WorkItem, hash_block_tokens: u32) -> ClientRequest {
-    let mut r = ClientRequest::chat(
-        id,
-        item.arrival_us,
-        TENANT_HEADER,
-        &item.client,
-        MODEL,
-        1,
-        item.output_tokens,
-    );
+    let mut r = ClientRequest::chat(id, item.arrival_us, TENANT_HEADER, &item.client, MODEL, 1, item.output_tokens);
     let body = serde_json::json!({
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt_text(item, id, hash_block_tokens)}],
@@ -507,43 +451,18 @@ pub fn build(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<Sim> {
         seed: cfg.seed,
         ..Default::default()
     };
-    let gw = GatewayConfig {
-        call_latency_us: cfg.call_latency_us,
-        ..Default::default()
-    };
+    let gw = GatewayConfig { call_latency_us: cfg.call_latency_us, ..Default::default() };
     let mut sim = Sim::new(wasm, &plugin, gw)?;
-    for (i, (addr, p)) in cfg
-        .pool
-        .addresses()
-        .iter()
-        .zip(&cfg.pool.profiles)
-        .enumerate()
-    {
+    for (i, (addr, p)) in cfg.pool.addresses().iter().zip(&cfg.pool.profiles).enumerate() {
         let gpu = GpuUpstream::new(p.clone(), 256)?;
         match cfg.pool.death {
-            Some(d) if d.backend == i => {
-                sim.add_upstream(addr, Box::new(DyingUpstream::new(gpu, d.at_us)))
-            }
+            Some(d) if d.backend == i => sim.add_upstream(addr, Box::new(DyingUpstream::new(gpu, d.at_us))),
             _ => sim.add_upstream(addr, Box::new(gpu)),
         }
     }
-    sim.add_cluster(
-        "model_servers",
-        Cluster::OriginalDst {
-            header: GatewayConfig::default().route_header,
-        },
-    );
-    let tokens = cfg
-        .pool
-        .profiles
-        .first()
-        .map_or(512, |p| p.prefix_hash_tokens);
-    if cfg
-        .pool
-        .profiles
-        .iter()
-        .any(|p| p.prefix_hash_tokens != tokens)
-    {
+    sim.add_cluster("model_servers", Cluster::OriginalDst { header: GatewayConfig::default().route_header });
+    let tokens = cfg.pool.profiles.first().map_or(512, |p| p.prefix_hash_tokens);
+    if cfg.pool.profiles.iter().any(|p| p.prefix_hash_tokens != tokens) {
         bail!("every backend of a routing run must have the same prefix_hash_tokens");
     }
     for (i, w) in items.iter().enumerate() {
@@ -578,20 +497,10 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
             queries += m.prefix_queries_tokens;
         }
     }
-    let per_backend = addrs
-        .iter()
-        .map(|a| {
-            recs.iter()
-                .filter(|r| r.endpoint.as_deref() == Some(a))
-                .count()
-        })
-        .collect();
+    let per_backend = addrs.iter().map(|a| recs.iter().filter(|r| r.endpoint.as_deref() == Some(a)).count()).collect();
     let (mut sent_to_dead, mut last_to_dead_ms) = (0, 0.0f64);
     if let Some(d) = cfg.pool.death {
-        for r in recs
-            .iter()
-            .filter(|r| r.endpoint.as_deref() == Some(addrs[d.backend].as_str()))
-        {
+        for r in recs.iter().filter(|r| r.endpoint.as_deref() == Some(addrs[d.backend].as_str())) {
             if let Some(t) = r.dispatched_us.filter(|&t| t >= d.at_us) {
                 sent_to_dead += 1;
                 last_to_dead_ms = last_to_dead_ms.max((t - d.at_us) as f64 / 1000.0);
@@ -600,12 +509,7 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
     }
     let mut failures = std::collections::BTreeMap::new();
     for r in recs.iter().filter(|r| r.outcome != "ok") {
-        let key = format!(
-            "{} {} {}",
-            r.outcome,
-            r.status,
-            r.reason.as_deref().unwrap_or("-")
-        );
+        let key = format!("{} {} {}", r.outcome, r.status, r.reason.as_deref().unwrap_or("-"));
         *failures.entry(key).or_insert(0) += 1;
     }
     let final_stock = sim.host().metric("sluice_stock").map_or(0, |m| m.value);
@@ -615,21 +519,14 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
         picker: cfg.picker.name(),
         requests: recs.len(),
         ok: ok.len(),
-        failed: recs
-            .iter()
-            .filter(|r| r.outcome != "ok" && r.outcome != "unfinished")
-            .count(),
+        failed: recs.iter().filter(|r| r.outcome != "ok" && r.outcome != "unfinished").count(),
         unfinished: recs.iter().filter(|r| r.outcome == "unfinished").count(),
         failures,
         ttft_ms: Stats::of(ok.iter().filter_map(|r| r.ttft_ms()).collect()),
         tpot_ms: Stats::of(ok.iter().filter_map(|r| r.tpot_ms()).collect()),
         output_tokens_per_s: out_tokens as f64 / secs,
         requests_per_s: ok.len() as f64 / secs,
-        prefix_hit_rate: if queries > 0 {
-            hits as f64 / queries as f64
-        } else {
-            0.0
-        },
+        prefix_hit_rate: if queries > 0 { hits as f64 / queries as f64 } else { 0.0 },
         preempted: recs.iter().filter(|r| r.preemptions > 0).count(),
         per_backend,
         sent_to_dead,
@@ -697,11 +594,7 @@ pub fn csv(results: &[RunResult]) -> String {
             r.requests_per_s,
             r.prefix_hit_rate,
             r.preempted,
-            r.per_backend
-                .iter()
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>()
-                .join("/"),
+            r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
             r.sent_to_dead,
             r.last_to_dead_ms,
             r.final_stock,
@@ -714,10 +607,8 @@ pub fn csv(results: &[RunResult]) -> String {
 /// A panel of the figure: its label and the value of a run.
 type Panel = (&'static str, fn(&RunResult) -> f64);
 
-const PANELS: [Panel; 2] = [
-    ("TTFT p99 (s)", |r| r.ttft_ms.p99 / 1000.0),
-    ("prefix-cache hit rate (%)", |r| r.prefix_hit_rate * 100.0),
-];
+const PANELS: [Panel; 2] =
+    [("TTFT p99 (s)", |r| r.ttft_ms.p99 / 1000.0), ("prefix-cache hit rate (%)", |r| r.prefix_hit_rate * 100.0)];
 
 const COLORS: [&str; 4] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f"];
 
@@ -740,23 +631,21 @@ pub fn svg(results: &[RunResult]) -> String {
     );
     for (k, p) in pickers.iter().enumerate() {
         let x = 40.0 + k as f64 * 120.0;
-        let _ = writeln!(s, "<rect x=\"{x}\" y=\"12\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"22\">{p}</text>", COLORS[k], x + 16.0);
+        let _ = writeln!(
+            s,
+            "<rect x=\"{x}\" y=\"12\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"22\">{p}</text>",
+            COLORS[k],
+            x + 16.0
+        );
     }
     for (gi, (trace, pool)) in groups.iter().enumerate() {
         let y0 = top + gi as f64 * (panel_h + 50.0);
-        let rows: Vec<&RunResult> = results
-            .iter()
-            .filter(|r| &r.trace == trace && &r.pool == pool)
-            .collect();
+        let rows: Vec<&RunResult> = results.iter().filter(|r| &r.trace == trace && &r.pool == pool).collect();
         for (mi, (label, f)) in PANELS.iter().enumerate() {
             let x0 = 40.0 + mi as f64 * (panel_w + 40.0);
             let max = rows.iter().map(|r| f(r)).fold(0.0f64, f64::max).max(1e-9);
             if mi == 0 {
-                let _ = writeln!(
-                    s,
-                    "<text x=\"{x0}\" y=\"{}\" font-weight=\"bold\">{trace}, {pool}</text>",
-                    y0 + 2.0
-                );
+                let _ = writeln!(s, "<text x=\"{x0}\" y=\"{}\" font-weight=\"bold\">{trace}, {pool}</text>", y0 + 2.0);
             }
             let _ = writeln!(
                 s,

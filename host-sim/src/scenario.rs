@@ -102,11 +102,7 @@ impl Backends {
     /// The named profile with the overrides applied and validated.
     pub fn profile(&self) -> Result<GpuProfile> {
         let Some(mut p) = GpuProfile::by_name(&self.profile) else {
-            bail!(
-                "scenario: backends.profile `{}` is unknown (known: {})",
-                self.profile,
-                GpuProfile::NAMES.join(", ")
-            );
+            bail!("scenario: backends.profile `{}` is unknown (known: {})", self.profile, GpuProfile::NAMES.join(", "));
         };
         let o = &self.overrides;
         macro_rules! set {
@@ -123,8 +119,7 @@ impl Backends {
             max_loaded_models,
             swap_us
         );
-        p.validate()
-            .map_err(|e| anyhow::anyhow!("scenario: backends.overrides: {e}"))?;
+        p.validate().map_err(|e| anyhow::anyhow!("scenario: backends.overrides: {e}"))?;
         Ok(p)
     }
 }
@@ -179,8 +174,7 @@ fn default_call_ms() -> f64 {
 impl Scenario {
     /// Parses and validates a scenario; errors name the offending field.
     pub fn from_json(text: &str) -> Result<Scenario> {
-        let s: Scenario =
-            serde_json::from_str(text).map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
+        let s: Scenario = serde_json::from_str(text).map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
         s.validate()?;
         Ok(s)
     }
@@ -216,9 +210,7 @@ impl Scenario {
 
     /// Backend addresses.
     pub fn backend_addresses(&self) -> Vec<String> {
-        (1..=self.backends.count)
-            .map(|i| format!("10.0.0.{i}:{}", self.backends.port))
-            .collect()
+        (1..=self.backends.count).map(|i| format!("10.0.0.{i}:{}", self.backends.port)).collect()
     }
 
     /// The plugin configuration as sent to the filter.
@@ -242,28 +234,14 @@ impl Scenario {
     /// The workload's items (trace paths resolved against `base_dir`).
     pub fn work_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
         match &self.workload {
-            Workload::Synthetic {
-                clients,
-                duration_s,
-            } => workload::synthetic(clients, *duration_s, self.seed)
+            Workload::Synthetic { clients, duration_s } => workload::synthetic(clients, *duration_s, self.seed)
                 .map_err(|e| anyhow::anyhow!("scenario: workload.{e}")),
-            Workload::Trace {
-                format,
-                path,
-                limit,
-                max_arrival_s,
-            } => {
+            Workload::Trace { format, path, limit, max_arrival_s } => {
                 let p = base_dir.join(path);
-                let text = std::fs::read_to_string(&p)
-                    .with_context(|| format!("reading trace {}", p.display()))?;
+                let text = std::fs::read_to_string(&p).with_context(|| format!("reading trace {}", p.display()))?;
                 let mut items = workload::parse_trace(*format, &text).map_err(|errs| {
                     let shown: Vec<String> = errs.iter().take(20).map(|e| e.to_string()).collect();
-                    anyhow::anyhow!(
-                        "trace {}: {} bad row(s):\n{}",
-                        p.display(),
-                        errs.len(),
-                        shown.join("\n")
-                    )
+                    anyhow::anyhow!("trace {}: {} bad row(s):\n{}", p.display(), errs.len(), shown.join("\n"))
                 })?;
                 if let Some(t) = max_arrival_s {
                     items.retain(|w| (w.arrival_us as f64) < t * 1e6);
@@ -293,12 +271,7 @@ impl Scenario {
         let mut plugin = PluginSpec {
             configuration: serde_json::to_vec(&self.plugin_config())?,
             workers: self.workers,
-            log_level: self
-                .log_level
-                .as_deref()
-                .map(parse_level)
-                .transpose()?
-                .unwrap_or(LogLevel::Warn),
+            log_level: self.log_level.as_deref().map(parse_level).transpose()?.unwrap_or(LogLevel::Warn),
             seed: self.seed,
             failure_policy: self.failure_policy,
             ..Default::default()
@@ -318,15 +291,9 @@ impl Scenario {
         }
         // As envoy/envoy.yaml: `model_servers` is ORIGINAL_DST on the destination header, and
         // serves both the data path and the filter's metric scrapes.
-        let dst = || Cluster::OriginalDst {
-            header: GatewayConfig::default().route_header,
-        };
+        let dst = || Cluster::OriginalDst { header: GatewayConfig::default().route_header };
         sim.add_cluster("model_servers", dst());
-        if let Some(c) = self
-            .filter_config
-            .pointer("/routing/scrape_cluster")
-            .and_then(|v| v.as_str())
-        {
+        if let Some(c) = self.filter_config.pointer("/routing/scrape_cluster").and_then(|v| v.as_str()) {
             sim.add_cluster(c, dst());
         }
         let th = self.tenant_header();

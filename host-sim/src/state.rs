@@ -153,9 +153,7 @@ pub struct StreamData {
 /// A context known to a VM.
 #[derive(Clone, Debug)]
 pub(crate) enum Context {
-    Root {
-        properties: BTreeMap<String, Vec<u8>>,
-    },
+    Root { properties: BTreeMap<String, Vec<u8>> },
     Http(Box<StreamData>),
 }
 
@@ -191,14 +189,7 @@ impl Process {
     pub fn log(&mut self, vm: usize, ctx: u32, level: LogLevel, source: &'static str, msg: String) {
         if level >= self.log_level {
             let time_us = self.now_us;
-            self.logs.push(LogRecord {
-                time_us,
-                vm,
-                context_id: ctx,
-                level,
-                source,
-                message: msg,
-            });
+            self.logs.push(LogRecord { time_us, vm, context_id: ctx, level, source, message: msg });
         }
     }
 
@@ -250,8 +241,6 @@ impl VmState {
     }
 
     pub fn log(&self, level: LogLevel, source: &'static str, msg: String) {
-        self.proc
-            .borrow_mut()
-            .log(self.vm, self.effective, level, source, msg);
+        self.proc.borrow_mut().log(self.vm, self.effective, level, source, msg);
     }
 }

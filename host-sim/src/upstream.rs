@@ -65,21 +65,13 @@ pub trait Upstream {
     /// Lets time pass up to `now_us` and returns what happened, in order.
     fn advance(&mut self, now_us: u64) -> Vec<UpstreamEvent>;
     /// Answers a `dispatch_http_call` (e.g. `GET /metrics`): headers, body.
-    fn handle_call(
-        &mut self,
-        now_us: u64,
-        headers: &HeaderMap,
-        body: &[u8],
-    ) -> (HeaderMap, Vec<u8>);
+    fn handle_call(&mut self, now_us: u64, headers: &HeaderMap, body: &[u8]) -> (HeaderMap, Vec<u8>);
     /// Downcasting, for tests and reports.
     fn as_any(&self) -> &dyn Any;
 }
 
 fn h(pairs: &[(&str, &str)]) -> HeaderMap {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
-        .collect()
+    pairs.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect()
 }
 
 struct GenState {
@@ -107,12 +99,7 @@ impl GpuUpstream {
     /// `default_max_tokens` tokens.
     pub fn new(profile: GpuProfile, default_max_tokens: u32) -> anyhow::Result<GpuUpstream> {
         let model = GpuModel::new(profile).map_err(|e| anyhow::anyhow!("GPU profile: {e}"))?;
-        Ok(GpuUpstream {
-            model,
-            reqs: BTreeMap::new(),
-            default_max_tokens,
-            preemptions: BTreeMap::new(),
-        })
+        Ok(GpuUpstream { model, reqs: BTreeMap::new(), default_max_tokens, preemptions: BTreeMap::new() })
     }
 
     /// The model, for metrics and invariant checks.
@@ -120,33 +107,15 @@ impl GpuUpstream {
         &self.model
     }
 
-    fn error(
-        id: u64,
-        status: u16,
-        message: String,
-        param: Option<&'static str>,
-    ) -> Vec<UpstreamEvent> {
-        let e = openai::ApiError {
-            status,
-            message,
-            kind: "invalid_request_error",
-            param,
-        };
+    fn error(id: u64, status: u16, message: String, param: Option<&'static str>) -> Vec<UpstreamEvent> {
+        let e = openai::ApiError { status, message, kind: "invalid_request_error", param };
         vec![
             UpstreamEvent::Headers {
                 id,
-                headers: h(&[
-                    (":status", &status.to_string()),
-                    ("content-type", "application/json"),
-                ]),
+                headers: h(&[(":status", &status.to_string()), ("content-type", "application/json")]),
                 eos: false,
             },
-            UpstreamEvent::Body {
-                id,
-                data: e.body().into_bytes(),
-                tokens: 0,
-                eos: true,
-            },
+            UpstreamEvent::Body { id, data: e.body().into_bytes(), tokens: 0, eos: true },
         ]
     }
 }
@@ -245,12 +214,7 @@ impl Upstream for GpuUpstream {
                         data.push_str(&s.meta.chunk(i, finish));
                         data.push_str("\n\n");
                     }
-                    out.push(UpstreamEvent::Body {
-                        id,
-                        data: data.into_bytes(),
-                        tokens: n,
-                        eos: false,
-                    });
+                    out.push(UpstreamEvent::Body { id, data: data.into_bytes(), tokens: n, eos: false });
                 }
                 GpuEventKind::Finished => {
                     let Some(s) = self.reqs.remove(&id) else {
@@ -264,12 +228,7 @@ impl Upstream for GpuUpstream {
                             data.push_str("\n\n");
                         }
                         data.push_str("data: [DONE]\n\n");
-                        out.push(UpstreamEvent::Body {
-                            id,
-                            data: data.into_bytes(),
-                            tokens: 0,
-                            eos: true,
-                        });
+                        out.push(UpstreamEvent::Body { id, data: data.into_bytes(), tokens: 0, eos: true });
                     } else {
                         out.push(UpstreamEvent::Headers {
                             id,
@@ -277,12 +236,7 @@ impl Upstream for GpuUpstream {
                             eos: false,
                         });
                         let body = s.meta.full(s.prompt, s.produced, "length");
-                        out.push(UpstreamEvent::Body {
-                            id,
-                            data: body.into_bytes(),
-                            tokens: s.produced,
-                            eos: true,
-                        });
+                        out.push(UpstreamEvent::Body { id, data: body.into_bytes(), tokens: s.produced, eos: true });
                     }
                 }
             }
@@ -290,18 +244,10 @@ impl Upstream for GpuUpstream {
         out
     }
 
-    fn handle_call(
-        &mut self,
-        _now_us: u64,
-        headers: &HeaderMap,
-        _body: &[u8],
-    ) -> (HeaderMap, Vec<u8>) {
+    fn handle_call(&mut self, _now_us: u64, headers: &HeaderMap, _body: &[u8]) -> (HeaderMap, Vec<u8>) {
         match abi::header_str(headers, ":path") {
             Some(p) if p.starts_with("/metrics") => (
-                h(&[
-                    (":status", "200"),
-                    ("content-type", "text/plain; version=0.0.4"),
-                ]),
+                h(&[(":status", "200"), ("content-type", "text/plain; version=0.0.4")]),
                 self.model.prometheus_text().into_bytes(),
             ),
             _ => (h(&[(":status", "404")]), b"not found".to_vec()),
@@ -359,21 +305,14 @@ pub struct StaticUpstream {
 impl StaticUpstream {
     /// A responder with the given behaviour.
     pub fn new(cfg: StaticResponse) -> StaticUpstream {
-        StaticUpstream {
-            cfg,
-            received: Vec::new(),
-            aborted: Vec::new(),
-            calls: Vec::new(),
-            pending: BTreeMap::new(),
-        }
+        StaticUpstream { cfg, received: Vec::new(), aborted: Vec::new(), calls: Vec::new(), pending: BTreeMap::new() }
     }
 }
 
 impl Upstream for StaticUpstream {
     fn submit(&mut self, now_us: u64, id: u64, req: UpstreamRequest) -> Vec<UpstreamEvent> {
         self.received.push((id, req));
-        self.pending
-            .insert(id, (now_us + self.cfg.latency_us, usize::MAX));
+        self.pending.insert(id, (now_us + self.cfg.latency_us, usize::MAX));
         Vec::new()
     }
 
@@ -390,12 +329,7 @@ impl Upstream for StaticUpstream {
     fn advance(&mut self, now_us: u64) -> Vec<UpstreamEvent> {
         let mut out = Vec::new();
         loop {
-            let due: Vec<u64> = self
-                .pending
-                .iter()
-                .filter(|(_, (t, _))| *t <= now_us)
-                .map(|(id, _)| *id)
-                .collect();
+            let due: Vec<u64> = self.pending.iter().filter(|(_, (t, _))| *t <= now_us).map(|(id, _)| *id).collect();
             if due.is_empty() {
                 break;
             }
@@ -423,37 +357,22 @@ impl Upstream for StaticUpstream {
                 }
                 let last = step + 1 == self.cfg.chunks.len();
                 let eos = last && self.cfg.trailers.is_none();
-                out.push(UpstreamEvent::Body {
-                    id,
-                    data: self.cfg.chunks[step].clone(),
-                    tokens: 1,
-                    eos,
-                });
+                out.push(UpstreamEvent::Body { id, data: self.cfg.chunks[step].clone(), tokens: 1, eos });
                 if last {
                     self.pending.remove(&id);
                     if let Some(tr) = &self.cfg.trailers {
                         // A second Headers event is delivered as trailers by the engine.
-                        out.push(UpstreamEvent::Headers {
-                            id,
-                            headers: tr.clone(),
-                            eos: true,
-                        });
+                        out.push(UpstreamEvent::Headers { id, headers: tr.clone(), eos: true });
                     }
                 } else {
-                    self.pending
-                        .insert(id, (t + self.cfg.chunk_gap_us, step + 1));
+                    self.pending.insert(id, (t + self.cfg.chunk_gap_us, step + 1));
                 }
             }
         }
         out
     }
 
-    fn handle_call(
-        &mut self,
-        _now_us: u64,
-        headers: &HeaderMap,
-        _body: &[u8],
-    ) -> (HeaderMap, Vec<u8>) {
+    fn handle_call(&mut self, _now_us: u64, headers: &HeaderMap, _body: &[u8]) -> (HeaderMap, Vec<u8>) {
         self.calls.push(headers.clone());
         (h(&[(":status", "200")]), b"static_upstream_up 1\n".to_vec())
     }

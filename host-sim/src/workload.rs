@@ -169,19 +169,13 @@ fn positive(field: String, v: f64) -> Result<(), String> {
 /// Arrivals of every client over `duration_s`, merged in time order (ties by client order).
 /// Each client draws from its own stream derived from `seed`, so adding a client does not
 /// change the others' arrivals. Errors name the field (`clients[2].arrival.cv`).
-pub fn synthetic(
-    clients: &[SyntheticClient],
-    duration_s: f64,
-    seed: u64,
-) -> Result<Vec<WorkItem>, String> {
+pub fn synthetic(clients: &[SyntheticClient], duration_s: f64, seed: u64) -> Result<Vec<WorkItem>, String> {
     positive("duration_s".into(), duration_s)?;
     let mut out = Vec::new();
     for (ci, c) in clients.iter().enumerate() {
         positive(format!("clients[{ci}].rate"), c.rate)?;
         if c.prompt_tokens == 0 || c.output_tokens == 0 {
-            return Err(format!(
-                "clients[{ci}]: prompt_tokens and output_tokens must be >= 1"
-            ));
+            return Err(format!("clients[{ci}]: prompt_tokens and output_tokens must be >= 1"));
         }
         match &c.arrival {
             Arrival::Gamma { cv } => positive(format!("clients[{ci}].arrival.cv"), *cv)?,
@@ -191,17 +185,13 @@ pub fn synthetic(
                     return Err(format!("clients[{ci}].arrival.off_s must be >= 0"));
                 }
             }
-            Arrival::Ramp { to_rate } => {
-                positive(format!("clients[{ci}].arrival.to_rate"), *to_rate)?
-            }
+            Arrival::Ramp { to_rate } => positive(format!("clients[{ci}].arrival.to_rate"), *to_rate)?,
             Arrival::Poisson | Arrival::Uniform => {}
         }
         c.lengths.validate(format!("clients[{ci}].lengths"))?;
         // Lengths draw from their own stream, so varying them leaves arrivals as they were.
         let mut len_rng = ChaCha8Rng::seed_from_u64(seed ^ (0xd1b5_4a32_d192_ed03u64.wrapping_mul(ci as u64 + 1)));
-        let mut rng = ChaCha8Rng::seed_from_u64(
-            seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)),
-        );
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)));
         let mut times = Vec::new();
         let mut t = 0.0f64;
         match &c.arrival {
@@ -273,11 +263,7 @@ pub fn synthetic(
 }
 
 /// Poisson arrivals for every client, whatever their `arrival` says (the first API).
-pub fn poisson(
-    clients: &[SyntheticClient],
-    duration_s: f64,
-    seed: u64,
-) -> Result<Vec<WorkItem>, String> {
+pub fn poisson(clients: &[SyntheticClient], duration_s: f64, seed: u64) -> Result<Vec<WorkItem>, String> {
     let c: Vec<SyntheticClient> = clients
         .iter()
         .cloned()
@@ -323,10 +309,7 @@ impl fmt::Display for TraceError {
 pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec<TraceError>> {
     let mut items = Vec::new();
     let mut errs = Vec::new();
-    let mut lines = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| (i + 1, l.trim_end_matches('\r')));
+    let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l.trim_end_matches('\r')));
     if format != TraceFormat::MooncakeJsonl {
         let expected: &[&str] = match format {
             TraceFormat::VtcCsv => &["arrival_s", "client", "prompt_tokens", "output_tokens"],
@@ -334,14 +317,9 @@ pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec
         };
         match lines.next() {
             Some((_, h)) if h.split(',').map(str::trim).eq(expected.iter().copied()) => {}
-            Some((n, h)) => errs.push(TraceError {
-                line: n,
-                message: format!("header must be `{}`, found `{h}`", expected.join(",")),
-            }),
-            None => errs.push(TraceError {
-                line: 1,
-                message: "empty file: no header".into(),
-            }),
+            Some((n, h)) => errs
+                .push(TraceError { line: n, message: format!("header must be `{}`, found `{h}`", expected.join(",")) }),
+            None => errs.push(TraceError { line: 1, message: "empty file: no header".into() }),
         }
     }
     let mut azure_t0: Option<i64> = None;
@@ -363,10 +341,7 @@ pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec
         return Err(errs);
     }
     if items.is_empty() {
-        return Err(vec![TraceError {
-            line: 1,
-            message: "trace has no requests".into(),
-        }]);
+        return Err(vec![TraceError { line: 1, message: "trace has no requests".into() }]);
     }
     let t0 = items.iter().map(|w| w.arrival_us).min().unwrap_or(0);
     for w in &mut items {
@@ -377,10 +352,7 @@ pub fn parse_trace(format: TraceFormat, text: &str) -> Result<Vec<WorkItem>, Vec
 }
 
 fn tokens(field: &str, v: &str) -> Result<u32, String> {
-    let n: u64 = v
-        .trim()
-        .parse()
-        .map_err(|_| format!("{field} must be a non-negative integer, found `{v}`"))?;
+    let n: u64 = v.trim().parse().map_err(|_| format!("{field} must be a non-negative integer, found `{v}`"))?;
     if n == 0 {
         return Err(format!("{field} must be >= 1"));
     }
@@ -392,10 +364,7 @@ fn parse_vtc(line: &str) -> Result<WorkItem, String> {
     if f.len() != 4 {
         return Err(format!("expected 4 fields, found {}", f.len()));
     }
-    let t: f64 = f[0]
-        .trim()
-        .parse()
-        .map_err(|_| format!("arrival_s must be a number, found `{}`", f[0]))?;
+    let t: f64 = f[0].trim().parse().map_err(|_| format!("arrival_s must be a number, found `{}`", f[0]))?;
     if !(t >= 0.0 && t.is_finite()) {
         return Err(format!("arrival_s must be >= 0, found {t}"));
     }
@@ -430,11 +399,7 @@ fn azure_time_us(s: &str) -> Option<i64> {
     }
     let us_frac = format!("{frac_digits:0<6}").parse::<i64>().ok()?;
     // Days from civil (Howard Hinnant's algorithm).
-    let (yy, mm) = if mo <= 2 {
-        (y - 1, mo + 9)
-    } else {
-        (y, mo - 3)
-    };
+    let (yy, mm) = if mo <= 2 { (y - 1, mo + 9) } else { (y, mo - 3) };
     let era = yy.div_euclid(400);
     let yoe = yy - era * 400;
     let doy = (153 * mm + 2) / 5 + da - 1;
@@ -448,12 +413,8 @@ fn parse_azure(line: &str, t0: &mut Option<i64>) -> Result<WorkItem, String> {
     if f.len() != 3 {
         return Err(format!("expected 3 fields, found {}", f.len()));
     }
-    let t = azure_time_us(f[0]).ok_or_else(|| {
-        format!(
-            "TIMESTAMP must look like `2023-11-16 18:15:46.6805900`, found `{}`",
-            f[0]
-        )
-    })?;
+    let t = azure_time_us(f[0])
+        .ok_or_else(|| format!("TIMESTAMP must look like `2023-11-16 18:15:46.6805900`, found `{}`", f[0]))?;
     let base = *t0.get_or_insert(t);
     // Keep a large fixed offset so rows earlier than the first stay non-negative until rebased.
     let rel = t - base + (1i64 << 40);
@@ -501,14 +462,8 @@ mod tests {
     #[test]
     fn poisson_is_seeded_and_rate_shaped() {
         let c = vec![
-            SyntheticClient {
-                name: "a".into(),
-                ..client(Arrival::Poisson, 10.0)
-            },
-            SyntheticClient {
-                name: "b".into(),
-                ..client(Arrival::Poisson, 1.0)
-            },
+            SyntheticClient { name: "a".into(), ..client(Arrival::Poisson, 10.0) },
+            SyntheticClient { name: "b".into(), ..client(Arrival::Poisson, 1.0) },
         ];
         let w = poisson(&c, 100.0, 3).unwrap();
         assert_eq!(w, poisson(&c, 100.0, 3).unwrap());
@@ -555,10 +510,7 @@ mod tests {
     }
 
     fn gaps(w: &[WorkItem]) -> (f64, f64) {
-        let g: Vec<f64> = w
-            .windows(2)
-            .map(|p| (p[1].arrival_us - p[0].arrival_us) as f64 / 1e6)
-            .collect();
+        let g: Vec<f64> = w.windows(2).map(|p| (p[1].arrival_us - p[0].arrival_us) as f64 / 1e6).collect();
         let m = g.iter().sum::<f64>() / g.len() as f64;
         let sd = (g.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / g.len() as f64).sqrt();
         (m, sd / m)
@@ -566,47 +518,18 @@ mod tests {
 
     #[test]
     fn arrival_processes_have_their_rate_and_shape() {
-        let (m, cv) =
-            gaps(&synthetic(&[client(Arrival::Gamma { cv: 3.0 }, 20.0)], 2000.0, 1).unwrap());
-        assert!(
-            (m - 0.05).abs() < 0.005 && (cv - 3.0).abs() < 0.3,
-            "gamma mean {m} cv {cv}"
-        );
-        let (m, cv) =
-            gaps(&synthetic(&[client(Arrival::Gamma { cv: 0.5 }, 20.0)], 2000.0, 1).unwrap());
-        assert!(
-            (m - 0.05).abs() < 0.005 && (cv - 0.5).abs() < 0.05,
-            "gamma mean {m} cv {cv}"
-        );
+        let (m, cv) = gaps(&synthetic(&[client(Arrival::Gamma { cv: 3.0 }, 20.0)], 2000.0, 1).unwrap());
+        assert!((m - 0.05).abs() < 0.005 && (cv - 3.0).abs() < 0.3, "gamma mean {m} cv {cv}");
+        let (m, cv) = gaps(&synthetic(&[client(Arrival::Gamma { cv: 0.5 }, 20.0)], 2000.0, 1).unwrap());
+        assert!((m - 0.05).abs() < 0.005 && (cv - 0.5).abs() < 0.05, "gamma mean {m} cv {cv}");
         let u = synthetic(&[client(Arrival::Uniform, 4.0)], 10.0, 1).unwrap();
-        assert_eq!(
-            u.iter().map(|w| w.arrival_us).collect::<Vec<_>>()[..3],
-            [250_000, 500_000, 750_000]
-        );
-        let o = synthetic(
-            &[client(
-                Arrival::OnOff {
-                    on_s: 1.0,
-                    off_s: 4.0,
-                },
-                50.0,
-            )],
-            100.0,
-            1,
-        )
-        .unwrap();
-        assert!(
-            o.iter().all(|w| w.arrival_us % 5_000_000 < 1_000_000),
-            "arrivals only in on phases"
-        );
+        assert_eq!(u.iter().map(|w| w.arrival_us).collect::<Vec<_>>()[..3], [250_000, 500_000, 750_000]);
+        let o = synthetic(&[client(Arrival::OnOff { on_s: 1.0, off_s: 4.0 }, 50.0)], 100.0, 1).unwrap();
+        assert!(o.iter().all(|w| w.arrival_us % 5_000_000 < 1_000_000), "arrivals only in on phases");
         assert!((900..1100).contains(&o.len()), "{}", o.len());
         let r = synthetic(&[client(Arrival::Ramp { to_rate: 40.0 }, 0.5)], 100.0, 1).unwrap();
         let first = r.iter().filter(|w| w.arrival_us < 50_000_000).count();
-        assert!(
-            first * 2 < r.len() && (1800..2300).contains(&r.len()),
-            "{first} of {}",
-            r.len()
-        );
+        assert!(first * 2 < r.len() && (1800..2300).contains(&r.len()), "{first} of {}", r.len());
         let e = synthetic(&[client(Arrival::Gamma { cv: -1.0 }, 1.0)], 1.0, 1).unwrap_err();
         assert!(e.contains("clients[0].arrival.cv"), "{e}");
     }
@@ -630,11 +553,8 @@ mod tests {
             }
         );
         assert_eq!(w[1].arrival_us, 1_000_000);
-        let e = parse_trace(
-            TraceFormat::VtcCsv,
-            "arrival_s,client,prompt_tokens,output_tokens\n1,c,x,2\n2,c,1,0\n",
-        )
-        .unwrap_err();
+        let e = parse_trace(TraceFormat::VtcCsv, "arrival_s,client,prompt_tokens,output_tokens\n1,c,x,2\n2,c,1,0\n")
+            .unwrap_err();
         assert_eq!(e.len(), 2);
         assert_eq!((e[0].line, e[1].line), (2, 3));
         assert!(e[0].message.contains("prompt_tokens") && e[1].message.contains("output_tokens"));
@@ -644,21 +564,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w[1].arrival_us, 4_314_579);
-        let e = parse_trace(
-            TraceFormat::AzureCsv,
-            "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n",
-        )
-        .unwrap_err();
+        let e =
+            parse_trace(TraceFormat::AzureCsv, "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n").unwrap_err();
         assert!(e[0].message.contains("TIMESTAMP") && e[0].line == 2);
         let w = parse_trace(
             TraceFormat::MooncakeJsonl,
             "{\"timestamp\": 27482, \"input_length\": 6955, \"output_length\": 52, \"hash_ids\": [46, 47]}\n{\"timestamp\": 30535, \"input_length\": 6472, \"output_length\": 26, \"hash_ids\": [46]}\n",
         )
         .unwrap();
-        assert_eq!(
-            (w[1].arrival_us, w[0].prefix_hashes.clone()),
-            (3_053_000, vec![46, 47])
-        );
+        assert_eq!((w[1].arrival_us, w[0].prefix_hashes.clone()), (3_053_000, vec![46, 47]));
         let e = parse_trace(TraceFormat::MooncakeJsonl, "{\"timestamp\": 1}\n").unwrap_err();
         assert!(e[0].message.contains("input_length"));
     }

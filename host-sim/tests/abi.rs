@@ -3,9 +3,7 @@
 mod common;
 
 use host_sim::abi::HeaderMap;
-use host_sim::{
-    ClientRequest, Cluster, GatewayConfig, Host, PluginSpec, Sim, StaticResponse, StaticUpstream,
-};
+use host_sim::{ClientRequest, Cluster, GatewayConfig, Host, PluginSpec, Sim, StaticResponse, StaticUpstream};
 
 const UP: &str = "10.0.0.1:8000";
 
@@ -20,20 +18,11 @@ fn spec(config: &str, workers: usize) -> PluginSpec {
 }
 
 fn sim_with(config: &str, workers: usize, resp: StaticResponse) -> Sim {
-    let mut sim = Sim::new(
-        &common::probe_wasm(),
-        &spec(config, workers),
-        GatewayConfig::default(),
-    )
-    .expect("probe loads");
+    let mut sim =
+        Sim::new(&common::probe_wasm(), &spec(config, workers), GatewayConfig::default()).expect("probe loads");
     sim.add_upstream(UP, Box::new(StaticUpstream::new(resp)));
     sim.add_cluster("backend", Cluster::Static(vec![UP.into()]));
-    sim.add_cluster(
-        "original_dst",
-        Cluster::OriginalDst {
-            header: "x-envoy-original-dst-host".into(),
-        },
-    );
+    sim.add_cluster("original_dst", Cluster::OriginalDst { header: "x-envoy-original-dst-host".into() });
     sim
 }
 
@@ -45,19 +34,12 @@ fn sim(config: &str, workers: usize) -> Sim {
 fn req(id: u64, at_us: u64, ops: &str, body: &[u8]) -> ClientRequest {
     let mut headers: HeaderMap = vec![
         (":method".into(), b"POST".to_vec()),
-        (
-            ":path".into(),
-            format!("/v1/chat/completions?id={id}").into_bytes(),
-        ),
+        (":path".into(), format!("/v1/chat/completions?id={id}").into_bytes()),
         (":authority".into(), b"gw".to_vec()),
         (":scheme".into(), b"http".to_vec()),
         ("x-remove-me".into(), b"x".to_vec()),
     ];
-    let ops = if ops.contains("route=") {
-        ops.to_string()
-    } else {
-        format!("route={UP};{ops}")
-    };
+    let ops = if ops.contains("route=") { ops.to_string() } else { format!("route={UP};{ops}") };
     headers.push(("x-probe-op".into(), ops.into_bytes()));
     ClientRequest {
         id,
@@ -74,26 +56,15 @@ fn req(id: u64, at_us: u64, ops: &str, body: &[u8]) -> ClientRequest {
 }
 
 fn lines(sim: &Sim, needle: &str) -> Vec<(usize, u32, String)> {
-    sim.host()
-        .log_lines(needle)
-        .into_iter()
-        .map(|l| (l.vm, l.context_id, l.message))
-        .collect()
+    sim.host().log_lines(needle).into_iter().map(|l| (l.vm, l.context_id, l.message)).collect()
 }
 
 fn static_up<'a>(sim: &'a Sim, addr: &str) -> &'a StaticUpstream {
-    sim.upstream(addr)
-        .unwrap()
-        .as_any()
-        .downcast_ref::<StaticUpstream>()
-        .unwrap()
+    sim.upstream(addr).unwrap().as_any().downcast_ref::<StaticUpstream>().unwrap()
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Vec<&'a str> {
-    h.iter()
-        .filter(|(k, _)| k == name)
-        .map(|(_, v)| std::str::from_utf8(v).unwrap())
-        .collect()
+    h.iter().filter(|(k, _)| k == name).map(|(_, v)| std::str::from_utf8(v).unwrap()).collect()
 }
 
 #[test]
@@ -101,30 +72,15 @@ fn one_vm_per_worker_plus_main_each_started_and_configured() {
     let sim = sim("x=1", 3);
     let starts = lines(&sim, "vm_start root=1 size=5 cfg=vmcfg");
     let confs = lines(&sim, "configure size=3 cfg=x=1");
-    assert_eq!(
-        starts.iter().map(|l| l.0).collect::<Vec<_>>(),
-        vec![0, 1, 2, 3]
-    );
-    assert_eq!(
-        confs.iter().map(|l| l.0).collect::<Vec<_>>(),
-        vec![0, 1, 2, 3]
-    );
+    assert_eq!(starts.iter().map(|l| l.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert_eq!(confs.iter().map(|l| l.0).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
     assert_eq!(sim.host().vm_count(), 4);
 }
 
 #[test]
 fn rejected_configuration_fails_startup() {
-    let err = Sim::new(
-        &common::probe_wasm(),
-        &spec("fail=1", 1),
-        GatewayConfig::default(),
-    )
-    .err()
-    .expect("must fail");
-    assert!(
-        format!("{err:#}").contains("on_configure returned false"),
-        "{err:#}"
-    );
+    let err = Sim::new(&common::probe_wasm(), &spec("fail=1", 1), GatewayConfig::default()).err().expect("must fail");
+    assert!(format!("{err:#}").contains("on_configure returned false"), "{err:#}");
 }
 
 #[test]
@@ -136,8 +92,7 @@ fn non_proxy_wasm_module_is_rejected_and_unknown_imports_trap_only_when_called()
         r#"(import "env" "proxy_no_such_call" (func $x))"#,
         r#"(func (export "proxy_abi_version_0_2_1")) (func (export "proxy_on_tick") (param i32) call $x)"#,
     );
-    let mut host =
-        Host::new(m.as_bytes(), &spec("", 1)).expect("unknown import is not fatal at load");
+    let mut host = Host::new(m.as_bytes(), &spec("", 1)).expect("unknown import is not fatal at load");
     let t = host.on_tick(1).unwrap_err();
     assert!(t.message.contains("proxy_no_such_call"), "{}", t.message);
 }
@@ -157,16 +112,9 @@ fn streams_round_robin_over_workers_with_envoy_callback_order() {
         sim.add_request(req(i, i * 10, "", b"{\"a\":1}"));
     }
     let recs = sim.run();
-    assert_eq!(
-        recs.iter().map(|r| r.worker).collect::<Vec<_>>(),
-        vec![1, 2, 1, 2]
-    );
+    assert_eq!(recs.iter().map(|r| r.worker).collect::<Vec<_>>(), vec![1, 2, 1, 2]);
     for r in &recs {
-        assert_eq!(
-            (r.status, r.outcome, r.bytes_received),
-            (200, "ok", 11),
-            "{r:?}"
-        );
+        assert_eq!((r.status, r.outcome, r.bytes_received), (200, "ok", 11), "{r:?}");
     }
     // Callback order for the first stream (vm 1, ctx 2).
     let order: Vec<String> = sim
@@ -178,16 +126,7 @@ fn streams_round_robin_over_workers_with_envoy_callback_order() {
         .collect();
     assert_eq!(
         order,
-        [
-            "req_headers",
-            "req_headers",
-            "req_body",
-            "resp_headers",
-            "resp_body",
-            "resp_body",
-            "on_done",
-            "on_log"
-        ]
+        ["req_headers", "req_headers", "req_body", "resp_headers", "resp_body", "resp_body", "on_done", "on_log"]
     );
     assert!(!lines(&sim, "on_log ctx=2 code=Some(200)").is_empty());
     let up = static_up(&sim, UP);
@@ -201,10 +140,7 @@ fn body_arrives_in_chunks_and_is_buffered_while_paused() {
     let mut s = sim("", 1);
     s.add_request(req(0, 0, "", &body));
     s.run();
-    let sizes: Vec<String> = lines(&s, "req_body ctx=2")
-        .into_iter()
-        .map(|l| l.2)
-        .collect();
+    let sizes: Vec<String> = lines(&s, "req_body ctx=2").into_iter().map(|l| l.2).collect();
     assert_eq!(
         sizes,
         [
@@ -218,10 +154,7 @@ fn body_arrives_in_chunks_and_is_buffered_while_paused() {
     let mut s = sim("", 1);
     s.add_request(req(0, 0, "buffer;rewrite-body", &body));
     s.run();
-    let sizes: Vec<String> = lines(&s, "req_body ctx=2")
-        .into_iter()
-        .map(|l| l.2)
-        .collect();
+    let sizes: Vec<String> = lines(&s, "req_body ctx=2").into_iter().map(|l| l.2).collect();
     assert_eq!(
         sizes,
         [
@@ -236,16 +169,10 @@ fn body_arrives_in_chunks_and_is_buffered_while_paused() {
 
 #[test]
 fn request_and_response_trailers_reach_the_filter() {
-    let resp = StaticResponse {
-        trailers: Some(vec![("grpc-status".into(), b"0".to_vec())]),
-        ..Default::default()
-    };
+    let resp = StaticResponse { trailers: Some(vec![("grpc-status".into(), b"0".to_vec())]), ..Default::default() };
     let mut s = sim_with("", 1, resp);
     let mut r = req(0, 0, "", b"abc");
-    r.trailers = Some(vec![
-        ("x-t".into(), b"1".to_vec()),
-        ("x-u".into(), b"2".to_vec()),
-    ]);
+    r.trailers = Some(vec![("x-t".into(), b"1".to_vec()), ("x-u".into(), b"2".to_vec())]);
     s.add_request(r);
     let recs = s.run();
     assert_eq!(recs[0].outcome, "ok");
@@ -278,10 +205,7 @@ fn paused_stream_resumes_from_own_vm_queue_but_not_from_another_vm() {
     s.add_request(r);
     let recs = s.run();
     // Request 0 (vm 1) resumed by vm 1's root with the header it set.
-    assert_eq!(
-        (recs[0].worker, recs[0].status, recs[0].outcome),
-        (1, 200, "ok")
-    );
+    assert_eq!((recs[0].worker, recs[0].status, recs[0].outcome), (1, 200, "ok"));
     let up = static_up(&s, UP);
     assert_eq!(header(&up.received[0].1.headers, "x-resumed"), ["1"]);
     // Request 2 (vm 1, ctx 3) asked vm 2 to resume it: vm 2 cannot see context 3.
@@ -298,50 +222,21 @@ fn paused_stream_resumes_from_own_vm_queue_but_not_from_another_vm() {
 #[test]
 fn shared_queue_last_registrant_wins_one_post_per_enqueue_dropped_when_gone() {
     let mut s = sim("register=shared", 2);
-    assert_eq!(
-        s.host().queue_info("shared").map(|q| q.0),
-        Some(2),
-        "VM 2 registered last"
-    );
-    s.add_request(req(
-        0,
-        0,
-        "enqueue-msg=shared:a;enqueue-msg=shared:b;enqueue-msg=shared:c",
-        b"",
-    ));
+    assert_eq!(s.host().queue_info("shared").map(|q| q.0), Some(2), "VM 2 registered last");
+    s.add_request(req(0, 0, "enqueue-msg=shared:a;enqueue-msg=shared:b;enqueue-msg=shared:c", b""));
     s.run();
     let ready: Vec<(usize, u32, String)> = lines(&s, "queue_ready");
-    let msgs: Vec<&str> = ready
-        .iter()
-        .filter(|l| l.2.contains("msg="))
-        .map(|l| l.2.rsplit('=').next().unwrap())
-        .collect();
+    let msgs: Vec<&str> =
+        ready.iter().filter(|l| l.2.contains("msg=")).map(|l| l.2.rsplit('=').next().unwrap()).collect();
     assert_eq!(msgs, ["a", "b", "c"]);
-    assert!(
-        ready.iter().all(|l| l.0 == 2 && l.1 == 1),
-        "delivered to VM 2's root context: {ready:?}"
-    );
-    assert_eq!(
-        ready
-            .iter()
-            .filter(|l| l.2.starts_with("queue_ready done"))
-            .count(),
-        3,
-        "one call per enqueue"
-    );
+    assert!(ready.iter().all(|l| l.0 == 2 && l.1 == 1), "delivered to VM 2's root context: {ready:?}");
+    assert_eq!(ready.iter().filter(|l| l.2.starts_with("queue_ready done")).count(), 3, "one call per enqueue");
 
     s.host_mut().stop_vm(2);
     s.add_request(req(1, 1_000_000, "enqueue-msg=shared:d", b""));
     s.run();
-    assert!(
-        lines(&s, "msg=d").is_empty(),
-        "post to a stopped VM is dropped"
-    );
-    assert_eq!(
-        s.host().queue_info("shared").map(|q| q.2),
-        Some(1),
-        "message stays queued"
-    );
+    assert!(lines(&s, "msg=d").is_empty(), "post to a stopped VM is dropped");
+    assert_eq!(s.host().queue_info("shared").map(|q| q.2), Some(1), "message stays queued");
 }
 
 #[test]
@@ -353,28 +248,17 @@ fn actions_are_deferred_until_the_call_returns_and_callbacks_never_nest() {
     s.add_request(req(2, 20, &format!("enqueue={own}"), b""));
     let recs = s.run();
     assert_eq!((recs[0].status, recs[0].outcome), (429, "local_reply"));
+    assert_eq!(lines(&s, "after reply ctx=2 path=Some(").len(), 1, "stream still alive after send_local_response");
     assert_eq!(
-        lines(&s, "after reply ctx=2 path=Some(").len(),
-        1,
-        "stream still alive after send_local_response"
-    );
-    assert_eq!(
-        static_up(&s, UP)
-            .received
-            .iter()
-            .map(|r| r.0)
-            .collect::<Vec<_>>(),
+        static_up(&s, UP).received.iter().map(|r| r.0).collect::<Vec<_>>(),
         vec![1, 2],
         "local reply never went upstream"
     );
     assert_eq!((recs[1].status, recs[1].outcome), (200, "ok"));
     // The resume and the queue post are applied after the callback returned.
     let all: Vec<String> = s.host().logs().iter().map(|l| l.message.clone()).collect();
-    let pos = |needle: &str| {
-        all.iter()
-            .position(|m| m.starts_with(needle))
-            .unwrap_or_else(|| panic!("{needle} not logged"))
-    };
+    let pos =
+        |needle: &str| all.iter().position(|m| m.starts_with(needle)).unwrap_or_else(|| panic!("{needle} not logged"));
     assert!(pos("resumed inline ctx=3") < pos("req_headers return ctx=3 pause=true"));
     assert!(pos("req_headers return ctx=4 pause=true") < pos("queue_ready root=1"));
     assert_eq!(recs[2].outcome, "ok");
@@ -385,17 +269,11 @@ fn filter_reset_client_cancel_and_backend_resets() {
     let mut s = sim("", 1);
     s.add_upstream(
         "10.0.0.2:8000",
-        Box::new(StaticUpstream::new(StaticResponse {
-            reset_after_chunks: Some(0),
-            ..Default::default()
-        })),
+        Box::new(StaticUpstream::new(StaticResponse { reset_after_chunks: Some(0), ..Default::default() })),
     );
     s.add_upstream(
         "10.0.0.3:8000",
-        Box::new(StaticUpstream::new(StaticResponse {
-            reset_after_chunks: Some(1),
-            ..Default::default()
-        })),
+        Box::new(StaticUpstream::new(StaticResponse { reset_after_chunks: Some(1), ..Default::default() })),
     );
     s.add_request(req(0, 0, "reset", b""));
     let mut r = req(1, 0, "pause", b"");
@@ -408,34 +286,17 @@ fn filter_reset_client_cancel_and_backend_resets() {
     s.add_request(r);
     let recs = s.run();
     assert_eq!((recs[0].status, recs[0].outcome), (0, "filter_reset"));
-    assert_eq!(
-        (recs[1].status, recs[1].outcome, recs[1].end_us),
-        (0, "client_cancel", Some(5_000))
-    );
+    assert_eq!((recs[1].status, recs[1].outcome, recs[1].end_us), (0, "client_cancel", Some(5_000)));
     assert_eq!((recs[2].status, recs[2].outcome), (503, "upstream_reset"));
-    assert_eq!(
-        lines(&s, "resp_headers ctx=4 n=2 eos=false status=Some(\"503\")").len(),
-        1
-    );
-    assert_eq!(
-        (recs[3].status, recs[3].outcome, recs[3].tokens_received),
-        (200, "upstream_reset", 1)
-    );
+    assert_eq!(lines(&s, "resp_headers ctx=4 n=2 eos=false status=Some(\"503\")").len(), 1);
+    assert_eq!((recs[3].status, recs[3].outcome, recs[3].tokens_received), (200, "upstream_reset", 1));
     // Cancelled mid-response: the upstream request is aborted.
     assert_eq!(recs[4].outcome, "client_cancel");
     assert_eq!(static_up(&s, UP).aborted, vec![4]);
     // Every stream got on_done and on_log exactly once.
     for ctx in 2..=6 {
-        assert_eq!(
-            lines(&s, &format!("on_done ctx={ctx}")).len(),
-            1,
-            "ctx {ctx}"
-        );
-        assert_eq!(
-            lines(&s, &format!("on_log ctx={ctx} ")).len(),
-            1,
-            "ctx {ctx}"
-        );
+        assert_eq!(lines(&s, &format!("on_done ctx={ctx}")).len(), 1, "ctx {ctx}");
+        assert_eq!(lines(&s, &format!("on_log ctx={ctx} ")).len(), 1, "ctx {ctx}");
     }
 }
 
@@ -448,17 +309,9 @@ fn shared_data_is_process_wide_with_cas_and_no_delete() {
     s.add_request(req(6, 100, "stale-cas=k2;absent-cas=k3;delete=k4", b""));
     s.run();
     assert_eq!(s.host().shared_data("counter").unwrap().0, b"6");
-    let workers: std::collections::BTreeSet<usize> =
-        lines(&s, "cas counter").iter().map(|l| l.0).collect();
+    let workers: std::collections::BTreeSet<usize> = lines(&s, "cas counter").iter().map(|l| l.0).collect();
     assert_eq!(workers.len(), 3, "all workers wrote the same key");
-    assert_eq!(
-        lines(
-            &s,
-            "stale-cas k2 first=Ok(()) second=Err(CasMismatch) unconditional=Ok(()) cas=Some("
-        )
-        .len(),
-        1
-    );
+    assert_eq!(lines(&s, "stale-cas k2 first=Ok(()) second=Err(CasMismatch) unconditional=Ok(()) cas=Some(").len(), 1);
     assert_eq!(lines(&s, "absent-cas k3 status=Ok(())").len(), 1);
     assert_eq!(lines(&s, "deleted k4 value=None has_cas=true").len(), 1);
     assert_eq!(s.host().shared_data("k4").unwrap().0, b"");
@@ -469,22 +322,11 @@ fn ticks_fire_per_vm_at_the_period() {
     let mut s = sim("tick=10", 2);
     s.run_idle_until(105_000);
     for vm in 0..3 {
-        let n = s
-            .host()
-            .logs()
-            .iter()
-            .filter(|l| l.vm == vm && l.message.starts_with("tick"))
-            .count();
+        let n = s.host().logs().iter().filter(|l| l.vm == vm && l.message.starts_with("tick")).count();
         assert_eq!(n, 10, "vm {vm}");
     }
     assert_eq!(s.host().shared_data("probe.ticks").unwrap().0, b"30");
-    let first = s
-        .host()
-        .logs()
-        .iter()
-        .find(|l| l.message.starts_with("tick"))
-        .unwrap()
-        .time_us;
+    let first = s.host().logs().iter().find(|l| l.message.starts_with("tick")).unwrap().time_us;
     assert_eq!(first, 10_000);
 }
 
@@ -497,34 +339,14 @@ fn http_calls_by_cluster_and_original_dst() {
     s.add_request(req(3, 0, "call=nope", b""));
     let recs = s.run();
     assert!(recs.iter().all(|r| r.outcome == "ok"), "{recs:?}");
-    assert_eq!(
-        lines(
-            &s,
-            "status=Some(\"200\") body_len=21 first=static_upstream_up 1"
-        )
-        .len(),
-        2
-    );
-    assert_eq!(
-        lines(
-            &s,
-            "status=Some(\"503\") body_len=19 first=no healthy upstream"
-        )
-        .len(),
-        1
-    );
-    assert_eq!(
-        lines(&s, "dispatch nope  ctx=5 result=Err(BadArgument)").len(),
-        1
-    );
+    assert_eq!(lines(&s, "status=Some(\"200\") body_len=21 first=static_upstream_up 1").len(), 2);
+    assert_eq!(lines(&s, "status=Some(\"503\") body_len=19 first=no healthy upstream").len(), 1);
+    assert_eq!(lines(&s, "dispatch nope  ctx=5 result=Err(BadArgument)").len(), 1);
     let up = static_up(&s, UP);
     assert_eq!(up.calls.len(), 2);
     assert_eq!(header(&up.calls[1], "x-envoy-original-dst-host"), [UP]);
     // The response arrives after the call latency, then the request resumes.
-    assert_eq!(
-        recs[0].dispatched_us,
-        Some(GatewayConfig::default().call_latency_us)
-    );
+    assert_eq!(recs[0].dispatched_us, Some(GatewayConfig::default().call_latency_us));
 }
 
 #[test]
@@ -538,16 +360,9 @@ fn metrics_are_defined_updated_and_readable() {
     let h = s.host();
     assert_eq!(h.metric("probe.requests").unwrap().value, 6);
     assert_eq!(h.metric("probe.inflight").unwrap().value, 0);
+    assert_eq!(h.metric("probe.body_bytes").unwrap().samples, vec![5, 5, 5, 5, 5]);
     assert_eq!(
-        h.metric("probe.body_bytes").unwrap().samples,
-        vec![5, 5, 5, 5, 5]
-    );
-    assert_eq!(
-        lines(
-            &s,
-            "metric counter=Ok(6) gauge=Ok(1) bad_id=Err(NotFound) neg_counter=Err(BadArgument)"
-        )
-        .len(),
+        lines(&s, "metric counter=Ok(6) gauge=Ok(1) bad_id=Err(NotFound) neg_counter=Err(BadArgument)").len(),
         1
     );
 }
@@ -561,29 +376,12 @@ fn properties_foreign_functions_and_header_edits() {
         lines(&s, "props name=Some(\"sluice\") vm_id=Some(\"sluice\") path=Some(\"/v1/chat/completions?id=0\") set=Some(\"y\") missing=None").len(),
         1
     );
-    assert_eq!(
-        lines(
-            &s,
-            "foreign unknown=Err(NotFound) clear_route_cache=Ok(None)"
-        )
-        .len(),
-        1
-    );
-    assert_eq!(
-        lines(
-            &s,
-            "headers both=[\"1\", \"2\"] first=Some(\"1\") after=Some(\"3\")"
-        )
-        .len(),
-        1
-    );
+    assert_eq!(lines(&s, "foreign unknown=Err(NotFound) clear_route_cache=Ok(None)").len(), 1);
+    assert_eq!(lines(&s, "headers both=[\"1\", \"2\"] first=Some(\"1\") after=Some(\"3\")").len(), 1);
     let up = static_up(&s, UP);
     assert_eq!(header(&up.received[0].1.headers, "x-a"), ["3"]);
     assert!(header(&up.received[0].1.headers, "x-remove-me").is_empty());
-    assert_eq!(
-        header(&up.received[0].1.headers, "x-gateway-destination-endpoint"),
-        [UP]
-    );
+    assert_eq!(header(&up.received[0].1.headers, "x-gateway-destination-endpoint"), [UP]);
 }
 
 #[test]
@@ -596,19 +394,12 @@ fn trap_fails_only_that_request_with_500_and_a_backtrace() {
     assert_eq!((recs[0].status, recs[0].outcome), (500, "trap"));
     assert_eq!((recs[1].status, recs[1].outcome), (200, "ok"));
     // Fail closed (Envoy's default): the failed VM takes no more calls; its worker answers 503.
-    assert_eq!(
-        (recs[2].worker, recs[2].status, recs[2].outcome),
-        (1, 503, "vm_failed")
-    );
+    assert_eq!((recs[2].worker, recs[2].status, recs[2].outcome), (1, 503, "vm_failed"));
     assert_eq!(s.host().traps().len(), 1);
     let t = &s.host().traps()[0];
     assert_eq!((t.vm, t.callback), (1, "proxy_on_request_headers"));
     assert!(t.message.contains("wasm backtrace"), "{}", t.message);
-    assert_eq!(
-        lines(&s, "probe trap requested in headers ctx=2").len(),
-        1,
-        "panic message logged by the SDK hook"
-    );
+    assert_eq!(lines(&s, "probe trap requested in headers ctx=2").len(), 1, "panic message logged by the SDK hook");
 }
 
 #[test]
@@ -626,14 +417,8 @@ fn fail_reload_restarts_the_vm_and_shared_data_survives() {
     s.add_request(req(4, 30, "cas=after", b"")); // vm 1: reloaded first
     let recs = s.run();
     assert_eq!(recs[2].outcome, "trap");
-    assert_eq!(
-        (recs[4].worker, recs[4].status, recs[4].outcome),
-        (1, 200, "ok")
-    );
-    assert_eq!(
-        (recs[0].status, recs[0].outcome, recs[0].end_us),
-        (503, "vm_failed", Some(30))
-    );
+    assert_eq!((recs[4].worker, recs[4].status, recs[4].outcome), (1, 200, "ok"));
+    assert_eq!((recs[0].status, recs[0].outcome, recs[0].end_us), (503, "vm_failed", Some(30)));
     assert_eq!(s.host().reloads(), 1);
     let starts: Vec<usize> = lines(&s, "vm_start").iter().map(|l| l.0).collect();
     assert_eq!(starts, vec![0, 1, 2, 1]);
@@ -651,11 +436,7 @@ fn fuel_turns_an_endless_loop_into_a_trap() {
     s.add_request(req(0, 0, "loop", b""));
     let recs = s.run();
     assert_eq!((recs[0].status, recs[0].outcome), (500, "trap"));
-    assert!(
-        s.host().traps()[0].message.contains("fuel"),
-        "{}",
-        s.host().traps()[0].message
-    );
+    assert!(s.host().traps()[0].message.contains("fuel"), "{}", s.host().traps()[0].message);
 }
 
 #[test]
@@ -670,45 +451,27 @@ fn virtual_time_seeded_random_and_stdout_are_deterministic() {
         let logs = serde_json::to_string(&*s.host().logs()).unwrap();
         let time = lines(&s, "time ns=")[0].2.clone();
         let random = lines(&s, "random hash=")[0].2.clone();
-        let stdout = s
-            .host()
-            .logs()
-            .iter()
-            .filter(|l| l.source == "stdout")
-            .map(|l| l.message.clone())
-            .collect::<Vec<_>>();
+        let stdout =
+            s.host().logs().iter().filter(|l| l.source == "stdout").map(|l| l.message.clone()).collect::<Vec<_>>();
         (logs, time, random, stdout)
     };
     let a = run(1);
     assert_eq!(a.0, run(1).0, "byte-identical logs for the same seed");
-    assert_eq!(
-        a.1,
-        format!("time ns={}", host_sim::state::EPOCH_NS + 7_000_000)
-    );
+    assert_eq!(a.1, format!("time ns={}", host_sim::state::EPOCH_NS + 7_000_000));
     assert_eq!(a.3, ["hello from stdout ctx=2"]);
     assert_ne!(a.2, run(2).2, "the seed drives random_get");
 }
 
 #[test]
 fn http_call_timeout_is_delivered_as_a_failed_response() {
-    let gw = GatewayConfig {
-        call_latency_us: 2_000_000,
-        ..Default::default()
-    };
+    let gw = GatewayConfig { call_latency_us: 2_000_000, ..Default::default() };
     let mut s = Sim::new(&common::probe_wasm(), &spec("", 1), gw).unwrap();
     s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
     s.add_cluster("backend", Cluster::Static(vec![UP.into()]));
     s.add_request(req(0, 0, "call=backend", b""));
     let recs = s.run();
     // The probe asked for a 1 s timeout: zero headers at 1 s, then it resumes the request.
-    assert_eq!(
-        lines(
-            &s,
-            "call_response ctx=2 token=1 headers=0 status=None body_len=0"
-        )
-        .len(),
-        1
-    );
+    assert_eq!(lines(&s, "call_response ctx=2 token=1 headers=0 status=None body_len=0").len(), 1);
     assert_eq!(recs[0].dispatched_us, Some(1_000_000));
     assert_eq!(recs[0].outcome, "ok");
 }
@@ -716,11 +479,7 @@ fn http_call_timeout_is_delivered_as_a_failed_response() {
 #[test]
 fn without_allow_on_headers_stop_iteration_the_body_waits_for_resume() {
     let run = |allow: bool| {
-        let gw = GatewayConfig {
-            allow_on_headers_stop_iteration: allow,
-            body_chunk_bytes: 4,
-            ..Default::default()
-        };
+        let gw = GatewayConfig { allow_on_headers_stop_iteration: allow, body_chunk_bytes: 4, ..Default::default() };
         let mut s = Sim::new(&common::probe_wasm(), &spec("queue=1", 1), gw).unwrap();
         s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
         let own = queue_of(&s, 1);
@@ -749,51 +508,28 @@ fn without_allow_on_headers_stop_iteration_the_body_waits_for_resume() {
         ]
     );
     // StopAllIterationAndWatermark: nothing until the resume, then the whole body at once.
-    assert_eq!(
-        run(false),
-        ["resume ctx=2 status=Ok", "req_body ctx=2 size=10 eos=true"]
-    );
+    assert_eq!(run(false), ["resume ctx=2 status=Ok", "req_body ctx=2 size=10 eos=true"]);
 }
 
 #[test]
 fn tick_jitter_and_queue_post_delay_are_seeded() {
     let run = |seed: u64| {
-        let gw = GatewayConfig {
-            tick_jitter_us: 3_000,
-            queue_post_delay_us: 250,
-            seed,
-            ..Default::default()
-        };
+        let gw = GatewayConfig { tick_jitter_us: 3_000, queue_post_delay_us: 250, seed, ..Default::default() };
         let mut s = Sim::new(&common::probe_wasm(), &spec("tick=10;queue=1", 1), gw).unwrap();
         s.add_upstream(UP, Box::new(StaticUpstream::new(StaticResponse::default())));
         let own = queue_of(&s, 1);
         s.add_request(req(0, 1_000, &format!("enqueue={own}"), b""));
         s.run_idle_until(200_000);
-        let ready = s
-            .host()
-            .logs()
-            .iter()
-            .find(|l| l.message.starts_with("queue_ready root"))
-            .unwrap()
-            .time_us;
+        let ready = s.host().logs().iter().find(|l| l.message.starts_with("queue_ready root")).unwrap().time_us;
         assert_eq!(ready, 1_250);
-        let ticks: Vec<u64> = s
-            .host()
-            .logs()
-            .iter()
-            .filter(|l| l.vm == 1 && l.message.starts_with("tick"))
-            .map(|l| l.time_us)
-            .collect();
+        let ticks: Vec<u64> =
+            s.host().logs().iter().filter(|l| l.vm == 1 && l.message.starts_with("tick")).map(|l| l.time_us).collect();
         ticks
     };
     let a = run(1);
     assert_eq!(a, run(1));
     assert_ne!(a, run(2));
-    assert!(
-        a.windows(2)
-            .all(|w| (10_000..=13_000).contains(&(w[1] - w[0]))),
-        "{a:?}"
-    );
+    assert!(a.windows(2).all(|w| (10_000..=13_000).contains(&(w[1] - w[0]))), "{a:?}");
     assert!(a.iter().any(|t| t % 10_000 != 0), "{a:?}");
 }
 
@@ -808,16 +544,8 @@ fn injected_cas_conflicts_exercise_retry_loops_without_losing_updates() {
     }
     s.run();
     assert_eq!(s.host().shared_data("counter").unwrap().0, b"20");
-    let retries: u64 = lines(&s, "cas counter")
-        .iter()
-        .map(|l| {
-            l.2.rsplit("retries=")
-                .next()
-                .unwrap()
-                .parse::<u64>()
-                .unwrap()
-        })
-        .sum();
+    let retries: u64 =
+        lines(&s, "cas counter").iter().map(|l| l.2.rsplit("retries=").next().unwrap().parse::<u64>().unwrap()).sum();
     assert!(retries > 5, "retries {retries}");
     assert_eq!(retries, s.host().cas_conflicts_injected());
 }

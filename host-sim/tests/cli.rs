@@ -42,30 +42,14 @@ fn bad_inputs_fail_with_the_field_named() {
     let dir = std::env::temp_dir().join(format!("sluice-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.csv");
-    std::fs::write(
-        &bad,
-        "arrival_s,client,prompt_tokens,output_tokens\n0,a,1,1\nx,b,1,1\n",
-    )
-    .unwrap();
-    let out = sim()
-        .args([
-            "--trace",
-            bad.to_str().unwrap(),
-            "--format",
-            "vtc-csv",
-            "--check-trace",
-        ])
-        .output()
-        .unwrap();
+    std::fs::write(&bad, "arrival_s,client,prompt_tokens,output_tokens\n0,a,1,1\nx,b,1,1\n").unwrap();
+    let out = sim().args(["--trace", bad.to_str().unwrap(), "--format", "vtc-csv", "--check-trace"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("line 3") && err.contains("arrival_s"), "{err}");
     let sc = dir.join("s.json");
     std::fs::write(&sc, r#"{"backends": {"count": 0, "profile": "fast"}, "workload": {"kind": "poisson", "duration_s": 1, "clients": []}}"#).unwrap();
-    let out = sim()
-        .args(["--scenario", sc.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = sim().args(["--scenario", sc.to_str().unwrap()]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("backends.count"));
     std::fs::remove_dir_all(&dir).ok();
@@ -98,11 +82,7 @@ fn a_trace_run_prints_a_deterministic_report() {
             ])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stderr).contains("x real time"));
         out.stdout
     };

@@ -25,9 +25,7 @@ fn scenario(policy: &str, extra: &str) -> Scenario {
 #[test]
 fn poisson_clients_through_the_real_filter_complete_and_stream_tokens() {
     let wasm = common::filter_wasm();
-    let (sim, report) = scenario("fcfs", "")
-        .run(&wasm, Path::new("."))
-        .expect("runs");
+    let (sim, report) = scenario("fcfs", "").run(&wasm, Path::new(".")).expect("runs");
     let recs = sim.records();
     assert!(recs.len() > 20, "{} requests", recs.len());
     let traps = sim.host().traps();
@@ -41,12 +39,8 @@ fn poisson_clients_through_the_real_filter_complete_and_stream_tokens() {
         assert!(r.worker == 1 || r.worker == 2);
     }
     // The filter chose both backends over the run.
-    assert!(recs
-        .iter()
-        .any(|r| r.endpoint.as_deref() == Some("10.0.0.1:8000")));
-    assert!(recs
-        .iter()
-        .any(|r| r.endpoint.as_deref() == Some("10.0.0.2:8000")));
+    assert!(recs.iter().any(|r| r.endpoint.as_deref() == Some("10.0.0.1:8000")));
+    assert!(recs.iter().any(|r| r.endpoint.as_deref() == Some("10.0.0.2:8000")));
     assert_eq!(report.outcomes.get("ok"), Some(&recs.len()));
     assert_eq!(report.clients.len(), 2);
 }
@@ -56,10 +50,7 @@ fn identical_scenario_and_seed_give_byte_identical_reports() {
     let wasm = common::filter_wasm();
     let run = || {
         let (sim, report) = scenario("vtc", "").run(&wasm, Path::new(".")).unwrap();
-        (
-            report.to_json(),
-            host_sim::report::records_csv(&sim.records()),
-        )
+        (report.to_json(), host_sim::report::records_csv(&sim.records()))
     };
     let a = run();
     let b = run();
@@ -72,11 +63,7 @@ fn identical_scenario_and_seed_give_byte_identical_reports() {
 }
 
 fn gpu<'a>(sim: &'a host_sim::Sim, addr: &str) -> &'a host_sim::GpuUpstream {
-    sim.upstream(addr)
-        .unwrap()
-        .as_any()
-        .downcast_ref::<host_sim::GpuUpstream>()
-        .unwrap()
+    sim.upstream(addr).unwrap().as_any().downcast_ref::<host_sim::GpuUpstream>().unwrap()
 }
 
 #[test]
@@ -100,42 +87,20 @@ fn overload_is_shed_with_reasons_and_no_request_is_lost() {
     let recs = sim.records();
     let ok = recs.iter().filter(|r| r.outcome == "ok").count();
     let shed: Vec<_> = recs.iter().filter(|r| r.outcome == "local_reply").collect();
-    assert_eq!(
-        ok + shed.len(),
-        recs.len(),
-        "every request ends ok or rejected: {:?}",
-        report.outcomes
-    );
+    assert_eq!(ok + shed.len(), recs.len(), "every request ends ok or rejected: {:?}", report.outcomes);
     assert!(!shed.is_empty() && ok > 0, "{:?}", report.outcomes);
     for r in &shed {
         assert!(r.status == 429 || r.status == 503, "{r:?}");
-        assert!(
-            r.reason
-                .as_deref()
-                .is_some_and(|x| x.starts_with("rejected-")),
-            "{r:?}"
-        );
-        assert!(
-            r.endpoint.is_none(),
-            "a rejected request never reached a backend"
-        );
+        assert!(r.reason.as_deref().is_some_and(|x| x.starts_with("rejected-")), "{r:?}");
+        assert!(r.endpoint.is_none(), "a rejected request never reached a backend");
     }
     // The filter's own counters agree with what the clients saw.
-    assert_eq!(
-        report
-            .filter_metrics
-            .get("sluice_requests_completed")
-            .copied(),
-        Some(ok as u64)
-    );
+    assert_eq!(report.filter_metrics.get("sluice_requests_completed").copied(), Some(ok as u64));
     // GPU model invariants: nothing over-committed, every admitted request finished.
     let g = gpu(&sim, "10.0.0.1:8000");
     g.model().check_invariants().unwrap();
     let m = g.model().metrics();
-    assert_eq!(
-        (m.finished, m.aborted, m.running, m.waiting),
-        (ok as u64, 0, 0, 0)
-    );
+    assert_eq!((m.finished, m.aborted, m.running, m.waiting), (ok as u64, 0, 0, 0));
 }
 
 #[test]
@@ -155,10 +120,7 @@ fn clients_that_give_up_are_cancelled_in_the_queue_and_upstream() {
     .unwrap();
     let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
     let recs = sim.records();
-    let cancelled: Vec<_> = recs
-        .iter()
-        .filter(|r| r.outcome == "client_cancel")
-        .collect();
+    let cancelled: Vec<_> = recs.iter().filter(|r| r.outcome == "client_cancel").collect();
     assert!(!cancelled.is_empty(), "{:?}", report.outcomes);
     for r in &cancelled {
         assert_eq!(r.end_us, Some(r.arrival_us + 3_000_000));
@@ -166,14 +128,8 @@ fn clients_that_give_up_are_cancelled_in_the_queue_and_upstream() {
     let g = gpu(&sim, "10.0.0.1:8000");
     g.model().check_invariants().unwrap();
     let m = g.model().metrics();
-    let in_flight_cancels = cancelled
-        .iter()
-        .filter(|r| r.dispatched_us.is_some())
-        .count() as u64;
-    assert_eq!(
-        m.aborted, in_flight_cancels,
-        "cancelled requests that reached the GPU were aborted there"
-    );
+    let in_flight_cancels = cancelled.iter().filter(|r| r.dispatched_us.is_some()).count() as u64;
+    assert_eq!(m.aborted, in_flight_cancels, "cancelled requests that reached the GPU were aborted there");
     assert_eq!((m.running, m.waiting), (0, 0));
     assert!(recs.iter().all(|r| r.outcome != "unfinished"));
 }
@@ -185,13 +141,7 @@ fn trace_replay_through_the_filter() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut csv = String::from("arrival_s,client,prompt_tokens,output_tokens\n");
     for i in 0..60 {
-        csv.push_str(&format!(
-            "{:.3},client-{},{},{}\n",
-            i as f64 * 0.25,
-            i % 3,
-            20 + i,
-            10 + i % 7
-        ));
+        csv.push_str(&format!("{:.3},client-{},{},{}\n", i as f64 * 0.25, i % 3, 20 + i, 10 + i % 7));
     }
     std::fs::write(dir.join("t.csv"), csv).unwrap();
     let sc = Scenario::from_json(
@@ -202,36 +152,17 @@ fn trace_replay_through_the_filter() {
     .unwrap();
     let (sim, report) = sc.run(&wasm, &dir).unwrap();
     assert_eq!(report.requests, 50);
-    assert_eq!(
-        report.outcomes.get("ok"),
-        Some(&50),
-        "{:?}",
-        report.outcomes
-    );
+    assert_eq!(report.outcomes.get("ok"), Some(&50), "{:?}", report.outcomes);
     let recs = sim.records();
     assert_eq!(recs[7].arrival_us, 1_750_000);
-    assert_eq!(
-        (
-            recs[7].client.as_str(),
-            recs[7].prompt_tokens,
-            recs[7].tokens_received
-        ),
-        ("client-1", 27, 10)
-    );
-    std::fs::write(
-        dir.join("bad.csv"),
-        "arrival_s,client,prompt_tokens,output_tokens\n0,a,1,1\n1,b,-3,1\n",
-    )
-    .unwrap();
+    assert_eq!((recs[7].client.as_str(), recs[7].prompt_tokens, recs[7].tokens_received), ("client-1", 27, 10));
+    std::fs::write(dir.join("bad.csv"), "arrival_s,client,prompt_tokens,output_tokens\n0,a,1,1\n1,b,-3,1\n").unwrap();
     let bad = Scenario::from_json(
         r#"{"backends": {"count": 1, "profile": "fast"}, "workload": {"kind": "trace", "format": "vtc-csv", "path": "bad.csv"}}"#,
     )
     .unwrap();
     let err = bad.run(&wasm, &dir).err().unwrap().to_string();
-    assert!(
-        err.contains("line 3") && err.contains("prompt_tokens"),
-        "{err}"
-    );
+    assert!(err.contains("line 3") && err.contains("prompt_tokens"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -245,25 +176,16 @@ fn scenario_errors_name_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("backends.profile"), "{e}");
-    let e = Scenario::from_json(r#"{"backends": {"count": 1, "profile": "fast"}}"#)
-        .unwrap_err()
-        .to_string();
+    let e = Scenario::from_json(r#"{"backends": {"count": 1, "profile": "fast"}}"#).unwrap_err().to_string();
     assert!(e.contains("workload"), "{e}");
 }
 
 #[test]
 fn the_filter_scrapes_gpu_metrics_through_its_cluster() {
     let wasm = common::filter_wasm();
-    let sc = scenario(
-        "vtc",
-        r#", "routing": {"scrape_cluster": "model_servers", "scrape_interval_ms": 50}"#,
-    );
+    let sc = scenario("vtc", r#", "routing": {"scrape_cluster": "model_servers", "scrape_interval_ms": 50}"#);
     let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
-    let ok = report
-        .filter_metrics
-        .get("sluice_scrapes_ok")
-        .copied()
-        .unwrap_or(0);
+    let ok = report.filter_metrics.get("sluice_scrapes_ok").copied().unwrap_or(0);
     assert!(ok > 50, "scrapes: {:?}", report.filter_metrics);
     assert_eq!(report.filter_metrics.get("sluice_scrapes_failed"), Some(&0));
     assert_eq!(report.outcomes.get("ok"), Some(&sim.records().len()));
@@ -283,12 +205,7 @@ fn two_models_on_one_gpu_swap_and_profile_overrides_are_validated() {
     )
     .unwrap();
     let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
-    assert_eq!(
-        report.outcomes.get("ok"),
-        Some(&sim.records().len()),
-        "{:?}",
-        report.outcomes
-    );
+    assert_eq!(report.outcomes.get("ok"), Some(&sim.records().len()), "{:?}", report.outcomes);
     assert!(report.backends[0].swaps > 0, "{:?}", report.backends);
     let bad = r#"{"backends": {"count": 1, "profile": "fast", "overrides": {"block_size": 0}},
                   "workload": {"kind": "synthetic", "duration_s": 1, "clients": []}}"#;
@@ -296,55 +213,30 @@ fn two_models_on_one_gpu_swap_and_profile_overrides_are_validated() {
     assert!(e.contains("backends.overrides"), "{e}");
     let typo = r#"{"backends": {"count": 1, "profile": "fast", "overrides": {"blocks": 1}},
                    "workload": {"kind": "synthetic", "duration_s": 1, "clients": []}}"#;
-    assert!(Scenario::from_json(typo)
-        .unwrap_err()
-        .to_string()
-        .contains("blocks"));
+    assert!(Scenario::from_json(typo).unwrap_err().to_string().contains("blocks"));
 }
 
 #[test]
 fn a_client_cannot_choose_its_backend_by_sending_the_destination_header() {
     let wasm = common::filter_wasm();
     let plugin = host_sim::PluginSpec {
-        configuration:
-            br#"{"endpoints": ["10.0.0.1:8000"], "policy": "fcfs", "watermark_per_backend": 8}"#
-                .to_vec(),
+        configuration: br#"{"endpoints": ["10.0.0.1:8000"], "policy": "fcfs", "watermark_per_backend": 8}"#.to_vec(),
         ..Default::default()
     };
     let mut sim = host_sim::Sim::new(&wasm, &plugin, host_sim::GatewayConfig::default()).unwrap();
     let fast = sluice_gpu::GpuProfile::by_name("fast").unwrap();
-    sim.add_upstream(
-        "10.0.0.1:8000",
-        Box::new(host_sim::GpuUpstream::new(fast.clone(), 16).unwrap()),
-    );
+    sim.add_upstream("10.0.0.1:8000", Box::new(host_sim::GpuUpstream::new(fast.clone(), 16).unwrap()));
     // Reachable through ORIGINAL_DST but not in the filter's endpoint list.
-    sim.add_upstream(
-        "10.0.0.9:8000",
-        Box::new(host_sim::GpuUpstream::new(fast, 16).unwrap()),
-    );
+    sim.add_upstream("10.0.0.9:8000", Box::new(host_sim::GpuUpstream::new(fast, 16).unwrap()));
     for i in 0..10 {
-        let mut r = host_sim::ClientRequest::chat(
-            i,
-            i * 1000,
-            "x-gateway-inference-fairness-id",
-            "mallory",
-            "m",
-            10,
-            5,
-        );
-        r.headers.push((
-            "x-gateway-destination-endpoint".into(),
-            b"10.0.0.9:8000".to_vec(),
-        ));
+        let mut r =
+            host_sim::ClientRequest::chat(i, i * 1000, "x-gateway-inference-fairness-id", "mallory", "m", 10, 5);
+        r.headers.push(("x-gateway-destination-endpoint".into(), b"10.0.0.9:8000".to_vec()));
         sim.add_request(r);
     }
     let recs = sim.run();
     for r in &recs {
-        assert_eq!(
-            (r.status, r.endpoint.as_deref()),
-            (200, Some("10.0.0.1:8000")),
-            "{r:?}"
-        );
+        assert_eq!((r.status, r.endpoint.as_deref()), (200, Some("10.0.0.1:8000")), "{r:?}");
     }
 }
 
@@ -353,15 +245,9 @@ fn the_filter_survives_cas_races_between_workers() {
     let wasm = common::filter_wasm();
     let sc = scenario("vtc", r#", "watermark_per_backend": 4"#);
     let items = sc.work_items(Path::new(".")).unwrap();
-    let mut sim = sc
-        .build_with(&wasm, &items, |p, _| p.cas_conflict_rate = 0.3)
-        .unwrap();
+    let mut sim = sc.build_with(&wasm, &items, |p, _| p.cas_conflict_rate = 0.3).unwrap();
     let recs = sim.run();
-    assert!(
-        sim.host().cas_conflicts_injected() > 10,
-        "{}",
-        sim.host().cas_conflicts_injected()
-    );
+    assert!(sim.host().cas_conflicts_injected() > 10, "{}", sim.host().cas_conflicts_injected());
     assert!(sim.host().traps().is_empty(), "{:?}", sim.host().traps());
     for r in &recs {
         assert_eq!((r.status, r.outcome), (200, "ok"), "{r:?}");

@@ -10,25 +10,15 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
 fn opts() -> ReproOptions {
-    ReproOptions {
-        quick: true,
-        ..Default::default()
-    }
+    ReproOptions { quick: true, ..Default::default() }
 }
 
 fn trace() -> &'static Path {
-    Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/chatbot-arena-27-clients.csv"
-    ))
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/chatbot-arena-27-clients.csv"))
 }
 
 fn workload(name: &str) -> ReproWorkload {
-    repro::seed_workloads(&opts(), trace())
-        .unwrap()
-        .into_iter()
-        .find(|w| w.name == name)
-        .unwrap()
+    repro::seed_workloads(&opts(), trace()).unwrap().into_iter().find(|w| w.name == name).unwrap()
 }
 
 /// Runs (and memoises: several claims read the same run) one workload under one policy.
@@ -47,11 +37,7 @@ fn case(name: &str, p: PolicyCase) -> CaseResult {
 }
 
 fn acc_at(c: &CaseResult, t: f64) -> f64 {
-    c.acc_diff
-        .iter()
-        .take_while(|(s, _)| *s <= t)
-        .last()
-        .map_or(0.0, |(_, v)| *v)
+    c.acc_diff.iter().take_while(|(s, _)| *s <= t).last().map_or(0.0, |(_, v)| *v)
 }
 
 #[test]
@@ -63,10 +49,7 @@ fn vtc_service_difference_stays_bounded_while_fcfs_grows() {
     let (v_half, v_end) = (acc_at(&vtc, span / 2.0), acc_at(&vtc, span));
     eprintln!("acc diff FCFS {f_half} -> {f_end}, VTC {v_half} -> {v_end}");
     // FCFS serves the 2x client 2x as much: the gap grows with time (≥ 1.6x from half to end).
-    assert!(
-        f_end >= 1.6 * f_half && f_end > 20_000.0,
-        "FCFS {f_half} -> {f_end}"
-    );
+    assert!(f_end >= 1.6 * f_half && f_end > 20_000.0, "FCFS {f_half} -> {f_end}");
     // VTC: bounded. The seed's bound U = max(w_p·L_input, w_q·M) is 20,000 here (M = the
     // 10,000-token KV pool); we require half of it, no growth from half-time to the end
     // beyond one request's service (768), and under 10% of FCFS's gap.
@@ -81,10 +64,7 @@ fn vtc_throughput_within_two_percent_of_fcfs() {
     for name in ["overload", "arena-27"] {
         let f = case(name, PolicyCase::fcfs()).row.throughput;
         let v = case(name, PolicyCase::vtc()).row.throughput;
-        assert!(
-            (v - f).abs() <= 0.02 * f,
-            "{name}: VTC {v} vs FCFS {f} tokens/s"
-        );
+        assert!((v - f).abs() <= 0.02 * f, "{name}: VTC {v} vs FCFS {f} tokens/s");
     }
 }
 
@@ -98,15 +78,8 @@ fn rpm_loses_throughput() {
     let f = case("overload", PolicyCase::fcfs()).row.throughput;
     for n in [5, 20, 30] {
         let r = case("overload", PolicyCase::rpm(n)).row;
-        eprintln!(
-            "overload throughput FCFS {f}, RPM({n}) {} ({} refused)",
-            r.throughput, r.failed
-        );
-        assert!(
-            r.throughput <= 0.7 * f,
-            "RPM({n}) {} vs FCFS {f}",
-            r.throughput
-        );
+        eprintln!("overload throughput FCFS {f}, RPM({n}) {} ({} refused)", r.throughput, r.failed);
+        assert!(r.throughput <= 0.7 * f, "RPM({n}) {} vs FCFS {f}", r.throughput);
         assert!(r.failed > 0);
     }
 }
@@ -119,8 +92,7 @@ fn lcf_breaks_under_distribution_shift_and_vtc_does_not() {
     // service. Measured over the middle of the phase, after the backlog of phase 1 settles.
     let (a, b) = (third + 10.0, 2.0 * third);
     let ratio = |c: &CaseResult| {
-        repro::service_between(c, "client1", a, b)
-            / repro::service_between(c, "client2", a, b).max(1.0)
+        repro::service_between(c, "client1", a, b) / repro::service_between(c, "client2", a, b).max(1.0)
     };
     let lcf = ratio(&case("dist-shift", PolicyCase::lcf()));
     let vtc = ratio(&case("dist-shift", PolicyCase::vtc()));
@@ -160,14 +132,8 @@ fn length_prediction_lowers_the_service_difference() {
         "avg diff / max diff: VTC {} / {}, predict {} / {}, oracle {} / {}",
         vtc.avg_diff, vtc.max_diff, pred.avg_diff, pred.max_diff, oracle.avg_diff, oracle.max_diff
     );
-    assert!(
-        pred.avg_diff <= 0.8 * vtc.avg_diff,
-        "predict {pred:?} vs VTC {vtc:?}"
-    );
-    assert!(
-        oracle.avg_diff <= 0.8 * vtc.avg_diff,
-        "oracle {oracle:?} vs VTC {vtc:?}"
-    );
+    assert!(pred.avg_diff <= 0.8 * vtc.avg_diff, "predict {pred:?} vs VTC {vtc:?}");
+    assert!(oracle.avg_diff <= 0.8 * vtc.avg_diff, "oracle {oracle:?} vs VTC {vtc:?}");
     assert!(pred.max_diff <= vtc.max_diff && oracle.max_diff <= vtc.max_diff);
 }
 
@@ -186,17 +152,11 @@ fn bands_never_evict_critical_requests_and_shed_sheddable_first() {
     let (crit, std, shed) = (band("critical"), band("standard"), band("sheddable"));
     assert!(crit.requests > 0 && std.requests > 0 && shed.requests > 0);
     // Critical: never evicted, never refused, all served.
-    assert_eq!(
-        (crit.evicted, crit.rejected, crit.completed),
-        (0, 0, crit.requests)
-    );
+    assert_eq!((crit.evicted, crit.rejected, crit.completed), (0, 0, crit.requests));
     // The queue did fill, and sheddable work was shed first (more of it, as a fraction).
     assert!(shed.evicted + shed.rejected > 0, "{shed:?}");
     let lost = |r: &repro::BandRow| (r.evicted + r.rejected) as f64 / r.requests as f64;
-    assert!(
-        lost(&shed) > lost(&std) + 0.2,
-        "sheddable {shed:?} vs standard {std:?}"
-    );
+    assert!(lost(&shed) > lost(&std) + 0.2, "sheddable {shed:?} vs standard {std:?}");
     // Fairness inside the standard band: chat and code (equal weights, both backlogged, each
     // with its own flow_capacity) get service within 10% of each other.
     let s: Vec<f64> = std.flow_service.values().copied().collect();
@@ -208,11 +168,7 @@ fn bands_never_evict_critical_requests_and_shed_sheddable_first() {
 
 #[test]
 fn workload_names_match_what_is_built() {
-    let mut names: Vec<String> = repro::seed_workloads(&opts(), trace())
-        .unwrap()
-        .into_iter()
-        .map(|w| w.name)
-        .collect();
+    let mut names: Vec<String> = repro::seed_workloads(&opts(), trace()).unwrap().into_iter().map(|w| w.name).collect();
     names.push("bands".into());
     assert_eq!(names, repro::WORKLOAD_NAMES);
 }
@@ -272,10 +228,7 @@ fn cli_writes_tables_and_figures() {
     let _ = std::fs::remove_file(&wasm);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        stdout.contains("| Scheduler | Max Diff |") && stdout.contains("| VTC |"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("| Scheduler | Max Diff |") && stdout.contains("| VTC |"), "{stdout}");
     for f in [
         "summary.md",
         "overload/table.md",
@@ -292,10 +245,7 @@ fn cli_writes_tables_and_figures() {
         let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
         assert!(!text.is_empty(), "{f} is empty");
         if f.ends_with(".svg") {
-            assert!(
-                text.starts_with("<svg") && text.contains("<polyline"),
-                "{f}"
-            );
+            assert!(text.starts_with("<svg") && text.contains("<polyline"), "{f}");
         }
     }
     let csv = std::fs::read_to_string(out.join("overload/table.csv")).unwrap();

@@ -47,11 +47,7 @@ fn poisson(rate: f64, duration_s: f64, prompt: u32, output: u32) -> Vec<WorkItem
 
 fn run(cfg: &RunConfig, items: &[WorkItem]) -> RunResult {
     let (sim, r) = rc::run(&common::filter_wasm(), cfg, items).expect("runs");
-    assert!(
-        sim.host().traps().is_empty(),
-        "traps: {:?}",
-        sim.host().traps()
-    );
+    assert!(sim.host().traps().is_empty(), "traps: {:?}", sim.host().traps());
     eprintln!("{}", rc::markdown_table(std::slice::from_ref(&r)));
     r
 }
@@ -76,20 +72,10 @@ fn kv_aware_beats_round_robin_on_p99_ttft_on_a_heterogeneous_pool() {
         assert_eq!(r.ok, r.requests, "no backend fails here: {r:?}");
     }
     // Round-robin splits evenly; the KV-aware picker sends most to the fast GPUs.
-    let spread =
-        |r: &RunResult| r.per_backend.iter().max().unwrap() - r.per_backend.iter().min().unwrap();
-    assert!(
-        spread(&rr) <= 2,
-        "round-robin is even: {:?}",
-        rr.per_backend
-    );
-    let fast_share =
-        |r: &RunResult| (r.per_backend[0] + r.per_backend[1]) as f64 / r.requests as f64;
-    assert!(
-        fast_share(&kv) > 0.6,
-        "kv-aware favours the fast GPUs: {:?}",
-        kv.per_backend
-    );
+    let spread = |r: &RunResult| r.per_backend.iter().max().unwrap() - r.per_backend.iter().min().unwrap();
+    assert!(spread(&rr) <= 2, "round-robin is even: {:?}", rr.per_backend);
+    let fast_share = |r: &RunResult| (r.per_backend[0] + r.per_backend[1]) as f64 / r.requests as f64;
+    assert!(fast_share(&kv) > 0.6, "kv-aware favours the fast GPUs: {:?}", kv.per_backend);
     assert!(
         kv.ttft_ms.p99 * 2.0 < rr.ttft_ms.p99,
         "p99 TTFT kv-aware {} ms vs round-robin {} ms",
@@ -105,10 +91,8 @@ fn kv_aware_gets_more_prefix_cache_hits_than_least_request() {
     let mut items = poisson(120.0, 3.0, 256, 8);
     for (i, w) in items.iter_mut().enumerate() {
         let doc = (i * 7 % 12) as u64;
-        w.prefix_hashes = (0..6)
-            .map(|b| doc * 1000 + b)
-            .chain([1_000_000 + 2 * i as u64, 1_000_001 + 2 * i as u64])
-            .collect();
+        w.prefix_hashes =
+            (0..6).map(|b| doc * 1000 + b).chain([1_000_000 + 2 * i as u64, 1_000_001 + 2 * i as u64]).collect();
     }
     let pool = PoolSpec::mixed("4 fast", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
     let lr = run(&config(PickerKind::LeastRequest, pool.clone()), &items);
@@ -129,13 +113,7 @@ fn kv_aware_gets_more_prefix_cache_hits_than_least_request() {
 fn traffic_leaves_a_dead_backend_within_a_few_scrapes_and_no_request_is_lost() {
     let items = poisson(150.0, 3.0, 96, 24);
     for picker in [PickerKind::KvAware, PickerKind::RoundRobin] {
-        let mut pool = PoolSpec::mixed(
-            "4 fast, one dies",
-            &GpuProfile::fast(),
-            4,
-            &GpuProfile::fast(),
-            0,
-        );
+        let mut pool = PoolSpec::mixed("4 fast, one dies", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
         let at_us = 1_500_000;
         pool.death = Some(Death { backend: 0, at_us });
         let cfg = config(picker, pool);
@@ -152,8 +130,7 @@ fn traffic_leaves_a_dead_backend_within_a_few_scrapes_and_no_request_is_lost() {
             r.last_to_dead_ms
         );
         assert!(
-            recs.iter()
-                .any(|x| x.endpoint.as_deref() == Some(dead) && x.dispatched_us < Some(at_us)),
+            recs.iter().any(|x| x.endpoint.as_deref() == Some(dead) && x.dispatched_us < Some(at_us)),
             "it served before dying"
         );
         // Only requests that were on, or sent to, the dead backend failed; all others completed.
@@ -164,16 +141,8 @@ fn traffic_leaves_a_dead_backend_within_a_few_scrapes_and_no_request_is_lost() {
                 assert_eq!(x.outcome, "upstream_reset", "{x:?}");
             }
         }
-        let after: Vec<_> = recs
-            .iter()
-            .filter(|x| x.arrival_us > at_us + 200_000)
-            .collect();
-        assert!(
-            after.len() > 100
-                && after
-                    .iter()
-                    .all(|x| x.endpoint.as_deref() != Some(dead) && x.outcome == "ok")
-        );
+        let after: Vec<_> = recs.iter().filter(|x| x.arrival_us > at_us + 200_000).collect();
+        assert!(after.len() > 100 && after.iter().all(|x| x.endpoint.as_deref() != Some(dead) && x.outcome == "ok"));
         assert!(r.failed < r.requests / 10, "{r:?}");
     }
 }
@@ -192,47 +161,17 @@ fn a_backend_dead_with_nothing_in_flight_is_dropped_after_its_scrapes_fail() {
         model: None,
     };
     let items = workload::synthetic(&[c], 3.0, 1).unwrap();
-    let mut pool = PoolSpec::mixed(
-        "4 fast, one dies idle",
-        &GpuProfile::fast(),
-        4,
-        &GpuProfile::fast(),
-        0,
-    );
+    let mut pool = PoolSpec::mixed("4 fast, one dies idle", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
     let at_us = 1_530_000;
     pool.death = Some(Death { backend: 1, at_us });
-    let (sim, r) = rc::run(
-        &common::filter_wasm(),
-        &config(PickerKind::RoundRobin, pool),
-        &items,
-    )
-    .expect("runs");
+    let (sim, r) = rc::run(&common::filter_wasm(), &config(PickerKind::RoundRobin, pool), &items).expect("runs");
     assert_nothing_lost(&r);
-    let dead = sim
-        .upstream("10.0.0.2:8000")
-        .unwrap()
-        .as_any()
-        .downcast_ref::<rc::DyingUpstream>()
-        .unwrap();
-    assert_eq!(
-        (dead.reset_at_death, dead.refused),
-        (0, 0),
-        "nothing was open there, nothing sent after"
-    );
+    let dead = sim.upstream("10.0.0.2:8000").unwrap().as_any().downcast_ref::<rc::DyingUpstream>().unwrap();
+    assert_eq!((dead.reset_at_death, dead.refused), (0, 0), "nothing was open there, nothing sent after");
     assert_eq!((r.ok, r.sent_to_dead), (r.requests, 0), "{r:?}");
-    assert!(
-        r.per_backend[1] >= 3,
-        "it served before dying: {:?}",
-        r.per_backend
-    );
-    let scrapes_failed = sim
-        .host()
-        .metric("sluice_scrapes_failed")
-        .map_or(0, |m| m.value);
-    assert!(
-        scrapes_failed >= 10,
-        "the dead backend's scrapes fail from then on: {scrapes_failed}"
-    );
+    assert!(r.per_backend[1] >= 3, "it served before dying: {:?}", r.per_backend);
+    let scrapes_failed = sim.host().metric("sluice_scrapes_failed").map_or(0, |m| m.value);
+    assert!(scrapes_failed >= 10, "the dead backend's scrapes fail from then on: {scrapes_failed}");
 }
 
 #[test]
@@ -266,8 +205,5 @@ fn prompts_share_exactly_the_text_of_their_shared_hash_blocks() {
     let req = rc::client_request(5, &item(vec![9], 40), 32);
     let body: serde_json::Value = serde_json::from_slice(&req.body).unwrap();
     assert_eq!(body["messages"][0]["content"].as_str().unwrap().len(), 160);
-    assert_eq!(
-        (req.prompt_tokens, req.prefix_hashes.clone()),
-        (40, vec![9])
-    );
+    assert_eq!((req.prompt_tokens, req.prefix_hashes.clone()), (40, vec![9]));
 }

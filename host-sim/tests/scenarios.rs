@@ -24,19 +24,14 @@ fn example_scenarios_are_valid() {
 
 #[test]
 fn synthetic_example_runs_with_fair_service() {
-    let sc =
-        Scenario::from_json(&std::fs::read_to_string(dir().join("synthetic-mixed.json")).unwrap())
-            .unwrap();
+    let sc = Scenario::from_json(&std::fs::read_to_string(dir().join("synthetic-mixed.json")).unwrap()).unwrap();
     let (sim, report) = sc.run(&common::filter_wasm(), dir()).unwrap();
     assert!(sim.host().traps().is_empty());
     assert_eq!(report.clients.len(), 4);
     let slo = report.slo.as_ref().unwrap();
     assert!(slo.attained <= report.outcomes.get("ok").copied().unwrap_or(0));
     assert!(
-        report
-            .outcomes
-            .keys()
-            .all(|o| ["ok", "local_reply", "client_cancel"].contains(&o.as_str())),
+        report.outcomes.keys().all(|o| ["ok", "local_reply", "client_cancel"].contains(&o.as_str())),
         "{:?}",
         report.outcomes
     );

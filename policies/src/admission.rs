@@ -34,9 +34,7 @@ impl StockBounds {
             )));
         }
         if !(deviation > 0.0 && deviation < 1.0) {
-            return Err(BoundsError(format!(
-                "percentage_deviation_for_bounds must be in (0, 1), got {deviation}"
-            )));
+            return Err(BoundsError(format!("percentage_deviation_for_bounds must be in (0, 1), got {deviation}")));
         }
         Ok(StockBounds {
             lower_per_backend: watermark_per_backend * (1.0 - deviation),
@@ -68,9 +66,9 @@ impl StockBounds {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use super::*;
 
     #[test]
     fn band_from_watermark_scales_with_backends() {

@@ -301,7 +301,7 @@ mod tests {
         v.set_head(1, Some(1));
         v.on_output(0, 50); // 100
         v.on_output(1, 20); // 40
-        // Flow 2 was idle for a long time: it joins at min(100, 40) = 40, not 0.
+                            // Flow 2 was idle for a long time: it joins at min(100, 40) = 40, not 0.
         v.set_head(2, Some(2));
         assert_eq!(v.counter(2), 40.0);
         // A flow above the minimum keeps its own (larger) counter.

@@ -77,7 +77,12 @@ pub struct BandLimits {
 impl Default for BandLimits {
     fn default() -> Self {
         let q = QueueLimits::default();
-        BandLimits { total_capacity: q.total_capacity, flow_capacity: q.flow_capacity, ttl_ms: q.ttl_ms, critical_reserve: q.flow_capacity }
+        BandLimits {
+            total_capacity: q.total_capacity,
+            flow_capacity: q.flow_capacity,
+            ttl_ms: q.ttl_ms,
+            critical_reserve: q.flow_capacity,
+        }
     }
 }
 
@@ -120,7 +125,8 @@ impl<A: Allocation> BandedQueue<A> {
     /// An empty queue whose bands are built by `make` from the inner limits
     /// (e.g. to give them an ordering with [`FairQueue::with_order`]).
     pub fn with_queues(limits: BandLimits, mut make: impl FnMut(Criticality, QueueLimits) -> FairQueue<A>) -> Self {
-        let inner = QueueLimits { total_capacity: usize::MAX, flow_capacity: limits.flow_capacity, ttl_ms: limits.ttl_ms };
+        let inner =
+            QueueLimits { total_capacity: usize::MAX, flow_capacity: limits.flow_capacity, ttl_ms: limits.ttl_ms };
         BandedQueue {
             limits,
             bands: Criticality::ALL.map(|b| make(b, inner)),
@@ -183,7 +189,12 @@ impl<A: Allocation> BandedQueue<A> {
     }
 
     /// [`BandedQueue::push`] with a deadline and length prediction.
-    pub fn push_with(&mut self, band: Criticality, req: Request, meta: RequestMeta) -> Result<Option<Request>, RejectReason> {
+    pub fn push_with(
+        &mut self,
+        band: Criticality,
+        req: Request,
+        meta: RequestMeta,
+    ) -> Result<Option<Request>, RejectReason> {
         assert!(!self.where_is.contains_key(&req.id), "request id {} is already queued", req.id);
         let q = &self.bands[band.index()];
         if q.flow_len(req.flow) >= self.limits.flow_capacity {
@@ -327,7 +338,8 @@ mod tests {
 
     #[test]
     fn flow_capacity_is_per_band_and_fairness_holds_inside_a_band() {
-        let mut q = BandedQueue::new(BandLimits { flow_capacity: 3, ..limits(100, 0) }, |_| Vtc::new(VtcWeights::default()));
+        let mut q =
+            BandedQueue::new(BandLimits { flow_capacity: 3, ..limits(100, 0) }, |_| Vtc::new(VtcWeights::default()));
         let flood = q.flow_id("flood");
         let modest = q.flow_id("modest");
         for id in 0..3 {

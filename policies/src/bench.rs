@@ -42,7 +42,8 @@ impl Workload {
     /// Fills a queue with [`QUEUED`] requests over [`TENANTS`] tenants.
     pub fn new(policy: Box<dyn Allocation>, order: Box<dyn FlowOrder>) -> Workload {
         let limits = QueueLimits { total_capacity: 2 * QUEUED as usize, flow_capacity: 1_000, ttl_ms: u64::MAX / 4 };
-        let mut w = Workload { queue: FairQueue::with_order(limits, policy, order), rng: 0x9e37_79b9_7f4a_7c15, next_id: 0 };
+        let mut w =
+            Workload { queue: FairQueue::with_order(limits, policy, order), rng: 0x9e37_79b9_7f4a_7c15, next_id: 0 };
         let flows: Vec<u32> = (0..TENANTS).map(|i| w.queue.flow_id(&format!("t{i}"))).collect();
         for i in 0..QUEUED {
             let r = w.request(flows[(i % TENANTS as u64) as usize]);
@@ -61,7 +62,13 @@ impl Workload {
     fn request(&mut self, flow: u32) -> Request {
         let id = self.next_id;
         self.next_id += 1;
-        Request { id, flow, input_tokens: 1 + self.random(512), max_output_tokens: 1 + self.random(512), arrival_ms: id }
+        Request {
+            id,
+            flow,
+            input_tokens: 1 + self.random(512),
+            max_output_tokens: 1 + self.random(512),
+            arrival_ms: id,
+        }
     }
 
     /// Runs `steps` dispatch + enqueue steps (2 operations each).

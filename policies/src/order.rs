@@ -109,7 +109,14 @@ pub struct FeasibleSet {
 
 impl Default for FeasibleSet {
     fn default() -> Self {
-        FeasibleSet { w_wait: 1.0, w_size: 1.0, w_urgency: 1.0, ref_tokens: 1000.0, horizon_ms: 10_000, default_output: 256 }
+        FeasibleSet {
+            w_wait: 1.0,
+            w_size: 1.0,
+            w_urgency: 1.0,
+            ref_tokens: 1000.0,
+            horizon_ms: 10_000,
+            default_output: 256,
+        }
     }
 }
 

@@ -179,9 +179,9 @@ fn unescape(raw: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use super::*;
 
     fn all(text: &str) -> (Vec<(String, String, f64)>, usize) {
         let mut v = Vec::new();

@@ -30,12 +30,9 @@ impl ModelServer {
                 "vllm:gpu_cache_usage_perc",
             ],
             ModelServer::Sglang => ["sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", ""],
-            ModelServer::Trtllm => [
-                "trtllm_num_requests_waiting",
-                "trtllm_num_requests_running",
-                "trtllm_kv_cache_utilization",
-                "",
-            ],
+            ModelServer::Trtllm => {
+                ["trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization", ""]
+            }
         }
     }
 }
@@ -253,7 +250,10 @@ impl AffinityIndex {
     /// were too, even if a shared first block (a system prompt) was last
     /// seen on another endpoint.
     fn matched_blocks(&self, prefix: &[u64], endpoint: usize) -> usize {
-        prefix.iter().rposition(|h| self.blocks.get(h).is_some_and(|&(e, _)| e as usize == endpoint)).map_or(0, |i| i + 1)
+        prefix
+            .iter()
+            .rposition(|h| self.blocks.get(h).is_some_and(|&(e, _)| e as usize == endpoint))
+            .map_or(0, |i| i + 1)
     }
 
     fn session_endpoint(&self, session: Option<u64>) -> Option<usize> {
@@ -285,7 +285,13 @@ pub struct Router {
 impl Router {
     /// Picks an endpoint, or `None` when none is healthy. `random` is a
     /// uniform value in [0, 1) for the weighted-random picker.
-    pub fn pick(&self, req: &RouteRequest<'_>, pool: &[EndpointView<'_>], index: &AffinityIndex, random: f64) -> Option<usize> {
+    pub fn pick(
+        &self,
+        req: &RouteRequest<'_>,
+        pool: &[EndpointView<'_>],
+        index: &AffinityIndex,
+        random: f64,
+    ) -> Option<usize> {
         // Filters: healthy endpoints; for the scoring pickers, the unsaturated
         // ones among them when there are any.
         let healthy = || pool.iter().enumerate().filter(|(_, e)| e.healthy);
@@ -295,7 +301,9 @@ impl Router {
         let narrow = scoring && self.saturation.is_some() && healthy().any(|(_, e)| unsaturated(e));
         let candidates = || healthy().filter(move |(_, e)| !narrow || unsaturated(e));
         let range = |f: &dyn Fn(&EndpointView<'_>) -> f64| {
-            candidates().map(|(_, e)| f(e)).fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)))
+            candidates()
+                .map(|(_, e)| f(e))
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)))
         };
         let waiting = |e: &EndpointView<'_>| e.metrics.map_or(0.0, |m| m.waiting);
         let running = |e: &EndpointView<'_>| e.metrics.map_or(0.0, |m| m.running);
@@ -358,9 +366,9 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-    use super::*;
 
     fn m(waiting: f64, kv: f64) -> EndpointMetrics {
         EndpointMetrics { waiting, running: 0.0, kv_usage: kv, loras: Vec::new() }
@@ -382,12 +390,10 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         let old = "vllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.7\n";
         assert_eq!(EndpointMetrics::from_prometheus(old, ModelServer::Vllm).0.unwrap().kv_usage, 0.7);
         let sg = "sglang:num_queue_reqs 6\nsglang:num_running_reqs 2\nsglang:token_usage 0.9\n";
-        assert_eq!(EndpointMetrics::from_prometheus(sg, ModelServer::Sglang).0.unwrap(), EndpointMetrics {
-            waiting: 6.0,
-            running: 2.0,
-            kv_usage: 0.9,
-            loras: vec![]
-        });
+        assert_eq!(
+            EndpointMetrics::from_prometheus(sg, ModelServer::Sglang).0.unwrap(),
+            EndpointMetrics { waiting: 6.0, running: 2.0, kv_usage: 0.9, loras: vec![] }
+        );
         let trt = "trtllm_num_requests_waiting 1\ntrtllm_kv_cache_utilization 0.1\n";
         assert_eq!(EndpointMetrics::from_prometheus(trt, ModelServer::Trtllm).0.unwrap().kv_usage, 0.1);
         assert_eq!(EndpointMetrics::from_prometheus("other 1\n", ModelServer::Vllm).0, None);
@@ -464,7 +470,10 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         assert_eq!(idx.matched_blocks(&turn, 0), 1);
         let same = m(0.0, 0.3);
         let pool = [view(&same, 0), view(&same, 0)];
-        assert_eq!(Router::default().pick(&RouteRequest { prefix: &turn, ..Default::default() }, &pool, &idx, 0.0), Some(1));
+        assert_eq!(
+            Router::default().pick(&RouteRequest { prefix: &turn, ..Default::default() }, &pool, &idx, 0.0),
+            Some(1)
+        );
     }
 
     #[test]
@@ -491,10 +500,12 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         let idx = AffinityIndex::new(10);
         let (good, bad) = (m(0.0, 0.0), m(10.0, 1.0));
         let pool = [view(&good, 0), view(&bad, 0)];
-        let wins = (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
+        let wins =
+            (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
         assert_eq!(wins, 1000, "the bad endpoint scores 0 and is never drawn");
         let pool = [view(&good, 0), view(&good, 0)];
-        let wins = (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
+        let wins =
+            (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
         assert_eq!(wins, 500);
     }
 
@@ -539,8 +550,10 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         }
         assert_eq!(turns, vec![0, 2, 3, 0, 2, 3], "in turn over the healthy ones, loaded or not");
         let random = Router { picker: Picker::Random, ..Default::default() };
-        let draws: Vec<usize> =
-            [0.0, 0.34, 0.67, 0.999, 1.0].iter().map(|&r| random.pick(&RouteRequest::default(), &pool, &idx, r).unwrap()).collect();
+        let draws: Vec<usize> = [0.0, 0.34, 0.67, 0.999, 1.0]
+            .iter()
+            .map(|&r| random.pick(&RouteRequest::default(), &pool, &idx, r).unwrap())
+            .collect();
         assert_eq!(draws, vec![0, 2, 3, 3, 3]);
     }
 

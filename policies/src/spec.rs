@@ -184,7 +184,10 @@ impl PolicySpec {
             }
             PolicySpec::Vtc { input_weight, output_weight, tenant_weights, default_weight } => {
                 let t = table("tenant_weights", *default_weight, tenant_weights)?;
-                Box::new(CounterPolicy::with_charge("vtc", Linear(weights(*input_weight, *output_weight)?), true).with_weights(t))
+                Box::new(
+                    CounterPolicy::with_charge("vtc", Linear(weights(*input_weight, *output_weight)?), true)
+                        .with_weights(t),
+                )
             }
             PolicySpec::VtcCost { cost, tenant_weights, default_weight } => {
                 let h = match cost {
@@ -219,7 +222,14 @@ impl PolicySpec {
             PolicySpec::Wfq { flow_weights, default_weight, default_output_tokens } => {
                 Box::new(Wfq::new(table("flow_weights", *default_weight, flow_weights)?, *default_output_tokens))
             }
-            PolicySpec::Drr { quantum, flow_weights, default_weight, congestion_boost, borrow_cap, default_output_tokens } => {
+            PolicySpec::Drr {
+                quantum,
+                flow_weights,
+                default_weight,
+                congestion_boost,
+                borrow_cap,
+                default_output_tokens,
+            } => {
                 if !(quantum.is_finite() && *quantum > 0.0) {
                     return Err(format!("quantum must be a positive number of tokens, got {quantum}"));
                 }
@@ -308,7 +318,8 @@ mod tests {
 
     #[test]
     fn the_built_vtc_uses_its_parameters() {
-        let mut p = parse(r#"{"policy":"vtc","tenant_weights":{"gold":4},"output_weight":1}"#).unwrap().build().unwrap();
+        let mut p =
+            parse(r#"{"policy":"vtc","tenant_weights":{"gold":4},"output_weight":1}"#).unwrap().build().unwrap();
         p.on_flow(0, "gold");
         p.on_flow(1, "free");
         p.set_head(0, Some(0));

@@ -79,10 +79,9 @@ impl Envoy {
     pub async fn start(opts: EnvoyOptions) -> Result<Envoy> {
         let envoy_bin = paths::envoy_bin()?;
         let filter = match &opts.plugin_config {
-            Some(pc) => Some(FilterSpec {
-                wasm_path: paths::filter_wasm()?.display().to_string(),
-                plugin_config: pc.clone(),
-            }),
+            Some(pc) => {
+                Some(FilterSpec { wasm_path: paths::filter_wasm()?.display().to_string(), plugin_config: pc.clone() })
+            }
             None => None,
         };
         let mut last_err = None;

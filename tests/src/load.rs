@@ -179,7 +179,13 @@ impl LoadClient {
         o
     }
 
-    async fn exchange(&self, addr: SocketAddr, req: &ChatRequest, start: Instant, o: &mut Outcome) -> anyhow::Result<()> {
+    async fn exchange(
+        &self,
+        addr: SocketAddr,
+        req: &ChatRequest,
+        start: Instant,
+        o: &mut Outcome,
+    ) -> anyhow::Result<()> {
         let body = serde_json::to_vec(&req.body())?;
         let mut b = Request::post(format!("http://{addr}{}", req.path)).header("content-type", "application/json");
         if let Some(t) = &req.tenant {
@@ -246,7 +252,12 @@ pub struct TenantLoad {
 
 /// Runs every tenant's open-loop arrivals for `duration` (requests sent regardless of responses) and
 /// waits for all responses. Outcomes are in sending order per tenant.
-pub async fn open_loop(client: &LoadClient, addr: SocketAddr, loads: &[TenantLoad], duration: Duration) -> Vec<Outcome> {
+pub async fn open_loop(
+    client: &LoadClient,
+    addr: SocketAddr,
+    loads: &[TenantLoad],
+    duration: Duration,
+) -> Vec<Outcome> {
     let origin = Instant::now();
     let mut schedule: Vec<(Duration, usize)> = Vec::new();
     for (i, l) in loads.iter().enumerate() {

@@ -61,9 +61,7 @@ impl ChildGuard {
                 Ok(())
             });
         }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("starting {name}: {:?}", cmd.get_program()))?;
+        let child = cmd.spawn().with_context(|| format!("starting {name}: {:?}", cmd.get_program()))?;
         Ok(Self { name: name.to_string(), child: Some(child), log_path })
     }
 
@@ -101,12 +99,9 @@ impl ChildGuard {
     pub fn ensure_running(&mut self) -> Result<()> {
         match self.try_exit_status() {
             None => Ok(()),
-            Some(st) => Err(anyhow!(
-                "{} exited ({st}); log {}:\n{}",
-                self.name,
-                self.log_path.display(),
-                self.log_tail(4000)
-            )),
+            Some(st) => {
+                Err(anyhow!("{} exited ({st}); log {}:\n{}", self.name, self.log_path.display(), self.log_tail(4000)))
+            }
         }
     }
 

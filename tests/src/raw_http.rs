@@ -63,9 +63,7 @@ pub async fn request(
             s.write_all(body).await
         }
         .await;
-        read_response(&mut s)
-            .await
-            .with_context(|| format!("{method} {path} to {addr} (request write: {wrote:?})"))
+        read_response(&mut s).await.with_context(|| format!("{method} {path} to {addr} (request write: {wrote:?})"))
     })
     .await
     .map_err(|_| anyhow!("{method} {path} to {addr}: no complete response within {timeout:?}"))?

@@ -58,7 +58,15 @@ async fn light_load_bypasses_the_queue() -> anyhow::Result<()> {
     assert!(ttft * 5 < o.latency, "the response looks buffered: TTFT {ttft:?} of {:?}", o.latency);
     // A path the filter does not schedule passes through without touching the counters.
     let before = rig.envoy.stats().await?;
-    let r = raw_http::request(rig.envoy.listener, "GET", "/health", &[(DESTINATION_HEADER, &endpoints[0])], b"", Duration::from_secs(5)).await?;
+    let r = raw_http::request(
+        rig.envoy.listener,
+        "GET",
+        "/health",
+        &[(DESTINATION_HEADER, &endpoints[0])],
+        b"",
+        Duration::from_secs(5),
+    )
+    .await?;
     assert!(r.header("x-sluice-reject-reason").is_none(), "GET /health was rejected by sluice: {r:?}");
     let s = wait_idle(&rig.envoy).await?;
     assert_eq!(s.value("sluice_requests_bypassed"), sent as f64, "{}", s.sluice_summary());
@@ -83,7 +91,11 @@ async fn flow_capacity_rejects_with_429() -> anyhow::Result<()> {
         let c = client.clone();
         async move { burst(&c, addr, &ChatRequest::chat(Some("a"), 40), 12).await }
     });
-    rig.envoy.wait_stats("tenant a's queue to fill", Duration::from_secs(5), |s| s.value("sluice_requests_rejected_flow_capacity") >= 1.0).await?;
+    rig.envoy
+        .wait_stats("tenant a's queue to fill", Duration::from_secs(5), |s| {
+            s.value("sluice_requests_rejected_flow_capacity") >= 1.0
+        })
+        .await?;
     // Another tenant still gets in: capacity is per flow.
     let other = burst(&client, addr, &ChatRequest::chat(Some("b"), 4), 2).await;
     let flood = flood.await?;
@@ -143,7 +155,9 @@ async fn queue_ttl_expiry_gives_503() -> anyhow::Result<()> {
         let c = client.clone();
         async move { c.send(addr, &ChatRequest::chat(Some("a"), 300), Instant::now()).await }
     });
-    rig.envoy.wait_stats("the long request to be dispatched", Duration::from_secs(5), |s| s.value("sluice_stock") >= 1.0).await?;
+    rig.envoy
+        .wait_stats("the long request to be dispatched", Duration::from_secs(5), |s| s.value("sluice_stock") >= 1.0)
+        .await?;
     let queued = burst(&client, addr, &ChatRequest::chat(Some("b"), 8), 3).await;
     let long = long.await?;
     assert!(long.ok(), "{long:?}");
@@ -170,7 +184,8 @@ async fn bad_bodies_get_400_and_413() -> anyhow::Result<()> {
 
     let r = raw_http::request(addr, "POST", path, &[ct], b"{\"model\": \"m\", \"messages\": [", t).await?;
     assert_reject(&r, 400, "bad-request");
-    let r = raw_http::request(addr, "POST", path, &[ct], br#"{"messages":[{"role":"user","content":"hi"}]}"#, t).await?;
+    let r =
+        raw_http::request(addr, "POST", path, &[ct], br#"{"messages":[{"role":"user","content":"hi"}]}"#, t).await?;
     assert_reject(&r, 400, "bad-request");
     let message = assert_openai_error(&r.text())["error"]["message"].as_str().unwrap_or_default().to_string();
     assert!(message.contains("model"), "the 400 should name the missing field: {message}");
@@ -202,7 +217,12 @@ async fn bad_bodies_get_400_and_413() -> anyhow::Result<()> {
     let s = wait_idle(&rig.envoy).await?;
     assert_eq!(s.value("sluice_requests_rejected_bad_request"), 2.0, "{}", s.sluice_summary());
     assert_eq!(s.value("sluice_requests_rejected_body_too_large"), 2.0, "{}", s.sluice_summary());
-    assert_eq!(s.value("sluice_requests_dispatched"), 1.0, "only the good request is dispatched: {}", s.sluice_summary());
+    assert_eq!(
+        s.value("sluice_requests_dispatched"),
+        1.0,
+        "only the good request is dispatched: {}",
+        s.sluice_summary()
+    );
     assert_eq!(upstream_requests(&s), 1.0);
     Ok(())
 }
@@ -222,7 +242,8 @@ async fn invalid_plugin_config_is_refused_naming_the_field() -> anyhow::Result<(
         let log = match started {
             Ok(mut envoy) => {
                 // Envoy may stay up with a plugin that failed to configure; then it must not serve.
-                let o = LoadClient::default().send(envoy.listener, &ChatRequest::chat(Some("a"), 4), Instant::now()).await;
+                let o =
+                    LoadClient::default().send(envoy.listener, &ChatRequest::chat(Some("a"), 4), Instant::now()).await;
                 envoy.ensure_running()?;
                 if o.ok() {
                     failures.push(format!("{pc}: a request was served with the invalid config"));
@@ -235,7 +256,9 @@ async fn invalid_plugin_config_is_refused_naming_the_field() -> anyhow::Result<(
         let lines: Vec<&str> = log.lines().filter(|l| l.contains("wasm log")).collect();
         let named = lines.iter().any(|l| l.contains(field) && l.contains(value));
         if !named {
-            failures.push(format!("{pc}: no filter log line names field `{field}` and value `{value}`; filter log lines: {lines:#?}"));
+            failures.push(format!(
+                "{pc}: no filter log line names field `{field}` and value `{value}`; filter log lines: {lines:#?}"
+            ));
         }
     }
     assert!(failures.is_empty(), "invalid configurations not reported as required:\n{}", failures.join("\n"));

@@ -40,7 +40,9 @@ async fn client_disconnect_while_queued_leaks_no_stock() -> anyhow::Result<()> {
         let c = client.clone();
         async move { c.send(addr, &ChatRequest::chat(Some("a"), 300), Instant::now()).await }
     });
-    rig.envoy.wait_stats("the long request to hold the slot", Duration::from_secs(5), |s| s.value("sluice_stock") == 1.0).await?;
+    rig.envoy
+        .wait_stats("the long request to hold the slot", Duration::from_secs(5), |s| s.value("sluice_stock") == 1.0)
+        .await?;
     let mut socks = Vec::new();
     for i in 0..4 {
         socks.push(send_raw(addr, &format!("quitter{}", i % 2), 8).await?);
@@ -59,7 +61,12 @@ async fn client_disconnect_while_queued_leaks_no_stock() -> anyhow::Result<()> {
     let long = long.await?;
     assert!(long.ok() && long.tokens == 300, "{long:?}");
     let s = wait_idle(&rig.envoy).await?;
-    assert_eq!(s.value("sluice_requests_dispatched"), 1.0, "cancelled requests were dispatched: {}", s.sluice_summary());
+    assert_eq!(
+        s.value("sluice_requests_dispatched"),
+        1.0,
+        "cancelled requests were dispatched: {}",
+        s.sluice_summary()
+    );
     assert_eq!(upstream_requests(&s), 1.0, "cancelled requests reached a backend");
     // The slot is really free: a new request runs at once.
     let o = client.send(addr, &ChatRequest::chat(Some("b"), 4), Instant::now()).await;
@@ -134,7 +141,8 @@ async fn every_request_gets_exactly_one_response() -> anyhow::Result<()> {
     let s = rig
         .envoy
         .wait_stats("queue-wait samples for every queued dispatch", Duration::from_secs(5), |s| {
-            s.value("sluice_queue_wait_ms_count") == s.value("sluice_requests_dispatched") - s.value("sluice_requests_bypassed")
+            s.value("sluice_queue_wait_ms_count")
+                == s.value("sluice_requests_dispatched") - s.value("sluice_requests_bypassed")
         })
         .await?;
     let v = |k: &str| s.value(k);
@@ -144,11 +152,17 @@ async fn every_request_gets_exactly_one_response() -> anyhow::Result<()> {
     assert_eq!(v("sluice_requests_dispatched"), ok as f64, "each 200 dispatched exactly once: {hist} {summary}");
     assert_eq!(upstream_requests(&s), ok as f64, "each 200 reached a backend exactly once: {hist} {summary}");
     assert_eq!(v("sluice_requests_completed"), ok as f64, "{hist} {summary}");
-    assert_eq!(v("sluice_requests_rejected_saturated") + v("sluice_requests_rejected_flow_capacity"), r429 as f64, "{hist} {summary}");
+    assert_eq!(
+        v("sluice_requests_rejected_saturated") + v("sluice_requests_rejected_flow_capacity"),
+        r429 as f64,
+        "{hist} {summary}"
+    );
     assert_eq!(v("sluice_requests_rejected_ttl_expired"), r503 as f64, "{hist} {summary}");
     assert_eq!(
         v("sluice_requests_queued"),
-        v("sluice_requests_dispatched") - v("sluice_requests_bypassed") + (r429 + r503) as f64 + v("sluice_requests_cancelled_in_queue"),
+        v("sluice_requests_dispatched") - v("sluice_requests_bypassed")
+            + (r429 + r503) as f64
+            + v("sluice_requests_cancelled_in_queue"),
         "every queued request left the queue exactly once: {hist} {summary}"
     );
     Ok(())

@@ -48,7 +48,7 @@ fn check(signal: libc::c_int) {
         std::thread::sleep(Duration::from_millis(100));
     };
     std::thread::sleep(Duration::from_secs(2)); // let the load start
-    // SAFETY: plain kill(2) of our own child.
+                                                // SAFETY: plain kill(2) of our own child.
     unsafe {
         libc::kill(demo.id() as libc::pid_t, signal);
     }

@@ -23,7 +23,9 @@ fn load(path: &str) -> Result<Vec<TraceRequest>, String> {
                 arrival_us: (num("timestamp")? * 1000.0) as u64,
                 prompt_tokens: num("input_length")? as u32,
                 output_tokens: num("output_length")? as u32,
-                prefix_hashes: v["hash_ids"].as_array().map_or(Vec::new(), |a| a.iter().filter_map(|h| h.as_u64()).collect()),
+                prefix_hashes: v["hash_ids"]
+                    .as_array()
+                    .map_or(Vec::new(), |a| a.iter().filter_map(|h| h.as_u64()).collect()),
             });
         }
     } else {
@@ -38,15 +40,23 @@ fn load(path: &str) -> Result<Vec<TraceRequest>, String> {
                 // "2023-11-16 18:15:46.6805900" -> seconds of day (the traces span under a day).
                 let ts = f.first().ok_or_else(bad)?;
                 let hms = ts.split(' ').nth(1).ok_or_else(bad)?;
-                let parts: Vec<f64> = hms.split(':').map(|x| x.parse::<f64>()).collect::<Result<_, _>>().map_err(|_| bad())?;
-                let s = parts.first().ok_or_else(bad)? * 3600.0 + parts.get(1).ok_or_else(bad)? * 60.0 + parts.get(2).ok_or_else(bad)?;
+                let parts: Vec<f64> =
+                    hms.split(':').map(|x| x.parse::<f64>()).collect::<Result<_, _>>().map_err(|_| bad())?;
+                let s = parts.first().ok_or_else(bad)? * 3600.0
+                    + parts.get(1).ok_or_else(bad)? * 60.0
+                    + parts.get(2).ok_or_else(bad)?;
                 let t0 = *t0.get_or_insert(s);
                 ((s - t0) * 1e6, f.get(1), f.get(2))
             } else {
                 (f.first().ok_or_else(bad)?.parse::<f64>().map_err(|_| bad())? * 1e6, f.get(2), f.get(3))
             };
             let num = |x: Option<&&str>| x.and_then(|s| s.trim().parse::<u32>().ok()).ok_or_else(bad);
-            out.push(TraceRequest { arrival_us: arrival_us as u64, prompt_tokens: num(p)?, output_tokens: num(o)?, prefix_hashes: Vec::new() });
+            out.push(TraceRequest {
+                arrival_us: arrival_us as u64,
+                prompt_tokens: num(p)?,
+                output_tokens: num(o)?,
+                prefix_hashes: Vec::new(),
+            });
         }
     }
     out.sort_by_key(|r| r.arrival_us);

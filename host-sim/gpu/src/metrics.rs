@@ -15,20 +15,50 @@ pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
         let _ = writeln!(out, "# TYPE {name} {kind}");
         let _ = writeln!(out, "{name}{{{label}}} {value}");
     };
-    metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", m.running.to_string());
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        m.running.to_string(),
+    );
     metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", m.waiting.to_string());
-    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", format!("{}", m.kv_usage));
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        format!("{}", m.kv_usage),
+    );
     metric(
         "vllm:gpu_cache_usage_perc",
         "gauge",
         "GPU KV-cache usage. 1 means 100 percent usage (deprecated name).",
         format!("{}", m.kv_usage),
     );
-    metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in tokens.", m.prefix_queries_tokens.to_string());
-    metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in tokens.", m.prefix_hits_tokens.to_string());
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in tokens.",
+        m.prefix_queries_tokens.to_string(),
+    );
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in tokens.",
+        m.prefix_hits_tokens.to_string(),
+    );
     metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", m.preemptions.to_string());
-    metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", m.prompt_tokens_total.to_string());
-    metric("vllm:generation_tokens_total", "counter", "Generation tokens processed.", m.generation_tokens_total.to_string());
+    metric(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Prompt tokens of finished requests.",
+        m.prompt_tokens_total.to_string(),
+    );
+    metric(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Generation tokens processed.",
+        m.generation_tokens_total.to_string(),
+    );
     metric("vllm:request_success_total", "counter", "Successfully finished requests.", m.finished.to_string());
     let _ = writeln!(out, "# HELP vllm:cache_config_info Information of the KV cache configuration.");
     let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");

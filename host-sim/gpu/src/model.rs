@@ -86,10 +86,9 @@ impl fmt::Display for SubmitError {
             SubmitError::DuplicateId(id) => write!(f, "request id {id} is already in the model"),
             SubmitError::EmptyPrompt => write!(f, "prompt_tokens must be >= 1"),
             SubmitError::NoOutput => write!(f, "output_tokens must be >= 1"),
-            SubmitError::TooLong { tokens, max_model_len } => write!(
-                f,
-                "prompt + output is {tokens} tokens, over the maximum context length of {max_model_len}"
-            ),
+            SubmitError::TooLong { tokens, max_model_len } => {
+                write!(f, "prompt + output is {tokens} tokens, over the maximum context length of {max_model_len}")
+            }
         }
     }
 }

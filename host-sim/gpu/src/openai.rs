@@ -91,7 +91,9 @@ fn push_text(content: &Value, out: &mut Vec<u8>) -> Result<(), ()> {
             for p in parts {
                 match p {
                     Value::String(s) => out.extend_from_slice(s.as_bytes()),
-                    Value::Object(o) => out.extend_from_slice(o.get("text").and_then(Value::as_str).unwrap_or("").as_bytes()),
+                    Value::Object(o) => {
+                        out.extend_from_slice(o.get("text").and_then(Value::as_str).unwrap_or("").as_bytes())
+                    }
                     _ => return Err(()),
                 }
             }
@@ -112,14 +114,22 @@ fn prompt_of(endpoint: Endpoint, body: &Value) -> Result<(Vec<u8>, u32), ApiErro
             for (i, m) in msgs.iter().enumerate() {
                 let content = m.get("content").unwrap_or(&Value::Null);
                 push_text(content, &mut bytes).map_err(|_| {
-                    ApiError::bad_request(Some("messages"), format!("messages[{i}].content must be a string or an array of parts"))
+                    ApiError::bad_request(
+                        Some("messages"),
+                        format!("messages[{i}].content must be a string or an array of parts"),
+                    )
                 })?;
             }
             let n = tokens_for_bytes(bytes.len());
             Ok((bytes, n))
         }
         Endpoint::Completions => {
-            let bad = || ApiError::bad_request(Some("prompt"), "'prompt' must be a string, an array of strings or an array of token ids");
+            let bad = || {
+                ApiError::bad_request(
+                    Some("prompt"),
+                    "'prompt' must be a string, an array of strings or an array of token ids",
+                )
+            };
             match body.get("prompt") {
                 None => Err(ApiError::bad_request(Some("prompt"), "'prompt' is required")),
                 Some(Value::String(s)) => Ok((s.as_bytes().to_vec(), tokens_for_bytes(s.len()))),
@@ -158,11 +168,8 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, A
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad_request(Some("stream"), "'stream' must be a boolean")),
     };
-    let include_usage = v
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let include_usage =
+        v.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     let mut max_tokens = None;
     for field in ["max_tokens", "max_completion_tokens"] {
         match v.get(field) {
@@ -171,7 +178,10 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, A
                 Some(n) if n >= 1 && n <= u32::MAX as u64 => max_tokens = Some(n as u32),
                 _ => {
                     let param = if field == "max_tokens" { "max_tokens" } else { "max_completion_tokens" };
-                    return Err(ApiError::bad_request(Some(param), format!("'{field}' must be a positive integer, got {x}")));
+                    return Err(ApiError::bad_request(
+                        Some(param),
+                        format!("'{field}' must be a positive integer, got {x}"),
+                    ));
                 }
             },
         }
@@ -224,7 +234,9 @@ impl ResponseMeta {
                 };
                 json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
-            Endpoint::Completions => json!({"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": finish}),
+            Endpoint::Completions => {
+                json!({"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": finish})
+            }
         };
         self.envelope(true, vec![choice], None)
     }
@@ -238,7 +250,9 @@ impl ResponseMeta {
     pub fn full(&self, prompt: u32, completion: u32, finish: &str) -> String {
         let text: String = (0..completion).map(token_text).collect();
         let choice = match self.endpoint {
-            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}),
+            Endpoint::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+            }
             Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
         };
         self.envelope(false, vec![choice], Some(Self::usage(prompt, completion)))
@@ -250,7 +264,8 @@ impl ResponseMeta {
             (Endpoint::Chat, false) => "chat.completion",
             (Endpoint::Completions, _) => "text_completion",
         };
-        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        let mut v =
+            json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
         if let Some(u) = usage {
             v["usage"] = u;
         }
@@ -269,8 +284,12 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":"hello world!"},{"role":"user","content":[{"type":"text","text":"abcd"}]}],"max_tokens":7,"stream":true,"stream_options":{"include_usage":true}}"#,
         )
         .unwrap();
-        assert_eq!((r.model.as_str(), r.prompt_tokens, r.max_tokens, r.stream, r.include_usage), ("m", 4, Some(7), true, true));
-        let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3],"max_completion_tokens":3}"#).unwrap();
+        assert_eq!(
+            (r.model.as_str(), r.prompt_tokens, r.max_tokens, r.stream, r.include_usage),
+            ("m", 4, Some(7), true, true)
+        );
+        let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3],"max_completion_tokens":3}"#)
+            .unwrap();
         assert_eq!((r.prompt_tokens, r.max_tokens, r.stream), (3, Some(3), false));
         let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":"abcde"}"#).unwrap();
         assert_eq!((r.prompt_tokens, r.max_tokens), (2, None));

@@ -321,7 +321,10 @@ async fn completion(b: Arc<Backend>, ep: Endpoint, req: Request<Incoming>) -> Re
     let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return error(&b, &api_error(413, "invalid_request_error", format!("request body over {MAX_BODY_BYTES} bytes")))
+            return error(
+                &b,
+                &api_error(413, "invalid_request_error", format!("request body over {MAX_BODY_BYTES} bytes")),
+            )
         }
         Err(e) => return error(&b, &api_error(400, "invalid_request_error", format!("cannot read request body: {e}"))),
     };

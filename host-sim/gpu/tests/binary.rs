@@ -32,7 +32,10 @@ fn prints_one_line_per_backend_serves_and_stops_on_sigterm() {
         let body = r#"{"model":"m","prompt":"hello"}"#;
         let resp = http(
             a,
-            &format!("POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}", body.len()),
+            &format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            ),
         );
         assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
         assert!(resp.contains(&format!("x-sluice-backend: {a}")));
@@ -57,7 +60,8 @@ fn bad_options_are_reported() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--profile") && err.contains("llama2-7b-a10g"), "{err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice-backend")).args(["--time-scale=0", "--port", "0"]).output().unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_sluice-backend")).args(["--time-scale=0", "--port", "0"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--time-scale"));
 }

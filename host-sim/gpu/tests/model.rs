@@ -126,7 +126,10 @@ fn chunked_prefill_splits_long_prompts_and_keeps_decodes_flowing() {
     let first2 = ev.iter().find(|e| e.id == 2 && e.kind == GpuEventKind::FirstToken).unwrap().at_us;
     // 400 prompt tokens with 63 tokens of budget left per iteration: 7 chunks, each alongside a
     // decode of request 1.
-    let a_during = ev.iter().filter(|e| e.id == 1 && matches!(e.kind, GpuEventKind::Tokens { .. }) && e.at_us > 5_000 && e.at_us <= first2).count();
+    let a_during = ev
+        .iter()
+        .filter(|e| e.id == 1 && matches!(e.kind, GpuEventKind::Tokens { .. }) && e.at_us > 5_000 && e.at_us <= first2)
+        .count();
     assert!(a_during >= 7, "request 1 decoded during request 2's chunked prefill ({a_during} tokens)");
     assert_eq!(gpu.metrics().prefill_tokens_computed, 416);
 }
@@ -185,7 +188,13 @@ fn prefix_cache_hits_and_lru_eviction() {
     let mut p = GpuProfile::fast(); // prefix_hash_tokens 32 = 2 blocks
     p.num_blocks = 40;
     let mut gpu = GpuModel::new(p).unwrap();
-    let with = |id, hashes: Vec<u64>| GenRequest { id, model: "m".into(), prompt_tokens: 100, output_tokens: 2, prefix_hashes: hashes };
+    let with = |id, hashes: Vec<u64>| GenRequest {
+        id,
+        model: "m".into(),
+        prompt_tokens: 100,
+        output_tokens: 2,
+        prefix_hashes: hashes,
+    };
     run(&mut gpu, &[(0, Action::Submit(with(1, vec![7, 8, 9])))]);
     let m = gpu.metrics();
     assert_eq!((m.prefix_queries_tokens, m.prefix_hits_tokens), (96, 0));
@@ -216,11 +225,16 @@ fn model_swap_costs_time_and_waits_for_an_idle_model() {
     let ev = run(&mut gpu, &[(0, Action::Submit(a)), (0, Action::Submit(b))]);
     let at = |id, k| ev.iter().find(|e| e.id == id && e.kind == k).unwrap().at_us;
     assert!(at(1, GpuEventKind::FirstToken) >= 50_000, "first load costs a swap");
-    assert!(at(2, GpuEventKind::FirstToken) >= at(1, GpuEventKind::Finished) + 50_000, "b waits for a to drain, then swaps");
+    assert!(
+        at(2, GpuEventKind::FirstToken) >= at(1, GpuEventKind::Finished) + 50_000,
+        "b waits for a to drain, then swaps"
+    );
     assert_eq!(gpu.metrics().swaps, 2);
     let mut gpu = GpuModel::new(p).unwrap();
-    gpu.submit(GenRequest { id: 1, model: "a".into(), prompt_tokens: 10, output_tokens: 5, prefix_hashes: vec![] }, 0).unwrap();
-    gpu.submit(GenRequest { id: 2, model: "b".into(), prompt_tokens: 10, output_tokens: 5, prefix_hashes: vec![] }, 0).unwrap();
+    gpu.submit(GenRequest { id: 1, model: "a".into(), prompt_tokens: 10, output_tokens: 5, prefix_hashes: vec![] }, 0)
+        .unwrap();
+    gpu.submit(GenRequest { id: 2, model: "b".into(), prompt_tokens: 10, output_tokens: 5, prefix_hashes: vec![] }, 0)
+        .unwrap();
     gpu.advance(0);
     assert_eq!(gpu.model_sets(), (vec!["a".to_string()], vec!["b".to_string()], vec!["a".to_string()]));
     assert!(gpu
@@ -247,7 +261,8 @@ fn prometheus_text_has_vllm_names() {
     gpu.advance(0);
     let text = gpu.prometheus_text();
     let value = |name: &str| -> f64 {
-        let line = text.lines().find(|l| l.starts_with(&format!("{name}{{"))).unwrap_or_else(|| panic!("{name} missing"));
+        let line =
+            text.lines().find(|l| l.starts_with(&format!("{name}{{"))).unwrap_or_else(|| panic!("{name} missing"));
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
     assert_eq!(value("vllm:num_requests_running"), 2.0);
@@ -255,7 +270,9 @@ fn prometheus_text_has_vllm_names() {
     // 160 + 16 prompt tokens = 10 + 1 blocks of 625.
     assert!((value("vllm:kv_cache_usage_perc") - 11.0 / 625.0).abs() < 1e-9);
     assert_eq!(value("vllm:gpu_cache_usage_perc"), value("vllm:kv_cache_usage_perc"));
-    assert!(text.contains("vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"false\",num_gpu_blocks=\"625\"} 1"));
+    assert!(text.contains(
+        "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"false\",num_gpu_blocks=\"625\"} 1"
+    ));
     assert!(text.contains("vllm:prefix_cache_hits_total{"));
 }
 
@@ -279,7 +296,13 @@ fn workload() -> impl Strategy<Value = (GpuProfile, Vec<(u64, Action)>)> {
         let mut script = Vec::new();
         for (i, (t, prompt, output, hashes, model, abort)) in items.into_iter().enumerate() {
             let id = i as u64;
-            let r = GenRequest { id, model: format!("m{model}"), prompt_tokens: prompt, output_tokens: output, prefix_hashes: hashes };
+            let r = GenRequest {
+                id,
+                model: format!("m{model}"),
+                prompt_tokens: prompt,
+                output_tokens: output,
+                prefix_hashes: hashes,
+            };
             script.push((t, Action::Submit(r)));
             if abort {
                 script.push((t + (prompt as u64 * 97) % 200_000, Action::Abort(id)));

@@ -95,7 +95,12 @@ async fn non_streaming_chat_counts_tokens() {
     let s = server(GpuProfile::fast(), |_| {}).await;
     let addr = s.addrs[0];
     // 13 bytes of content -> ceil(13/4) = 4 prompt tokens.
-    let r = post(addr, "/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hello, world!"}],"max_tokens":5}"#).await;
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        r#"{"model":"m","messages":[{"role":"user","content":"hello, world!"}],"max_tokens":5}"#,
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.headers["x-sluice-backend"], addr.to_string().as_str());
     assert_eq!(r.headers["content-type"], "application/json");
@@ -180,7 +185,9 @@ async fn metrics_follow_the_model() {
     let addr = s.addrs[0];
     let text = metrics(addr).await;
     assert_eq!(metric(&text, "vllm:num_requests_running"), 0.0);
-    assert!(text.contains(r#"vllm:cache_config_info{block_size="16",enable_prefix_caching="true",num_gpu_blocks="64"} 1"#));
+    assert!(
+        text.contains(r#"vllm:cache_config_info{block_size="16",enable_prefix_caching="true",num_gpu_blocks="64"} 1"#)
+    );
     // 400 bytes -> 100 prompt tokens; 30 tokens at >= 10 ms each keeps it running for 300 ms.
     let prompt = "x".repeat(400);
     let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":30}}"#);
@@ -209,10 +216,16 @@ async fn shared_prompt_prefixes_hit_the_prefix_cache() {
     let body = format!(r#"{{"model":"m","prompt":"{}","max_tokens":2}}"#, "p".repeat(400));
     post(addr, "/v1/completions", &body).await;
     let text = metrics(addr).await;
-    assert_eq!((metric(&text, "vllm:prefix_cache_queries_total"), metric(&text, "vllm:prefix_cache_hits_total")), (96.0, 0.0));
+    assert_eq!(
+        (metric(&text, "vllm:prefix_cache_queries_total"), metric(&text, "vllm:prefix_cache_hits_total")),
+        (96.0, 0.0)
+    );
     post(addr, "/v1/completions", &body).await;
     let text = metrics(addr).await;
-    assert_eq!((metric(&text, "vllm:prefix_cache_queries_total"), metric(&text, "vllm:prefix_cache_hits_total")), (192.0, 96.0));
+    assert_eq!(
+        (metric(&text, "vllm:prefix_cache_queries_total"), metric(&text, "vllm:prefix_cache_hits_total")),
+        (192.0, 96.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,9 +326,19 @@ async fn several_backends_and_instant_mode() {
 
     let s = server(GpuProfile::llama2_7b_a10g(), |c| c.instant = true).await;
     let a = s.addrs[0];
-    let r = post(a, "/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":500}"#).await;
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":500}"#,
+    )
+    .await;
     assert_eq!(r.json()["usage"]["completion_tokens"], 1);
-    let r = post(a, "/v1/chat/completions", r#"{"model":"m","messages":[],"stream":true,"stream_options":{"include_usage":true}}"#).await;
+    let r = post(
+        a,
+        "/v1/chat/completions",
+        r#"{"model":"m","messages":[],"stream":true,"stream_options":{"include_usage":true}}"#,
+    )
+    .await;
     let ev = sse_events(&r.text());
     assert_eq!(ev.len(), 3);
     assert_eq!(ev[2], "[DONE]");

@@ -34,11 +34,7 @@ fn cas_increment(key: &str) -> (u64, u32) {
     let mut retries = 0;
     loop {
         let (val, cas) = hostcalls::get_shared_data(key).unwrap();
-        let n: u64 = val
-            .and_then(|v| String::from_utf8(v).ok())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0)
-            + 1;
+        let n: u64 = val.and_then(|v| String::from_utf8(v).ok()).and_then(|s| s.parse().ok()).unwrap_or(0) + 1;
         match hostcalls::set_shared_data(key, Some(n.to_string().as_bytes()), cas) {
             Ok(()) => return (n, retries),
             Err(Status::CasMismatch) => retries += 1,
@@ -62,17 +58,12 @@ impl Context for ProbeRoot {
 impl RootContext for ProbeRoot {
     fn on_vm_start(&mut self, size: usize) -> bool {
         let cfg = self.get_vm_configuration().unwrap_or_default();
-        log::info!(
-            "vm_start root={} size={size} cfg={}",
-            self.id,
-            String::from_utf8_lossy(&cfg)
-        );
+        log::info!("vm_start root={} size={size} cfg={}", self.id, String::from_utf8_lossy(&cfg));
         true
     }
 
     fn on_configure(&mut self, size: usize) -> bool {
-        let cfg = String::from_utf8(self.get_plugin_configuration().unwrap_or_default())
-            .unwrap_or_default();
+        let cfg = String::from_utf8(self.get_plugin_configuration().unwrap_or_default()).unwrap_or_default();
         log::info!("configure size={size} cfg={cfg}");
         let m = (
             hostcalls::define_metric(MetricType::Counter, "probe.requests").unwrap(),
@@ -112,11 +103,7 @@ impl RootContext for ProbeRoot {
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(msg)) = hostcalls::dequeue_shared_queue(queue_id) {
             let msg = String::from_utf8_lossy(&msg).into_owned();
-            log::info!(
-                "queue_ready root={} worker={} q={queue_id} msg={msg}",
-                self.id,
-                self.worker
-            );
+            log::info!("queue_ready root={} worker={} q={queue_id} msg={msg}", self.id, self.worker);
             if let Some(ctx) = msg.strip_prefix("resume:") {
                 let ctx: u32 = ctx.parse().unwrap_or(0);
                 match hostcalls::set_effective_context(ctx) {
@@ -142,11 +129,7 @@ impl RootContext for ProbeRoot {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(ProbeStream {
-            id: context_id,
-            ops: Vec::new(),
-            body_seen: 0,
-        }))
+        Some(Box::new(ProbeStream { id: context_id, ops: Vec::new(), body_seen: 0 }))
     }
 }
 
@@ -188,10 +171,7 @@ impl ProbeStream {
                 // v = queue name; message asks the owner to resume this stream.
                 let q = hostcalls::resolve_shared_queue(&vm_id(), v).unwrap();
                 let st = match q {
-                    Some(q) => hostcalls::enqueue_shared_queue(
-                        q,
-                        Some(format!("resume:{}", self.id).as_bytes()),
-                    ),
+                    Some(q) => hostcalls::enqueue_shared_queue(q, Some(format!("resume:{}", self.id).as_bytes())),
                     None => Err(Status::NotFound),
                 };
                 log::info!("enqueue {v} ctx={} status={st:?}", self.id);
@@ -199,9 +179,7 @@ impl ProbeStream {
             }
             "enqueue-msg" => {
                 let (name, msg) = v.split_once(':').unwrap_or((v, ""));
-                let q = hostcalls::resolve_shared_queue(&vm_id(), name)
-                    .unwrap()
-                    .expect("queue");
+                let q = hostcalls::resolve_shared_queue(&vm_id(), name).unwrap().expect("queue");
                 hostcalls::enqueue_shared_queue(q, Some(msg.as_bytes())).unwrap();
                 log::info!("enqueued {msg}");
             }
@@ -219,9 +197,7 @@ impl ProbeStream {
                 let a = hostcalls::set_shared_data(v, Some(b"first"), cas);
                 let b = hostcalls::set_shared_data(v, Some(b"second"), cas);
                 let c = hostcalls::set_shared_data(v, Some(b"third"), None);
-                log::info!(
-                    "stale-cas {v} first={a:?} second={b:?} unconditional={c:?} cas={cas:?}"
-                );
+                log::info!("stale-cas {v} first={a:?} second={b:?} unconditional={c:?} cas={cas:?}");
             }
             "absent-cas" => {
                 let st = hostcalls::set_shared_data(v, Some(b"created"), Some(12345));
@@ -233,21 +209,12 @@ impl ProbeStream {
                 log::info!("deleted {v} value={val:?} has_cas={}", cas.is_some());
             }
             "call" | "call-dst" => {
-                let (cluster, host) = if k == "call" {
-                    (v, "")
-                } else {
-                    ("original_dst", v)
-                };
-                let mut h = vec![
-                    (":method", "GET"),
-                    (":path", "/metrics"),
-                    (":authority", "probe"),
-                ];
+                let (cluster, host) = if k == "call" { (v, "") } else { ("original_dst", v) };
+                let mut h = vec![(":method", "GET"), (":path", "/metrics"), (":authority", "probe")];
                 if !host.is_empty() {
                     h.push(("x-envoy-original-dst-host", host));
                 }
-                let st =
-                    self.dispatch_http_call(cluster, h, None, vec![], Duration::from_millis(1000));
+                let st = self.dispatch_http_call(cluster, h, None, vec![], Duration::from_millis(1000));
                 log::info!("dispatch {cluster} {host} ctx={} result={st:?}", self.id);
                 return st.is_ok();
             }
@@ -263,9 +230,7 @@ impl ProbeStream {
             }
             "props" => {
                 let p = |path: Vec<&str>| {
-                    hostcalls::get_property(path)
-                        .unwrap()
-                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    hostcalls::get_property(path).unwrap().map(|b| String::from_utf8_lossy(&b).into_owned())
                 };
                 hostcalls::set_property(vec!["probe", "x"], Some(b"y")).unwrap();
                 log::info!(
@@ -287,12 +252,8 @@ impl ProbeStream {
             "headers" => {
                 self.add_http_request_header("x-a", "1");
                 self.add_http_request_header("x-a", "2");
-                let both: Vec<String> = self
-                    .get_http_request_headers()
-                    .into_iter()
-                    .filter(|(k, _)| k == "x-a")
-                    .map(|(_, v)| v)
-                    .collect();
+                let both: Vec<String> =
+                    self.get_http_request_headers().into_iter().filter(|(k, _)| k == "x-a").map(|(_, v)| v).collect();
                 self.set_http_request_header("x-a", Some("3"));
                 self.set_http_request_header("x-remove-me", None);
                 log::info!(
@@ -332,12 +293,11 @@ impl Context for ProbeStream {
     fn on_http_call_response(&mut self, token: u32, nh: usize, nb: usize, _nt: usize) {
         let status = self.get_http_call_response_header(":status");
         let body = self.get_http_call_response_body(0, nb).unwrap_or_default();
-        let first = String::from_utf8_lossy(&body)
-            .lines()
-            .next()
-            .unwrap_or("")
-            .to_string();
-        log::info!("call_response ctx={} token={token} headers={nh} status={status:?} body_len={nb} first={first}", self.id);
+        let first = String::from_utf8_lossy(&body).lines().next().unwrap_or("").to_string();
+        log::info!(
+            "call_response ctx={} token={token} headers={nh} status={status:?} body_len={nb} first={first}",
+            self.id
+        );
         self.resume_http_request();
     }
 
@@ -361,11 +321,7 @@ impl HttpContext for ProbeStream {
             .filter(|s| !s.is_empty())
             .map(str::to_string)
             .collect();
-        log::info!(
-            "req_headers ctx={} n={n} eos={eos} ops={:?}",
-            self.id,
-            self.ops
-        );
+        log::info!("req_headers ctx={} n={n} eos={eos} ops={:?}", self.id, self.ops);
         let mut pause = false;
         for op in self.ops.clone() {
             pause |= self.run_op(&op);
@@ -390,12 +346,7 @@ impl HttpContext for ProbeStream {
                 return Action::Pause;
             }
             let body = self.get_http_request_body(0, size).unwrap_or_default();
-            log::info!(
-                "buffered body ctx={} len={} text={}",
-                self.id,
-                body.len(),
-                String::from_utf8_lossy(&body)
-            );
+            log::info!("buffered body ctx={} len={} text={}", self.id, body.len(), String::from_utf8_lossy(&body));
             if self.has("rewrite-body") {
                 self.set_http_request_body(0, size, b"rewritten");
             }
@@ -411,20 +362,13 @@ impl HttpContext for ProbeStream {
     fn on_http_response_headers(&mut self, n: usize, eos: bool) -> Action {
         let status = self.get_http_response_header(":status");
         self.set_http_response_header("x-probe-seen", Some("1"));
-        log::info!(
-            "resp_headers ctx={} n={n} eos={eos} status={status:?}",
-            self.id
-        );
+        log::info!("resp_headers ctx={} n={n} eos={eos} status={status:?}", self.id);
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, size: usize, eos: bool) -> Action {
         self.body_seen += size;
-        log::info!(
-            "resp_body ctx={} size={size} eos={eos} total={}",
-            self.id,
-            self.body_seen
-        );
+        log::info!("resp_body ctx={} size={size} eos={eos} total={}", self.id, self.body_seen);
         Action::Continue
     }
 
@@ -434,14 +378,11 @@ impl HttpContext for ProbeStream {
     }
 
     fn on_log(&mut self) {
-        let code = hostcalls::get_property(vec!["response", "code"])
-            .ok()
-            .flatten()
-            .map(|b| {
-                let mut a = [0u8; 8];
-                a[..b.len().min(8)].copy_from_slice(&b[..b.len().min(8)]);
-                i64::from_le_bytes(a)
-            });
+        let code = hostcalls::get_property(vec!["response", "code"]).ok().flatten().map(|b| {
+            let mut a = [0u8; 8];
+            a[..b.len().min(8)].copy_from_slice(&b[..b.len().min(8)]);
+            i64::from_le_bytes(a)
+        });
         log::info!("on_log ctx={} code={code:?}", self.id);
     }
 }

@@ -22,10 +22,7 @@ use std::time::Instant;
 #[command(name = "sluice-repro", version)]
 struct Cli {
     /// The filter module (build: `cargo build -p sluice-filter --target wasm32-wasip1 --release`).
-    #[arg(
-        long,
-        default_value = "target/wasm32-wasip1/release/sluice_filter.wasm"
-    )]
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
     wasm: PathBuf,
     /// The 27-client real trace (`arrival_s,client,prompt_tokens,output_tokens`).
     #[arg(long, default_value = "../shared/traces/chatbot-arena-27-clients.csv")]
@@ -100,17 +97,13 @@ fn run(cli: Cli) -> Result<()> {
     };
     for o in &cli.only {
         if !repro::WORKLOAD_NAMES.contains(&o.as_str()) {
-            bail!(
-                "--only: unknown workload `{o}` (known: {})",
-                repro::WORKLOAD_NAMES.join(", ")
-            );
+            bail!("--only: unknown workload `{o}` (known: {})", repro::WORKLOAD_NAMES.join(", "));
         }
     }
     if let Some(0) = cli.jobs {
         bail!("--jobs must be >= 1");
     }
-    let wasm = std::fs::read(&cli.wasm)
-        .with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
+    let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
     let mut workloads = repro::seed_workloads(&opts, &cli.trace)?;
     let wanted = |name: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == name);
     workloads.retain(|w| wanted(&w.name));
@@ -122,18 +115,11 @@ fn run(cli: Cli) -> Result<()> {
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
 
     // Every (workload, policy) pair is an independent simulation: run them on a small pool.
-    let cases: Vec<(usize, PolicyCase)> = workloads
-        .iter()
-        .enumerate()
-        .flat_map(|(i, w)| w.policies.iter().map(move |p| (i, p.clone())))
-        .collect();
-    let jobs = cli
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
-        .max(1);
+    let cases: Vec<(usize, PolicyCase)> =
+        workloads.iter().enumerate().flat_map(|(i, w)| w.policies.iter().map(move |p| (i, p.clone()))).collect();
+    let jobs = cli.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())).max(1);
     let next = AtomicUsize::new(0);
-    let slots: Mutex<Vec<Option<Result<CaseResult>>>> =
-        Mutex::new((0..cases.len()).map(|_| None).collect());
+    let slots: Mutex<Vec<Option<Result<CaseResult>>>> = Mutex::new((0..cases.len()).map(|_| None).collect());
     std::thread::scope(|s| {
         for _ in 0..jobs.min(cases.len().max(1)) {
             s.spawn(|| loop {
@@ -191,14 +177,8 @@ fn run(cli: Cli) -> Result<()> {
         write(&dir.join("acc-diff.svg"), &repro::acc_diff_svg(w, &mine))?;
         for c in &mine {
             let (svc, rt) = repro::case_svgs(w, c);
-            write(
-                &dir.join(format!("{}-service-rate.svg", slug(&c.policy))),
-                &svc,
-            )?;
-            write(
-                &dir.join(format!("{}-response-time.svg", slug(&c.policy))),
-                &rt,
-            )?;
+            write(&dir.join(format!("{}-service-rate.svg", slug(&c.policy))), &svc)?;
+            write(&dir.join(format!("{}-response-time.svg", slug(&c.policy))), &rt)?;
         }
         println!("{md}");
         summary += &md;
@@ -213,11 +193,8 @@ fn run(cli: Cli) -> Result<()> {
         let mut rows = Vec::new();
         let dir = cli.out.join("bands");
         std::fs::create_dir_all(&dir)?;
-        let mut cases = vec![
-            PolicyCase::new("WFQ", serde_json::json!({"policy": "wfq"})),
-            PolicyCase::vtc(),
-            PolicyCase::fcfs(),
-        ];
+        let mut cases =
+            vec![PolicyCase::new("WFQ", serde_json::json!({"policy": "wfq"})), PolicyCase::vtc(), PolicyCase::fcfs()];
         if !cli.policies.is_empty() {
             cases.retain(|p| cli.policies.contains(&p.label));
         }
@@ -237,14 +214,8 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 &case,
             );
-            write(
-                &dir.join(format!("{}-service-rate.svg", slug(&p.label))),
-                &svc,
-            )?;
-            write(
-                &dir.join(format!("{}-response-time.svg", slug(&p.label))),
-                &rt,
-            )?;
+            write(&dir.join(format!("{}-service-rate.svg", slug(&p.label))), &svc)?;
+            write(&dir.join(format!("{}-response-time.svg", slug(&p.label))), &rt)?;
             rows.extend(r);
         }
         let md = format!(
@@ -285,20 +256,12 @@ fn print_weighted_note(w: &ReproWorkload, mine: &[&CaseResult], summary: &mut St
         return;
     }
     let span = w.span_s();
-    let mut s = String::from(
-        "Service share within the trace (weights 1:2:3:4 ask for 0.100, 0.200, 0.300, 0.400):\n\n",
-    );
+    let mut s =
+        String::from("Service share within the trace (weights 1:2:3:4 ask for 0.100, 0.200, 0.300, 0.400):\n\n");
     for c in mine {
-        let got: Vec<f64> = w
-            .clients()
-            .iter()
-            .map(|k| repro::service_between(c, k, 0.0, span))
-            .collect();
+        let got: Vec<f64> = w.clients().iter().map(|k| repro::service_between(c, k, 0.0, span)).collect();
         let total: f64 = got.iter().sum();
-        let shares: Vec<String> = got
-            .iter()
-            .map(|g| format!("{:.3}", g / total.max(1.0)))
-            .collect();
+        let shares: Vec<String> = got.iter().map(|g| format!("{:.3}", g / total.max(1.0))).collect();
         s += &format!("- {}: {}\n", c.policy, shares.join(", "));
     }
     println!("{s}");

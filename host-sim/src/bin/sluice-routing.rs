@@ -5,9 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::routing_compare::{
-    self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind,
-};
+use host_sim::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind};
 use std::path::PathBuf;
 
 /// Compare random, round-robin, least-request and KV-aware routing of the sluice filter in
@@ -18,10 +16,7 @@ use std::path::PathBuf;
 struct Cli {
     /// The filter module (built with `cargo build -p sluice-filter --target wasm32-wasip1
     /// --release`).
-    #[arg(
-        long,
-        default_value = "target/wasm32-wasip1/release/sluice_filter.wasm"
-    )]
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
     wasm: PathBuf,
     /// Directory for table.md, table.csv, results.json and routing.svg.
     #[arg(long, default_value = "out/routing")]
@@ -30,20 +25,10 @@ struct Cli {
     #[arg(long)]
     quick: bool,
     /// Traces to replay.
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "azure,mooncake"
-    )]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "azure,mooncake")]
     traces: Vec<TraceKind>,
     /// Pickers to compare.
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "random,round-robin,least-request,kv-aware"
-    )]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,round-robin,least-request,kv-aware")]
     pickers: Vec<PickerKind>,
     /// Pools: `hetero` (2 fast + 2 slow) and/or `dies` (the same, one fast backend dies).
     #[arg(long, value_delimiter = ',', default_value = "hetero,dies")]
@@ -126,8 +111,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     let kv_weights = match &cli.kv_aware_weights {
         Some(w) => {
-            let v: serde_json::Value =
-                serde_json::from_str(w).context("--kv-aware-weights must be a JSON object")?;
+            let v: serde_json::Value = serde_json::from_str(w).context("--kv-aware-weights must be a JSON object")?;
             if !v.is_object() {
                 bail!("--kv-aware-weights must be a JSON object, got {w}");
             }
@@ -135,8 +119,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         None => None,
     };
-    let wasm = std::fs::read(&cli.wasm)
-        .with_context(|| format!("reading --wasm {}", cli.wasm.display()))?;
+    let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading --wasm {}", cli.wasm.display()))?;
     let fast = rc::profile_by_name(&cli.fast_profile).context("--fast-profile")?;
     let slow = rc::profile_by_name(&cli.slow_profile).context("--slow-profile")?;
     let div = if cli.quick { 4 } else { 1 };
@@ -145,11 +128,7 @@ fn run(cli: Cli) -> Result<()> {
     for &t in &cli.traces {
         let (path, n, speedup) = match t {
             TraceKind::Azure => (&cli.azure, cli.azure_requests / div, cli.azure_speedup),
-            TraceKind::Mooncake => (
-                &cli.mooncake,
-                cli.mooncake_requests / div,
-                cli.mooncake_speedup,
-            ),
+            TraceKind::Mooncake => (&cli.mooncake, cli.mooncake_requests / div, cli.mooncake_speedup),
         };
         let items = rc::load_trace(t, path, n.max(1), speedup)?;
         let window = items.last().map_or(0, |w| w.arrival_us);
@@ -166,21 +145,11 @@ fn run(cli: Cli) -> Result<()> {
             mean(|w| w.output_tokens)
         );
         for pool in &cli.pools {
-            let mut spec = PoolSpec::mixed(
-                &format!("2x{}+2x{}", fast.name, slow.name),
-                &fast,
-                2,
-                &slow,
-                2,
-            );
+            let mut spec = PoolSpec::mixed(&format!("2x{}+2x{}", fast.name, slow.name), &fast, 2, &slow, 2);
             if pool == "dies" {
                 let at_us = (window as f64 * cli.die_at) as u64;
                 spec.death = Some(Death { backend: 0, at_us });
-                spec.name = format!(
-                    "{} (10.0.0.1 dies at {:.0} s)",
-                    spec.name,
-                    at_us as f64 / 1e6
-                );
+                spec.name = format!("{} (10.0.0.1 dies at {:.0} s)", spec.name, at_us as f64 / 1e6);
             }
             for &picker in &cli.pickers {
                 let cfg = RunConfig {
@@ -209,10 +178,7 @@ fn run(cli: Cli) -> Result<()> {
                 let Some((cfg, t)) = jobs.get(i) else { break };
                 let r = rc::run(&wasm, cfg, &traces[*t]).map(|(_, r)| r);
                 if let Ok(r) = &r {
-                    eprintln!(
-                        "  {} | {} | {}: {:.1} s",
-                        r.trace, r.pool, r.picker, r.wall_s
-                    );
+                    eprintln!("  {} | {} | {}: {:.1} s", r.trace, r.pool, r.picker, r.wall_s);
                 }
                 results.lock().expect("no panics")[i] = Some(r);
             });
@@ -225,25 +191,15 @@ fn run(cli: Cli) -> Result<()> {
         .map(|r| r.expect("every job ran"))
         .collect::<Result<_>>()?;
     let table = rc::markdown_table(&results);
-    std::fs::create_dir_all(&cli.out)
-        .with_context(|| format!("creating --out {}", cli.out.display()))?;
+    std::fs::create_dir_all(&cli.out).with_context(|| format!("creating --out {}", cli.out.display()))?;
     std::fs::write(cli.out.join("table.md"), &table)?;
     std::fs::write(cli.out.join("table.csv"), rc::csv(&results))?;
-    std::fs::write(
-        cli.out.join("results.json"),
-        serde_json::to_string_pretty(&results)?,
-    )?;
+    std::fs::write(cli.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
     std::fs::write(cli.out.join("routing.svg"), rc::svg(&results))?;
     println!("\n{table}");
     for (trace, pool) in groups(&results) {
-        let get = |p: &str| {
-            results
-                .iter()
-                .find(|r| r.trace == trace && r.pool == pool && r.picker == p)
-        };
-        if let (Some(kv), Some(rr), Some(lr)) =
-            (get("kv-aware"), get("round-robin"), get("least-request"))
-        {
+        let get = |p: &str| results.iter().find(|r| r.trace == trace && r.pool == pool && r.picker == p);
+        if let (Some(kv), Some(rr), Some(lr)) = (get("kv-aware"), get("round-robin"), get("least-request")) {
             println!(
                 "{trace}, {pool}: TTFT p99 round-robin / kv-aware = {:.2}x (goal >= 2); prefix hit kv-aware {:.1}% vs least-request {:.1}% (goal: higher)",
                 rr.ttft_ms.p99 / kv.ttft_ms.p99.max(1e-9),
@@ -252,10 +208,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
     }
-    println!(
-        "wrote {}/table.md, table.csv, results.json, routing.svg",
-        cli.out.display()
-    );
+    println!("wrote {}/table.md, table.csv, results.json, routing.svg", cli.out.display());
     Ok(())
 }
 

@@ -20,10 +20,7 @@ use std::time::Instant;
 struct Cli {
     /// The filter module (`sluice_filter.wasm`, built with
     /// `cargo build -p sluice-filter --target wasm32-wasip1 --release`).
-    #[arg(
-        long,
-        default_value = "target/wasm32-wasip1/release/sluice_filter.wasm"
-    )]
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
     wasm: PathBuf,
     /// Scenario file (JSON; see host-sim's `Scenario` for the keys). Excludes `--trace`.
     #[arg(long, conflicts_with = "trace")]
@@ -110,16 +107,11 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     if cli.check_trace {
         let path = cli.trace.as_ref().expect("clap requires --trace");
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         match host_sim::workload::parse_trace(cli.format.expect("clap requires --format"), &text) {
             Ok(items) => {
                 let last = items.last().map_or(0.0, |w| w.arrival_us as f64 / 1e6);
-                println!(
-                    "{}: {} requests over {last:.1} s, all rows valid",
-                    path.display(),
-                    items.len()
-                );
+                println!("{}: {} requests over {last:.1} s, all rows valid", path.display(), items.len());
                 return Ok(());
             }
             Err(errs) => {
@@ -132,20 +124,12 @@ fn run(cli: Cli) -> Result<()> {
     }
     let (mut sc, base): (Scenario, PathBuf) = match (&cli.scenario, &cli.trace) {
         (Some(p), _) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             let base = p.parent().map(Path::to_path_buf).unwrap_or_default();
-            (
-                Scenario::from_json(&text).with_context(|| p.display().to_string())?,
-                base,
-            )
+            (Scenario::from_json(&text).with_context(|| p.display().to_string())?, base)
         }
         (None, Some(t)) => {
-            let format = serde_json::to_value(
-                cli.format
-                    .expect("clap requires --format")
-                    .to_possible_value_name(),
-            )?;
+            let format = serde_json::to_value(cli.format.expect("clap requires --format").to_possible_value_name())?;
             let json = serde_json::json!({
                 "backends": {"count": cli.backends, "profile": cli.profile},
                 "workload": {"kind": "trace", "format": format, "path": t.to_string_lossy()},
@@ -164,11 +148,8 @@ fn run(cli: Cli) -> Result<()> {
         sc.filter_config["policy"] = serde_json::json!(p);
     }
     if let Some(extra) = &cli.filter_config {
-        let v: serde_json::Value =
-            serde_json::from_str(extra).context("--filter-config is not valid JSON")?;
-        let Some(obj) = v.as_object() else {
-            bail!("--filter-config must be a JSON object")
-        };
+        let v: serde_json::Value = serde_json::from_str(extra).context("--filter-config is not valid JSON")?;
+        let Some(obj) = v.as_object() else { bail!("--filter-config must be a JSON object") };
         for (k, v) in obj {
             sc.filter_config[k] = v.clone();
         }
@@ -184,12 +165,7 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(l) = &cli.log_level {
         sc.log_level = Some(l.clone());
     }
-    if let host_sim::scenario::Workload::Trace {
-        limit,
-        max_arrival_s,
-        ..
-    } = &mut sc.workload
-    {
+    if let host_sim::scenario::Workload::Trace { limit, max_arrival_s, .. } = &mut sc.workload {
         if cli.limit.is_some() {
             *limit = cli.limit;
         }
@@ -204,8 +180,7 @@ fn run(cli: Cli) -> Result<()> {
     if !(cli.tick_jitter_ms >= 0.0 && cli.tick_jitter_ms.is_finite()) {
         bail!("--tick-jitter-ms must be >= 0");
     }
-    let wasm = std::fs::read(&cli.wasm)
-        .with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
+    let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
 
     let wall = Instant::now();
     let items = sc.work_items(&base)?;
@@ -236,21 +211,17 @@ fn run(cli: Cli) -> Result<()> {
         None => println!("{json}"),
     }
     if let Some(p) = &cli.csv {
-        std::fs::write(p, records_csv(&recs))
-            .with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, records_csv(&recs)).with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.svg_service {
-        std::fs::write(p, report.service_rate_svg())
-            .with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, report.service_rate_svg()).with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.svg_latency {
-        std::fs::write(p, host_sim::report::latency_svg(&recs))
-            .with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, host_sim::report::latency_svg(&recs)).with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.logs {
-        let mut f = std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("writing {}", p.display()))?,
-        );
+        let mut f =
+            std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("writing {}", p.display()))?);
         for l in sim.host().logs().iter() {
             writeln!(f, "{}", serde_json::to_string(l)?)?;
         }
@@ -282,9 +253,6 @@ trait PossibleName {
 impl PossibleName for TraceFormat {
     fn to_possible_value_name(&self) -> String {
         use clap::ValueEnum;
-        self.to_possible_value()
-            .expect("no skipped variants")
-            .get_name()
-            .to_string()
+        self.to_possible_value().expect("no skipped variants").get_name().to_string()
     }
 }

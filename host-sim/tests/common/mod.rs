@@ -11,34 +11,19 @@ pub fn build_wasm(package: &str, lib: &str) -> PathBuf {
     let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("wasm-target");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
-        .args([
-            "build",
-            "-p",
-            package,
-            "--target",
-            "wasm32-wasip1",
-            "--release",
-            "--quiet",
-        ])
+        .args(["build", "-p", package, "--target", "wasm32-wasip1", "--release", "--quiet"])
         .env("CARGO_TARGET_DIR", &target)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("running cargo");
-    assert!(
-        out.status.success(),
-        "building {package} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    target
-        .join("wasm32-wasip1/release")
-        .join(format!("{lib}.wasm"))
+    assert!(out.status.success(), "building {package} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    target.join("wasm32-wasip1/release").join(format!("{lib}.wasm"))
 }
 
 /// The probe module's bytes.
 pub fn probe_wasm() -> Vec<u8> {
     static P: OnceLock<Vec<u8>> = OnceLock::new();
-    P.get_or_init(|| std::fs::read(build_wasm("sluice-probe", "sluice_probe")).expect("probe wasm"))
-        .clone()
+    P.get_or_init(|| std::fs::read(build_wasm("sluice-probe", "sluice_probe")).expect("probe wasm")).clone()
 }
 
 /// The real filter's bytes: `$SLUICE_FILTER_WASM` if set, else built from this workspace.

@@ -122,8 +122,7 @@ impl Drr {
     /// Grants, at once, the rounds in which nobody could send (heads much larger
     /// than quanta), so selection stays O(flows) instead of O(cost / quantum).
     fn fast_forward(&mut self) {
-        let live: Vec<FlowId> =
-            self.ring.iter().filter(|&&(f, e)| self.valid(f, e)).map(|&(f, _)| f).collect();
+        let live: Vec<FlowId> = self.ring.iter().filter(|&&(f, e)| self.valid(f, e)).map(|&(f, _)| f).collect();
         let rounds = live
             .iter()
             .map(|&f| ((self.cost[f as usize] - self.deficit[f as usize]) / self.quantum_of(f)).ceil())

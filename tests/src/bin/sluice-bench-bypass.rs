@@ -75,7 +75,8 @@ async fn run(args: Args) -> Result<()> {
     let backends = Backends::start(BackendOptions { instant: true, ..BackendOptions::new(1) }).await?;
     let endpoint = backends.endpoints()[0].clone();
     // A watermark far above the load keeps every request on the bypass path.
-    let pc = with_overrides(default_plugin_config(&[endpoint.clone()], "vtc"), json!({"watermark_per_backend": 10_000}));
+    let pc =
+        with_overrides(default_plugin_config(&[endpoint.clone()], "vtc"), json!({"watermark_per_backend": 10_000}));
     let envoy = Envoy::start(EnvoyOptions {
         concurrency: args.envoy_concurrency,
         direct_listener: true,
@@ -112,7 +113,10 @@ async fn run(args: Args) -> Result<()> {
     let delta = |k: &str| after.value(k) - before.value(k);
     let sent: usize = filtered.iter().map(|p| p.outcomes.len()).sum();
     println!();
-    println!("{:<14} {:>9} {:>7} {:>10} {:>12} {:>12} {:>8}", "path", "requests", "failed", "req/s", "p50 ms", "p99 ms", "ok");
+    println!(
+        "{:<14} {:>9} {:>7} {:>10} {:>12} {:>12} {:>8}",
+        "path", "requests", "failed", "req/s", "p50 ms", "p99 ms", "ok"
+    );
     let (d50, d99) = report("without filter", &direct);
     let (f50, f99) = report("with filter", &filtered);
     println!("added latency: p50 {} ms, p99 {} ms", diff_ms(f50, d50), diff_ms(f99, d99));

@@ -53,7 +53,14 @@ pub fn assert_openai_error(body: &str) -> Value {
 
 /// Checks a raw reject: status, reason header, retry-after, JSON error body.
 pub fn assert_reject(r: &RawResponse, status: u16, reason: &str) {
-    assert_eq!(r.status, status, "expected {status} {reason}, got {} headers {:?} body {}", r.status, r.headers, r.text());
+    assert_eq!(
+        r.status,
+        status,
+        "expected {status} {reason}, got {} headers {:?} body {}",
+        r.status,
+        r.headers,
+        r.text()
+    );
     assert_eq!(r.header("x-sluice-reject-reason"), Some(reason), "reason header; headers {:?}", r.headers);
     assert!(r.header("retry-after").is_some(), "no retry-after header; headers {:?}", r.headers);
     assert_openai_error(&r.text());
@@ -82,7 +89,12 @@ pub fn status_histogram(outcomes: &[Outcome]) -> String {
 }
 
 /// Sends `n` copies of `req` at once and waits for all of them.
-pub async fn burst(client: &sluice_e2e::LoadClient, addr: std::net::SocketAddr, req: &sluice_e2e::ChatRequest, n: usize) -> Vec<Outcome> {
+pub async fn burst(
+    client: &sluice_e2e::LoadClient,
+    addr: std::net::SocketAddr,
+    req: &sluice_e2e::ChatRequest,
+    n: usize,
+) -> Vec<Outcome> {
     let origin = std::time::Instant::now();
     let handles: Vec<_> = (0..n)
         .map(|_| {
