@@ -92,7 +92,7 @@ struct Cli {
     /// Write an SVG plot of each client's end-to-end latency by arrival time here.
     #[arg(long)]
     svg_latency: Option<PathBuf>,
-    /// Print progress (virtual time) to stderr.
+    /// Draw a progress bar on stderr even when it is not a terminal (it is drawn on a terminal anyway).
     #[arg(long)]
     progress: bool,
 }
@@ -190,11 +190,13 @@ fn run(cli: Cli) -> Result<()> {
         g.tick_jitter_us = jitter_us;
     })?;
     let last_arrival = items.last().map_or(0, |w| w.arrival_us);
-    if cli.progress && last_arrival > 0 {
+    // A progress bar whenever someone watches (stderr is a terminal) or asks for it.
+    if (cli.progress || std::io::IsTerminal::is_terminal(&std::io::stderr())) && last_arrival > 0 {
         for k in 1..=20u64 {
             sim.run_until(last_arrival * k / 20);
             eprint!(
-                "\rsimulated {:>3}% of arrivals ({:.0} s virtual, {:.1} s wall)",
+                "\r[{:<20}] {:>3}% of arrivals ({:.0} s virtual, {:.1} s wall)",
+                "#".repeat(k as usize),
                 k * 5,
                 sim.now_us() as f64 / 1e6,
                 wall.elapsed().as_secs_f64()
