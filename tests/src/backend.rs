@@ -39,48 +39,54 @@ pub struct Backends {
     pub addrs: Vec<SocketAddr>,
 }
 
+/// Starts one `sluice-backend` process serving `count` backends from port `port` (0: ephemeral
+/// ports) with `opts`' profile, time scale and arguments (`opts.count` is not read), and waits for
+/// its `listening` lines.
+pub(crate) async fn spawn(port: u16, count: usize, opts: &BackendOptions) -> Result<(ChildGuard, Vec<SocketAddr>)> {
+    let mut cmd = Command::new(paths::backend_bin()?);
+    cmd.arg("--port").arg(port.to_string()).arg("--count").arg(count.to_string());
+    if let Some(p) = &opts.profile {
+        cmd.arg("--profile").arg(p);
+    }
+    if let Some(t) = opts.time_scale {
+        cmd.arg("--time-scale").arg(t.to_string());
+    }
+    if opts.instant {
+        cmd.arg("--instant");
+    }
+    if let Some(m) = opts.default_max_tokens {
+        cmd.arg("--default-max-tokens").arg(m.to_string());
+    }
+    cmd.args(&opts.extra_args);
+    let mut child = ChildGuard::spawn("backend", cmd)?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let addrs: Vec<SocketAddr> = child
+            .log()
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("listening "))
+            .filter_map(|a| a.trim().parse().ok())
+            .collect();
+        if addrs.len() >= count {
+            return Ok((child, addrs));
+        }
+        child.ensure_running()?;
+        if Instant::now() > deadline {
+            bail!(
+                "sluice-backend printed {} of {count} `listening` lines in 20 s; log:\n{}",
+                addrs.len(),
+                child.log_tail(4000)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 impl Backends {
     /// Starts the backends and waits for one `listening IP:PORT` line per backend.
     pub async fn start(opts: BackendOptions) -> Result<Backends> {
-        let bin = paths::backend_bin()?;
-        let mut cmd = Command::new(bin);
-        cmd.arg("--port").arg("0").arg("--count").arg(opts.count.to_string());
-        if let Some(p) = &opts.profile {
-            cmd.arg("--profile").arg(p);
-        }
-        if let Some(t) = opts.time_scale {
-            cmd.arg("--time-scale").arg(t.to_string());
-        }
-        if opts.instant {
-            cmd.arg("--instant");
-        }
-        if let Some(m) = opts.default_max_tokens {
-            cmd.arg("--default-max-tokens").arg(m.to_string());
-        }
-        cmd.args(&opts.extra_args);
-        let mut child = ChildGuard::spawn("backend", cmd)?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let addrs: Vec<SocketAddr> = child
-                .log()
-                .lines()
-                .filter_map(|l| l.trim().strip_prefix("listening "))
-                .filter_map(|a| a.trim().parse().ok())
-                .collect();
-            if addrs.len() >= opts.count {
-                return Ok(Backends { child, addrs });
-            }
-            child.ensure_running()?;
-            if Instant::now() > deadline {
-                bail!(
-                    "sluice-backend printed {} of {} `listening` lines in 20 s; log:\n{}",
-                    addrs.len(),
-                    opts.count,
-                    child.log_tail(4000)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let (child, addrs) = spawn(0, opts.count, &opts).await?;
+        Ok(Backends { child, addrs })
     }
 
     /// The addresses as `"ip:port"` strings, ready for the plugin config's `endpoints`.
