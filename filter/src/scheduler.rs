@@ -180,6 +180,14 @@ impl Scheduler {
         }
     }
 
+    /// Reports the congestion level (0..1) to every band's policy (DRR grows
+    /// its boosted flows' quanta with it).
+    pub fn on_congestion(&mut self, level: f64) {
+        for band in Criticality::ALL {
+            self.queue.band_mut(band).policy_mut().on_congestion(level);
+        }
+    }
+
     /// Forgets running requests whose worker vanished without a `done`
     /// (bounded memory under VM crashes): keeps at most `max` entries.
     pub fn bound_running(&mut self, max: usize) {
@@ -421,6 +429,27 @@ mod tests {
         out.clear();
         s.pump(0, &mut slots(usize::MAX), &mut out);
         assert_eq!(dispatched(&out), vec![4, 5, 3], "bands in strict priority");
+    }
+
+    #[test]
+    fn congestion_reaches_the_policy() {
+        let gold_share = |level: f64| {
+            let c = Config::from_json(
+                br#"{"endpoints":["127.0.0.1:1"],"flow_capacity":50,
+                     "policy":{"policy":"drr","quantum":100,"congestion_boost":{"gold":3}}}"#,
+            )
+            .unwrap();
+            let mut s = Scheduler::new(&c);
+            s.on_congestion(level);
+            let mut out = Vec::new();
+            for ctx in 0..40 {
+                s.on_message(enqueue(0, ctx, if ctx % 2 == 0 { "gold" } else { "base" }, ctx as u64), 0, &mut out);
+            }
+            s.pump(0, &mut slots(20), &mut out);
+            dispatched(&out).iter().filter(|&&ctx| ctx % 2 == 0).count()
+        };
+        let (calm, congested) = (gold_share(0.0), gold_share(1.0));
+        assert!(congested > calm, "gold's share of 20 dispatches: calm {calm}, congested {congested}");
     }
 
     #[test]

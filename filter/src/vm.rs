@@ -678,9 +678,13 @@ impl Vm {
         let now = now_ms();
         self.flush_charges();
         self.claim_lease(now);
-        if let Some(role) = self.role.as_mut() {
+        if let Some(queued) = self.role.as_ref().map(|r| r.scheduler.len() as u64) {
+            // Congestion-aware policies (DRR) reweight on the overload ladder's severity.
+            let severity = self.cfg.overload.unwrap_or_default().severity(&self.load_signals(queued));
+            let role = self.role.as_mut().expect("checked above");
             let mut out = Vec::new();
             role.scheduler.expire(now, &mut out);
+            role.scheduler.on_congestion(severity);
             // Requests dispatched by a worker that vanished never send `done`.
             role.scheduler.bound_running(MAX_RUNNING);
             if let Some(snap) = role.scheduler.snapshot() {
