@@ -37,6 +37,8 @@ const REJECT_REASON: &str = "x-sluice-reject-reason";
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// Most bytes of a `/metrics` page read; the rest is ignored (a truncated last line is skipped).
 const MAX_SCRAPE_BYTES: usize = 1 << 20;
+/// How often the scheduler saves its policy's counters to shared data.
+const COUNTERS_SAVE_MS: u64 = 1000;
 /// Charges a worker holds before it flushes them without waiting for the tick.
 const MAX_PENDING_CHARGES: usize = 256;
 /// Dispatched requests the scheduler tracks for charging, at most.
@@ -171,6 +173,8 @@ enum Stream {
 struct SchedulerRole {
     scheduler: Scheduler,
     published_len: Option<usize>,
+    /// When the counters were last saved to shared data.
+    saved_ms: u64,
 }
 
 /// Per-VM state shared by the root context and the HTTP contexts.
@@ -480,7 +484,7 @@ impl Vm {
                 return;
             }
             log::info!("worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
-            self.role = Some(SchedulerRole { scheduler, published_len: None });
+            self.role = Some(SchedulerRole { scheduler, published_len: None, saved_ms: now });
         } else if !holder && self.role.is_some() {
             log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
             self.role = None;
@@ -687,8 +691,13 @@ impl Vm {
             role.scheduler.on_congestion(severity);
             // Requests dispatched by a worker that vanished never send `done`.
             role.scheduler.bound_running(MAX_RUNNING);
-            if let Some(snap) = role.scheduler.snapshot() {
-                HostStore.set(shared::COUNTERS_KEY, &snap, None);
+            // Saving costs a pass over every tenant ever seen: once a second is
+            // enough for a takeover to keep the history.
+            if now.saturating_sub(role.saved_ms) >= COUNTERS_SAVE_MS {
+                role.saved_ms = now;
+                if let Some(snap) = role.scheduler.snapshot() {
+                    HostStore.set(shared::COUNTERS_KEY, &snap, None);
+                }
             }
             self.pump(out);
         }
