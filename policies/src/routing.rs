@@ -342,8 +342,8 @@ impl Router {
                 // instead of filling up in index order.
                 let scores: Vec<(usize, f64)> = candidates().map(|(i, e)| (i, score(i, e))).collect();
                 let best = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-                let tied: Vec<usize> = scores.iter().filter(|s| s.1 >= best - 1e-9).map(|s| s.0).collect();
-                Some(tied[draw(tied.len())])
+                let tied = || scores.iter().filter(|s| s.1 >= best - 1e-9).map(|s| s.0);
+                tied().nth(draw(tied().count()))
             }
             Picker::WeightedRandom => {
                 let scores: Vec<(usize, f64)> = candidates().map(|(i, e)| (i, score(i, e).max(0.0))).collect();
