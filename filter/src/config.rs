@@ -162,6 +162,10 @@ struct RawConfig {
     overload: Option<OverloadLadder>,
     #[serde(default = "default_max_body_bytes")]
     max_body_bytes: usize,
+    #[serde(default = "default_max_drain_bytes")]
+    max_drain_bytes: usize,
+    #[serde(default = "default_max_tenant_bytes")]
+    max_tenant_bytes: usize,
     #[serde(default = "default_total_capacity")]
     total_capacity: usize,
     #[serde(default = "default_flow_capacity")]
@@ -200,6 +204,16 @@ fn default_criticality() -> Criticality {
 fn default_max_body_bytes() -> usize {
     1 << 20
 }
+fn default_max_drain_bytes() -> usize {
+    16 << 20
+}
+fn default_max_tenant_bytes() -> usize {
+    256
+}
+
+/// Largest `max_body_bytes` accepted: a body is buffered in Envoy until it is
+/// read whole, and the proxy's buffer limit must be raised to match (see the README).
+pub const MAX_BODY_BYTES_LIMIT: usize = 64 << 20;
 fn default_total_capacity() -> usize {
     QueueLimits::default().total_capacity
 }
@@ -253,6 +267,13 @@ pub struct Config {
     pub overload: Option<OverloadLadder>,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Most bytes of a too-large body read and discarded before the 413, so
+    /// that a client that writes its whole body before reading can read the
+    /// answer; past this the 413 goes out at once and Envoy may close.
+    pub max_drain_bytes: usize,
+    /// Longest tenant header value accepted (longer: 400): tenant names are
+    /// kept per tenant and copied into messages, so their size is bounded.
+    pub max_tenant_bytes: usize,
     /// Stock hysteresis band per backend.
     pub bounds: StockBounds,
     /// Value of `retry-after` on rejects.
@@ -368,8 +389,21 @@ impl Config {
         if raw.tick_ms == 0 || raw.tick_ms > 10_000 {
             return Err(format!("field `tick_ms` must be in 1..=10000, got {}", raw.tick_ms));
         }
-        if raw.max_body_bytes == 0 {
-            return Err("field `max_body_bytes` must be at least 1, got 0".into());
+        if raw.max_body_bytes == 0 || raw.max_body_bytes > MAX_BODY_BYTES_LIMIT {
+            return Err(format!(
+                "field `max_body_bytes` must be in 1..={MAX_BODY_BYTES_LIMIT}, got {}",
+                raw.max_body_bytes
+            ));
+        }
+        if raw.max_tenant_bytes == 0 || raw.max_tenant_bytes > 4096 {
+            return Err(format!("field `max_tenant_bytes` must be in 1..=4096, got {}", raw.max_tenant_bytes));
+        }
+        if raw.default_tenant.len() > raw.max_tenant_bytes {
+            return Err(format!(
+                "field `default_tenant` is longer than `max_tenant_bytes` ({} > {})",
+                raw.default_tenant.len(),
+                raw.max_tenant_bytes
+            ));
         }
         let policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
         let work_conserving = policy.build().map_err(|e| format!("field `policy`: {e}"))?.is_work_conserving();
@@ -418,6 +452,8 @@ impl Config {
             ttft_slo_ms: raw.ttft_slo_ms,
             overload: raw.overload,
             max_body_bytes: raw.max_body_bytes,
+            max_drain_bytes: raw.max_drain_bytes,
+            max_tenant_bytes: raw.max_tenant_bytes,
             bounds,
             retry_after_s: raw.retry_after_s,
             tick_ms: raw.tick_ms,
@@ -458,6 +494,9 @@ mod tests {
             (r#"{"endpoints":["backend:80"]}"#, "backend:80"),
             (r#"{"endpoints":["127.0.0.1:1"],"policy":"lottery"}"#, "lottery"),
             (r#"{"endpoints":["127.0.0.1:1"],"flow_capacity":0}"#, "flow_capacity"),
+            (r#"{"endpoints":["127.0.0.1:1"],"max_body_bytes":67108865}"#, "max_body_bytes"),
+            (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":0}"#, "max_tenant_bytes"),
+            (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":3}"#, "default_tenant"),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#,
                 "percentage_deviation_for_bounds",

@@ -8,10 +8,63 @@ use sluice_policies::routing::prefix_hashes;
 /// Most prefix blocks hashed per prompt (bounds the work and the message size).
 pub const MAX_PREFIX_BLOCKS: usize = 128;
 
-/// Paths whose requests are scheduled; everything else passes through.
-pub fn is_scheduled_path(path: &str) -> bool {
-    let path = path.split('?').next().unwrap_or(path);
-    path == "/v1/chat/completions" || path == "/v1/completions"
+/// Paths whose requests are scheduled, as [`normalize_path`] writes them.
+const SCHEDULED_PATHS: [&[u8]; 2] = [b"/v1/chat/completions", b"/v1/completions"];
+
+/// Is this `:path` one of the completion endpoints the filter schedules?
+///
+/// Matched on the normalised path, so that spellings a model server would
+/// still route to its completion handler (`//v1/completions`,
+/// `/v1/%63ompletions`, `/V1/completions/`, `/./v1/completions;x`) cannot
+/// skip the queue.
+pub fn is_scheduled_path(path: &[u8]) -> bool {
+    let p = normalize_path(path);
+    SCHEDULED_PATHS.contains(&p.as_slice())
+}
+
+/// A path reduced to the form servers compare: query and fragment dropped,
+/// percent-escapes decoded once (as a server decodes them), `\` read as `/`,
+/// empty and `.` segments dropped, `..` applied, `;params` cut from each
+/// segment, no trailing slash, ASCII lower case. Linear in the input.
+pub fn normalize_path(raw: &[u8]) -> Vec<u8> {
+    let end = raw.iter().position(|&b| b == b'?' || b == b'#').unwrap_or(raw.len());
+    let raw = &raw[..end];
+    let mut decoded = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let b = raw[i];
+        let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        match (b, raw.get(i + 1).copied().and_then(hex), raw.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(hi), Some(lo)) => {
+                decoded.push(hi << 4 | lo);
+                i += 3;
+            }
+            _ => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for seg in decoded.split(|&b| b == b'/' || b == b'\\') {
+        let seg = seg.split(|&b| b == b';').next().unwrap_or_default();
+        match seg {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = Vec::with_capacity(decoded.len() + 1);
+    for s in segments {
+        out.push(b'/');
+        out.extend(s.iter().map(u8::to_ascii_lowercase));
+    }
+    if out.is_empty() {
+        out.push(b'/');
+    }
+    out
 }
 
 /// What the scheduler needs of a completion request.
@@ -277,10 +330,27 @@ mod tests {
     }
 
     #[test]
-    fn scheduled_paths() {
-        assert!(is_scheduled_path("/v1/chat/completions"));
-        assert!(is_scheduled_path("/v1/completions?x=1"));
-        assert!(!is_scheduled_path("/v1/models"));
-        assert!(!is_scheduled_path("/metrics"));
+    fn scheduled_paths_are_matched_however_they_are_spelled() {
+        for p in [
+            "/v1/chat/completions",
+            "/v1/completions?x=1",
+            "/v1/chat/completions/",
+            "//v1/completions",
+            "/V1/completions",
+            "/v1/%63ompletions",
+            "/v1/chat%2Fcompletions",
+            "/v1/chat/completions;x",
+            "/./v1/completions",
+            "/v1/models/../completions",
+            "/v1\\completions#frag",
+            "/x/../../v1/completions",
+        ] {
+            assert!(is_scheduled_path(p.as_bytes()), "{p} must be scheduled");
+        }
+        for p in ["/v1/models", "/metrics", "/", "", "/v1/completions/x", "/v1/%2563ompletions", "/v1/completion"] {
+            assert!(!is_scheduled_path(p.as_bytes()), "{p} is not a completion path");
+        }
+        assert!(!is_scheduled_path(b"/v1/\xff\xfe"), "bytes that are not UTF-8 are just bytes");
+        assert_eq!(normalize_path(b"/a/%zz/%4"), b"/a/%zz/%4", "a broken escape stays as written");
     }
 }

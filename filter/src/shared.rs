@@ -93,25 +93,44 @@ pub fn least_loaded(load: &[u32]) -> Option<usize> {
 }
 
 /// Takes a slot on the endpoint `pick` chooses from the in-flight counts, if
-/// `allowed(stock)` says the current stock permits one more. Returns the
-/// endpoint index and the new stock. Both closures may run more than once
-/// (CAS retries).
+/// `allowed(load)` says the in-flight counts per endpoint permit one more.
+/// Returns the endpoint index and the new stock. Both closures may run more
+/// than once (CAS retries).
 pub fn acquire(
     store: &dyn Store,
     endpoints: usize,
-    allowed: impl Fn(u64) -> bool,
+    allowed: impl Fn(&[u32]) -> bool,
     mut pick: impl FnMut(&[u32]) -> Option<usize>,
 ) -> Option<(u32, u64)> {
     update(store, LOAD_KEY, |v| {
         let mut load = decode_load(v, endpoints);
         let stock: u64 = load.iter().map(|&n| n as u64).sum();
-        if !allowed(stock) {
+        if !allowed(&load) {
             return None;
         }
         let i = pick(&load).filter(|&i| i < endpoints)?;
         load[i] += 1;
         Some((encode_load(&load), (i as u32, stock + 1)))
     })
+}
+
+/// The endpoints that can take work and the stock they hold, for the
+/// admission band: `(ready endpoints, stock on them)`. Stock held by an
+/// unhealthy endpoint (a hung or dead server) does not count against the
+/// healthy ones; when none is healthy, every endpoint counts (fail open).
+pub fn ready_stock(load: &[u32], healthy: impl Fn(usize) -> bool) -> (usize, u64) {
+    let (mut ready, mut stock) = (0, 0);
+    for (i, &n) in load.iter().enumerate() {
+        if healthy(i) {
+            ready += 1;
+            stock += n as u64;
+        }
+    }
+    if ready == 0 {
+        (load.len(), load.iter().map(|&n| n as u64).sum())
+    } else {
+        (ready, stock)
+    }
 }
 
 /// What the gateway knows of one endpoint's health and load.
@@ -321,9 +340,16 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn stock_on_sick_endpoints_does_not_count() {
+        assert_eq!(ready_stock(&[2, 1, 0], |_| true), (3, 3));
+        assert_eq!(ready_stock(&[2, 1, 0], |i| i != 0), (2, 1), "endpoint 0 is hung with two requests");
+        assert_eq!(ready_stock(&[2, 1, 0], |_| false), (3, 3), "none healthy: all count");
+    }
+
+    #[test]
     fn acquire_spreads_over_the_least_loaded_and_respects_the_limit() {
         let s = MapStore::default();
-        let under4 = |stock| stock < 4;
+        let under4 = |load: &[u32]| load.iter().sum::<u32>() < 4;
         let picks: Vec<u32> = (0..4).map(|_| acquire(&s, 3, under4, least_loaded).unwrap().0).collect();
         assert_eq!(picks, vec![0, 1, 2, 0]);
         assert_eq!(acquire(&s, 3, under4, least_loaded), None);

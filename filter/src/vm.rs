@@ -45,6 +45,12 @@ const MAX_PENDING_CHARGES: usize = 256;
 const MAX_RUNNING: usize = 1 << 16;
 /// Prefix blocks and sessions remembered for affinity, per VM.
 const AFFINITY_CAPACITY: usize = 1 << 16;
+/// Local replies sent in one VM callback, at most. Envoy runs a local reply's
+/// response callbacks inside the call that sends it, so thousands in one
+/// callback exhaust V8's stack; the rest wait for the next wake-up or tick.
+const MAX_REPLIES_PER_CALLBACK: u32 = 32;
+/// Messages handled in one VM callback, at most (per queue).
+const MAX_MESSAGES_PER_CALLBACK: u32 = 256;
 
 /// FNV-1a, for session header values.
 fn hash_str(s: &str) -> u64 {
@@ -202,6 +208,10 @@ struct Vm {
     logged_bad_metrics: Vec<bool>,
     /// Charges waiting for the next tick or the next urgent message.
     pending: Vec<ToScheduler>,
+    /// Local replies this root callback may still send.
+    replies_left: u32,
+    /// Next endpoint for requests the filter does not schedule.
+    passthrough_next: usize,
 }
 
 /// What admission decided for a request whose body was read.
@@ -364,16 +374,21 @@ impl Vm {
         let n = cfg.endpoints.len();
         let now = now_ms();
         let routing = &cfg.routing;
-        let records = if routing.scrape_cluster.is_some() { shared::records(&HostStore, n) } else { Vec::new() };
+        let scraping = routing.scrape_cluster.is_some();
+        // Health comes from scrapes and from resets seen on requests (quarantine).
+        let records = shared::records(&HostStore, n);
         // Full GPUs hold requests back; but never all of them, or nothing
         // would finish to trigger the next attempt.
-        let saturated = !records.is_empty() && {
+        let saturated = scraping && {
             let views: Vec<EndpointView<'_>> = records.iter().map(|r| r.view(0, now)).collect();
             routing.saturation.pool_saturated(&views)
         };
         let bounds = cfg.bounds;
-        let allowed = |stock: u64| {
-            let band = if from_queue { bounds.may_pop(stock, n) } else { bounds.may_bypass(stock, 0, n) };
+        let allowed = |load: &[u32]| {
+            // The band scales with the endpoints that can take work: a hung
+            // server's requests must not hold the healthy ones back.
+            let (ready, stock) = shared::ready_stock(load, |i| records[i].healthy(now));
+            let band = if from_queue { bounds.may_pop(stock, ready) } else { bounds.may_bypass(stock, 0, ready) };
             band && !(saturated && stock > 0)
         };
         self.rng ^= self.rng << 13;
@@ -385,9 +400,9 @@ impl Vm {
         let mut no_endpoint = false;
         let pick = |load: &[u32]| {
             let views: Vec<EndpointView<'_>> = (0..n)
-                .map(|i| match records.get(i) {
-                    Some(r) => r.view(load[i], now),
-                    None => EndpointView { in_flight: load[i], metrics: None, age_ms: 0, healthy: true },
+                .map(|i| match &records[i] {
+                    r if scraping => r.view(load[i], now),
+                    r => EndpointView { in_flight: load[i], metrics: None, age_ms: 0, healthy: r.healthy(now) },
                 })
                 .collect();
             let chosen = routing.router.pick(&request, &views, affinity, random);
@@ -403,6 +418,19 @@ impl Vm {
             None if no_endpoint => Slot::NoEndpoint,
             None => Slot::Wait,
         }
+    }
+
+    /// Where a request the filter does not schedule goes if a route sends it
+    /// to the pool: the configured endpoints in turn, healthy ones first. No
+    /// stock is taken (`/v1/models` and the like are cheap).
+    fn passthrough_endpoint(&mut self) -> usize {
+        let n = self.endpoints();
+        let now = now_ms();
+        let records = shared::records(&HostStore, n);
+        let start = self.passthrough_next;
+        let pick = (0..n).map(|k| (start + k) % n).find(|&i| records[i].healthy(now)).unwrap_or(start % n);
+        self.passthrough_next = (pick + 1) % n;
+        pick
     }
 
     fn request_id(&self, ctx: u32) -> u64 {
@@ -515,13 +543,28 @@ impl Vm {
         }
     }
 
-    /// Runs the scheduler over everything posted to it, then dispatches.
+    /// Runs the scheduler over what was posted to it (a bounded batch; the
+    /// rest on the next wake-up or tick), then dispatches. Only the lease
+    /// holder drains: a VM whose lease lapsed while it was busy gives the role
+    /// up instead of taking messages meant for its successor.
     fn drain_scheduler_queue(&mut self) {
-        let Some(role) = self.role.as_mut() else { return };
-        let Ok(Some(id)) = hostcalls::resolve_shared_queue(&self.vm_id, SCHEDULER_QUEUE) else { return };
+        if self.role.is_none() {
+            return;
+        }
         let now = now_ms();
+        match Lease::read(&HostStore) {
+            Some(l) if l.holder == self.worker && l.expires_ms > now => {}
+            _ => {
+                log::warn!("worker {} lost the scheduler lease; it stops scheduling", self.worker);
+                self.role = None;
+                return;
+            }
+        }
+        let Ok(Some(id)) = hostcalls::resolve_shared_queue(&self.vm_id, SCHEDULER_QUEUE) else { return };
+        let Some(role) = self.role.as_mut() else { return };
         let mut out = Vec::new();
-        while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(id) {
+        for _ in 0..MAX_MESSAGES_PER_CALLBACK {
+            let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(id) else { break };
             match decode_entry(&bytes) {
                 Some(msgs) => msgs.into_iter().for_each(|m| role.scheduler.on_message(m, now, &mut out)),
                 None => log::warn!("ignoring a malformed scheduler message"),
@@ -546,9 +589,15 @@ impl Vm {
         }
     }
 
-    /// Applies the scheduler's answers to this worker's paused streams.
+    /// Applies the scheduler's answers to this worker's paused streams, in
+    /// order, while the callback's reply budget lasts; the rest stay queued
+    /// for the next wake-up or tick.
     fn drain_worker_queue(&mut self, queue_id: u32) {
-        while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(queue_id) {
+        for _ in 0..MAX_MESSAGES_PER_CALLBACK {
+            if self.replies_left == 0 {
+                break;
+            }
+            let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(queue_id) else { break };
             match ToWorker::decode(&bytes) {
                 Some(ToWorker::Dispatch { req, endpoint }) => self.dispatch(req as u32, endpoint),
                 Some(ToWorker::Reject { req, reason }) if reason <= EVICTED => {
@@ -608,7 +657,8 @@ impl Vm {
     }
 
     /// Answers the current effective context with an OpenAI-style error.
-    fn reject(&self, why: Reject, message: &str) {
+    fn reject(&mut self, why: Reject, message: &str) {
+        self.replies_left = self.replies_left.saturating_sub(1);
         let (status, reason, kind) = why.describe();
         self.metrics.inc(self.metrics.rejected[why.index()]);
         let body = openai::error_body(message, kind, reason);
@@ -680,8 +730,9 @@ impl Vm {
 
     fn on_tick(&mut self) {
         let now = now_ms();
-        self.flush_charges();
+        // The lease first, before any work that could make it lapse.
         self.claim_lease(now);
+        self.flush_charges();
         if let Some(queued) = self.role.as_ref().map(|r| r.scheduler.len() as u64) {
             // Congestion-aware policies (DRR) reweight on the overload ladder's severity.
             let severity = self.cfg.overload.unwrap_or_default().severity(&self.load_signals(queued));
@@ -704,15 +755,19 @@ impl Vm {
         // Safety net for a scheduler that vanished with our requests: never
         // hold a stream much past its TTL.
         let deadline = self.cfg.bands.ttl_ms + self.lease_ms;
-        let expired: Vec<u32> = self
+        let mut expired: Vec<(u64, u32)> = self
             .streams
             .iter()
             .filter_map(|(&ctx, s)| match s {
-                Stream::Queued { arrival_ms, .. } if now.saturating_sub(*arrival_ms) > deadline => Some(ctx),
+                Stream::Queued { arrival_ms, .. } if now.saturating_sub(*arrival_ms) > deadline => {
+                    Some((*arrival_ms, ctx))
+                }
                 _ => None,
             })
             .collect();
-        for ctx in expired {
+        // Oldest first; what the reply budget leaves goes on the next tick.
+        expired.sort_unstable();
+        for (_, ctx) in expired.into_iter().take(self.replies_left as usize) {
             self.streams.remove(&ctx);
             let req = self.request_id(ctx);
             self.send_to_scheduler(&ToScheduler::Cancel { req });
@@ -720,6 +775,10 @@ impl Vm {
                 let ttl = REASONS.iter().position(|r| r.http_status() == 503).unwrap_or(2) as u8;
                 self.reject(Reject::Scheduler(ttl), "the request expired in the queue");
             }
+        }
+        // Answers that earlier callbacks left for lack of budget.
+        if let Some(&own) = self.queue_ids.get(&self.worker) {
+            self.drain_worker_queue(own);
         }
     }
 }
@@ -734,7 +793,7 @@ impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         let Some(vm) = &self.vm else { return };
         // No headers: the call failed (connection refused, reset, timeout).
-        let ok = num_headers > 0 && self.get_http_call_response_header(":status").as_deref() == Some("200");
+        let ok = num_headers > 0 && self.get_http_call_response_header_bytes(":status").as_deref() == Some(b"200");
         let body = if ok { self.get_http_call_response_body(0, body_size.min(MAX_SCRAPE_BYTES)) } else { None };
         vm.borrow_mut().on_scrape(token, if ok { Some(body.as_deref().unwrap_or_default()) } else { None });
     }
@@ -822,6 +881,8 @@ impl RootContext for Root {
             scrape_sent_ms: Vec::new(),
             logged_bad_metrics: Vec::new(),
             pending: Vec::new(),
+            replies_left: MAX_REPLIES_PER_CALLBACK,
+            passthrough_next: worker as usize,
         };
         vm.logged_bad_metrics = vec![false; vm.endpoints()];
         vm.scrape_sent_ms = vec![0; vm.endpoints()];
@@ -834,6 +895,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(vm) = &self.vm {
             let mut vm = vm.borrow_mut();
+            vm.replies_left = MAX_REPLIES_PER_CALLBACK;
             vm.on_tick();
             self.scrape(&mut vm, now_ms());
         }
@@ -842,6 +904,7 @@ impl RootContext for Root {
     fn on_queue_ready(&mut self, queue_id: u32) {
         let Some(vm) = &self.vm else { return };
         let mut vm = vm.borrow_mut();
+        vm.replies_left = MAX_REPLIES_PER_CALLBACK;
         if vm.queue_ids.get(&vm.worker) == Some(&queue_id) {
             vm.drain_worker_queue(queue_id);
         } else {
@@ -873,6 +936,10 @@ enum Phase {
     PassThrough,
     /// Headers held, body arriving.
     Buffering,
+    /// The body is over `max_body_bytes`: what arrives is discarded, and the
+    /// 413 goes out at its end (a client that writes before it reads can read
+    /// it), or at once past `max_drain_bytes`.
+    Draining { drained: usize },
     /// Handed to the scheduler or a backend; the VM's stream table knows which.
     Scheduled,
     /// Answered by the gateway.
@@ -890,12 +957,45 @@ struct Http {
     tokens: Option<TokenCounter>,
 }
 
+/// Bytes as text, or `None` when they are not UTF-8: a header value Envoy
+/// passed through from a client or a backend is treated as absent then.
+fn text(bytes: Option<Vec<u8>>) -> Option<String> {
+    bytes.and_then(|b| String::from_utf8(b).ok())
+}
+
 impl Http {
     fn answer(&mut self, why: Reject, message: &str) -> Action {
         if let Some(vm) = &self.vm {
-            vm.borrow().reject(why, message);
+            vm.borrow_mut().reject(why, message);
         }
         self.phase = Phase::Answered;
+        Action::Pause
+    }
+
+    /// The request's tenant, or the 400 message when its header cannot be one.
+    fn read_tenant(&self, cfg: &Config) -> Result<String, String> {
+        match self.get_http_request_header_bytes(&cfg.tenant_header) {
+            None => Ok(cfg.default_tenant.clone()),
+            Some(b) if b.is_empty() => Ok(cfg.default_tenant.clone()),
+            Some(b) if b.len() > cfg.max_tenant_bytes => {
+                Err(format!("header `{}` is longer than {} bytes", cfg.tenant_header, cfg.max_tenant_bytes))
+            }
+            Some(b) => String::from_utf8(b).map_err(|_| format!("header `{}` is not valid UTF-8", cfg.tenant_header)),
+        }
+    }
+
+    /// Discards `size` bytes of body (the whole buffered part) and answers 413
+    /// when the body ended or too much was drained.
+    fn drain(&mut self, drained: usize, size: usize, end_of_stream: bool, cfg: &Config) -> Action {
+        if size > 0 {
+            let _ = hostcalls::set_buffer(proxy_wasm::types::BufferType::HttpRequestBody, 0, size, &[]);
+        }
+        let drained = drained.saturating_add(size);
+        if end_of_stream || drained > cfg.max_drain_bytes {
+            let max = cfg.max_body_bytes;
+            return self.answer(Reject::BodyTooLarge, &format!("request body exceeds {max} bytes"));
+        }
+        self.phase = Phase::Draining { drained };
         Action::Pause
     }
 }
@@ -904,64 +1004,66 @@ impl Context for Http {}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        // ORIGINAL_DST trusts this header: a client never chooses the host, on any path.
+        self.set_http_request_header(DESTINATION, None);
         let Some(vm) = self.vm.clone() else { return Action::Continue };
-        let path = self.get_http_request_header(":path").unwrap_or_default();
+        let path = self.get_http_request_header_bytes(":path").unwrap_or_default();
         if !openai::is_scheduled_path(&path) {
+            // If a route sends it to the pool, it reaches a configured endpoint,
+            // not the client's choice nor (without the header) Envoy itself.
+            let mut vm = vm.borrow_mut();
+            let endpoint = vm.passthrough_endpoint();
+            self.set_http_request_header(DESTINATION, Some(&vm.cfg.endpoints[endpoint]));
             return Action::Continue;
         }
-        // ORIGINAL_DST trusts this header: never let a client choose the backend.
-        self.set_http_request_header(DESTINATION, None);
-        let vm = vm.borrow();
-        self.tenant = self
-            .get_http_request_header(&vm.cfg.tenant_header)
-            .filter(|t| !t.is_empty())
-            .unwrap_or_else(|| vm.cfg.default_tenant.clone());
-        self.session = vm
-            .cfg
+        let cfg = vm.borrow().cfg.clone();
+        self.tenant = match self.read_tenant(&cfg) {
+            Ok(t) => t,
+            Err(msg) => return self.answer(Reject::BadRequest, &msg),
+        };
+        self.session = cfg
             .routing
             .session_header
             .as_deref()
-            .and_then(|h| self.get_http_request_header(h))
+            .and_then(|h| text(self.get_http_request_header_bytes(h)))
             .map(|v| hash_str(&v));
         // Criticality only from what the operator trusts: a header an upstream
         // filter sets (clients cannot reach it if that filter overwrites it), or the tenant table.
-        self.band = vm
-            .cfg
+        self.band = cfg
             .criticality_header
             .as_deref()
-            .and_then(|h| self.get_http_request_header(h))
+            .and_then(|h| text(self.get_http_request_header_bytes(h)))
             .and_then(|v| Criticality::parse(&v))
-            .or_else(|| vm.cfg.criticality_by_tenant.get(&self.tenant).copied())
-            .unwrap_or(vm.cfg.default_criticality);
-        let max = vm.cfg.max_body_bytes;
-        drop(vm);
-        let declared = self.get_http_request_header("content-length").and_then(|v| v.trim().parse::<u64>().ok());
-        if declared.is_some_and(|n| n > max as u64) {
-            return self.answer(Reject::BodyTooLarge, &format!("request body exceeds {max} bytes"));
-        }
+            .or_else(|| cfg.criticality_by_tenant.get(&self.tenant).copied())
+            .unwrap_or(cfg.default_criticality);
+        let declared =
+            text(self.get_http_request_header_bytes("content-length")).and_then(|v| v.trim().parse::<u64>().ok());
         if end_of_stream {
             return self.answer(Reject::BadRequest, "a completion request needs a JSON body");
+        }
+        if declared.is_some_and(|n| n > cfg.max_body_bytes as u64) {
+            return self.drain(0, 0, declared.is_some_and(|n| n > cfg.max_drain_bytes as u64), &cfg);
         }
         self.phase = Phase::Buffering;
         Action::Pause
     }
 
     fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
-        if self.phase != Phase::Buffering {
-            return if self.phase == Phase::PassThrough { Action::Continue } else { Action::Pause };
-        }
         let Some(vm) = self.vm.clone() else { return Action::Continue };
-        let (max, block_bytes) = {
-            let cfg = &vm.borrow().cfg;
-            let prefix_used = cfg.routing.router.weights.prefix > 0.0;
-            (cfg.max_body_bytes, if prefix_used { cfg.routing.prefix_block_bytes } else { 0 })
-        };
-        if size > max {
-            return self.answer(Reject::BodyTooLarge, &format!("request body exceeds {max} bytes"));
+        let cfg = vm.borrow().cfg.clone();
+        match self.phase {
+            Phase::PassThrough => return Action::Continue,
+            Phase::Buffering => {}
+            Phase::Draining { drained } => return self.drain(drained, size, end_of_stream, &cfg),
+            Phase::Scheduled | Phase::Answered => return Action::Pause,
+        }
+        if size > cfg.max_body_bytes {
+            return self.drain(0, size, end_of_stream, &cfg);
         }
         if !end_of_stream {
             return Action::Pause;
         }
+        let block_bytes = if cfg.routing.router.weights.prefix > 0.0 { cfg.routing.prefix_block_bytes } else { 0 };
         let body = self.get_http_request_body(0, size).unwrap_or_default();
         let mut req = match openai::parse_request(&body, block_bytes) {
             Ok(r) => r,
@@ -976,8 +1078,7 @@ impl HttpContext for Http {
         let admission = vm.borrow_mut().admit(self.ctx, who, &req);
         match admission {
             Admission::Bypass(endpoint) => {
-                let ep = vm.borrow().cfg.endpoints[endpoint as usize].clone();
-                self.set_http_request_header(DESTINATION, Some(&ep));
+                self.set_http_request_header(DESTINATION, Some(&cfg.endpoints[endpoint as usize]));
                 self.phase = Phase::Scheduled;
                 Action::Continue
             }
@@ -994,7 +1095,8 @@ impl HttpContext for Http {
 
     fn on_http_response_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
         if self.phase == Phase::Scheduled {
-            self.tokens = Some(TokenCounter::new(self.get_http_response_header("content-type").as_deref()));
+            let content_type = text(self.get_http_response_header_bytes("content-type"));
+            self.tokens = Some(TokenCounter::new(content_type.as_deref()));
         }
         Action::Continue
     }
