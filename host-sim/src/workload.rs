@@ -1,4 +1,4 @@
-//! Workloads: seeded synthetic arrivals and replay of the trace formats in `shared/traces`.
+//! Workloads: seeded synthetic arrivals and replay of the trace formats in `host-sim/traces`.
 //! Every generator is a pure function of its inputs and seed.
 
 use rand::{Rng, SeedableRng};

@@ -14,7 +14,7 @@ fn opts() -> ReproOptions {
 }
 
 fn trace() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/chatbot-arena-27-clients.csv"))
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/traces/chatbot-arena-27-clients.csv"))
 }
 
 fn workload(name: &str) -> ReproWorkload {

@@ -2,7 +2,8 @@
 //! throughput the VTC paper reports (input + output tokens over the total execution time).
 //!
 //! `cargo run --release -p sluice-gpu --example calibrate -- [PROFILE] [TRACE.csv|TRACE.jsonl]`
-//! Defaults: every named profile, `/work/shared/traces/chatbot-arena-27-clients.csv` (or
+//! Defaults: every named profile, `host-sim/traces/chatbot-arena-27-clients.csv` in this
+//! repository, found from the crate's own directory so any working directory will do (or
 //! `$SLUICE_TRACES/chatbot-arena-27-clients.csv`). CSV: the arena format
 //! (arrival_s,client,prompt_tokens,output_tokens) or the Azure format
 //! (TIMESTAMP,ContextTokens,GeneratedTokens); JSONL: the Mooncake format with hash_ids.
@@ -69,7 +70,8 @@ fn main() {
         Some(p) => vec![p.clone()],
         None => GpuProfile::NAMES.iter().map(|s| s.to_string()).collect(),
     };
-    let dir = std::env::var("SLUICE_TRACES").unwrap_or_else(|_| "/work/shared/traces".into());
+    let dir =
+        std::env::var("SLUICE_TRACES").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../traces").into());
     let path = args.get(1).cloned().unwrap_or(format!("{dir}/chatbot-arena-27-clients.csv"));
     let trace = match load(&path) {
         Ok(t) => t,

@@ -25,7 +25,7 @@ struct Cli {
     #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
     wasm: PathBuf,
     /// The 27-client real trace (`arrival_s,client,prompt_tokens,output_tokens`).
-    #[arg(long, default_value = "../shared/traces/chatbot-arena-27-clients.csv")]
+    #[arg(long, default_value = "host-sim/traces/chatbot-arena-27-clients.csv")]
     trace: PathBuf,
     /// Output directory.
     #[arg(long, default_value = "out/repro")]

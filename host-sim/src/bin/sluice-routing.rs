@@ -34,10 +34,10 @@ struct Cli {
     #[arg(long, value_delimiter = ',', default_value = "hetero,dies")]
     pools: Vec<String>,
     /// The Azure LLM inference trace 2023 (conversation) CSV.
-    #[arg(long, default_value = "../shared/traces/azure-llm-2023-conv.csv")]
+    #[arg(long, default_value = "host-sim/traces/azure-llm-2023-conv.csv")]
     azure: PathBuf,
     /// The Mooncake conversation trace (JSON lines with hash_ids).
-    #[arg(long, default_value = "../shared/traces/mooncake-conversation.jsonl")]
+    #[arg(long, default_value = "host-sim/traces/mooncake-conversation.jsonl")]
     mooncake: PathBuf,
     /// First N requests of the Azure trace.
     #[arg(long, default_value_t = 4000)]
