@@ -199,8 +199,62 @@ impl Envoy {
         self.child.ensure_running()
     }
 
+    /// Process id of Envoy (the `envoy` pip launcher execs the binary, so this is Envoy itself).
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
+    /// Envoy's resident set size (`VmRSS` of `/proc/<pid>/status`) in bytes; `None` if unreadable.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        rss_bytes_of(self.pid())
+    }
+
+    /// Lines of Envoy's log that show a Wasm VM failure (see [`vm_failure_lines`]).
+    pub fn vm_failures(&self) -> Vec<String> {
+        vm_failure_lines(&self.log()).into_iter().map(str::to_string).collect()
+    }
+
     /// Base URL of the main listener.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.listener)
     }
+}
+
+/// `VmRSS` of process `pid` in bytes, from `/proc/<pid>/status`; `None` if unreadable.
+pub fn rss_bytes_of(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.trim_start_matches("VmRSS:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Substrings of Envoy log lines that mean a Wasm VM (or the filter inside it) failed: a trap
+/// (V8 reports `Function: proxy_on_... failed: Uncaught RangeError: Maximum call stack size
+/// exceeded`, `... unreachable`), a Rust panic in the filter (`panicked at`), or Envoy's own
+/// messages about a failed VM or plugin.
+///
+/// What Envoy 1.40 prints when a callback traps (seen with a burst of local replies):
+/// `[error][wasm] [source/extensions/common/wasm/wasm_vm.cc:38] Function: proxy_on_response_headers
+/// failed: Uncaught RangeError: Maximum call stack size exceeded`.
+pub const VM_FAILURE_MARKERS: &[&str] = &[
+    "Function: ",
+    "RangeError",
+    "Maximum call stack",
+    "panicked",
+    "Uncaught",
+    "Wasm VM failed",
+    "wasm_fail",
+    "failed: ",
+    "Plugin configured to fail",
+    "RuntimeError",
+    "unreachable",
+];
+
+/// The lines of an Envoy log that show a Wasm VM failure ([`VM_FAILURE_MARKERS`]), leaving out
+/// lines that merely mention a failure in the filter's own operational logs (`scraping ... failed`).
+pub fn vm_failure_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| VM_FAILURE_MARKERS.iter().any(|m| l.contains(m)))
+        .filter(|l| !(l.contains("wasm log") && l.contains("scraping ")))
+        .collect()
 }

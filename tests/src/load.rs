@@ -151,6 +151,16 @@ impl LoadClient {
         Self { client, timeout }
     }
 
+    /// A client that never reuses a connection: each request opens its own (no idle pool), so a
+    /// burst of `n` requests holds `n` connections at once and every answer belongs to exactly one
+    /// connection. Needs `ulimit -n` above the burst size (plus Envoy's own descriptors).
+    pub fn unpooled(timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(0).build(connector);
+        Self { client, timeout }
+    }
+
     /// Sends `req` to `addr` and measures it; `origin` anchors `sent_at`.
     pub async fn send(&self, addr: SocketAddr, req: &ChatRequest, origin: Instant) -> Outcome {
         let start = Instant::now();
@@ -311,6 +321,56 @@ pub async fn closed_loop(
         out.extend(h.await.expect("load task panicked"));
     }
     out
+}
+
+/// Sends every request of `reqs` at once (one task each, all spawned before any is awaited) and
+/// waits for all of them; outcomes are in the order of `reqs`.
+pub async fn send_all(client: &LoadClient, addr: SocketAddr, reqs: Vec<ChatRequest>) -> Vec<Outcome> {
+    let origin = Instant::now();
+    let handles: Vec<_> = reqs
+        .into_iter()
+        .map(|r| {
+            let c = client.clone();
+            tokio::spawn(async move { c.send(addr, &r, origin).await })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        out.push(h.await.expect("load task panicked"));
+    }
+    out
+}
+
+/// Closed loop over `n` distinct requests: `concurrency` workers take the next index `i` and send
+/// `make(i)` back to back until all `n` are done. Outcomes are in index order.
+pub async fn send_indexed<F>(client: &LoadClient, addr: SocketAddr, n: usize, concurrency: usize, make: F) -> Vec<Outcome>
+where
+    F: Fn(usize) -> ChatRequest + Send + Sync + 'static,
+{
+    let origin = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let make = Arc::new(make);
+    let mut handles = Vec::new();
+    for _ in 0..concurrency.max(1) {
+        let (client, next, make) = (client.clone(), next.clone(), make.clone());
+        handles.push(tokio::spawn(async move {
+            let mut v = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                v.push((i, client.send(addr, &make(i), origin).await));
+            }
+            v
+        }));
+    }
+    let mut all = Vec::with_capacity(n);
+    for h in handles {
+        all.extend(h.await.expect("load task panicked"));
+    }
+    all.sort_by_key(|(i, _)| *i);
+    all.into_iter().map(|(_, o)| o).collect()
 }
 
 /// The `q` quantile (0..=1) of `values` by nearest rank; `None` when empty.
