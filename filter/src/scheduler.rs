@@ -53,8 +53,9 @@ pub enum Slot {
     NoEndpoint,
 }
 
-/// What the scheduler asks of the stock and the router for the next request.
-pub type Acquire<'a> = &'a mut dyn FnMut(&RouteInfo) -> Slot;
+/// What the scheduler asks of the stock and the router for the next request
+/// (its id, which names the worker the slot is held for, and its routing facts).
+pub type Acquire<'a> = &'a mut dyn FnMut(u64, &RouteInfo) -> Slot;
 
 /// The queue, the order it is served in, and the service each tenant received.
 pub struct Scheduler {
@@ -154,7 +155,7 @@ impl Scheduler {
         static NO_ROUTE: RouteInfo = RouteInfo { session: None, model: String::new(), prefix: Vec::new() };
         self.queue.advance(now_ms);
         while let Some(next) = self.queue.peek().map(|(_, r)| r.id) {
-            let slot = acquire(self.routes.get(&next).unwrap_or(&NO_ROUTE));
+            let slot = acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE));
             let msg = match slot {
                 Slot::Wait => break,
                 Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint },
@@ -266,8 +267,8 @@ mod tests {
     }
 
     /// Grants up to `n` slots on endpoint 0, then says wait.
-    fn slots(mut n: usize) -> impl FnMut(&RouteInfo) -> Slot {
-        move |_| {
+    fn slots(mut n: usize) -> impl FnMut(u64, &RouteInfo) -> Slot {
+        move |_, _| {
             if n == 0 {
                 return Slot::Wait;
             }
@@ -374,7 +375,7 @@ mod tests {
         let mut seen = Vec::new();
         s.pump(
             0,
-            &mut |r: &RouteInfo| {
+            &mut |_, r: &RouteInfo| {
                 seen.push(r.model.clone());
                 if r.model == "a" {
                     Slot::NoEndpoint

@@ -16,8 +16,13 @@ pub trait Store {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
 }
 
-/// In-flight requests per endpoint, indexed like the configured endpoints.
+/// In-flight requests per worker and endpoint: one row per worker VM that
+/// holds slots (`worker: u32`, then one `u32` per configured endpoint), so
+/// that the slots of a VM that died can be reclaimed.
 pub const LOAD_KEY: &str = "sluice.load";
+/// Prefix of each worker's heartbeat key (`sluice.alive.<worker>`: the time of
+/// its last tick), read when slots of dead workers are reclaimed.
+pub const ALIVE_PREFIX: &str = "sluice.alive.";
 /// Requests queued at the scheduler, as it last published.
 pub const QUEUED_KEY: &str = "sluice.queued";
 /// Counter handing out worker numbers.
@@ -66,20 +71,47 @@ pub fn increment(store: &dyn Store, key: &str) -> Option<u64> {
     })
 }
 
-fn decode_load(v: Option<&[u8]>, endpoints: usize) -> Vec<u32> {
-    let mut load: Vec<u32> =
-        v.unwrap_or_default().chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
-    load.resize(endpoints, 0);
+/// One worker's row of [`LOAD_KEY`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Row {
+    worker: u32,
+    load: Vec<u32>,
+}
+
+fn u32_at(b: &[u8]) -> u32 {
+    b.first_chunk::<4>().map_or(0, |c| u32::from_le_bytes(*c))
+}
+
+fn decode_rows(v: Option<&[u8]>, endpoints: usize) -> Vec<Row> {
+    let width = 4 * (endpoints + 1);
+    v.unwrap_or_default()
+        .chunks_exact(width)
+        .map(|c| Row { worker: u32_at(c), load: c[4..].chunks_exact(4).map(u32_at).collect() })
+        .collect()
+}
+
+fn encode_rows(rows: &[Row]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(rows.iter().map(|r| 4 + 4 * r.load.len()).sum());
+    for r in rows.iter().filter(|r| r.load.iter().any(|&n| n > 0)) {
+        b.extend_from_slice(&r.worker.to_le_bytes());
+        r.load.iter().for_each(|n| b.extend_from_slice(&n.to_le_bytes()));
+    }
+    b
+}
+
+fn total(rows: &[Row], endpoints: usize) -> Vec<u32> {
+    let mut load = vec![0u32; endpoints];
+    for r in rows {
+        for (t, &n) in load.iter_mut().zip(&r.load) {
+            *t = t.saturating_add(n);
+        }
+    }
     load
 }
 
-fn encode_load(load: &[u32]) -> Vec<u8> {
-    load.iter().flat_map(|n| n.to_le_bytes()).collect()
-}
-
-/// In-flight requests per endpoint.
+/// In-flight requests per endpoint, over every worker.
 pub fn load(store: &dyn Store, endpoints: usize) -> Vec<u32> {
-    decode_load(store.get(LOAD_KEY).0.as_deref(), endpoints)
+    total(&decode_rows(store.get(LOAD_KEY).0.as_deref(), endpoints), endpoints)
 }
 
 /// Total in-flight requests (the stock).
@@ -92,25 +124,35 @@ pub fn least_loaded(load: &[u32]) -> Option<usize> {
     load.iter().enumerate().min_by_key(|&(i, &n)| (n, i)).map(|(i, _)| i)
 }
 
-/// Takes a slot on the endpoint `pick` chooses from the in-flight counts, if
-/// `allowed(load)` says the in-flight counts per endpoint permit one more.
-/// Returns the endpoint index and the new stock. Both closures may run more
-/// than once (CAS retries).
+/// Takes a slot, held for worker `owner` (the VM that will release it), on
+/// the endpoint `pick` chooses from the in-flight counts, if `allowed(load)`
+/// says the in-flight counts per endpoint permit one more. Returns the
+/// endpoint index and the new stock. Both closures may run more than once
+/// (CAS retries).
 pub fn acquire(
     store: &dyn Store,
     endpoints: usize,
+    owner: u32,
     allowed: impl Fn(&[u32]) -> bool,
     mut pick: impl FnMut(&[u32]) -> Option<usize>,
 ) -> Option<(u32, u64)> {
     update(store, LOAD_KEY, |v| {
-        let mut load = decode_load(v, endpoints);
+        let mut rows = decode_rows(v, endpoints);
+        let load = total(&rows, endpoints);
         let stock: u64 = load.iter().map(|&n| n as u64).sum();
         if !allowed(&load) {
             return None;
         }
         let i = pick(&load).filter(|&i| i < endpoints)?;
-        load[i] += 1;
-        Some((encode_load(&load), (i as u32, stock + 1)))
+        match rows.iter_mut().find(|r| r.worker == owner) {
+            Some(r) => r.load[i] = r.load[i].saturating_add(1),
+            None => {
+                let mut load = vec![0; endpoints];
+                load[i] = 1;
+                rows.push(Row { worker: owner, load });
+            }
+        }
+        Some((encode_rows(&rows), (i as u32, stock + 1)))
     })
 }
 
@@ -236,17 +278,42 @@ pub fn update_record(store: &dyn Store, endpoints: usize, endpoint: usize, f: im
     });
 }
 
-/// Gives back a slot taken by [`acquire`]; returns the new stock.
-pub fn release(store: &dyn Store, endpoints: usize, endpoint: u32) -> u64 {
+/// Gives back a slot [`acquire`] took for `owner`; returns the new stock. A
+/// slot already reclaimed (its worker was presumed dead) is not given back twice.
+pub fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u64 {
     update(store, LOAD_KEY, |v| {
-        let mut load = decode_load(v, endpoints);
-        if let Some(n) = load.get_mut(endpoint as usize) {
+        let mut rows = decode_rows(v, endpoints);
+        if let Some(n) = rows.iter_mut().find(|r| r.worker == owner).and_then(|r| r.load.get_mut(endpoint as usize)) {
             *n = n.saturating_sub(1);
         }
-        let stock = load.iter().map(|&n| n as u64).sum();
-        Some((encode_load(&load), stock))
+        let stock = total(&rows, endpoints).iter().map(|&n| n as u64).sum();
+        Some((encode_rows(&rows), stock))
     })
     .unwrap_or(0)
+}
+
+/// Records that `worker` is alive at `now_ms` (on every tick).
+pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64) {
+    write_u64(store, &format!("{ALIVE_PREFIX}{worker}"), now_ms);
+}
+
+/// Drops the slots of every worker whose last heartbeat is older than
+/// `timeout_ms`: a VM that crashed (and was reloaded under a new worker
+/// number) never releases what it held. Returns `(worker, slots)` reclaimed.
+pub fn reclaim_dead(store: &dyn Store, endpoints: usize, now_ms: u64, timeout_ms: u64) -> Vec<(u32, u64)> {
+    let rows = decode_rows(store.get(LOAD_KEY).0.as_deref(), endpoints);
+    let dead = |w: u32| now_ms.saturating_sub(get_u64(store, &format!("{ALIVE_PREFIX}{w}"))) > timeout_ms;
+    let dead: Vec<u32> = rows.iter().map(|r| r.worker).filter(|&w| dead(w)).collect();
+    if dead.is_empty() {
+        return Vec::new();
+    }
+    update(store, LOAD_KEY, |v| {
+        let (gone, kept): (Vec<Row>, Vec<Row>) =
+            decode_rows(v, endpoints).into_iter().partition(|r| dead.contains(&r.worker));
+        let gone = gone.iter().map(|r| (r.worker, r.load.iter().map(|&n| n as u64).sum())).collect();
+        Some((encode_rows(&kept), gone))
+    })
+    .unwrap_or_default()
 }
 
 /// Who runs the scheduler, under which epoch, until when.
@@ -350,16 +417,35 @@ pub(crate) mod tests {
     fn acquire_spreads_over_the_least_loaded_and_respects_the_limit() {
         let s = MapStore::default();
         let under4 = |load: &[u32]| load.iter().sum::<u32>() < 4;
-        let picks: Vec<u32> = (0..4).map(|_| acquire(&s, 3, under4, least_loaded).unwrap().0).collect();
+        let picks: Vec<u32> = (0..4).map(|w| acquire(&s, 3, w % 2, under4, least_loaded).unwrap().0).collect();
         assert_eq!(picks, vec![0, 1, 2, 0]);
-        assert_eq!(acquire(&s, 3, under4, least_loaded), None);
-        assert_eq!(release(&s, 3, 1), 3);
-        assert_eq!(acquire(&s, 3, under4, least_loaded), Some((1, 4)));
+        assert_eq!(acquire(&s, 3, 0, under4, least_loaded), None);
+        assert_eq!(release(&s, 3, 1, 1), 3);
+        assert_eq!(release(&s, 3, 1, 1), 3, "worker 1 holds nothing more on endpoint 1");
+        assert_eq!(acquire(&s, 3, 0, under4, least_loaded), Some((1, 4)));
         assert_eq!(load(&s, 3), vec![2, 1, 1]);
-        assert_eq!(acquire(&s, 3, |_| true, |_| Some(2)), Some((2, 5)), "the picker decides");
-        assert_eq!(acquire(&s, 3, |_| true, |_| None), None, "no pick, no slot");
-        assert_eq!(acquire(&s, 3, |_| true, |_| Some(9)), None, "an out-of-range pick is refused");
+        assert_eq!(acquire(&s, 3, 0, |_| true, |_| Some(2)), Some((2, 5)), "the picker decides");
+        assert_eq!(acquire(&s, 3, 0, |_| true, |_| None), None, "no pick, no slot");
+        assert_eq!(acquire(&s, 3, 0, |_| true, |_| Some(9)), None, "an out-of-range pick is refused");
         assert_eq!(stock(&s, 3), 5);
+    }
+
+    #[test]
+    fn slots_of_a_dead_worker_are_reclaimed_once() {
+        let s = MapStore::default();
+        heartbeat(&s, 1, 0);
+        heartbeat(&s, 2, 0);
+        for owner in [1, 1, 2] {
+            acquire(&s, 2, owner, |_| true, least_loaded).unwrap();
+        }
+        assert_eq!(stock(&s, 2), 3);
+        heartbeat(&s, 2, 900);
+        assert_eq!(reclaim_dead(&s, 2, 1000, 500), vec![(1, 2)], "worker 1 stopped ticking");
+        assert_eq!(load(&s, 2), vec![1, 0], "worker 2's slot on endpoint 0 stays");
+        assert_eq!(release(&s, 2, 1, 0), 1, "a late release of a reclaimed slot changes nothing");
+        assert_eq!(reclaim_dead(&s, 2, 1000, 500), vec![], "nothing left to reclaim");
+        assert_eq!(release(&s, 2, 2, 0), 0);
+        assert_eq!(s.get(LOAD_KEY).0.unwrap().len(), 0, "empty rows are dropped");
     }
 
     #[test]
@@ -386,8 +472,8 @@ pub(crate) mod tests {
     #[test]
     fn release_never_goes_below_zero() {
         let s = MapStore::default();
-        assert_eq!(release(&s, 2, 0), 0);
-        assert_eq!(release(&s, 2, 7), 0, "an unknown endpoint index is ignored");
+        assert_eq!(release(&s, 2, 0, 0), 0);
+        assert_eq!(release(&s, 2, 0, 7), 0, "an unknown endpoint index is ignored");
     }
 
     #[test]

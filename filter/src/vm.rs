@@ -49,6 +49,9 @@ const AFFINITY_CAPACITY: usize = 1 << 16;
 /// response callbacks inside the call that sends it, so thousands in one
 /// callback exhaust V8's stack; the rest wait for the next wake-up or tick.
 const MAX_REPLIES_PER_CALLBACK: u32 = 32;
+/// A worker whose heartbeat is older than this many lease periods is taken
+/// for dead and its slots are reclaimed.
+const DEAD_AFTER_LEASES: u64 = 3;
 /// Messages handled in one VM callback, at most (per queue).
 const MAX_MESSAGES_PER_CALLBACK: u32 = 256;
 
@@ -93,6 +96,7 @@ struct Metrics {
     queue_wait_ms: u32,
     scrapes_ok: u32,
     scrapes_failed: u32,
+    slots_reclaimed: u32,
 }
 
 /// Why a request was answered by the gateway: the scheduler's reasons, then the filter's own.
@@ -154,6 +158,7 @@ impl Metrics {
             queue_wait_ms: hostcalls::define_metric(MetricType::Histogram, "sluice_queue_wait_ms")?,
             scrapes_ok: counter("sluice_scrapes_ok")?,
             scrapes_failed: counter("sluice_scrapes_failed")?,
+            slots_reclaimed: counter("sluice_slots_reclaimed")?,
         })
     }
 
@@ -310,7 +315,7 @@ impl Vm {
         let req_id = self.request_id(ctx);
         let band = band_code(band);
         if may_bypass {
-            match self.take_slot(&route, false) {
+            match self.take_slot(self.worker, &route, false) {
                 Slot::Granted(endpoint) => {
                     self.metrics.inc(self.metrics.bypassed);
                     self.metrics.inc(self.metrics.dispatched);
@@ -369,7 +374,7 @@ impl Vm {
     /// Takes one unit of stock for a request, if the band (for a pop from the
     /// queue, or for a bypass) and the pool's saturation allow, on the endpoint
     /// the router picks.
-    fn take_slot(&mut self, route: &RouteInfo, from_queue: bool) -> Slot {
+    fn take_slot(&mut self, owner: u32, route: &RouteInfo, from_queue: bool) -> Slot {
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
         let now = now_ms();
@@ -409,7 +414,7 @@ impl Vm {
             no_endpoint = chosen.is_none() && routing.on_no_endpoint == NoEndpoint::Reject;
             chosen.or_else(|| if no_endpoint { None } else { shared::least_loaded(load) })
         };
-        match shared::acquire(&HostStore, n, allowed, pick) {
+        match shared::acquire(&HostStore, n, owner, allowed, pick) {
             Some((endpoint, stock)) => {
                 self.publish_stock(stock);
                 self.affinity.record(&request, endpoint as usize);
@@ -454,7 +459,7 @@ impl Vm {
                         r.quarantined_until_ms = r.quarantined_until_ms.max(until)
                     });
                 }
-                let stock = shared::release(&HostStore, self.endpoints(), endpoint);
+                let stock = shared::release(&HostStore, self.endpoints(), self.worker, endpoint);
                 self.publish_stock(stock);
                 self.metrics.inc(self.metrics.completed);
                 let done = ToScheduler::Charge {
@@ -576,7 +581,11 @@ impl Vm {
     /// Dispatches what the stock band allows and delivers `out` to the workers.
     fn pump(&mut self, mut out: Vec<(u32, ToWorker)>) {
         let Some(mut role) = self.role.take() else { return };
-        role.scheduler.pump(now_ms(), &mut |route| self.take_slot(route, true), &mut out);
+        role.scheduler.pump(
+            now_ms(),
+            &mut |req, route| self.take_slot(crate::scheduler::worker_of(req), route, true),
+            &mut out,
+        );
         let len = role.scheduler.len();
         if role.published_len != Some(len) {
             role.published_len = Some(len);
@@ -641,7 +650,7 @@ impl Vm {
         } else {
             // The stream is gone (or was dispatched twice after a takeover):
             // give the slot back and let the scheduler use it.
-            let stock = shared::release(&HostStore, self.endpoints(), endpoint);
+            let stock = shared::release(&HostStore, self.endpoints(), self.worker, endpoint);
             self.publish_stock(stock);
             let wake = ToScheduler::Charge {
                 req: 0,
@@ -732,7 +741,9 @@ impl Vm {
         let now = now_ms();
         // The lease first, before any work that could make it lapse.
         self.claim_lease(now);
+        shared::heartbeat(&HostStore, self.worker, now);
         self.flush_charges();
+        let n = self.endpoints();
         if let Some(queued) = self.role.as_ref().map(|r| r.scheduler.len() as u64) {
             // Congestion-aware policies (DRR) reweight on the overload ladder's severity.
             let severity = self.cfg.overload.unwrap_or_default().severity(&self.load_signals(queued));
@@ -742,6 +753,12 @@ impl Vm {
             role.scheduler.on_congestion(severity);
             // Requests dispatched by a worker that vanished never send `done`.
             role.scheduler.bound_running(MAX_RUNNING);
+            // Nor do they release their slots: a VM that stopped ticking
+            // (crashed, reloaded under a new number) gives its slots back.
+            for (worker, slots) in shared::reclaim_dead(&HostStore, n, now, DEAD_AFTER_LEASES * self.lease_ms) {
+                log::warn!("worker {worker} stopped ticking; reclaimed the {slots} slots it held");
+                let _ = hostcalls::increment_metric(self.metrics.slots_reclaimed, slots as i64);
+            }
             // Saving costs a pass over every tenant ever seen: once a second is
             // enough for a takeover to keep the history.
             if now.saturating_sub(role.saved_ms) >= COUNTERS_SAVE_MS {
@@ -887,6 +904,7 @@ impl RootContext for Root {
         vm.logged_bad_metrics = vec![false; vm.endpoints()];
         vm.scrape_sent_ms = vec![0; vm.endpoints()];
         vm.queue_ids.insert(worker, queue);
+        shared::heartbeat(&HostStore, worker, now_ms());
         self.vm = Some(Rc::new(RefCell::new(vm)));
         self.set_tick_period(Duration::from_millis(tick));
         true
