@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod openai;
+pub mod outcome;
 pub mod scheduler;
 pub mod shared;
 #[cfg(target_arch = "wasm32")]

@@ -6,26 +6,14 @@
 //! caller decides how (shared data in the filter, a closure in tests).
 
 use crate::config::Config;
+use crate::outcome::Outcome;
 use crate::wire::{RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::alloc::Allocation;
 use sluice_policies::bands::{BandedQueue, Criticality};
 use sluice_policies::order::RequestMeta;
 use sluice_policies::queue::FairQueue;
-use sluice_policies::{FlowId, RejectReason, Request};
-
-/// Reject reasons on the wire, in [`ToWorker::Reject`].
-pub const REASONS: [RejectReason; 3] = [RejectReason::QueueFull, RejectReason::FlowFull, RejectReason::TtlExpired];
-/// Reject code for "no endpoint is healthy" (after the [`REASONS`]).
-pub const NO_ENDPOINT: u8 = REASONS.len() as u8;
-/// Reject code for a queued request evicted to make room for a more critical one.
-pub const EVICTED: u8 = NO_ENDPOINT + 1;
-/// Reject code for the overload ladder's refusal (decided by the worker).
-pub const OVERLOADED: u8 = EVICTED + 1;
-
-fn reason_code(r: RejectReason) -> u8 {
-    REASONS.iter().position(|&x| x == r).expect("every reason has a code") as u8
-}
+use sluice_policies::{FlowId, Request};
 
 /// The worker that holds a request: request ids are `worker << 32 | context id`.
 pub fn worker_of(req: u64) -> u32 {
@@ -113,10 +101,13 @@ impl Scheduler {
                         self.routes.insert(req, route);
                         if let Some(victim) = evicted {
                             self.routes.remove(&victim.id);
-                            out.push((worker_of(victim.id), ToWorker::Reject { req: victim.id, reason: EVICTED }));
+                            out.push((
+                                worker_of(victim.id),
+                                ToWorker::Reject { req: victim.id, outcome: Outcome::Evicted },
+                            ));
                         }
                     }
-                    Err(reason) => out.push((worker_of(req), ToWorker::Reject { req, reason: reason_code(reason) })),
+                    Err(reason) => out.push((worker_of(req), ToWorker::Reject { req, outcome: reason.into() })),
                 }
             }
             ToScheduler::Cancel { req } => {
@@ -159,7 +150,7 @@ impl Scheduler {
             let msg = match slot {
                 Slot::Wait => break,
                 Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint },
-                Slot::NoEndpoint => ToWorker::Reject { req: next, reason: NO_ENDPOINT },
+                Slot::NoEndpoint => ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint },
             };
             let (band, r) = self.queue.pop().expect("peeked a request");
             debug_assert_eq!(r.id, next, "pop takes the request peek showed");
@@ -177,7 +168,7 @@ impl Scheduler {
     pub fn expire(&mut self, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         while let Some(r) = self.queue.pop_expired(now_ms) {
             self.routes.remove(&r.id);
-            out.push((worker_of(r.id), ToWorker::Reject { req: r.id, reason: reason_code(RejectReason::TtlExpired) }));
+            out.push((worker_of(r.id), ToWorker::Reject { req: r.id, outcome: Outcome::TtlExpired }));
         }
     }
 
@@ -317,12 +308,12 @@ mod tests {
         let mut out = Vec::new();
         s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
         s.on_message(enqueue(0, 2, "a", 0), 0, &mut out);
-        assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, reason: reason_code(RejectReason::FlowFull) })]);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, outcome: Outcome::FlowFull })]);
         out.clear();
         s.expire(5, &mut out);
         assert!(out.is_empty());
         s.expire(11, &mut out);
-        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, reason: reason_code(RejectReason::TtlExpired) })]);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::TtlExpired })]);
         assert!(s.is_empty());
     }
 
@@ -389,7 +380,7 @@ mod tests {
         assert_eq!(
             out,
             vec![
-                (0, ToWorker::Reject { req: 1, reason: NO_ENDPOINT }),
+                (0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint }),
                 (0, ToWorker::Dispatch { req: 2, endpoint: 1 }),
             ]
         );
@@ -420,13 +411,13 @@ mod tests {
         assert!(out.is_empty());
         // Two slots are open to non-critical work: a standard request evicts the newest sheddable one.
         s.on_message(enqueue_in(Criticality::Standard, 0, 3, "b", 2), 0, &mut out);
-        assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, reason: EVICTED })]);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, outcome: Outcome::Evicted })]);
         out.clear();
         // The reserved slot takes a critical request; the next one evicts the last sheddable.
         s.on_message(enqueue_in(Criticality::Critical, 0, 4, "c", 3), 0, &mut out);
         assert!(out.is_empty());
         s.on_message(enqueue_in(Criticality::Critical, 0, 5, "c", 4), 0, &mut out);
-        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, reason: EVICTED })]);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::Evicted })]);
         out.clear();
         s.pump(0, &mut slots(usize::MAX), &mut out);
         assert_eq!(dispatched(&out), vec![4, 5, 3], "bands in strict priority");

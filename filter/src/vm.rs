@@ -10,7 +10,8 @@
 
 use crate::config::{Config, NoEndpoint};
 use crate::openai::{self, TokenCounter};
-use crate::scheduler::{band_code, Scheduler, Slot, EVICTED, NO_ENDPOINT, OVERLOADED, REASONS};
+use crate::outcome::Outcome;
+use crate::scheduler::{band_code, Scheduler, Slot};
 use crate::shared::{self, Lease, Store};
 use crate::wire::{decode_entry, encode_batch, RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
@@ -91,46 +92,13 @@ struct Metrics {
     queued: u32,
     dispatched: u32,
     completed: u32,
-    rejected: [u32; 8],
+    /// One counter per [`Outcome`], by its code.
+    rejected: [u32; Outcome::ALL.len()],
     cancelled_in_queue: u32,
     queue_wait_ms: u32,
     scrapes_ok: u32,
     scrapes_failed: u32,
     slots_reclaimed: u32,
-}
-
-/// Why a request was answered by the gateway: the scheduler's reasons, then the filter's own.
-#[derive(Clone, Copy)]
-enum Reject {
-    Scheduler(u8),
-    BadRequest,
-    BodyTooLarge,
-}
-
-impl Reject {
-    fn index(self) -> usize {
-        match self {
-            Reject::Scheduler(code) => code as usize,
-            Reject::BadRequest => 6,
-            Reject::BodyTooLarge => 7,
-        }
-    }
-
-    /// Status, reason header value, OpenAI error type.
-    fn describe(self) -> (u32, &'static str, &'static str) {
-        match self {
-            Reject::Scheduler(NO_ENDPOINT) => (503, "no-healthy-endpoint", "server_error"),
-            Reject::Scheduler(EVICTED) => (429, sluice_policies::bands::EVICTED_REASON, "rate_limit_error"),
-            Reject::Scheduler(OVERLOADED) => (429, "rejected-overload", "rate_limit_error"),
-            Reject::Scheduler(code) => {
-                let r = REASONS[code as usize];
-                let kind = if r.http_status() == 429 { "rate_limit_error" } else { "server_error" };
-                (r.http_status(), r.as_str(), kind)
-            }
-            Reject::BadRequest => (400, "bad-request", "invalid_request_error"),
-            Reject::BodyTooLarge => (413, "body-too-large", "invalid_request_error"),
-        }
-    }
 }
 
 impl Metrics {
@@ -144,16 +112,13 @@ impl Metrics {
             queued: counter("sluice_requests_queued")?,
             dispatched: counter("sluice_requests_dispatched")?,
             completed: counter("sluice_requests_completed")?,
-            rejected: [
-                counter("sluice_requests_rejected_saturated")?,
-                counter("sluice_requests_rejected_flow_capacity")?,
-                counter("sluice_requests_rejected_ttl_expired")?,
-                counter("sluice_requests_rejected_no_endpoint")?,
-                counter("sluice_requests_rejected_evicted")?,
-                counter("sluice_requests_rejected_overload")?,
-                counter("sluice_requests_rejected_bad_request")?,
-                counter("sluice_requests_rejected_body_too_large")?,
-            ],
+            rejected: {
+                let mut ids = [0; Outcome::ALL.len()];
+                for (id, o) in ids.iter_mut().zip(Outcome::ALL) {
+                    *id = counter(o.stat())?;
+                }
+                ids
+            },
             cancelled_in_queue: counter("sluice_requests_cancelled_in_queue")?,
             queue_wait_ms: hostcalls::define_metric(MetricType::Histogram, "sluice_queue_wait_ms")?,
             scrapes_ok: counter("sluice_scrapes_ok")?,
@@ -609,12 +574,12 @@ impl Vm {
             let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(queue_id) else { break };
             match ToWorker::decode(&bytes) {
                 Some(ToWorker::Dispatch { req, endpoint }) => self.dispatch(req as u32, endpoint),
-                Some(ToWorker::Reject { req, reason }) if reason <= EVICTED => {
+                Some(ToWorker::Reject { req, outcome }) => {
                     let ctx = req as u32;
                     if matches!(self.streams.get(&ctx), Some(Stream::Queued { .. })) {
                         self.streams.remove(&ctx);
                         if hostcalls::set_effective_context(ctx).is_ok() {
-                            self.reject(Reject::Scheduler(reason), "the request could not be scheduled");
+                            self.reject(outcome, "the request could not be scheduled");
                         }
                     }
                 }
@@ -666,11 +631,11 @@ impl Vm {
     }
 
     /// Answers the current effective context with an OpenAI-style error.
-    fn reject(&mut self, why: Reject, message: &str) {
+    fn reject(&mut self, why: Outcome, message: &str) {
         self.replies_left = self.replies_left.saturating_sub(1);
-        let (status, reason, kind) = why.describe();
-        self.metrics.inc(self.metrics.rejected[why.index()]);
-        let body = openai::error_body(message, kind, reason);
+        let (status, reason) = (why.status(), why.reason());
+        self.metrics.inc(self.metrics.rejected[why.code() as usize]);
+        let body = openai::error_body(message, why.error_type(), reason);
         let retry = self.cfg.retry_after_s.to_string();
         let headers =
             vec![("content-type", "application/json"), ("retry-after", retry.as_str()), (REJECT_REASON, reason)];
@@ -789,8 +754,7 @@ impl Vm {
             let req = self.request_id(ctx);
             self.send_to_scheduler(&ToScheduler::Cancel { req });
             if hostcalls::set_effective_context(ctx).is_ok() {
-                let ttl = REASONS.iter().position(|r| r.http_status() == 503).unwrap_or(2) as u8;
-                self.reject(Reject::Scheduler(ttl), "the request expired in the queue");
+                self.reject(Outcome::TtlExpired, "the request expired in the queue");
             }
         }
         // Answers that earlier callbacks left for lack of budget.
@@ -982,7 +946,7 @@ fn text(bytes: Option<Vec<u8>>) -> Option<String> {
 }
 
 impl Http {
-    fn answer(&mut self, why: Reject, message: &str) -> Action {
+    fn answer(&mut self, why: Outcome, message: &str) -> Action {
         if let Some(vm) = &self.vm {
             vm.borrow_mut().reject(why, message);
         }
@@ -1011,7 +975,7 @@ impl Http {
         let drained = drained.saturating_add(size);
         if end_of_stream || drained > cfg.max_drain_bytes {
             let max = cfg.max_body_bytes;
-            return self.answer(Reject::BodyTooLarge, &format!("request body exceeds {max} bytes"));
+            return self.answer(Outcome::BodyTooLarge, &format!("request body exceeds {max} bytes"));
         }
         self.phase = Phase::Draining { drained };
         Action::Pause
@@ -1037,7 +1001,7 @@ impl HttpContext for Http {
         let cfg = vm.borrow().cfg.clone();
         self.tenant = match self.read_tenant(&cfg) {
             Ok(t) => t,
-            Err(msg) => return self.answer(Reject::BadRequest, &msg),
+            Err(msg) => return self.answer(Outcome::BadRequest, &msg),
         };
         self.session = cfg
             .routing
@@ -1057,7 +1021,7 @@ impl HttpContext for Http {
         let declared =
             text(self.get_http_request_header_bytes("content-length")).and_then(|v| v.trim().parse::<u64>().ok());
         if end_of_stream {
-            return self.answer(Reject::BadRequest, "a completion request needs a JSON body");
+            return self.answer(Outcome::BadRequest, "a completion request needs a JSON body");
         }
         if declared.is_some_and(|n| n > cfg.max_body_bytes as u64) {
             return self.drain(0, 0, declared.is_some_and(|n| n > cfg.max_drain_bytes as u64), &cfg);
@@ -1085,7 +1049,7 @@ impl HttpContext for Http {
         let body = self.get_http_request_body(0, size).unwrap_or_default();
         let mut req = match openai::parse_request(&body, block_bytes) {
             Ok(r) => r,
-            Err(msg) => return self.answer(Reject::BadRequest, &msg),
+            Err(msg) => return self.answer(Outcome::BadRequest, &msg),
         };
         let route = RouteInfo {
             session: self.session,
@@ -1104,10 +1068,11 @@ impl HttpContext for Http {
                 self.phase = Phase::Scheduled;
                 Action::Pause
             }
-            Admission::NoScheduler => self.answer(Reject::Scheduler(0), "no scheduler is available; retry later"),
-            Admission::NoEndpoint => self.answer(Reject::Scheduler(NO_ENDPOINT), "no backend is healthy"),
-            Admission::Overloaded => self
-                .answer(Reject::Scheduler(OVERLOADED), "the gateway is overloaded; long requests are refused for now"),
+            Admission::NoScheduler => self.answer(Outcome::NoScheduler, "no scheduler is available; retry later"),
+            Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, "no backend is healthy"),
+            Admission::Overloaded => {
+                self.answer(Outcome::Overloaded, "the gateway is overloaded; long requests are refused for now")
+            }
         }
     }
 

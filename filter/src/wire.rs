@@ -2,6 +2,8 @@
 //! shared queues. A compact little-endian encoding: one tag byte, fixed
 //! fields, then the tenant name as the remaining bytes.
 
+use crate::outcome::Outcome;
+
 /// What routing needs of a request, owned so it can wait in the queue.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RouteInfo {
@@ -50,8 +52,8 @@ pub enum ToScheduler {
 pub enum ToWorker {
     /// Resume the request towards `endpoint` (an index into the configured endpoints).
     Dispatch { req: u64, endpoint: u32 },
-    /// Answer the request with an error.
-    Reject { req: u64, reason: u8 },
+    /// Answer the request with this outcome.
+    Reject { req: u64, outcome: Outcome },
 }
 
 struct Reader<'a>(&'a [u8]);
@@ -223,10 +225,10 @@ impl ToWorker {
                 b.extend_from_slice(&req.to_le_bytes());
                 b.extend_from_slice(&endpoint.to_le_bytes());
             }
-            ToWorker::Reject { req, reason } => {
+            ToWorker::Reject { req, outcome } => {
                 b.push(2);
                 b.extend_from_slice(&req.to_le_bytes());
-                b.push(*reason);
+                b.push(outcome.code());
             }
         }
         b
@@ -237,7 +239,7 @@ impl ToWorker {
         let mut r = Reader(bytes);
         let m = match r.u8()? {
             1 => ToWorker::Dispatch { req: r.u64()?, endpoint: r.u32()? },
-            2 => ToWorker::Reject { req: r.u64()?, reason: r.u8()? },
+            2 => ToWorker::Reject { req: r.u64()?, outcome: Outcome::from_code(r.u8()?)? },
             _ => return None,
         };
         r.0.is_empty().then_some(m)
@@ -285,7 +287,8 @@ mod tests {
         for m in to_sched {
             assert_eq!(ToScheduler::decode(&m.encode()), Some(m));
         }
-        for m in [ToWorker::Dispatch { req: 9, endpoint: 2 }, ToWorker::Reject { req: 1, reason: 3 }] {
+        for m in [ToWorker::Dispatch { req: 9, endpoint: 2 }, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint }]
+        {
             assert_eq!(ToWorker::decode(&m.encode()), Some(m));
         }
     }
@@ -320,7 +323,7 @@ mod tests {
         assert_eq!(ToScheduler::decode(&[9, 1, 2]), None);
         assert_eq!(ToScheduler::decode(&[1, 0, 0]), None);
         assert_eq!(ToWorker::decode(&[1, 0]), None);
-        assert_eq!(ToWorker::decode(&ToWorker::Reject { req: 1, reason: 0 }.encode()[..5]), None);
+        assert_eq!(ToWorker::decode(&ToWorker::Reject { req: 1, outcome: Outcome::QueueFull }.encode()[..5]), None);
         let mut long = ToWorker::Dispatch { req: 1, endpoint: 0 }.encode();
         long.push(0);
         assert_eq!(ToWorker::decode(&long), None);

@@ -1,0 +1,223 @@
+//! The checks behind the `cargo fuzz` targets in `fuzz/`, kept here so that
+//! the fuzz targets and the stable regression test over their corpus
+//! (`filter/tests/fuzz_corpus.rs`) run the very same code.
+//!
+//! Each `check_*` takes arbitrary bytes, feeds them to one parser that reads
+//! bytes from outside (a client, a model server, another VM, the operator)
+//! and panics if the parser panics or breaks one of the properties asserted
+//! here. Not part of the filter's API.
+#![cfg(not(target_arch = "wasm32"))]
+
+use crate::config::Config;
+use crate::openai::{parse_request, TokenCounter, MAX_PREFIX_BLOCKS};
+use crate::scheduler::Scheduler;
+use crate::wire::{decode_entry, encode_batch, ToScheduler, ToWorker};
+use sluice_policies::prom;
+use sluice_policies::routing::{
+    AffinityIndex, EndpointMetrics, EndpointView, ModelServer, Picker, RouteRequest, Router, SaturationThresholds,
+    ScorerWeights,
+};
+
+/// A check: panics when the bytes break the parser or its properties.
+pub type Check = fn(&[u8]);
+
+/// Every fuzz target: its name (the `fuzz/fuzz_targets/<name>.rs` binary and
+/// the `fuzz/corpus/<name>/` directory) and its check.
+pub const TARGETS: &[(&str, Check)] = &[
+    ("openai_request", check_openai_request),
+    ("token_counter", check_token_counter),
+    ("prometheus", check_prometheus),
+    ("wire", check_wire),
+    ("config", check_config),
+];
+
+/// A request body, as `on_http_request_body` parses it, with and without
+/// prefix hashing: the answer must not depend on the block size, and what
+/// is read must be self-consistent.
+pub fn check_openai_request(data: &[u8]) {
+    let plain = parse_request(data, 0);
+    let hashed = parse_request(data, 64);
+    match (&plain, &hashed) {
+        (Ok(p), Ok(h)) => {
+            assert!(!p.model.is_empty(), "a request without a model must be refused");
+            assert!(p.prefix.is_empty(), "block size 0 hashes nothing");
+            assert_eq!(
+                (&p.model, p.stream, p.max_tokens, p.prompt_tokens),
+                (&h.model, h.stream, h.max_tokens, h.prompt_tokens)
+            );
+            assert!(h.prefix.len() <= MAX_PREFIX_BLOCKS);
+            // Whole 64-byte blocks of a prompt estimated at 4 bytes per token.
+            assert!(
+                h.prefix.len() as u64 * 16 <= h.prompt_tokens as u64,
+                "{} blocks of a {}-token prompt",
+                h.prefix.len(),
+                h.prompt_tokens
+            );
+            assert_eq!(parse_request(data, 64).as_ref(), Ok(h), "hashing is deterministic");
+        }
+        (Err(p), Err(h)) => assert_eq!(p, h),
+        _ => panic!("the block size changed the verdict: {plain:?} vs {hashed:?}"),
+    }
+}
+
+/// The chunks `body` is fed in: whole when `k` is 0, else pseudo-random
+/// sizes in `1..=k` drawn from `k`.
+fn chunks(body: &[u8], k: u8) -> Vec<&[u8]> {
+    if k == 0 {
+        return vec![body];
+    }
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ k as u64;
+    let mut out = Vec::new();
+    let mut rest = body;
+    while !rest.is_empty() {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let n = (1 + (seed % k as u64) as usize).min(rest.len());
+        let (head, tail) = rest.split_at(n);
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// A response body through `TokenCounter`. The first byte picks the
+/// content type (bits 0-1) and whether empty chunks are fed between the
+/// others (bit 2); the second byte picks the chunk sizes ([`chunks`]); the
+/// rest is the body. The total never decreases, `feed` and `finish` report
+/// exactly its increments, and for bodies well under the counter's buffer
+/// the result does not depend on how the body was cut.
+pub fn check_token_counter(data: &[u8]) {
+    let (mode, k, body) = match data {
+        [mode, k, body @ ..] => (*mode, *k, body),
+        [mode] => (*mode, 0, &[][..]),
+        [] => (0, 0, &[][..]),
+    };
+    let content_type = match mode & 3 {
+        0 => Some("text/event-stream"),
+        1 => Some("text/event-stream; charset=utf-8"),
+        2 => Some("application/json"),
+        _ => None,
+    };
+    let run = |parts: &[&[u8]], empties: bool| {
+        let mut c = TokenCounter::new(content_type);
+        let mut total = c.total();
+        assert_eq!(total, 0);
+        for part in parts {
+            let n = c.feed(part);
+            assert!(c.total() >= total, "total went down from {total} to {}", c.total());
+            assert_eq!(c.total() - total, n, "feed must report exactly the new tokens");
+            total = c.total();
+            if empties {
+                assert_eq!(c.feed(b""), 0, "an empty chunk carries no token");
+                assert_eq!(c.total(), total);
+            }
+        }
+        let extra = c.finish();
+        assert!(c.total() >= total, "finish lowered the total from {total} to {}", c.total());
+        assert_eq!(c.total() - total, extra, "finish must report exactly the new tokens");
+        c.total()
+    };
+    let cut = run(&chunks(body, k), mode & 4 != 0);
+    // Well under the counter's 256 KiB line buffer, cutting changes nothing.
+    if body.len() <= 64 * 1024 {
+        assert_eq!(cut, run(&[body], false), "the count depends on where the body was cut");
+    }
+}
+
+/// A `/metrics` page, read as the scheduler VM reads it (lossy UTF-8), by
+/// the Prometheus reader and for each model server kind; what is read must
+/// be usable by the router, which must then still pick an endpoint.
+pub fn check_prometheus(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let mut samples = 0usize;
+    let bad = prom::parse(&text, |s| {
+        samples += 1;
+        let mut name = s.name.chars();
+        let first = name.next().expect("a sample has a name");
+        assert!(first.is_ascii_alphabetic() || first == '_' || first == ':', "name {:?}", s.name);
+        assert!(name.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'), "name {:?}", s.name);
+        let mut n = 0;
+        for (k, _) in prom::labels(s.labels) {
+            n += 1;
+            assert!(s.label(k).is_some(), "label {k:?} of {:?} cannot be looked up", s.labels);
+        }
+        assert!(n > 0 || s.labels.trim().is_empty(), "labels {:?} were accepted but read as none", s.labels);
+    });
+    assert!(samples + bad <= text.lines().count(), "{samples} samples and {bad} bad lines");
+    let idle = EndpointMetrics::default();
+    for server in [ModelServer::Vllm, ModelServer::Sglang, ModelServer::Trtllm] {
+        let (m, bad_here) = EndpointMetrics::from_prometheus(&text, server);
+        assert_eq!(bad_here, bad, "{server:?}");
+        let Some(m) = m else { continue };
+        for (what, v) in [("waiting", m.waiting), ("running", m.running)] {
+            assert!(v.is_finite() && v >= 0.0, "{server:?}: {what} = {v}");
+        }
+        assert!((0.0..=1.0).contains(&m.kv_usage), "{server:?}: kv_usage = {}", m.kv_usage);
+        assert!(m.loras.iter().all(|l| !l.is_empty() && !l.contains(',')), "{:?}", m.loras);
+        route_with(&m, &idle);
+    }
+}
+
+/// Every picker, with and without the saturation filter, picks one of two
+/// healthy endpoints, one of them described by `m`.
+fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
+    let lora = m.loras.first().map_or("model", String::as_str);
+    let req = RouteRequest { prefix: &[1, 2, 3], session: Some(7), model: lora };
+    let mut index = AffinityIndex::new(16);
+    index.record(&req, 0);
+    let weights = ScorerWeights { running: 1.0, session: 1.0, lora: 1.0, ..ScorerWeights::default() };
+    let view = |m, in_flight| EndpointView { in_flight, metrics: Some(m), age_ms: 10, healthy: true };
+    for pool in [vec![view(m, 0), view(m, 3)], vec![view(m, 1), view(other, 0)], vec![view(m, 2)]] {
+        for picker in [Picker::MaxScore, Picker::WeightedRandom, Picker::Random, Picker::RoundRobin] {
+            for saturation in [None, Some(SaturationThresholds::default())] {
+                let router = Router { weights, picker, saturation };
+                for random in [0.0, 0.5, 0.999] {
+                    let got = router.pick(&req, &pool, &index, random);
+                    assert!(got.is_some_and(|i| i < pool.len()), "{router:?} picked {got:?} of {pool:?}");
+                }
+            }
+        }
+    }
+}
+
+/// Bytes from a shared queue, as the scheduler (`decode_entry`) and the
+/// workers (`ToWorker::decode`) read them. Whatever decodes re-encodes to
+/// the same value, and to the same bytes up to the `done` flag's spelling.
+pub fn check_wire(data: &[u8]) {
+    if let Some(m) = ToScheduler::decode(data) {
+        let bytes = m.encode();
+        assert_eq!(ToScheduler::decode(&bytes).as_ref(), Some(&m), "{data:?}");
+        let mut canonical = data.to_vec();
+        if let ToScheduler::Charge { done, .. } = m {
+            // Any non-zero byte reads as done; the encoder writes 1.
+            canonical[22] = done as u8;
+        }
+        assert_eq!(bytes, canonical, "{m:?} does not re-encode to the bytes it was read from");
+        assert_eq!(decode_entry(data), Some(vec![m]), "a single message is an entry too");
+    }
+    if let Some(msgs) = decode_entry(data) {
+        assert_eq!(decode_entry(&encode_batch(&msgs)).as_ref(), Some(&msgs));
+        for m in &msgs {
+            assert_eq!(ToScheduler::decode(&m.encode()).as_ref(), Some(m));
+        }
+    }
+    if let Some(m) = ToWorker::decode(data) {
+        assert_eq!(m.encode(), data, "{m:?}");
+        assert_eq!(ToWorker::decode(&m.encode()), Some(m));
+    }
+}
+
+/// A plugin configuration, as `on_configure` reads it: `Ok` or `Err`, never
+/// a panic, and what is accepted is consistent and builds a scheduler.
+pub fn check_config(data: &[u8]) {
+    let Ok(c) = Config::from_json(data) else { return };
+    assert!(!c.endpoints.is_empty());
+    assert_eq!(c.routing.model_servers.len(), c.endpoints.len());
+    assert!(c.routing.prefix_block_bytes >= 1, "prefix_block_bytes = {}", c.routing.prefix_block_bytes);
+    assert!(c.routing.scrape_interval_ms >= 1 && c.routing.scrape_timeout_ms >= 1);
+    assert!((1..=10_000).contains(&c.tick_ms));
+    assert!(!c.tenant_header.is_empty());
+    let s = Scheduler::new(&c);
+    assert!(s.is_empty());
+}
