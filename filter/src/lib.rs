@@ -6,6 +6,8 @@
 //! test natively; [`vm`] is the only one that calls the proxy-wasm host.
 
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod openai;
 pub mod outcome;
 pub mod scheduler;
