@@ -343,7 +343,13 @@ pub async fn send_all(client: &LoadClient, addr: SocketAddr, reqs: Vec<ChatReque
 
 /// Closed loop over `n` distinct requests: `concurrency` workers take the next index `i` and send
 /// `make(i)` back to back until all `n` are done. Outcomes are in index order.
-pub async fn send_indexed<F>(client: &LoadClient, addr: SocketAddr, n: usize, concurrency: usize, make: F) -> Vec<Outcome>
+pub async fn send_indexed<F>(
+    client: &LoadClient,
+    addr: SocketAddr,
+    n: usize,
+    concurrency: usize,
+    make: F,
+) -> Vec<Outcome>
 where
     F: Fn(usize) -> ChatRequest + Send + Sync + 'static,
 {
