@@ -166,6 +166,8 @@ struct RawConfig {
     max_drain_bytes: usize,
     #[serde(default = "default_max_tenant_bytes")]
     max_tenant_bytes: usize,
+    #[serde(default = "default_max_tenants")]
+    max_tenants: usize,
     #[serde(default = "default_total_capacity")]
     total_capacity: usize,
     #[serde(default = "default_flow_capacity")]
@@ -209,6 +211,9 @@ fn default_max_drain_bytes() -> usize {
 }
 fn default_max_tenant_bytes() -> usize {
     256
+}
+fn default_max_tenants() -> usize {
+    10_000
 }
 
 /// Largest `max_body_bytes` accepted: a body is buffered in Envoy until it is
@@ -274,6 +279,14 @@ pub struct Config {
     /// Longest tenant header value accepted (longer: 400): tenant names are
     /// kept per tenant and copied into messages, so their size is bounded.
     pub max_tenant_bytes: usize,
+    /// Most tenants the scheduler keeps state for (per-tenant queues, policy
+    /// counters, saved counters). Past it, idle tenants (nothing queued,
+    /// nothing running) are forgotten, least recently active first; a
+    /// forgotten tenant that returns starts as a new one (under VTC it is
+    /// lifted to the backlogged minimum, as a newcomer is). Tenants with
+    /// queued or running requests are never forgotten, so the count may
+    /// exceed the cap while more than that many are busy.
+    pub max_tenants: usize,
     /// Stock hysteresis band per backend.
     pub bounds: StockBounds,
     /// Value of `retry-after` on rejects.
@@ -405,6 +418,9 @@ impl Config {
                 raw.max_tenant_bytes
             ));
         }
+        if raw.max_tenants == 0 {
+            return Err("field `max_tenants` must be at least 1, got 0".into());
+        }
         let policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
         let work_conserving = policy.build().map_err(|e| format!("field `policy`: {e}"))?.is_work_conserving();
         let order: OrderSpec = tagged("order", "order", raw.order)?;
@@ -454,6 +470,7 @@ impl Config {
             max_body_bytes: raw.max_body_bytes,
             max_drain_bytes: raw.max_drain_bytes,
             max_tenant_bytes: raw.max_tenant_bytes,
+            max_tenants: raw.max_tenants,
             bounds,
             retry_after_s: raw.retry_after_s,
             tick_ms: raw.tick_ms,
@@ -469,6 +486,7 @@ mod tests {
     fn defaults_follow_the_queuing_design() {
         let c = Config::from_json(br#"{"endpoints":["127.0.0.1:8001"]}"#).unwrap();
         assert_eq!(c.tenant_header, "x-gateway-inference-fairness-id");
+        assert_eq!(c.max_tenants, 10_000);
         assert_eq!(c.default_tenant, "default");
         assert_eq!(c.policy, tagged::<PolicySpec>("p", "policy", "vtc".into()).unwrap());
         assert_eq!(c.order, OrderSpec::Fifo);
@@ -497,6 +515,7 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"max_body_bytes":67108865}"#, "max_body_bytes"),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":0}"#, "max_tenant_bytes"),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":3}"#, "default_tenant"),
+            (r#"{"endpoints":["127.0.0.1:1"],"max_tenants":0}"#, "max_tenants"),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#,
                 "percentage_deviation_for_bounds",
