@@ -10,7 +10,8 @@
 # (its own CARGO_TARGET_DIR, so the shared target/ is left alone). What
 # libFuzzer adds to the corpus goes to fuzz/target/grown/<target>/, never to
 # fuzz/corpus/ (minimise by hand what is worth keeping); crash reproducers go
-# to fuzz/artifacts/<target>/. Logs: fuzz/target/logs/<target>.log.
+# to fuzz/artifacts/<target>/. Logs: fuzz/target/logs/<target>.log. A
+# libFuzzer dictionary fuzz/dict/<target>.dict is used when there is one.
 #
 # Environment: FUZZ_SANITIZER (default none: the code under test has no
 # `unsafe`, and Rust's own bounds and overflow checks are on; `address`
@@ -60,11 +61,13 @@ for t in "${targets[@]}"; do
     grown="fuzz/target/grown/$t"
     log="fuzz/target/logs/$t.log"
     mkdir -p "$grown"
+    dict=()
+    [[ -f "fuzz/dict/$t.dict" ]] && dict=(-dict="$PWD/fuzz/dict/$t.dict")
     echo "==> $t for ${secs}s (log: $log)" >&2
     set +e
     # The first corpus directory is the one libFuzzer writes to.
     nice -n "$niceness" cargo "+$toolchain" fuzz run "${fuzz_flags[@]}" "$t" "$grown" "fuzz/corpus/$t" -- \
-        -max_total_time="$secs" -print_final_stats=1 -timeout=30 >"$log" 2>&1
+        -max_total_time="$secs" -print_final_stats=1 -timeout=30 "${dict[@]}" >"$log" 2>&1
     rc=$?
     set -e
     execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -n 1)
