@@ -4,15 +4,32 @@
 //! Pure: it consumes [`ToScheduler`] messages and answers with
 //! `(worker, ToWorker)` pairs; taking stock and routing is a callback so the
 //! caller decides how (shared data in the filter, a closure in tests).
+//!
+//! **Bounded state.** At most `max_tenants` tenants are tracked while enough
+//! of them are idle (see [`sluice_policies::tenants`]): a tenant is busy while
+//! it has a queued request or a running one (dispatched, or bypassed and
+//! charged, and not yet done); past the cap the least recently active idle
+//! tenants are forgotten in every band and every policy, a bounded number per
+//! message. The count exceeds the cap only while more tenants than that are
+//! busy (then by the number of busy tenants over the cap, plus one), and
+//! shrinks back by one or two per message afterwards.
+//!
+//! **Saved counters.** Tenants are sharded by [`shared::counter_shard`] into
+//! [`shared::COUNTER_SHARDS`] shared-data keys. A shard is dirty when one of its
+//! tenants was charged or forgotten; [`Scheduler::dirty_snapshots`] encodes at
+//! most a given number of dirty shards per call, and a new lease holder reads
+//! them all back with [`Scheduler::restore_from`].
 
 use crate::config::Config;
 use crate::outcome::Outcome;
+use crate::shared;
 use crate::wire::{RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::alloc::Allocation;
 use sluice_policies::bands::{BandedQueue, Criticality};
 use sluice_policies::order::RequestMeta;
 use sluice_policies::queue::FairQueue;
+use sluice_policies::tenants::Tenants;
 use sluice_policies::{FlowId, Request};
 
 /// The worker that holds a request: request ids are `worker << 32 | context id`.
@@ -51,8 +68,12 @@ pub struct Scheduler {
     /// Routing facts of queued requests, by request id.
     routes: HashMap<u64, RouteInfo>,
     /// Band and flow of requests dispatched and not yet done, so that output
-    /// tokens and completion reach the policy that dispatched them.
+    /// tokens and completion reach the policy that dispatched them. Each
+    /// entry holds its tenant in the queue's table (it is never forgotten
+    /// while it runs).
     running: HashMap<u64, (Criticality, FlowId)>,
+    /// Does the policy keep counters (worth saving)?
+    counters: bool,
 }
 
 impl Scheduler {
@@ -62,8 +83,44 @@ impl Scheduler {
             let policy = cfg.policy.build().expect("validated with the configuration");
             let order = cfg.order.build().expect("validated with the configuration");
             FairQueue::with_order(limits, policy, order)
-        });
-        Scheduler { queue, routes: HashMap::new(), running: HashMap::new() }
+        })
+        .with_tenants(Tenants::new(cfg.max_tenants).with_groups(shared::COUNTER_SHARDS, shared::counter_shard));
+        let counters = queue.band(Criticality::Standard).policy().counter_of(0).is_some();
+        Scheduler { queue, routes: HashMap::new(), running: HashMap::new(), counters }
+    }
+
+    /// Tenants tracked now.
+    pub fn tenants(&self) -> usize {
+        self.queue.tenants().len()
+    }
+
+    /// Tenants forgotten since the scheduler started.
+    pub fn tenants_forgotten(&self) -> u64 {
+        self.queue.tenants().forgotten_total()
+    }
+
+    /// `flow`'s counters changed: its shard must be saved again.
+    fn mark(&mut self, flow: FlowId) {
+        if self.counters {
+            self.queue.mark(flow);
+        }
+    }
+
+    /// Records a running request (holding its tenant); false if it already was.
+    fn start(&mut self, req: u64, band: Criticality, flow: FlowId) -> bool {
+        let new = self.running.insert(req, (band, flow)).is_none();
+        if new {
+            self.queue.hold(flow);
+        }
+        new
+    }
+
+    /// A running request is done: its tenant may become idle, and idle
+    /// tenants past the cap may be forgotten.
+    fn finish(&mut self, req: u64) {
+        if let Some((_, flow)) = self.running.remove(&req) {
+            self.queue.release(flow);
+        }
     }
 
     /// Requests waiting.
@@ -98,6 +155,8 @@ impl Scheduler {
                 }
                 match self.queue.push_with(band, r, meta) {
                     Ok(evicted) => {
+                        // Joining the backlog may lift the counter.
+                        self.mark(flow);
                         self.routes.insert(req, route);
                         if let Some(victim) = evicted {
                             self.routes.remove(&victim.id);
@@ -120,22 +179,29 @@ impl Scheduler {
                     None if tenant.is_empty() => return, // a wake-up, not a charge
                     None => (band_of_code(band), self.queue.flow_id(&tenant)),
                 };
-                let policy = self.queue.band_mut(band).policy_mut();
                 if input_tokens > 0 {
                     // A request that bypassed the queue: charged as if dispatched from it.
+                    let policy = self.queue.band_mut(band).policy_mut();
                     if max_tokens > 0 {
                         policy.hint_output(req, max_tokens);
                     }
                     let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
                     policy.on_dispatch(&r);
-                    self.running.insert(req, (band, flow));
+                    self.start(req, band, flow);
                 }
+                let policy = self.queue.band_mut(band).policy_mut();
                 if output_tokens > 0 {
                     policy.on_output_for(flow, req, output_tokens);
                 }
                 if done {
                     policy.on_complete(flow, req);
-                    self.running.remove(&req);
+                }
+                if input_tokens > 0 || output_tokens > 0 || done {
+                    self.mark(flow);
+                }
+                if done {
+                    // Last: the tenant may be forgotten now.
+                    self.finish(req);
                 }
             }
         }
@@ -156,10 +222,11 @@ impl Scheduler {
             debug_assert_eq!(r.id, next, "pop takes the request peek showed");
             self.routes.remove(&r.id);
             if matches!(msg, ToWorker::Dispatch { .. }) {
-                self.running.insert(r.id, (band, r.flow));
+                self.start(r.id, band, r.flow);
             } else {
                 self.queue.band_mut(band).policy_mut().on_complete(r.flow, r.id);
             }
+            self.mark(r.flow);
             out.push((worker_of(r.id), msg));
         }
     }
@@ -181,27 +248,85 @@ impl Scheduler {
     }
 
     /// Forgets running requests whose worker vanished without a `done`
-    /// (bounded memory under VM crashes): keeps at most `max` entries.
+    /// (bounded memory under VM crashes): keeps at most `max` entries. Each
+    /// one dropped is completed for its policy and releases its tenant.
     pub fn bound_running(&mut self, max: usize) {
         if self.running.len() > max {
-            let drop: Vec<u64> = self.running.keys().take(self.running.len() - max).copied().collect();
-            for id in drop {
-                self.running.remove(&id);
+            let drop: Vec<(u64, Criticality, FlowId)> =
+                self.running.iter().take(self.running.len() - max).map(|(&id, &(b, f))| (id, b, f)).collect();
+            for (id, band, flow) in drop {
+                self.queue.band_mut(band).policy_mut().on_complete(flow, id);
+                self.mark(flow);
+                self.finish(id);
             }
         }
     }
 
-    /// Each band's counters by tenant name, as JSON, for shared data
-    /// (`None` for policies without counters).
+    /// Up to `max_shards` counter shards that changed since they were last
+    /// returned, as `(shared-data key, value)` pairs to write, the longest
+    /// dirty first; each is clean afterwards. Costs what those shards hold
+    /// (about `max_shards · max_tenants / COUNTER_SHARDS` tenants), however
+    /// many tenants were ever seen. Empty for policies without counters. A
+    /// shard whose last tenant was forgotten is returned once, empty.
+    pub fn dirty_snapshots(&mut self, max_shards: usize) -> Vec<(String, Vec<u8>)> {
+        if !self.counters {
+            self.queue.take_dirty(usize::MAX);
+            return Vec::new();
+        }
+        let shards = self.queue.take_dirty(max_shards);
+        shards.into_iter().map(|k| (shared::counters_key(k), self.encode_shard(k))).collect()
+    }
+
+    /// Shards still waiting for [`Scheduler::dirty_snapshots`].
+    pub fn dirty_shards(&self) -> usize {
+        if self.counters {
+            self.queue.tenants().dirty_len()
+        } else {
+            0
+        }
+    }
+
+    /// The counters (above zero) of one shard's tenants in every band.
+    fn encode_shard(&self, shard: u32) -> Vec<u8> {
+        let q = &self.queue;
+        shared::encode_counters(q.tenants().group(shard).flat_map(|(flow, name)| {
+            Criticality::ALL.into_iter().filter_map(move |band| {
+                let v = q.band(band).policy().counter_of(flow)?;
+                (v > 0.0).then_some((band_code(band), name, v))
+            })
+        }))
+    }
+
+    /// Restores the counters saved by [`Scheduler::dirty_snapshots`] (every
+    /// shard) into a scheduler that holds nothing yet; unreadable entries are
+    /// skipped. Past `max_tenants` saved tenants, the ones read first are forgotten.
+    pub fn restore_from(&mut self, store: &dyn shared::Store) {
+        if !self.counters {
+            return;
+        }
+        for k in 0..shared::COUNTER_SHARDS {
+            let (Some(bytes), _) = store.get(&shared::counters_key(k)) else { continue };
+            for (code, name, v) in shared::decode_counters(&bytes) {
+                if (code as usize) < Criticality::ALL.len() {
+                    let flow = self.queue.flow_id(name);
+                    self.queue.band_mut(band_of_code(code)).policy_mut().restore_counter(flow, v);
+                }
+            }
+        }
+    }
+
+    /// Each band's counters by tenant name, as JSON (`None` for policies
+    /// without counters). A pass over every tracked tenant: prefer
+    /// [`Scheduler::dirty_snapshots`].
     pub fn snapshot(&self) -> Option<Vec<u8>> {
         let mut bands = serde_json::Map::new();
         for band in Criticality::ALL {
             let q = self.queue.band(band);
-            let counters: serde_json::Map<String, serde_json::Value> = q
-                .flow_names()
+            let counters: serde_json::Map<String, serde_json::Value> = self
+                .queue
+                .tenants()
                 .iter()
-                .enumerate()
-                .filter_map(|(f, name)| Some((name.clone(), q.policy().counter_of(f as FlowId)?.into())))
+                .filter_map(|(f, name)| Some((name.to_owned(), q.policy().counter_of(f)?.into())))
                 .collect();
             if !counters.is_empty() {
                 bands.insert(band.as_str().to_owned(), counters.into());

@@ -30,7 +30,17 @@ pub const WORKERS_KEY: &str = "sluice.workers";
 /// The scheduler lease.
 pub const LEASE_KEY: &str = "sluice.lease";
 /// Snapshot of the allocation policy's counters (VTC), for a scheduler takeover.
+/// Superseded by the shards under [`COUNTERS_PREFIX`]; kept for
+/// [`crate::scheduler::Scheduler::snapshot`], which writes every tenant at once.
 pub const COUNTERS_KEY: &str = "sluice.counters";
+/// Prefix of the keys holding the policy's counters, one key per shard of
+/// tenants (`sluice.counters.<k>`, `k` in `0..COUNTER_SHARDS`): the scheduler
+/// rewrites only the shards whose tenants changed, so a save costs what
+/// changed, not every tenant ever seen.
+pub const COUNTERS_PREFIX: &str = "sluice.counters.";
+/// Number of counter shards. With `max_tenants` tenants a shard holds about
+/// `max_tenants / COUNTER_SHARDS` of them (in each band that has a counter for them).
+pub const COUNTER_SHARDS: u32 = 64;
 /// Scraped metrics and health per endpoint ([`EndpointRecord`]s).
 pub const METRICS_KEY: &str = "sluice.metrics";
 
@@ -47,6 +57,58 @@ pub fn update<T>(store: &dyn Store, key: &str, mut f: impl FnMut(Option<&[u8]>) 
         }
     }
     None
+}
+
+/// The shared-data key of counter shard `shard`.
+pub fn counters_key(shard: u32) -> String {
+    format!("{COUNTERS_PREFIX}{shard}")
+}
+
+/// The counter shard of a tenant: FNV-1a of its name, the same in every VM
+/// and every build, so that a tenant is always saved to the same key.
+pub fn counter_shard(tenant: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for &b in tenant.as_bytes() {
+        h ^= b as u32;
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % COUNTER_SHARDS
+}
+
+/// Version byte leading a counter shard.
+const COUNTERS_FORMAT: u8 = 1;
+
+/// Encodes one counter shard: entries `(band code, tenant, counter)`, each as
+/// band `u8`, name length `u32` LE, name bytes, counter `f64` LE, after a
+/// version byte.
+pub fn encode_counters<'a>(entries: impl IntoIterator<Item = (u8, &'a str, f64)>) -> Vec<u8> {
+    let mut b = vec![COUNTERS_FORMAT];
+    for (band, name, v) in entries {
+        b.push(band);
+        b.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        b.extend_from_slice(name.as_bytes());
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b
+}
+
+/// Decodes [`encode_counters`]; reading stops at the first malformed entry
+/// (truncated, or a name that is not UTF-8), and another version reads as empty.
+pub fn decode_counters(bytes: &[u8]) -> Vec<(u8, &str, f64)> {
+    let mut out = Vec::new();
+    let Some((&COUNTERS_FORMAT, mut b)) = bytes.split_first() else { return out };
+    while let Some((&band, rest)) = b.split_first() {
+        let Some((len, rest)) = rest.split_first_chunk::<4>() else { break };
+        let len = u32::from_le_bytes(*len) as usize;
+        if rest.len() < len {
+            break;
+        }
+        let (name, rest) = rest.split_at(len);
+        let (Ok(name), Some((v, rest))) = (std::str::from_utf8(name), rest.split_first_chunk::<8>()) else { break };
+        out.push((band, name, f64::from_le_bytes(*v)));
+        b = rest;
+    }
+    out
 }
 
 fn read_u64(v: Option<&[u8]>) -> u64 {
@@ -404,6 +466,29 @@ pub(crate) mod tests {
             map.insert(key.to_owned(), (value.to_vec(), *n));
             true
         }
+    }
+
+    #[test]
+    fn counter_shards_round_trip_and_tolerate_garbage() {
+        let entries = [(1u8, "alice", 12.5), (0, "", 0.25), (2, "b\u{e9}", f64::MAX)];
+        let bytes = encode_counters(entries);
+        assert_eq!(decode_counters(&bytes), entries.to_vec());
+        assert_eq!(decode_counters(&encode_counters([])), vec![]);
+        // A truncated last entry is dropped, the ones before it kept.
+        assert_eq!(decode_counters(&bytes[..bytes.len() - 1]), entries[..2].to_vec());
+        assert_eq!(decode_counters(&[]), vec![]);
+        assert_eq!(decode_counters(&[9, 1, 0, 0, 0, 0]), vec![], "another version");
+        // A name claiming more bytes than there are, and a name that is not UTF-8.
+        assert_eq!(decode_counters(&[1, 1, 255, 255, 255, 255, b'a']), vec![]);
+        let mut bad = encode_counters([(1, "ok", 1.0)]);
+        bad.extend_from_slice(&[1, 1, 0, 0, 0, 0xff]);
+        bad.extend_from_slice(&2f64.to_le_bytes());
+        assert_eq!(decode_counters(&bad), vec![(1, "ok", 1.0)]);
+        assert_eq!(counters_key(7), "sluice.counters.7");
+        assert_eq!(counter_shard("alice"), counter_shard("alice"));
+        assert!((0..1000).all(|i| counter_shard(&format!("t{i}")) < COUNTER_SHARDS));
+        let used: std::collections::HashSet<u32> = (0..1000).map(|i| counter_shard(&format!("t{i}"))).collect();
+        assert_eq!(used.len(), COUNTER_SHARDS as usize, "1000 names spread over every shard");
     }
 
     #[test]

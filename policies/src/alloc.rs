@@ -25,11 +25,25 @@ pub use counter::{CostFn, CounterPolicy, Linear, Predictor, Tracked};
 
 /// A policy that orders backlogged flows.
 ///
-/// Only the first five methods are required; the others have defaults so that
+/// Only the first six methods are required; the others have defaults so that
 /// simple policies stay simple and callers written against the first five keep
 /// working. Callers that can should prefer the richer hooks
 /// ([`Allocation::set_head_request`], [`Allocation::on_output_for`],
 /// [`Allocation::on_complete`], [`Allocation::advance`]): several policies need them.
+///
+/// # Forgetting flows
+///
+/// The number of tenants is unbounded but memory is not: the queue
+/// ([`crate::tenants::Tenants`]) forgets *idle* flows (nothing queued, no
+/// dispatched request whose completion is pending) past a cap, least
+/// recently active first, and calls [`Allocation::forget`]. The policy must
+/// then drop everything it keeps for that id, because the id is handed out
+/// again (to the same name when the tenant returns, or to another one; either
+/// way [`Allocation::on_flow`] is called first) and must behave exactly like a
+/// flow never seen. What that costs each policy is documented on its `forget`:
+/// nothing for FCFS, WFQ and DRR; for the counter family at most one bounded
+/// lift's worth of service for VTC, the whole history for LCF; the current
+/// minute's count for RPM.
 pub trait Allocation {
     /// Short name, as used in the configuration.
     fn name(&self) -> &'static str;
@@ -42,6 +56,11 @@ pub trait Allocation {
     fn on_dispatch(&mut self, req: &Request);
     /// `tokens` output tokens were generated for `flow`.
     fn on_output(&mut self, flow: FlowId, tokens: u32);
+    /// Drops every piece of state kept for `flow`, which is idle: not
+    /// backlogged (its head was last set to `None`, or never set) and with no
+    /// dispatched request awaiting [`Allocation::on_complete`]. Afterwards the id
+    /// must behave as one never seen: it may be handed out again, to any name.
+    fn forget(&mut self, flow: FlowId);
 
     /// A flow id was handed out for `name`; policies with per-tenant weights
     /// resolve their tables here.
@@ -80,6 +99,11 @@ pub trait Allocation {
     /// Restores a counter saved with [`Allocation::counter_of`] (after a
     /// scheduler takeover); ignored by policies without counters.
     fn restore_counter(&mut self, _flow: FlowId, _value: f64) {}
+    /// Length of the policy's per-flow tables (the highest id it keeps state
+    /// for, plus one), to check that memory follows the tracked flows.
+    fn flow_slots(&self) -> usize {
+        0
+    }
 }
 
 impl<A: Allocation + ?Sized> Allocation for Box<A> {
@@ -97,6 +121,9 @@ impl<A: Allocation + ?Sized> Allocation for Box<A> {
     }
     fn on_output(&mut self, flow: FlowId, tokens: u32) {
         (**self).on_output(flow, tokens)
+    }
+    fn forget(&mut self, flow: FlowId) {
+        (**self).forget(flow)
     }
     fn on_flow(&mut self, flow: FlowId, name: &str) {
         (**self).on_flow(flow, name)
@@ -127,6 +154,9 @@ impl<A: Allocation + ?Sized> Allocation for Box<A> {
     }
     fn restore_counter(&mut self, flow: FlowId, value: f64) {
         (**self).restore_counter(flow, value)
+    }
+    fn flow_slots(&self) -> usize {
+        (**self).flow_slots()
     }
 }
 
@@ -194,6 +224,23 @@ impl FlowWeights {
         self.by_flow[i] = w;
     }
 
+    /// Forgets which name `flow` stood for (it reads as the default until named again).
+    pub fn forget(&mut self, flow: FlowId) {
+        if let Some(w) = self.by_flow.get_mut(flow as usize) {
+            *w = f64::NAN;
+        }
+    }
+
+    /// Length of the per-flow table.
+    pub fn len(&self) -> usize {
+        self.by_flow.len()
+    }
+
+    /// True when no flow was named.
+    pub fn is_empty(&self) -> bool {
+        self.by_flow.is_empty()
+    }
+
     /// Weight of `flow` (the default for a flow never named).
     pub fn get(&self, flow: FlowId) -> f64 {
         match self.by_flow.get(flow as usize) {
@@ -229,6 +276,13 @@ impl Allocation for Fcfs {
     }
     fn on_dispatch(&mut self, _req: &Request) {}
     fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
+    /// Free: an idle flow has no head, and FCFS keeps nothing else.
+    fn forget(&mut self, flow: FlowId) {
+        self.set_head(flow, None);
+    }
+    fn flow_slots(&self) -> usize {
+        self.head_of.len()
+    }
 }
 
 /// Weights of the service function `w_p · input + w_q · output` of the VTC seed.

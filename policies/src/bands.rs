@@ -7,10 +7,17 @@
 //! requests are never evicted. `critical_reserve` slots of the total capacity
 //! are kept for critical requests: other bands start evicting or being refused
 //! before the queue is completely full.
+//!
+//! Flow ids are the same in every band, handed out by one [`Tenants`] table
+//! that may cap how many tenants are tracked ([`BandedQueue::with_tenants`]):
+//! a tenant is busy while any band queues one of its requests or the caller
+//! [`BandedQueue::hold`]s it (a dispatched request still charging), and past
+//! the cap idle tenants are forgotten in every band at once.
 
 use crate::alloc::Allocation;
 use crate::order::RequestMeta;
 use crate::queue::{FairQueue, QueueLimits};
+use crate::tenants::{Tenants, FORGET_PER_CALL};
 use crate::{FlowId, RejectReason, Request};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -114,6 +121,7 @@ pub struct BandedQueue<A> {
     /// Push order per band, to find the newest.
     order: [BTreeSet<(u64, u64)>; 3],
     next_order: u64,
+    tenants: Tenants,
 }
 
 impl<A: Allocation> BandedQueue<A> {
@@ -133,21 +141,68 @@ impl<A: Allocation> BandedQueue<A> {
             where_is: HashMap::new(),
             order: Default::default(),
             next_order: 0,
+            tenants: Tenants::default(),
         }
     }
 
-    /// The dense id of a flow name, the same in every band.
+    /// Tracks tenants in `tenants` (an empty table: its cap and groups); by
+    /// default there is no cap.
+    pub fn with_tenants(mut self, tenants: Tenants) -> Self {
+        assert!(tenants.is_empty() && self.tenants.is_empty(), "tenant tables are chosen before any tenant is named");
+        self.tenants = tenants;
+        self
+    }
+
+    /// The dense id of a flow name, the same in every band; allocates one on
+    /// first sight, which may forget idle tenants past the cap (in every band).
+    /// Counts as activity of the tenant.
     pub fn flow_id(&mut self, name: &str) -> FlowId {
-        let [a, b, c] = &mut self.bands;
-        let id = a.flow_id(name);
-        let (ib, ic) = (b.flow_id(name), c.flow_id(name));
-        debug_assert!(id == ib && id == ic, "bands allocate flow ids in step");
+        let bands = &mut self.bands;
+        let (id, new) = self.tenants.intern(name, |gone| bands.iter_mut().for_each(|b| b.drop_flow(gone)));
+        if new {
+            self.bands.iter_mut().for_each(|b| b.adopt_flow(id, name));
+        }
         id
     }
 
-    /// The name a flow id was allocated for.
-    pub fn flow_name(&self, flow: FlowId) -> &str {
-        self.bands[0].flow_name(flow)
+    /// The name a tracked flow id was allocated for.
+    pub fn flow_name(&self, flow: FlowId) -> Option<&str> {
+        self.tenants.name(flow)
+    }
+
+    /// The tenants tracked, their ids and groups.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// `flow` stays tracked until a matching [`BandedQueue::release`]: call it
+    /// for each dispatched request whose charges (output, completion) are still to come.
+    pub fn hold(&mut self, flow: FlowId) {
+        self.tenants.hold(flow);
+    }
+
+    /// Ends a [`BandedQueue::hold`]. Idle tenants past the cap may be
+    /// forgotten now (at most [`FORGET_PER_CALL`]), `flow` among them: do not
+    /// use the id afterwards.
+    pub fn release(&mut self, flow: FlowId) {
+        self.tenants.release(flow);
+        self.trim(FORGET_PER_CALL);
+    }
+
+    /// Forgets up to `budget` idle tenants while more than the cap are tracked.
+    pub fn trim(&mut self, budget: usize) -> usize {
+        let bands = &mut self.bands;
+        self.tenants.trim(budget, |gone| bands.iter_mut().for_each(|b| b.drop_flow(gone)))
+    }
+
+    /// `flow`'s saved state changed: its group is dirty (see [`Tenants::mark`]).
+    pub fn mark(&mut self, flow: FlowId) {
+        self.tenants.mark(flow);
+    }
+
+    /// Up to `max` dirty groups, the longest dirty first (see [`Tenants::take_dirty`]).
+    pub fn take_dirty(&mut self, max: usize) -> Vec<u32> {
+        self.tenants.take_dirty(max)
     }
 
     /// Requests queued in all bands.
@@ -196,6 +251,11 @@ impl<A: Allocation> BandedQueue<A> {
         meta: RequestMeta,
     ) -> Result<Option<Request>, RejectReason> {
         assert!(!self.where_is.contains_key(&req.id), "request id {} is already queued", req.id);
+        assert!(
+            self.tenants.contains(req.flow),
+            "flow id {} was not handed out by flow_id, or was forgotten",
+            req.flow
+        );
         let q = &self.bands[band.index()];
         if q.flow_len(req.flow) >= self.limits.flow_capacity {
             return Err(RejectReason::FlowFull);
@@ -216,8 +276,9 @@ impl<A: Allocation> BandedQueue<A> {
                 None => return Err(RejectReason::QueueFull),
             }
         }
-        let id = req.id;
+        let (id, flow) = (req.id, req.flow);
         self.bands[band.index()].push_with(req, meta)?;
+        self.tenants.hold(flow);
         let order = self.next_order;
         self.next_order += 1;
         self.where_is.insert(id, (band, order));
@@ -225,9 +286,12 @@ impl<A: Allocation> BandedQueue<A> {
         Ok(evicted)
     }
 
-    fn forget(&mut self, id: u64) {
-        if let Some((band, order)) = self.where_is.remove(&id) {
-            self.order[band.index()].remove(&(order, id));
+    /// Request `r` left the queue; its tenant may become idle (not forgotten
+    /// here: the caller may still charge it).
+    fn left(&mut self, r: &Request) {
+        if let Some((band, order)) = self.where_is.remove(&r.id) {
+            self.order[band.index()].remove(&(order, r.id));
+            self.tenants.release(r.flow);
         }
     }
 
@@ -235,7 +299,7 @@ impl<A: Allocation> BandedQueue<A> {
     pub fn pop(&mut self) -> Option<(Criticality, Request)> {
         for band in Criticality::ALL {
             if let Some(r) = self.bands[band.index()].pop() {
-                self.forget(r.id);
+                self.left(&r);
                 return Some((band, r));
             }
         }
@@ -250,16 +314,16 @@ impl<A: Allocation> BandedQueue<A> {
     /// Takes a request out wherever it stands.
     pub fn remove(&mut self, id: u64) -> Option<Request> {
         let (band, _) = *self.where_is.get(&id)?;
-        let r = self.bands[band.index()].remove(id);
-        self.forget(id);
-        r
+        let r = self.bands[band.index()].remove(id)?;
+        self.left(&r);
+        Some(r)
     }
 
     /// Takes out one request that waited longer than the TTL at `now_ms`, if any.
     pub fn pop_expired(&mut self, now_ms: u64) -> Option<Request> {
         for band in Criticality::ALL {
             if let Some(r) = self.bands[band.index()].pop_expired(now_ms) {
-                self.forget(r.id);
+                self.left(&r);
                 return Some(r);
             }
         }
@@ -358,7 +422,7 @@ mod tests {
         let mut q = BandedQueue::new(limits(10, 0), |_| Fcfs::default());
         let a = q.flow_id("a");
         let b = q.flow_id("b");
-        assert_eq!(q.flow_name(b), "b");
+        assert_eq!(q.flow_name(b), Some("b"));
         q.push(Sheddable, r(1, a)).unwrap();
         q.push(Critical, r(2, b)).unwrap();
         assert_eq!(q.band_of(1), Some(Sheddable));

@@ -1,13 +1,21 @@
 //! The fair request queue: per-flow queues (FIFO by default, or any
 //! [`FlowOrder`]), capacities, TTL, and an [`Allocation`] policy that picks the
 //! flow to serve next.
+//!
+//! Flow ids come from a [`Tenants`] table, which may cap how many flows are
+//! tracked ([`FairQueue::with_max_flows`]): past the cap, idle flows are
+//! forgotten, the policy drops their state ([`Allocation::forget`]) and their
+//! ids are handed out again. A flow is busy while it has queued requests and
+//! while the caller [`FairQueue::hold`]s it (for each dispatched request whose
+//! output and completion it will still charge, until [`FairQueue::release`]).
 
 use crate::alloc::Allocation;
 use crate::order::{Fifo, FlowOrder, RequestMeta};
+use crate::tenants::{Tenants, FORGET_PER_CALL};
 use crate::{FlowId, RejectReason, Request};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 /// Capacities and TTL of the queue (defaults of the queuing design).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -49,9 +57,14 @@ pub struct FairQueue<A> {
     order: Box<dyn FlowOrder>,
     fifo: bool,
     now_ms: u64,
-    ids: HashMap<String, FlowId>,
-    names: Vec<String>,
+    /// Flow names and ids, when this queue hands them out itself.
+    tenants: Tenants,
+    /// False inside a [`crate::bands::BandedQueue`], which hands out the ids of all its bands.
+    own_ids: bool,
     flows: Vec<VecDeque<Entry>>,
+    /// Flows holding two or more requests: only their order can change when
+    /// the clock moves.
+    crowded: BTreeSet<FlowId>,
     flow_of: HashMap<u64, FlowId>,
     /// Arrival order for TTL expiry; entries of requests that already left are
     /// skipped lazily.
@@ -74,26 +87,77 @@ impl<A: Allocation> FairQueue<A> {
             order,
             fifo,
             now_ms: 0,
-            ids: HashMap::new(),
-            names: Vec::new(),
+            tenants: Tenants::default(),
+            own_ids: true,
             flows: Vec::new(),
+            crowded: BTreeSet::new(),
             flow_of: HashMap::new(),
             by_age: VecDeque::new(),
             next_seq: 0,
         }
     }
 
-    /// The dense id of a flow name, allocating one on first sight.
+    /// Tracks at most `max` flows while enough of them are idle (see
+    /// [`Tenants`]); without it nothing is forgotten. Only on a new queue.
+    pub fn with_max_flows(mut self, max: usize) -> Self {
+        assert!(self.tenants.is_empty(), "the cap is set before any flow is named");
+        self.tenants = Tenants::new(max);
+        self
+    }
+
+    /// The dense id of a flow name, allocating one on first sight (which may
+    /// forget idle flows past the cap). Counts as activity of the flow.
     pub fn flow_id(&mut self, name: &str) -> FlowId {
-        if let Some(&id) = self.ids.get(name) {
-            return id;
+        assert!(self.own_ids, "flow ids of a band come from its BandedQueue");
+        let (flows, alloc) = (&mut self.flows, &mut self.alloc);
+        let (id, new) = self.tenants.intern(name, |gone| drop_flow(flows, alloc, gone));
+        if new {
+            self.install(id, name);
         }
-        let id = self.names.len() as FlowId;
-        self.ids.insert(name.to_owned(), id);
-        self.names.push(name.to_owned());
-        self.flows.push(VecDeque::new());
-        self.alloc.on_flow(id, name);
         id
+    }
+
+    /// The flow names and ids.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// `flow` stays tracked until a matching [`FairQueue::release`]: call it
+    /// for each dispatched request whose charges are still to come.
+    pub fn hold(&mut self, flow: FlowId) {
+        if self.own_ids {
+            self.tenants.hold(flow);
+        }
+    }
+
+    /// Ends a [`FairQueue::hold`]; idle flows past the cap may be forgotten
+    /// now (a bounded number), `flow` among them.
+    pub fn release(&mut self, flow: FlowId) {
+        if self.own_ids {
+            self.tenants.release(flow);
+            let (flows, alloc) = (&mut self.flows, &mut self.alloc);
+            self.tenants.trim(FORGET_PER_CALL, |gone| drop_flow(flows, alloc, gone));
+        }
+    }
+
+    /// Gives this band the id a [`crate::bands::BandedQueue`] handed out for `name`.
+    pub(crate) fn adopt_flow(&mut self, flow: FlowId, name: &str) {
+        debug_assert!(self.tenants.is_empty(), "a band does not name flows itself");
+        self.own_ids = false;
+        self.install(flow, name);
+    }
+
+    /// Drops this band's state for a flow its [`crate::bands::BandedQueue`] forgot.
+    pub(crate) fn drop_flow(&mut self, flow: FlowId) {
+        drop_flow(&mut self.flows, &mut self.alloc, flow);
+    }
+
+    fn install(&mut self, flow: FlowId, name: &str) {
+        let i = flow as usize;
+        if self.flows.len() <= i {
+            self.flows.resize_with(i + 1, VecDeque::new);
+        }
+        self.alloc.on_flow(flow, name);
     }
 
     /// The capacities and TTL.
@@ -125,10 +189,8 @@ impl<A: Allocation> FairQueue<A> {
         if !self.order.is_dynamic() {
             return;
         }
-        for (flow, q) in self.flows.iter_mut().enumerate() {
-            if q.len() < 2 {
-                continue;
-            }
+        for &flow in &self.crowded {
+            let q = &mut self.flows[flow as usize];
             let old_head = q.front().map(|e| e.seq);
             for e in q.iter_mut() {
                 e.rank = self.order.rank(&e.req, &e.meta, self.now_ms);
@@ -136,19 +198,15 @@ impl<A: Allocation> FairQueue<A> {
             q.make_contiguous().sort_by(|a, b| a.rank.total_cmp(&b.rank).then(a.seq.cmp(&b.seq)));
             let head = q.front().expect("non-empty");
             if Some(head.seq) != old_head {
-                self.alloc.set_head_request(flow as FlowId, Some((head.seq, &head.req)));
+                self.alloc.set_head_request(flow, Some((head.seq, &head.req)));
             }
         }
     }
 
-    /// The name a flow id was allocated for.
-    pub fn flow_name(&self, flow: FlowId) -> &str {
-        &self.names[flow as usize]
-    }
-
-    /// All flow names known so far, indexed by id.
-    pub fn flow_names(&self) -> &[String] {
-        &self.names
+    /// The name a tracked flow id was allocated for (`None` inside a
+    /// [`crate::bands::BandedQueue`]: ask it).
+    pub fn flow_name(&self, flow: FlowId) -> Option<&str> {
+        self.tenants.name(flow)
     }
 
     /// Requests queued in all flows.
@@ -191,7 +249,10 @@ impl<A: Allocation> FairQueue<A> {
     /// Queues `req` with its deadline and length prediction, for orderings that use them.
     pub fn push_with(&mut self, req: Request, meta: RequestMeta) -> Result<(), RejectReason> {
         let flow = req.flow;
-        assert!((flow as usize) < self.flows.len(), "flow id {flow} was not allocated by flow_id");
+        assert!(
+            (flow as usize) < self.flows.len() && (!self.own_ids || self.tenants.contains(flow)),
+            "flow id {flow} was not allocated by flow_id, or was forgotten"
+        );
         if self.len() >= self.limits.total_capacity {
             return Err(RejectReason::QueueFull);
         }
@@ -208,6 +269,13 @@ impl<A: Allocation> FairQueue<A> {
         let q = &mut self.flows[flow as usize];
         let pos = if self.fifo { q.len() } else { q.partition_point(|e| e.before(rank, seq)) };
         q.insert(pos, Entry { seq, rank, req, meta });
+        if q.len() == 2 {
+            self.crowded.insert(flow);
+        }
+        if self.own_ids {
+            self.tenants.hold(flow);
+        }
+        let q = &self.flows[flow as usize];
         if pos == 0 {
             let head = &q[0];
             self.alloc.set_head_request(flow, Some((seq, &head.req)));
@@ -220,6 +288,7 @@ impl<A: Allocation> FairQueue<A> {
         let flow = self.alloc.next()?;
         let q = &mut self.flows[flow as usize];
         let req = q.pop_front().expect("policy named a flow with nothing queued").req;
+        self.left(flow);
         self.flow_of.remove(&req.id);
         self.alloc.on_dispatch(&req);
         let q = &self.flows[flow as usize];
@@ -234,6 +303,7 @@ impl<A: Allocation> FairQueue<A> {
         let q = &mut self.flows[flow as usize];
         let pos = q.iter().position(|e| e.req.id == id).expect("flow index out of step");
         let req = q.remove(pos).expect("position just found").req;
+        self.left(flow);
         if pos == 0 {
             let q = &self.flows[flow as usize];
             self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
@@ -269,6 +339,17 @@ impl<A: Allocation> FairQueue<A> {
         None
     }
 
+    /// A request of `flow` left the queue. The flow may become idle but is
+    /// not forgotten here: the caller still names it (to charge the dispatch).
+    fn left(&mut self, flow: FlowId) {
+        if self.flows[flow as usize].len() < 2 {
+            self.crowded.remove(&flow);
+        }
+        if self.own_ids {
+            self.tenants.release(flow);
+        }
+    }
+
     /// Drops stale age entries when they outnumber the live ones, so memory
     /// stays proportional to the queue.
     fn compact(&mut self) {
@@ -277,6 +358,15 @@ impl<A: Allocation> FairQueue<A> {
             self.by_age.retain(|(_, id)| live.contains_key(id));
         }
     }
+}
+
+/// Drops what a queue keeps for a forgotten flow (which has nothing queued).
+fn drop_flow<A: Allocation>(flows: &mut [VecDeque<Entry>], alloc: &mut A, flow: FlowId) {
+    if let Some(q) = flows.get_mut(flow as usize) {
+        debug_assert!(q.is_empty(), "flow {flow} forgotten with requests queued");
+        *q = VecDeque::new();
+    }
+    alloc.forget(flow);
 }
 
 #[cfg(test)]

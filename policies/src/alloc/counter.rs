@@ -35,6 +35,12 @@ pub trait Charge {
     }
     /// The true output length of request `id`, for an oracle.
     fn hint(&mut self, _id: u64, _output_tokens: u32) {}
+    /// Drops per-flow pricing state of an idle flow (see [`Allocation::forget`]).
+    fn forget(&mut self, _flow: FlowId) {}
+    /// Length of the per-flow pricing tables.
+    fn flow_slots(&self) -> usize {
+        0
+    }
 }
 
 /// The linear service function `w_p · input + w_q · output` of Algorithm 2.
@@ -237,6 +243,19 @@ impl Charge for Tracked {
             self.hints.insert(id, output_tokens);
         }
     }
+
+    /// The flow's output history goes: its next requests are predicted from
+    /// the outputs it completes from now on (nothing, i.e. plain VTC, for the
+    /// first). Per-request state is keyed by request id and an idle flow has none.
+    fn forget(&mut self, flow: FlowId) {
+        if let Some(h) = self.history.get_mut(flow as usize) {
+            *h = VecDeque::new();
+        }
+    }
+
+    fn flow_slots(&self) -> usize {
+        self.history.len()
+    }
 }
 
 /// Least-counter-first over backlogged flows, with the VTC counter lift when
@@ -253,6 +272,8 @@ pub struct CounterPolicy<C> {
     backlog: BTreeSet<(u64, u64, FlowId)>,
     key_of: Vec<Option<(u64, u64)>>,
     last_left: Option<FlowId>,
+    /// Counter of the last flow to leave, once that flow was forgotten.
+    left_floor: f64,
 }
 
 impl Default for CounterPolicy<Linear> {
@@ -285,6 +306,7 @@ impl<C: Charge> CounterPolicy<C> {
             backlog: BTreeSet::new(),
             key_of: Vec::new(),
             last_left: None,
+            left_floor: 0.0,
         }
     }
 
@@ -357,7 +379,7 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
                     // Counter lift (Algorithm 2, lines 7-13).
                     let floor = match self.min_backlogged() {
                         Some(min) => min,
-                        None => self.last_left.map_or(0.0, |l| self.counter(l)),
+                        None => self.last_left.map_or(self.left_floor, |l| self.counter(l)),
                     };
                     let c = slot(&mut self.counters, flow);
                     if *c < floor {
@@ -409,6 +431,58 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
 
     fn restore_counter(&mut self, flow: FlowId, value: f64) {
         self.set_counter(flow, value);
+    }
+
+    /// Drops the flow's counter (and its weight, and its pricing history).
+    ///
+    /// **With the lift (VTC and its weighted, cost, prediction and oracle
+    /// variants)** a flow joining the backlog is lifted to the floor `F`: the
+    /// smallest backlogged counter, or, when nothing is backlogged, the counter
+    /// of the last flow to leave (kept here even when that flow is forgotten).
+    /// A returning tenant gets `max(c_old, F)` if remembered and `F` if
+    /// forgotten: forgetting changes nothing unless the tenant's counter `c_old`
+    /// is above the floor it returns to, and then it gains exactly `c_old − F` of
+    /// service credit, once. `F` never decreases (a lift never lowers the
+    /// minimum, a flow leaving never lowers it, an emptied queue leaves the floor
+    /// at the last leaver's counter, which was the minimum). So, when every
+    /// request of the tenant went through the queue, the gain is at most what it
+    /// was above the minimum when it last left the backlog (at most Lemma 4.3's
+    /// spread `U = max(w_p·L_input, w_q·M)`; just `w_p·L_input` when it left by
+    /// being dispatched, as VTC serves the minimum) plus the output charged
+    /// afterwards to its requests then running (`w_q` per token, at most `w_q·M`
+    /// with a batch memory of `M` tokens): about two batches' worth. Service
+    /// charged while the tenant was *not* backlogged (requests that bypassed
+    /// an empty queue in the filter) can lift `c_old` further above `F`; that
+    /// excess is forgiven too. In every case the returning tenant is treated
+    /// exactly as a new tenant name would be, and forgetting needs
+    /// `max_tenants` other tenants to be active after its last activity.
+    /// (With prediction, refunds at completion may lower counters, and the floor
+    /// with them, by the over-prediction refunded.)
+    ///
+    /// **Without the lift (LCF)** a returning forgotten tenant starts from 0
+    /// like any newcomer: its whole history is lost, and LCF serves it until
+    /// it catches up with the others. LCF remembers only the last
+    /// `max_tenants` active tenants.
+    fn forget(&mut self, flow: FlowId) {
+        if let Some(key) = self.key_of.get_mut(flow as usize) {
+            if let Some((bits, seq)) = key.take() {
+                debug_assert!(false, "flow {flow} forgotten while backlogged");
+                self.backlog.remove(&(bits, seq, flow));
+            }
+        }
+        if self.last_left == Some(flow) {
+            self.left_floor = self.counter(flow);
+            self.last_left = None;
+        }
+        if let Some(c) = self.counters.get_mut(flow as usize) {
+            *c = 0.0;
+        }
+        self.weights.forget(flow);
+        self.charge.forget(flow);
+    }
+
+    fn flow_slots(&self) -> usize {
+        self.counters.len().max(self.key_of.len()).max(self.weights.len()).max(self.charge.flow_slots())
     }
 }
 

@@ -190,6 +190,33 @@ impl Allocation for Drr {
 
     fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
 
+    /// Free: a flow that leaves the ring gives its unused deficit to the pool
+    /// at once and rejoins with a deficit of 0 (and its head's cost), so an
+    /// idle flow holds nothing that would be used again. Its weights are
+    /// resolved again from its name. The flow's epoch counter is kept, not
+    /// reset, so that a stale ring entry of the old flow can never pass for
+    /// an entry of the id's next owner.
+    fn forget(&mut self, flow: FlowId) {
+        let i = flow as usize;
+        if self.member.get_mut(i).and_then(Option::take).is_some() {
+            debug_assert!(false, "flow {flow} forgotten while backlogged");
+            if self.current == Some(flow) {
+                self.select();
+            }
+        }
+        for v in [&mut self.cost, &mut self.deficit] {
+            if let Some(x) = v.get_mut(i) {
+                *x = 0.0;
+            }
+        }
+        self.weights.forget(flow);
+        self.boost.forget(flow);
+    }
+
+    fn flow_slots(&self) -> usize {
+        self.member.len().max(self.deficit.len()).max(self.weights.len()).max(self.boost.len())
+    }
+
     fn on_flow(&mut self, flow: FlowId, name: &str) {
         self.weights.on_flow(flow, name);
         self.boost.on_flow(flow, name);

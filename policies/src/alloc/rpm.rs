@@ -77,6 +77,25 @@ impl Allocation for RpmLimit {
 
     fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
 
+    /// Loses the flow's count of dispatches in the current minute: a tenant
+    /// forgotten in the minute it used part of its limit may send up to a full
+    /// `limit` more in that minute. That needs `max_tenants` other tenants
+    /// active since its last request, within the minute.
+    fn forget(&mut self, flow: FlowId) {
+        let i = flow as usize;
+        if let Some(seq) = self.head_of.get_mut(i).and_then(Option::take) {
+            debug_assert!(false, "flow {flow} forgotten while backlogged");
+            self.eligible.remove(&(seq, flow));
+        }
+        if let Some(u) = self.used.get_mut(i) {
+            *u = (0, 0);
+        }
+    }
+
+    fn flow_slots(&self) -> usize {
+        self.head_of.len().max(self.used.len())
+    }
+
     fn advance(&mut self, now_ms: u64) {
         let w = now_ms / WINDOW_MS;
         if w > self.window {

@@ -92,6 +92,26 @@ impl Allocation for Wfq {
 
     fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
 
+    /// Free: a returning flow's first tag starts at `max(V, last_f)`, and an
+    /// idle flow's `last_f` (the tag of its last dispatched request) is never
+    /// above `V` (the largest dispatched tag), so it restarts at `V` whether
+    /// remembered or not. Its weight is resolved again from its name.
+    fn forget(&mut self, flow: FlowId) {
+        let i = flow as usize;
+        if let Some((bits, seq)) = self.head_key.get_mut(i).and_then(Option::take) {
+            debug_assert!(false, "flow {flow} forgotten while backlogged");
+            self.backlog.remove(&(bits, seq, flow));
+        }
+        if let Some(l) = self.last_finish.get_mut(i) {
+            *l = 0.0;
+        }
+        self.weights.forget(flow);
+    }
+
+    fn flow_slots(&self) -> usize {
+        self.last_finish.len().max(self.head_key.len()).max(self.weights.len())
+    }
+
     fn on_flow(&mut self, flow: FlowId, name: &str) {
         self.weights.on_flow(flow, name);
     }
