@@ -4,6 +4,7 @@
 //! harness starts Envoy with, so what the tests exercise is what the repository documents.
 
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// Header the filter sets to the chosen `ip:port`; the ORIGINAL_DST cluster routes on it.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -21,6 +22,26 @@ pub struct FilterSpec {
     pub plugin_config: Value,
 }
 
+/// Route idle timeout of the pool's routes in the reference configs. It must exceed the plugin's
+/// `queue_ttl_ms` (30 s by default), since the timer also runs while a request waits in the queue.
+pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The filter's default `max_body_bytes` (used when a plugin configuration does not set it).
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+
+/// What Envoy's buffer limit adds to `max_body_bytes`: the data of the read in which the body
+/// crosses `max_body_bytes` arrives in Envoy's buffer before the filter can drain it.
+pub const BUFFER_HEADROOM_BYTES: u64 = 1 << 20;
+
+/// The paths the route table sends to the pool (the ORIGINAL_DST cluster), each with the one
+/// method it accepts; every other method and path gets Envoy's `direct_response` 404.
+pub const POOL_ROUTES: &[(&str, &str)] =
+    &[("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET")];
+
+/// Body of the 404 that Envoy answers for anything that is not a pool route (OpenAI error shape).
+pub const NOT_FOUND_BODY: &str =
+    r#"{"error":{"message":"no such endpoint on this gateway","type":"not_found_error","code":"not_found"}}"#;
+
 /// What goes into one Envoy bootstrap.
 #[derive(Debug, Clone)]
 pub struct EnvoyConfig {
@@ -32,6 +53,23 @@ pub struct EnvoyConfig {
     pub filter: Option<FilterSpec>,
     /// A second listener without the filter, routed to the same cluster (bypass benchmark).
     pub direct_listener_port: Option<u16>,
+    /// `idle_timeout` of the pool's routes: a stream with no activity in either direction for this
+    /// long ends (a hung backend's requests end). Must exceed the plugin's `queue_ttl_ms`.
+    pub stream_idle_timeout: Duration,
+    /// `per_connection_buffer_limit_bytes` of the listeners and the cluster; `None` derives it from
+    /// the plugin's `max_body_bytes` ([`buffer_limit_for`]).
+    pub buffer_limit_bytes: Option<u64>,
+}
+
+/// Envoy's buffer limit for a plugin configuration: its `max_body_bytes` (the filter's default
+/// when absent) plus [`BUFFER_HEADROOM_BYTES`], so that a body the filter accepts is never refused
+/// by Envoy first (Envoy answers 413 itself once a filter holds more than the limit).
+pub fn buffer_limit_for(plugin_config: Option<&Value>) -> u64 {
+    let max_body = plugin_config
+        .and_then(|pc| pc.get("max_body_bytes"))
+        .and_then(|v| v.as_u64().or_else(|| v.as_f64().map(|f| f as u64)))
+        .unwrap_or(DEFAULT_MAX_BODY_BYTES);
+    max_body + BUFFER_HEADROOM_BYTES
 }
 
 /// The plugin configuration with every key at its documented default, for `endpoints`.
@@ -84,9 +122,24 @@ fn indent(text: &str, spaces: usize) -> String {
     text.lines().map(|l| format!("{pad}{l}\n")).collect()
 }
 
+/// Whether `key` can be written as a plain (unquoted) YAML mapping key: it starts with a letter,
+/// digit or `_` and holds only those and `-`, `.`, `/`. Anything else (`@type`, `:method`) is quoted.
+pub fn is_plain_yaml_key(key: &str) -> bool {
+    key.chars().next().is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+        && key.chars().all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c))
+}
+
+fn yaml_key(key: &str) -> String {
+    if is_plain_yaml_key(key) {
+        key.to_string()
+    } else {
+        Value::String(key.to_string()).to_string()
+    }
+}
+
 /// Block-style YAML for a JSON value (objects, arrays, scalars); strings are JSON-quoted, which YAML reads as
-/// double-quoted scalars.
-fn to_yaml(v: &Value) -> String {
+/// double-quoted scalars, and so are keys that are not plain ([`is_plain_yaml_key`]).
+pub fn to_yaml(v: &Value) -> String {
     fn scalar(v: &Value) -> String {
         match v {
             Value::Object(m) if m.is_empty() => "{}".into(),
@@ -101,6 +154,7 @@ fn to_yaml(v: &Value) -> String {
     match v {
         Value::Object(m) if !m.is_empty() => {
             for (k, val) in m {
+                let k = yaml_key(k);
                 if is_block(val) {
                     out.push_str(&format!("{k}:\n{}", indent(&to_yaml(val), 2)));
                 } else {
@@ -127,27 +181,87 @@ fn pretty(v: &Value) -> String {
     serde_json::to_string_pretty(v).expect("JSON values always serialise")
 }
 
-fn listener(name: &str, port: u16, http_filters: &str) -> String {
+/// A duration as Envoy's YAML writes one (`60s`, `1.5s`).
+fn envoy_duration(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}s", d.as_secs_f64())
+    }
+}
+
+/// The route table shared by the listeners: the pool's paths to the ORIGINAL_DST cluster, the rest 404.
+fn routes(idle_timeout: Duration) -> String {
+    let idle = envoy_duration(idle_timeout);
+    let mut out = String::from(
+        r#"              # Only what belongs to the pool reaches the ORIGINAL_DST cluster: exact paths (compared
+              # after the normalisation above; the query string is not part of the match), each with
+              # its one method. Everything else is answered by Envoy itself (404 below), so no path,
+              # method or header a client chooses can reach another host through the cluster.
+              #   timeout 0s: no bound on the whole response, since a request may wait in the sluice
+              #     queue up to queue_ttl_ms and then stream for a long time.
+              #   idle_timeout: a stream with no activity in either direction for this long ends (408
+              #     before the response started, a reset after), so the requests of a hung backend end
+              #     and give their stock slot back. The timer also runs while a request waits in the
+              #     queue, so it must exceed queue_ttl_ms (30 s in the reference config).
+"#,
+    );
+    for (path, method) in POOL_ROUTES {
+        out.push_str(&format!(
+            r#"              - match:
+                  path: "{path}"
+                  headers: [{{ name: ":method", string_match: {{ exact: {method} }} }}]
+                route: {{ cluster: model_servers, timeout: 0s, idle_timeout: {idle} }}
+"#
+        ));
+    }
+    out.push_str(&format!(
+        r#"              - match: {{ prefix: "/" }}
+                direct_response:
+                  status: 404
+                  body: {{ inline_string: '{NOT_FOUND_BODY}' }}
+                response_headers_to_add:
+                - header: {{ key: content-type, value: application/json }}
+                  append_action: OVERWRITE_IF_EXISTS_OR_ADD
+"#
+    ));
+    out
+}
+
+fn listener(name: &str, port: u16, buffer_limit: u64, idle_timeout: Duration, http_filters: &str) -> String {
+    let routes = routes(idle_timeout);
     format!(
         r#"  - name: {name}
     address:
       socket_address: {{ address: 127.0.0.1, port_value: {port} }}
+    # The filter holds a request's body in Envoy's buffer until it has read it whole, and Envoy
+    # answers 413 itself (plain text) once a filter holds more than this limit: so the limit is the
+    # plugin's max_body_bytes plus 1 MiB for the read in which a body crosses max_body_bytes (past
+    # it the filter drains the body and answers its own 413). It also bounds the memory one
+    # connection may hold (Envoy's default is 1 MiB).
+    per_connection_buffer_limit_bytes: {buffer_limit}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: {name}
+          # Route (and schedule) the path the backends will see: RFC 3986 normalisation (dot
+          # segments, percent-encoded unreserved characters decoded) and repeated slashes merged.
+          # An encoded slash or backslash (%2F, %5C) is refused with 400 rather than decoded: no
+          # OpenAI path contains one, and UNESCAPE_AND_REDIRECT would answer with a redirect that
+          # clients do not follow for a POST, while UNESCAPE_AND_FORWARD lets one path have two
+          # spellings upstream.
+          normalize_path: true
+          merge_slashes: true
+          path_with_escaped_slashes_action: REJECT_REQUEST
           route_config:
             name: {name}
             virtual_hosts:
             - name: {name}
               domains: ["*"]
               routes:
-              - match: {{ prefix: "/" }}
-                # No route timeout: a request may wait in the sluice queue up to queue_ttl_ms, then stream for long.
-                route: {{ cluster: model_servers, timeout: 0s }}
-          http_filters:
+{routes}          http_filters:
 {http_filters}"#
     )
 }
@@ -168,11 +282,20 @@ impl EnvoyConfig {
                 plugin_config: reference_plugin_config(),
             }),
             direct_listener_port: None,
+            stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
+            buffer_limit_bytes: None,
         }
+    }
+
+    /// `per_connection_buffer_limit_bytes` of this config: the override, else derived from the
+    /// plugin's `max_body_bytes`.
+    pub fn buffer_limit(&self) -> u64 {
+        self.buffer_limit_bytes.unwrap_or_else(|| buffer_limit_for(self.filter.as_ref().map(|f| &f.plugin_config)))
     }
 
     /// The Envoy bootstrap YAML.
     pub fn render(&self) -> String {
+        let buffer_limit = self.buffer_limit();
         let mut out = String::from(
             "# sluice in front of simulated GPU model servers. Generated by the harness renderer\n\
              # (tests/src/config.rs, `sluice-demo --write-reference-configs`); the test\n\
@@ -210,9 +333,9 @@ impl EnvoyConfig {
             ));
         }
         filters.push_str(ROUTER);
-        out.push_str(&listener("inference", self.listener_port, &filters));
+        out.push_str(&listener("inference", self.listener_port, buffer_limit, self.stream_idle_timeout, &filters));
         if let Some(port) = self.direct_listener_port {
-            out.push_str(&listener("direct", port, ROUTER));
+            out.push_str(&listener("direct", port, buffer_limit, self.stream_idle_timeout, ROUTER));
         }
         out.push_str(&format!(
             r#"  clusters:
@@ -224,6 +347,8 @@ impl EnvoyConfig {
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {DESTINATION_HEADER}
+    # A released request's body (up to max_body_bytes) goes upstream in one piece: same limit as the listener.
+    per_connection_buffer_limit_bytes: {buffer_limit}
     # Admission is sluice's job; Envoy's default circuit breakers (1024) must not shed first.
     circuit_breakers:
       thresholds:
@@ -245,7 +370,8 @@ pub fn render_istio_wasmplugin(plugin_config: &Value) -> String {
 # JSON through get_plugin_configuration(), exactly like envoy/envoy.yaml's `configuration`.
 # Generated by tests/src/config.rs; keep the three manifests in envoy/ identical in configuration.
 # The route to the model servers must use an ORIGINAL_DST cluster on {DESTINATION_HEADER}
-# (or the override_host load-balancing policy), see envoy/README.md.
+# (or the override_host load-balancing policy), see envoy/README.md; envoy/istio-routes.yaml
+# holds the routes, path normalisation, timeouts and buffer limits that go with it.
 apiVersion: extensions.istio.io/v1alpha1
 kind: WasmPlugin
 metadata:
@@ -272,6 +398,8 @@ pub fn render_envoy_gateway_policy(plugin_config: &Value) -> String {
         r#"# sluice as an Envoy Gateway EnvoyExtensionPolicy attached to the inference HTTPRoute. The
 # wasm[].config reaches the filter as JSON through get_plugin_configuration().
 # Generated by tests/src/config.rs; same configuration as envoy/envoy.yaml.
+# envoy/envoy-gateway-routes.yaml holds the HTTPRoute it attaches to and the traffic policies
+# (path normalisation, timeouts, buffer limits) that go with it.
 apiVersion: gateway.envoyproxy.io/v1alpha1
 kind: EnvoyExtensionPolicy
 metadata:
@@ -295,12 +423,277 @@ spec:
     )
 }
 
-/// The three checked-in files under `envoy/` as (relative path, contents).
-pub fn reference_files() -> Vec<(&'static str, String)> {
+/// The Kubernetes Service of the model servers in the Istio and Envoy Gateway examples.
+pub const MODEL_SERVICE: &str = "model-servers";
+/// Its namespace.
+pub const MODEL_NAMESPACE: &str = "default";
+/// Its port.
+pub const MODEL_PORT: u16 = 8000;
+/// Route timeout of the Envoy Gateway example (BackendTrafficPolicy `requestTimeout`).
+pub const ENVOY_GATEWAY_REQUEST_TIMEOUT: &str = "600s";
+
+fn model_service_fqdn() -> String {
+    format!("{MODEL_SERVICE}.{MODEL_NAMESPACE}.svc.cluster.local")
+}
+
+/// One YAML document: a leading comment and a value.
+#[derive(Debug, Clone)]
+pub struct Document {
+    /// Comment lines (without `# `) written before the document.
+    pub comment: Vec<&'static str>,
+    /// The document itself.
+    pub value: Value,
+}
+
+/// Documents joined with `---`, each preceded by its comment.
+pub fn render_documents(header: &[&str], docs: &[Document]) -> String {
+    let mut out = String::new();
+    for l in header {
+        out.push_str(&format!("# {l}\n").replace("# \n", "#\n"));
+    }
+    if !header.is_empty() {
+        out.push('\n');
+    }
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            out.push_str("---\n");
+        }
+        for l in &d.comment {
+            out.push_str(&format!("# {l}\n").replace("# \n", "#\n"));
+        }
+        out.push_str(&to_yaml(&d.value));
+    }
+    out
+}
+
+/// What Istio needs besides the WasmPlugin for the guarantees of envoy/envoy.yaml (rendered as
+/// `envoy/istio-routes.yaml`): a VirtualService with the pool's exact paths and a 404 for the
+/// rest, and an EnvoyFilter for what Istio's API does not expose (escaped slashes, buffer limits,
+/// the route idle timeout).
+pub fn istio_route_documents(plugin_config: &Value) -> Vec<Document> {
+    let buffer_limit = buffer_limit_for(Some(plugin_config));
+    let idle = envoy_duration(DEFAULT_STREAM_IDLE_TIMEOUT);
+    let destination = json!([{"destination": {"host": model_service_fqdn(), "port": {"number": MODEL_PORT}}}]);
+    let exact = |path: &str, method: &str| json!({"uri": {"exact": path}, "method": {"exact": method}});
+    let vs = json!({
+        "apiVersion": "networking.istio.io/v1",
+        "kind": "VirtualService",
+        "metadata": {"name": "sluice-pool", "namespace": "istio-system"},
+        "spec": {
+            "hosts": ["*"],
+            "gateways": ["istio-system/llm-gateway"],
+            "http": [
+                {
+                    "name": "sluice-completions",
+                    "match": [exact(POOL_ROUTES[0].0, POOL_ROUTES[0].1), exact(POOL_ROUTES[1].0, POOL_ROUTES[1].1)],
+                    "route": destination,
+                    "timeout": "0s"
+                },
+                {
+                    "name": "sluice-models",
+                    "match": [exact(POOL_ROUTES[2].0, POOL_ROUTES[2].1)],
+                    "route": destination,
+                    "timeout": "0s"
+                },
+                {
+                    "name": "sluice-not-found",
+                    "directResponse": {"status": 404, "body": {"string": NOT_FOUND_BODY}},
+                    "headers": {"response": {"set": {"content-type": "application/json"}}}
+                }
+            ]
+        }
+    });
+    let hcm = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
+    let route_idle = |name: &str| {
+        json!({
+            "applyTo": "HTTP_ROUTE",
+            "match": {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": name}}}},
+            "patch": {"operation": "MERGE", "value": {"route": {"idle_timeout": idle}}}
+        })
+    };
+    let ef = json!({
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": "sluice-guards", "namespace": "istio-system"},
+        "spec": {
+            "workloadSelector": {"labels": {"istio": "ingressgateway"}},
+            "configPatches": [
+                {
+                    "applyTo": "NETWORK_FILTER",
+                    "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}},
+                    "patch": {"operation": "MERGE", "value": {"typed_config": {
+                        "@type": hcm,
+                        "normalize_path": true,
+                        "merge_slashes": true,
+                        "path_with_escaped_slashes_action": "REJECT_REQUEST"
+                    }}}
+                },
+                {
+                    "applyTo": "LISTENER",
+                    "match": {"context": "GATEWAY"},
+                    "patch": {"operation": "MERGE", "value": {"per_connection_buffer_limit_bytes": buffer_limit}}
+                },
+                {
+                    "applyTo": "CLUSTER",
+                    "match": {"context": "GATEWAY", "cluster": {"service": model_service_fqdn()}},
+                    "patch": {"operation": "MERGE", "value": {"per_connection_buffer_limit_bytes": buffer_limit}}
+                },
+                route_idle("sluice-completions"),
+                route_idle("sluice-models")
+            ]
+        }
+    });
+    vec![
+        Document {
+            comment: vec![
+                "Only the pool's own paths reach the model servers: exact paths, each with its one method;",
+                "everything else gets a 404 from the gateway itself (Istio >= 1.20 for directResponse).",
+                "The paths are compared after normalisation. Set it mesh-wide, where Istio's authorization",
+                "policies see it too:",
+                "  meshConfig:",
+                "    pathNormalization:",
+                "      normalization: MERGE_SLASHES   # normalize_path + merge_slashes",
+                "(BASE, the default, does not merge slashes; DECODE_AND_MERGE_SLASHES decodes %2F and %5C,",
+                "which the EnvoyFilter below refuses instead.) timeout 0s: a request may wait in the",
+                "sluice queue up to queue_ttl_ms, then stream for long; the idle timeout (EnvoyFilter) ends",
+                "a hung backend's requests. The destination's cluster must honour",
+                "x-gateway-destination-endpoint (ORIGINAL_DST or override_host), see envoy/README.md.",
+            ],
+            value: vs,
+        },
+        Document {
+            comment: vec![
+                "What Istio's API does not expose, patched into the ingress gateway's Envoy:",
+                "- the path normalisation of envoy/envoy.yaml, with %2F / %5C in a path refused (400);",
+                "- per_connection_buffer_limit_bytes = max_body_bytes + 1 MiB on the listener and the model",
+                "  servers' cluster, so that Envoy never answers 413 before the filter (which drains a body",
+                "  past max_body_bytes and answers its own JSON 413);",
+                "- idle_timeout on the pool's routes (above queue_ttl_ms, 30 s), so a hung backend's",
+                "  requests end and release their stock slot.",
+            ],
+            value: ef,
+        },
+    ]
+}
+
+/// What Envoy Gateway needs besides the EnvoyExtensionPolicy for the guarantees of
+/// envoy/envoy.yaml (rendered as `envoy/envoy-gateway-routes.yaml`): the HTTPRoute with the pool's
+/// exact paths, a JSON 404 for the rest, and the client and backend traffic policies.
+pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
+    let buffer_limit = buffer_limit_for(Some(plugin_config));
+    let matches: Vec<Value> = POOL_ROUTES
+        .iter()
+        .map(|(path, method)| json!({"path": {"type": "Exact", "value": path}, "method": method}))
+        .collect();
+    let route = json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "llm-route", "namespace": "default"},
+        "spec": {
+            "parentRefs": [{"name": "llm-gateway"}],
+            "rules": [
+                {"matches": matches, "backendRefs": [{"name": MODEL_SERVICE, "port": MODEL_PORT}]},
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                    "filters": [{"type": "ExtensionRef", "extensionRef": {
+                        "group": "gateway.envoyproxy.io", "kind": "HTTPRouteFilter", "name": "sluice-not-found"
+                    }}]
+                }
+            ]
+        }
+    });
+    let not_found = json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "HTTPRouteFilter",
+        "metadata": {"name": "sluice-not-found", "namespace": "default"},
+        "spec": {"directResponse": {
+            "contentType": "application/json",
+            "statusCode": 404,
+            "body": {"type": "Inline", "inline": NOT_FOUND_BODY}
+        }}
+    });
+    let client = json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "ClientTrafficPolicy",
+        "metadata": {"name": "sluice-client", "namespace": "default"},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-gateway"}],
+            "path": {"escapedSlashesAction": "RejectRequest", "disableMergeSlashes": false},
+            "connection": {"bufferLimit": buffer_limit}
+        }
+    });
+    let backend = json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "BackendTrafficPolicy",
+        "metadata": {"name": "sluice-backend", "namespace": "default"},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm-route"}],
+            "timeout": {"tcp": {"connectTimeout": "2s"}, "http": {"requestTimeout": ENVOY_GATEWAY_REQUEST_TIMEOUT}},
+            "connection": {"bufferLimit": buffer_limit}
+        }
+    });
+    vec![
+        Document {
+            comment: vec![
+                "Only the pool's own paths reach the model servers: exact paths, each with its one method.",
+                "Everything else matches the second rule and gets the JSON 404 of sluice-not-found.",
+                "The backendRef's endpoints must be addressable by x-gateway-destination-endpoint",
+                "(override_host, e.g. through an EnvoyPatchPolicy), see envoy/README.md.",
+            ],
+            value: route,
+        },
+        Document { comment: vec!["The 404 for every path that is not the pool's."], value: not_found },
+        Document {
+            comment: vec![
+                "Path normalisation on the gateway's listeners: Envoy Gateway always sets normalize_path and",
+                "merges slashes unless disableMergeSlashes; %2F / %5C in a path are refused (400) rather than",
+                "decoded (its default is UnescapeAndRedirect). bufferLimit = max_body_bytes + 1 MiB, so that",
+                "Envoy never answers 413 before the filter (which drains a body past max_body_bytes and",
+                "answers its own JSON 413); Envoy Gateway's default is 32 KiB.",
+            ],
+            value: client,
+        },
+        Document {
+            comment: vec![
+                "Without requestTimeout Envoy's route timeout is 15 s, which cuts long streams; with it,",
+                "Envoy Gateway sets the route's idle timeout to max(1 h, requestTimeout), so requestTimeout",
+                "is what ends a hung backend's requests here. It runs from the moment sluice releases a",
+                "request (queue wait excluded). bufferLimit on the model servers' cluster: as above.",
+            ],
+            value: backend,
+        },
+    ]
+}
+
+/// The manifests under `envoy/` that carry the plugin configuration, as (relative path, contents).
+pub fn plugin_manifests() -> Vec<(&'static str, String)> {
     let pc = reference_plugin_config();
     vec![
         ("envoy/envoy.yaml", EnvoyConfig::reference().render()),
         ("envoy/istio-wasmplugin.yaml", render_istio_wasmplugin(&pc)),
         ("envoy/envoy-gateway-extension-policy.yaml", render_envoy_gateway_policy(&pc)),
     ]
+}
+
+/// The route and policy manifests for Istio and Envoy Gateway, as (relative path, documents).
+pub fn route_manifests() -> Vec<(&'static str, Vec<Document>)> {
+    let pc = reference_plugin_config();
+    vec![
+        ("envoy/istio-routes.yaml", istio_route_documents(&pc)),
+        ("envoy/envoy-gateway-routes.yaml", envoy_gateway_route_documents(&pc)),
+    ]
+}
+
+/// Every checked-in file under `envoy/` the renderer produces, as (relative path, contents).
+pub fn reference_files() -> Vec<(&'static str, String)> {
+    let mut files = plugin_manifests();
+    for (rel, docs) in route_manifests() {
+        let header = [
+            "Generated by tests/src/config.rs (`sluice-demo --write-reference-configs`); the test",
+            "`reference_configs_are_current` keeps this file in sync. What envoy/envoy.yaml guarantees",
+            "(see envoy/README.md), for this platform.",
+        ];
+        files.push((rel, render_documents(&header, &docs)));
+    }
+    files
 }
