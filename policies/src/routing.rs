@@ -52,9 +52,10 @@ pub struct EndpointMetrics {
 
 impl EndpointMetrics {
     /// Reads a `/metrics` page. Series of the same metric (one per model) are
-    /// summed, KV usage takes the largest; NaN, infinite or negative values are
-    /// ignored. Returns `None` when none of the three signals is present, and
-    /// the number of malformed lines.
+    /// summed (the sum stops at `f64::MAX`, so it stays finite), KV usage takes
+    /// the largest; NaN, infinite or negative values are ignored. Returns `None`
+    /// when none of the three signals is present, and the number of malformed
+    /// lines.
     pub fn from_prometheus(text: &str, server: ModelServer) -> (Option<EndpointMetrics>, usize) {
         let [waiting, running, kv, kv_old] = server.names();
         let mut m = EndpointMetrics::default();
@@ -62,11 +63,13 @@ impl EndpointMetrics {
         let mut kv_fallback = None;
         let bad = prom::parse(text, |s| {
             let ok = s.value.is_finite() && s.value >= 0.0;
+            // Two finite values can sum to infinity, which the router's
+            // min-max normalisation turns into NaN scores.
             if s.name == waiting && ok {
-                m.waiting += s.value;
+                m.waiting = (m.waiting + s.value).min(f64::MAX);
                 seen = true;
             } else if s.name == running && ok {
-                m.running += s.value;
+                m.running = (m.running + s.value).min(f64::MAX);
                 seen = true;
             } else if s.name == kv && ok {
                 m.kv_usage = m.kv_usage.max(s.value.min(1.0));
@@ -399,6 +402,26 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         assert_eq!(EndpointMetrics::from_prometheus("other 1\n", ModelServer::Vllm).0, None);
         let weird = "vllm:num_requests_waiting NaN\nvllm:num_requests_running -1\nvllm:kv_cache_usage_perc +Inf\n";
         assert_eq!(EndpointMetrics::from_prometheus(weird, ModelServer::Vllm).0, None, "nonsense values are ignored");
+    }
+
+    #[test]
+    fn sums_of_huge_series_stay_finite_and_routable() {
+        // Found writing the `prometheus` fuzz target's invariants: two finite
+        // series summed to +Inf, every score became NaN and `pick` found no
+        // endpoint in a healthy pool (an overflow panic in debug builds).
+        let page =
+            "vllm:num_requests_waiting{model_name=\"a\"} 1e308\nvllm:num_requests_waiting{model_name=\"b\"} 1e308\n\
+vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{model_name=\"b\"} 1.7e308\n";
+        let got = EndpointMetrics::from_prometheus(page, ModelServer::Vllm).0.unwrap();
+        assert_eq!((got.waiting, got.running), (f64::MAX, f64::MAX));
+        let idle = m(0.0, 0.0);
+        let index = AffinityIndex::new(16);
+        for picker in [Picker::MaxScore, Picker::WeightedRandom] {
+            let weights = ScorerWeights { running: 1.0, ..ScorerWeights::default() };
+            let router = Router { weights, picker, saturation: None };
+            let pool = [view(&got, 0), view(&idle, 0)];
+            assert_eq!(router.pick(&RouteRequest::default(), &pool, &index, 0.5), Some(1), "{picker:?}");
+        }
     }
 
     #[test]
