@@ -9,7 +9,7 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 use crate::config::Config;
-use crate::openai::{parse_request, TokenCounter, MAX_PREFIX_BLOCKS};
+use crate::openai::{is_scheduled_path, normalize_path, parse_request, TokenCounter, MAX_PREFIX_BLOCKS};
 use crate::scheduler::Scheduler;
 use crate::wire::{decode_entry, encode_batch, ToScheduler, ToWorker};
 use sluice_policies::prom;
@@ -25,6 +25,7 @@ pub type Check = fn(&[u8]);
 /// the `fuzz/corpus/<name>/` directory) and its check.
 pub const TARGETS: &[(&str, Check)] = &[
     ("openai_request", check_openai_request),
+    ("request_path", check_request_path),
     ("token_counter", check_token_counter),
     ("prometheus", check_prometheus),
     ("wire", check_wire),
@@ -58,6 +59,24 @@ pub fn check_openai_request(data: &[u8]) {
         (Err(p), Err(h)) => assert_eq!(p, h),
         _ => panic!("the block size changed the verdict: {plain:?} vs {hashed:?}"),
     }
+}
+
+/// A request's `:path`, as `on_http_request_headers` matches it: the
+/// normal form has no empty, `.` or `..` segment, no `;params`, no `\`, no
+/// ASCII upper case and no trailing slash, is at most one byte longer than
+/// the input, and decides alone whether the request is scheduled.
+pub fn check_request_path(data: &[u8]) {
+    let p = normalize_path(data);
+    assert_eq!(p.first(), Some(&b'/'), "{p:?}");
+    assert!(p.len() <= data.len() + 1, "{data:?} grew to {p:?}");
+    if p.len() > 1 {
+        for seg in p[1..].split(|&b| b == b'/') {
+            assert!(!matches!(seg, b"" | b"." | b".."), "segment {seg:?} left in {p:?}");
+            assert!(!seg.iter().any(|&b| b == b';' || b == b'\\' || b.is_ascii_uppercase()), "{p:?}");
+        }
+    }
+    let scheduled = p == b"/v1/chat/completions" || p == b"/v1/completions";
+    assert_eq!(is_scheduled_path(data), scheduled, "{data:?} normalised to {p:?}");
 }
 
 /// The chunks `body` is fed in: whole when `k` is 0, else pseudo-random

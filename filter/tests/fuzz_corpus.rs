@@ -57,6 +57,11 @@ fn openai_request_corpus() {
 }
 
 #[test]
+fn request_path_corpus() {
+    run_corpus("request_path");
+}
+
+#[test]
 fn token_counter_corpus() {
     run_corpus("token_counter");
 }
