@@ -15,3 +15,4 @@ pub mod shared;
 #[cfg(target_arch = "wasm32")]
 pub mod vm;
 pub mod wire;
+pub mod worker;
