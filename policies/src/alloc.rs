@@ -429,4 +429,19 @@ mod tests {
         r.max_output_tokens = 10;
         assert_eq!(size_tokens(&r, 256), 110.0);
     }
+
+    #[test]
+    fn fcfs_forgets_nothing_that_matters_and_the_box_forwards_forget() {
+        let mut b: Box<dyn Allocation> = Box::new(Vtc::new(VtcWeights::default()));
+        b.on_output(2, 5);
+        b.forget(2);
+        assert_eq!(b.counter_of(2), Some(0.0));
+        assert_eq!(b.flow_slots(), 3);
+        let mut f = Fcfs::default();
+        f.set_head(0, Some(3));
+        f.set_head(0, None);
+        f.forget(0);
+        f.set_head(0, Some(4));
+        assert_eq!(f.next(), Some(0));
+    }
 }

@@ -224,6 +224,12 @@ impl<A: Allocation> FairQueue<A> {
         self.flow_of.contains_key(&id)
     }
 
+    /// Length of the per-flow table (the highest flow id it keeps a queue
+    /// for, plus one), to check that memory follows the tracked flows.
+    pub fn flow_slots(&self) -> usize {
+        self.flows.len()
+    }
+
     /// Requests queued in one flow.
     pub fn flow_len(&self, flow: FlowId) -> usize {
         self.flows.get(flow as usize).map_or(0, |q| q.len())

@@ -634,4 +634,32 @@ mod tests {
         v.on_complete(0, 1);
         assert_eq!(v.counter(0), 0.0);
     }
+
+    #[test]
+    fn forgetting_clears_the_counter_but_keeps_the_floor_of_an_emptied_queue() {
+        let mut v = Vtc::new(VtcWeights::default());
+        v.set_head(0, Some(0));
+        v.on_output(0, 30); // 60
+        v.set_head(0, None); // the queue empties: 0 was the last to leave
+        v.forget(0);
+        assert_eq!(v.counter(0), 0.0);
+        // The id is reused by a new tenant, which joins an empty queue: it is
+        // lifted to what the forgotten flow had, as it would have been.
+        v.on_flow(0, "new");
+        v.set_head(0, Some(1));
+        assert_eq!(v.counter(0), 60.0);
+        assert_eq!(v.flow_slots(), 1);
+    }
+
+    #[test]
+    fn forgetting_drops_a_predictors_history() {
+        let mut v = CounterPolicy::with_charge("vtc-predict", Tracked::predict(VtcWeights::default(), 5), true);
+        v.on_dispatch(&req(1, 0, 0));
+        v.on_output_for(0, 1, 10);
+        v.on_complete(0, 1);
+        assert_eq!(v.charge().prediction(&req(2, 0, 0)), 10);
+        v.forget(0);
+        assert_eq!(v.charge().prediction(&req(2, 0, 0)), 0, "a forgotten flow predicts like a new one");
+        assert_eq!(v.counter(0), 0.0);
+    }
 }

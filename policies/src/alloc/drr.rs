@@ -327,4 +327,21 @@ mod tests {
         assert_eq!(d.pool(), 100.0);
         assert_eq!(d.next(), None);
     }
+
+    #[test]
+    fn a_recycled_id_does_not_revive_its_stale_ring_entry() {
+        let mut d = Drr::new(100.0, table(&[], 1.0), table(&[], 0.0), 0.0, 0);
+        d.set_head_request(0, Some((0, &req(0, 50))));
+        d.set_head_request(1, Some((1, &req(1, 50))));
+        // Flow 1 leaves: its ring entry is stale. Forgotten, its id is handed out again.
+        d.set_head_request(1, None);
+        d.forget(1);
+        assert_eq!(d.deficit(1), 0.0);
+        d.on_flow(1, "new");
+        d.set_head_request(1, Some((2, &req(1, 50))));
+        // Equal flows alternate two by two (quantum 100, cost 50): the new flow 1
+        // gets one turn per round, not two (which the old entry would give it).
+        let served = serve(&mut d, &[50, 50], 40);
+        assert_eq!(served, vec![1000, 1000]);
+    }
 }

@@ -156,4 +156,16 @@ mod tests {
         r.advance(120_000);
         assert_eq!(r.next(), None);
     }
+
+    #[test]
+    fn forgetting_loses_the_minutes_count() {
+        let mut r = RpmLimit::new(1);
+        r.set_head(0, Some(0));
+        assert_eq!(r.next(), Some(0));
+        r.on_dispatch(&req(0));
+        r.set_head(0, None);
+        r.forget(0);
+        r.set_head(0, Some(1));
+        assert_eq!(r.next(), Some(0), "the documented cost: a fresh count in the same minute");
+    }
 }

@@ -186,4 +186,20 @@ mod tests {
         w.set_head(0, None);
         assert_eq!(w.next(), None);
     }
+
+    #[test]
+    fn forgetting_an_idle_flow_changes_nothing() {
+        let mut w = Wfq::new(FlowWeights::default(), 0);
+        serve(&mut w, &[10, 30], 50);
+        for f in 0..2 {
+            w.set_head(f, None);
+        }
+        let v = w.virtual_time();
+        w.forget(0);
+        // Flow 0, forgotten, and flow 1, remembered, both restart at V.
+        w.set_head_request(0, Some((1_000, &req(1, 0, 10, 0))));
+        w.set_head_request(1, Some((1_001, &req(2, 1, 10, 0))));
+        assert_eq!(w.head_tag(0), Some(v + 10.0));
+        assert_eq!(w.head_tag(1), Some(v + 10.0));
+    }
 }
