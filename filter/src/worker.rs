@@ -30,6 +30,8 @@ pub const REJECT_REASON: &str = "x-sluice-reject-reason";
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// How often the scheduler saves its policy's counters to shared data.
 const COUNTERS_SAVE_MS: u64 = 1000;
+/// Counter shards written in one tick, at most (of `shared::COUNTER_SHARDS`).
+const MAX_SHARDS_SAVED_PER_TICK: usize = 16;
 /// Charges a worker holds before it flushes them without waiting for the tick.
 const MAX_PENDING_CHARGES: usize = 256;
 /// Dispatched requests the scheduler tracks for charging, at most.
@@ -520,9 +522,7 @@ impl<H: Host> Worker<H> {
         let holder = lease.holder == self.worker;
         if holder && self.role.is_none() {
             let mut scheduler = Scheduler::new(&self.cfg);
-            if let (Some(snap), _) = self.host.get(shared::COUNTERS_KEY) {
-                scheduler.restore(&snap);
-            }
+            scheduler.restore_from(&self.host);
             if self.host.register_queue(SCHEDULER_QUEUE).is_none() {
                 log::error!("cannot register the scheduler queue");
                 return;
@@ -761,12 +761,15 @@ impl<H: Host> Worker<H> {
                 log::warn!("worker {worker} stopped ticking; reclaimed the {slots} slots it held");
                 self.host.add(Metric::SlotsReclaimed, slots);
             }
-            // Saving costs a pass over every tenant ever seen: once a second is
-            // enough for a takeover to keep the history.
+            // Only the counter shards that changed are saved, a bounded number
+            // per tick, once a second: a takeover keeps the history, and the
+            // save costs what changed, not every tenant ever seen.
             if now.saturating_sub(role.saved_ms) >= COUNTERS_SAVE_MS {
-                role.saved_ms = now;
-                if let Some(snap) = role.scheduler.snapshot() {
-                    self.host.set(shared::COUNTERS_KEY, &snap, None);
+                for (key, value) in role.scheduler.dirty_snapshots(MAX_SHARDS_SAVED_PER_TICK) {
+                    self.host.set(&key, &value, None);
+                }
+                if role.scheduler.dirty_shards() == 0 {
+                    role.saved_ms = now;
                 }
             }
             self.pump(out);
