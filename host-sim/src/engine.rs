@@ -6,6 +6,7 @@
 //! events at the same virtual time run in the order they were scheduled.
 
 use crate::abi::{self, action, HeaderMap, LogLevel};
+use crate::faults::{self, FaultCounts, FaultRng, Faults};
 use crate::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
 use crate::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
 use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
@@ -38,6 +39,16 @@ pub struct GatewayConfig {
     pub seed: u64,
     /// Local-reply headers whose value is recorded as the reject reason (first present wins).
     pub reason_headers: Vec<String>,
+    /// Envoy's stream idle timeout (the route's `idle_timeout`, else the connection manager's
+    /// `stream_idle_timeout`), µs: a stream with no activity (a request chunk from the client,
+    /// anything from upstream) for this long ends. Before any response header it gets Envoy's
+    /// own 504 "stream timeout" (408 if the client had not finished its request), passed through
+    /// the filter's response callbacks; after, the stream is reset. Either way the response
+    /// code details read `stream_idle_timeout` and `on_log` runs. The timer runs while the
+    /// filter holds the request too. `None`: no timeout (Envoy's default is 5 minutes).
+    pub stream_idle_timeout_us: Option<u64>,
+    /// Faults to inject (none by default).
+    pub faults: Faults,
 }
 
 impl Default for GatewayConfig {
@@ -53,6 +64,8 @@ impl Default for GatewayConfig {
             queue_post_delay_us: 0,
             seed: 0,
             reason_headers: vec!["x-llm-d-request-dropped-reason".into(), "x-sluice-reject-reason".into()],
+            stream_idle_timeout_us: None,
+            faults: Faults::default(),
         }
     }
 }
@@ -150,7 +163,7 @@ pub struct RequestRecord {
     /// HTTP status the client got (0 = stream reset before any response).
     pub status: u16,
     /// `ok`, `upstream_error`, `local_reply`, `trap`, `no_route`, `client_cancel`,
-    /// `upstream_reset`, `filter_reset`, `vm_failed` or `unfinished`.
+    /// `upstream_reset`, `idle_timeout`, `filter_reset`, `vm_failed` or `unfinished`.
     pub outcome: &'static str,
     /// Reject reason: a reason header of a local reply (`GatewayConfig::reason_headers`), else
     /// its details, else a host explanation.
@@ -171,6 +184,12 @@ pub struct RequestRecord {
     pub bytes_received: u64,
     /// Times the backend preempted it.
     pub preemptions: u32,
+    /// When the gateway started holding the whole request (the client had sent it all and the
+    /// filter paused it), if it did, µs.
+    pub queued_us: Option<u64>,
+    /// Longest time the stream went without activity (a request chunk, anything from
+    /// upstream), up to its end, µs: what Envoy's stream idle timer measures.
+    pub max_silence_us: u64,
 }
 
 impl RequestRecord {
@@ -204,6 +223,9 @@ enum Ev {
     CallDone(u32),
     Wake(usize),
     Cancel(usize),
+    Idle(usize),
+    FaultCancel(usize, bool),
+    FaultReset(usize, bool),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -244,6 +266,9 @@ struct Stream {
     /// Body Envoy holds while headers are stopped with StopAllIterationAndWatermark.
     held: Option<Vec<u8>>,
     held_eos: bool,
+    /// Request pieces (body chunks, trailers) the client has yet to send.
+    pieces_left: usize,
+    last_activity: u64,
 }
 
 struct UpstreamSlot {
@@ -272,6 +297,8 @@ pub struct Sim {
     service: BTreeMap<String, Vec<u64>>,
     failure_policy: FailurePolicy,
     rng: rand_chacha::ChaCha8Rng,
+    frng: FaultRng,
+    counts: FaultCounts,
 }
 
 /// VTC's service weights: w_p per prompt token, w_q per output token.
@@ -284,6 +311,7 @@ impl Sim {
     pub fn new(wasm: &[u8], plugin: &PluginSpec, cfg: GatewayConfig) -> anyhow::Result<Sim> {
         let host = Host::new(wasm, plugin)?;
         let cfg_seed = cfg.seed;
+        let frng = FaultRng::new(cfg.faults.seed);
         let n = host.vm_count();
         let mut sim = Sim {
             host,
@@ -304,6 +332,8 @@ impl Sim {
             service: BTreeMap::new(),
             failure_policy: plugin.failure_policy,
             rng: <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(cfg_seed),
+            frng,
+            counts: FaultCounts::default(),
         };
         // Start-up calls may have set tick periods, registered queues or enqueued messages.
         for vm in 0..n {
@@ -346,6 +376,8 @@ impl Sim {
             tokens_received: 0,
             bytes_received: 0,
             preemptions: 0,
+            queued_us: None,
+            max_silence_us: 0,
         };
         self.streams.push(Stream {
             req,
@@ -365,6 +397,8 @@ impl Sim {
             rec,
             held: None,
             held_eos: false,
+            pieces_left: 0,
+            last_activity: at,
         });
         self.open += 1;
         self.push(at, Ev::Arrive(i));
@@ -407,6 +441,21 @@ impl Sim {
     /// Number of events processed so far.
     pub fn events_run(&self) -> u64 {
         self.events_run
+    }
+
+    /// Faults injected so far and what they did.
+    pub fn fault_counts(&self) -> &FaultCounts {
+        &self.counts
+    }
+
+    /// Requests not yet ended.
+    pub fn open_requests(&self) -> usize {
+        self.open
+    }
+
+    /// Every upstream: address and endpoint.
+    pub fn upstreams(&self) -> impl Iterator<Item = (&str, &dyn Upstream)> {
+        self.upstreams.iter().map(|u| (u.addr.as_str(), u.up.as_ref()))
     }
 
     fn push(&mut self, at: u64, ev: Ev) {
@@ -473,16 +522,130 @@ impl Sim {
             }
             Ev::CallDone(token) => self.call_done(token),
             Ev::Wake(u) => self.wake(u),
-            Ev::Cancel(i) => {
-                if !self.streams[i].done {
-                    self.abort_upstream(i);
-                    let s = &mut self.streams[i];
-                    s.rec.outcome = "client_cancel";
-                    s.rec.reason.get_or_insert_with(|| "client gave up".into());
-                    self.end_stream(i);
-                }
+            Ev::Cancel(i) => self.client_cancel(i, "client gave up"),
+            Ev::Idle(i) => self.idle_check(i),
+            Ev::FaultCancel(i, queued) => self.fault_cancel(i, queued),
+            Ev::FaultReset(i, before_headers) => self.fault_reset(i, before_headers),
+        }
+    }
+
+    fn client_cancel(&mut self, i: usize, why: &str) {
+        if !self.streams[i].done {
+            self.abort_upstream(i);
+            let s = &mut self.streams[i];
+            s.rec.outcome = "client_cancel";
+            s.rec.reason.get_or_insert_with(|| why.into());
+            self.end_stream(i);
+        }
+    }
+
+    /// Notes activity on a stream (Envoy resets its stream idle timer).
+    fn touch(&mut self, i: usize) {
+        let now = self.now;
+        let s = &mut self.streams[i];
+        s.rec.max_silence_us = s.rec.max_silence_us.max(now.saturating_sub(s.last_activity));
+        s.last_activity = now;
+    }
+
+    fn idle_check(&mut self, i: usize) {
+        let Some(timeout) = self.cfg.stream_idle_timeout_us else {
+            return;
+        };
+        if self.streams[i].done {
+            return;
+        }
+        let due = self.streams[i].last_activity + timeout;
+        if self.now < due {
+            self.push(due, Ev::Idle(i));
+            return;
+        }
+        self.idle_timeout(i);
+    }
+
+    /// Envoy's stream idle timeout fired: a 504 (408 if the client had not sent all of its
+    /// request) through the filter's response path before any response header, else a reset.
+    fn idle_timeout(&mut self, i: usize) {
+        self.counts.idle_timeouts += 1;
+        if let Some(u) = self.streams[i].upstream {
+            if self.upstreams[u].up.hung_until(self.now).is_some() {
+                self.counts.idle_timeouts_on_hung_backend += 1;
             }
         }
+        self.abort_upstream(i);
+        self.touch(i);
+        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            sd.properties.insert("response.code_details".into(), b"stream_idle_timeout".to_vec());
+        }
+        let s = &mut self.streams[i];
+        s.rec.outcome = "idle_timeout";
+        s.rec.reason = Some("stream idle timeout".into());
+        if s.got_resp_headers {
+            self.end_stream(i);
+            return;
+        }
+        let status: &[u8] = if s.pieces_left == 0 { b"504" } else { b"408" };
+        self.resp_headers(
+            i,
+            vec![(":status".into(), status.to_vec()), ("content-type".into(), b"text/plain".to_vec())],
+            false,
+        );
+        if !self.streams[i].done {
+            self.resp_body(i, b"stream timeout".to_vec(), 0, true);
+        }
+    }
+
+    /// The gateway now holds the whole request, paused by the filter: a queued request.
+    fn note_queued(&mut self, i: usize) {
+        let s = &self.streams[i];
+        if s.done || s.upstream.is_some() || !s.req_paused || s.pieces_left > 0 || s.rec.queued_us.is_some() {
+            return;
+        }
+        self.streams[i].rec.queued_us = Some(self.now);
+        let f = &self.cfg.faults;
+        if let Some(d) = faults::draw(&mut self.frng.cancel_queued, f.cancel_queued_rate, f.cancel_queued_within_us) {
+            self.push(self.now + d, Ev::FaultCancel(i, true));
+        }
+    }
+
+    fn fault_cancel(&mut self, i: usize, queued: bool) {
+        let s = &self.streams[i];
+        if queued {
+            if s.done || s.upstream.is_some() || s.rec.dispatched_us.is_some() {
+                self.counts.cancels_queued_missed += 1;
+                return;
+            }
+            self.counts.cancels_queued += 1;
+            self.client_cancel(i, "client gave up while queued (injected)");
+        } else {
+            if s.done {
+                self.counts.cancels_streaming_missed += 1;
+                return;
+            }
+            self.counts.cancels_streaming += 1;
+            self.client_cancel(i, "client gave up while streaming (injected)");
+        }
+    }
+
+    fn fault_reset(&mut self, i: usize, before_headers: bool) {
+        let s = &self.streams[i];
+        let Some(u) = s.upstream.filter(|_| !s.done && s.got_resp_headers != before_headers) else {
+            self.counts.resets_missed += 1;
+            return;
+        };
+        if self.upstreams[u].up.hung_until(self.now).is_some() {
+            // A stopped process resets nothing.
+            self.counts.resets_missed += 1;
+            return;
+        }
+        if before_headers {
+            self.counts.resets_before_headers += 1;
+        } else {
+            self.counts.resets_mid_stream += 1;
+        }
+        self.upstreams[u].up.abort(self.now, i as u64);
+        self.schedule_wake(u);
+        self.upstream_event(UpstreamEvent::Reset { id: i as u64 });
     }
 
     fn root_trap(&mut self, t: Trap) {
@@ -569,6 +732,11 @@ impl Sim {
         let eos = chunks.is_empty() && !has_trailers;
         let n = chunks.len();
         self.streams[i].chunks = std::mem::take(&mut chunks);
+        self.streams[i].pieces_left = n + has_trailers as usize;
+        self.touch(i);
+        if let Some(t) = self.cfg.stream_idle_timeout_us {
+            self.push(self.now + t, Ev::Idle(i));
+        }
         // The body arrives with the headers (same read), so its events are queued before
         // anything the headers callback posts.
         let gap = self.cfg.body_chunk_gap_us;
@@ -588,6 +756,7 @@ impl Sim {
         }
         self.after_call(vm);
         self.req_flush(i);
+        self.note_queued(i);
     }
 
     /// Hands the body Envoy held during a StopAll pause to the filter, in one callback.
@@ -610,6 +779,7 @@ impl Sim {
         self.streams[i].req_paused = a == action::PAUSE;
         self.streams[i].req_eos |= body_eos;
         self.after_call(vm);
+        self.note_queued(i);
         if eos && !body_eos && !self.streams[i].done {
             // Trailers were held too.
             self.push(self.now, Ev::ReqChunk(i));
@@ -620,6 +790,8 @@ impl Sim {
         if self.streams[i].done {
             return;
         }
+        self.streams[i].pieces_left = self.streams[i].pieces_left.saturating_sub(1);
+        self.touch(i);
         let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
         let s = &mut self.streams[i];
         if let Some(held) = s.held.as_mut() {
@@ -659,6 +831,7 @@ impl Sim {
         self.streams[i].req_paused = a == action::PAUSE;
         self.after_call(vm);
         self.req_flush(i);
+        self.note_queued(i);
     }
 
     /// Applies the failure policy to a failed VM before it takes a new stream; returns whether
@@ -725,6 +898,12 @@ impl Sim {
             body: std::mem::take(&mut s.forwarded),
             prefix_hashes: s.req.prefix_hashes.clone(),
         };
+        let f = &self.cfg.faults;
+        if let Some(d) =
+            faults::draw(&mut self.frng.reset, f.reset_before_headers_rate, f.reset_before_headers_within_us)
+        {
+            self.push(self.now + d, Ev::FaultReset(i, true));
+        }
         let evs = self.upstreams[u].up.submit(self.now, i as u64, req);
         for ev in evs {
             self.upstream_event(ev);
@@ -761,6 +940,7 @@ impl Sim {
                 if self.streams[i].done {
                     return;
                 }
+                self.touch(i);
                 if self.streams[i].got_resp_headers {
                     self.resp_trailers(i, headers);
                 } else {
@@ -770,6 +950,7 @@ impl Sim {
             UpstreamEvent::Body { id, data, tokens, eos } => {
                 let i = id as usize;
                 if !self.streams[i].done {
+                    self.touch(i);
                     self.resp_body(i, data, tokens, eos);
                 }
             }
@@ -778,6 +959,7 @@ impl Sim {
                 if self.streams[i].done {
                     return;
                 }
+                self.touch(i);
                 self.streams[i].upstream = None;
                 // Envoy's response code details for a reset (filters read them in on_log).
                 let details: &[u8] = if self.streams[i].got_resp_headers {
@@ -875,6 +1057,7 @@ impl Sim {
             .and_then(|v| v.parse::<u16>().ok())
             .unwrap_or(0);
         let now = self.now;
+        let mut first_token = false;
         let s = &mut self.streams[i];
         if !s.resp_headers_sent {
             s.resp_headers_sent = true;
@@ -889,6 +1072,7 @@ impl Sim {
             }
             s.rec.tokens_received += s.resp_tokens_buffered;
             s.resp_tokens_buffered = 0;
+            first_token = s.rec.first_token_us.is_none();
             s.rec.first_token_us.get_or_insert(now);
             s.rec.last_token_us = Some(now);
             let buckets = self.service.entry(s.rec.client.clone()).or_default();
@@ -898,6 +1082,19 @@ impl Sim {
             }
             buckets[b] += service;
         }
+        if first_token && !s.resp_eos {
+            let f = &self.cfg.faults;
+            if let Some(d) =
+                faults::draw(&mut self.frng.cancel_streaming, f.cancel_streaming_rate, f.cancel_streaming_within_us)
+            {
+                self.push(now + d, Ev::FaultCancel(i, false));
+            }
+            let f = &self.cfg.faults;
+            if let Some(d) = faults::draw(&mut self.frng.reset, f.reset_mid_stream_rate, f.reset_mid_stream_within_us) {
+                self.push(now + d, Ev::FaultReset(i, false));
+            }
+        }
+        let s = &mut self.streams[i];
         if s.resp_eos {
             if s.rec.outcome == "unfinished" {
                 s.rec.outcome = if (200..300).contains(&s.rec.status) { "ok" } else { "upstream_error" };
@@ -932,19 +1129,28 @@ impl Sim {
         if self.streams[i].done {
             return;
         }
+        self.touch(i);
         let s = &mut self.streams[i];
         s.done = true;
         s.rec.end_us = Some(self.now);
         self.open -= 1;
         let (vm, ctx) = (s.vm, s.ctx);
+        let sent_upstream = s.rec.dispatched_us.is_some();
         // on_done / on_log / on_delete; a trap there cannot change the client's outcome.
-        let _ = self.host.finish_stream(vm, ctx);
+        if let Err(t) = self.host.finish_stream(vm, ctx) {
+            if sent_upstream && t.callback != "proxy_on_delete" {
+                self.counts.dispatched_ended_without_log += 1;
+            }
+        }
         self.by_ctx.remove(&(vm, ctx));
         self.after_call(vm);
     }
 
     fn apply(&mut self, i: usize, a: StreamAction) {
         if self.streams[i].done {
+            if matches!(a, StreamAction::LocalReply { .. }) {
+                self.counts.answers_after_end += 1;
+            }
             return;
         }
         match a {
@@ -1011,7 +1217,11 @@ impl Sim {
         use rand::Rng;
         match self.cfg.tick_jitter_us {
             0 => 0,
-            j => self.rng.random_range(0..=j),
+            j => {
+                let d = self.rng.random_range(0..=j);
+                self.counts.ticks_jittered += (d > 0) as u64;
+                d
+            }
         }
     }
 
@@ -1030,17 +1240,60 @@ impl Sim {
     }
 
     fn start_call(&mut self, call: HttpCallOut) {
+        use rand::Rng;
+        let latency = self.cfg.call_latency_us;
+        let timeout_us = call.timeout_ms as u64 * 1000;
+        // Injected failure: (deliver at, response).
+        let mut forced: Option<(u64, Option<CallResponse>)> = None;
         let resp = match call.endpoint.as_ref().and_then(|e| self.by_addr.get(e)) {
             Some(&u) => {
-                let (h, b) = self.upstreams[u].up.handle_call(self.now, &call.headers, &call.body);
-                Some((h, b, Vec::new()))
+                self.counts.scrapes += 1;
+                let f = &self.cfg.faults;
+                if let Some(until) = self.upstreams[u].up.hung_until(self.now) {
+                    // Connected, but nobody reads: the call times out (or, without a timeout,
+                    // is answered once the process resumes).
+                    self.counts.scrapes_to_hung_backend += 1;
+                    if timeout_us > 0 {
+                        forced = Some((self.now + timeout_us, None));
+                    } else {
+                        let (h, b) = self.upstreams[u].up.handle_call(until, &call.headers, &call.body);
+                        forced = Some((until + latency, Some((h, b, Vec::new()))));
+                    }
+                } else if f.scrape_refused_rate + f.scrape_timeout_rate + f.scrape_malformed_rate > 0.0 {
+                    let r = self.frng.scrape.random::<f64>();
+                    if r < f.scrape_refused_rate {
+                        self.counts.scrapes_refused += 1;
+                        let body = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure";
+                        forced = Some((
+                            self.now + latency,
+                            Some((vec![(":status".into(), b"503".to_vec())], body.to_vec(), Vec::new())),
+                        ));
+                    } else if r < f.scrape_refused_rate + f.scrape_timeout_rate {
+                        self.counts.scrapes_timed_out += 1;
+                        // Without a timeout a lost answer is a reset: a failed call either way.
+                        let at = if timeout_us > 0 { timeout_us } else { latency };
+                        forced = Some((self.now + at, None));
+                    } else if r < f.scrape_refused_rate + f.scrape_timeout_rate + f.scrape_malformed_rate {
+                        self.counts.scrapes_malformed += 1;
+                        let (h, real) = self.upstreams[u].up.handle_call(self.now, &call.headers, &call.body);
+                        let body = faults::garbage_metrics(&mut self.frng.scrape, &real);
+                        forced = Some((self.now + latency, Some((h, body, Vec::new()))));
+                    }
+                }
+                if forced.is_some() {
+                    None
+                } else {
+                    let (h, b) = self.upstreams[u].up.handle_call(self.now, &call.headers, &call.body);
+                    Some((h, b, Vec::new()))
+                }
             }
             // Envoy's async client reports "no healthy upstream" as a 503 response.
             None => Some((vec![(":status".into(), b"503".to_vec())], b"no healthy upstream".to_vec(), Vec::new())),
         };
-        let latency = self.cfg.call_latency_us;
-        let (at, resp) = if call.timeout_ms > 0 && latency > call.timeout_ms as u64 * 1000 {
-            (self.now + call.timeout_ms as u64 * 1000, None)
+        let (at, resp) = if let Some(f) = forced {
+            f
+        } else if call.timeout_ms > 0 && latency > timeout_us {
+            (self.now + timeout_us, None)
         } else {
             (self.now + latency, resp)
         };

@@ -45,6 +45,12 @@ pub struct PluginSpec {
     /// CasMismatch, as when another worker thread wins the race (seeded). VM calls never
     /// interleave in the simulation, so without this a module's CAS retry loops never run.
     pub cas_conflict_rate: f64,
+    /// Fault injection: probability that a callback into a worker VM (start-up excluded) is
+    /// armed to trap; an armed callback traps at its n-th host call (n uniform in 0..8, seeded),
+    /// or not at all if it makes fewer. The VM then follows [`PluginSpec::failure_policy`].
+    /// VM 0 (the main thread) is spared: the engine reloads a VM only when a stream arrives on
+    /// it, and streams arrive on workers.
+    pub trap_rate: f64,
 }
 
 /// Envoy's Wasm `failure_policy`: what a worker does once its VM has trapped.
@@ -73,6 +79,7 @@ impl Default for PluginSpec {
             fuel_per_call: 2_000_000_000,
             failure_policy: FailurePolicy::FailClosed,
             cas_conflict_rate: 0.0,
+            trap_rate: 0.0,
         }
     }
 }
@@ -138,6 +145,10 @@ pub struct Host {
     spec: PluginSpec,
     failed: Vec<bool>,
     reloads: u64,
+    /// Seeded stream of the trap injection.
+    trap_rng: rand_chacha::ChaCha8Rng,
+    /// Callbacks may be armed to trap (not during a VM's start-up).
+    arming: bool,
 }
 
 /// Compiles a module once per process: the engine and compiled code are shared by every
@@ -213,6 +224,7 @@ impl Host {
             cas_conflict_rate: spec.cas_conflict_rate,
             cas_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x5eed_ca5),
             cas_conflicts_injected: 0,
+            traps_injected: 0,
         }));
         let mut host = Host {
             proc,
@@ -223,6 +235,8 @@ impl Host {
             spec: spec.clone(),
             failed: Vec::new(),
             reloads: 0,
+            trap_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x7ea9_0f_ba11),
+            arming: true,
         };
         for vm in 0..=spec.workers {
             host.start_vm(vm).with_context(|| format!("starting VM {vm}"))?;
@@ -254,7 +268,42 @@ impl Host {
         self.reloads
     }
 
+    /// Host-call traps injected so far (see [`PluginSpec::trap_rate`]).
+    pub fn traps_injected(&self) -> u64 {
+        self.proc.borrow().traps_injected
+    }
+
+    /// Size of a VM's linear memory, bytes (it only grows; a reload starts a fresh one).
+    pub fn memory_bytes(&self, vm: usize) -> usize {
+        let v = &self.vms[vm];
+        v.store.data().memory.map_or(0, |m| m.data_size(&v.store))
+    }
+
+    /// Bytes held in shared data: keys plus values.
+    pub fn shared_data_bytes(&self) -> usize {
+        self.proc.borrow().shared.iter().map(|(k, e)| k.len() + e.value.len()).sum()
+    }
+
+    /// Every shared queue: name, registrant VM, and the messages waiting in it.
+    pub fn queues(&self) -> Vec<(String, usize, Vec<Vec<u8>>)> {
+        let p = self.proc.borrow();
+        p.queue_names
+            .iter()
+            .filter_map(|((_, name), id)| {
+                let q = p.queues.get(id)?;
+                Some((name.clone(), q.owner_vm, q.items.iter().cloned().collect()))
+            })
+            .collect()
+    }
+
     fn start_vm(&mut self, vm: usize) -> Result<()> {
+        self.arming = false;
+        let r = self.start_vm_unarmed(vm);
+        self.arming = true;
+        r
+    }
+
+    fn start_vm_unarmed(&mut self, vm: usize) -> Result<()> {
         let (pre, spec) = (self.pre.clone(), self.spec.clone());
         let state = VmState {
             vm,
@@ -272,6 +321,8 @@ impl Host {
             vm_configuration: spec.vm_configuration.clone(),
             plugin_configuration: spec.configuration.clone(),
             done_called: false,
+            trap_in: std::cell::Cell::new(None),
+            instance: self.reloads,
         };
         let mut store = Store::new(pre.module().engine(), state);
         store.set_fuel(self.fuel)?;
@@ -364,9 +415,16 @@ impl Host {
         assert!(!v.store.data().in_call, "re-entrant VM call into {name}");
         v.store.data_mut().in_call = true;
         v.store.data_mut().effective = ctx;
+        if self.arming && vm != MAIN_VM && self.spec.trap_rate > 0.0 {
+            use rand::Rng;
+            if self.trap_rng.random::<f64>() < self.spec.trap_rate {
+                v.store.data().trap_in.set(Some(self.trap_rng.random_range(0..8)));
+            }
+        }
         let _ = v.store.set_fuel(self.fuel);
         let r = f.call(&mut v.store, params);
         let d = v.store.data_mut();
+        d.trap_in.set(None);
         d.in_call = false;
         d.effective = 0;
         d.call_response = None;
@@ -571,9 +629,14 @@ impl Host {
     }
 
     /// Delivers an http-call response (`None` = failure: reset, timeout or no host, delivered
-    /// as zero headers, as Envoy does). Dropped if the calling context is gone.
+    /// as zero headers, as Envoy does). Dropped if the calling context is gone, or if the VM
+    /// was reloaded since the call (Envoy delivers it to the old instance's context, which
+    /// failed).
     pub fn on_http_call_response(&mut self, call: &HttpCallOut, response: Option<CallResponse>) -> Result<(), Trap> {
-        if !self.proc.borrow().alive[call.vm] || !self.has_context(call.vm, call.context_id) {
+        if !self.proc.borrow().alive[call.vm]
+            || !self.has_context(call.vm, call.context_id)
+            || self.vms[call.vm].store.data().instance != call.instance
+        {
             return Ok(());
         }
         let Some(f) = self.vms[call.vm].ex.on_http_call_response.clone() else {

@@ -75,6 +75,27 @@ fn give(c: &mut C<'_>, bytes: &[u8], ptr_ptr: i32, size_ptr: i32) -> Result<i32>
     Ok(S_OK)
 }
 
+/// Message of a trap injected into a host call (fault injection, see `PluginSpec::trap_rate`).
+pub const INJECTED_TRAP: &str = "injected fault: host call trapped";
+
+/// Fault injection: when the running callback was armed to trap at its n-th host call, counts
+/// down and traps there, as a crash inside the module at that point would.
+fn fault(c: &C<'_>, call: &'static str) -> Result<()> {
+    let d = c.data();
+    match d.trap_in.get() {
+        None => Ok(()),
+        Some(0) => {
+            d.trap_in.set(None);
+            d.proc.borrow_mut().traps_injected += 1;
+            Err(wasmtime::Error::msg(format!("{INJECTED_TRAP} ({call})")))
+        }
+        Some(n) => {
+            d.trap_in.set(Some(n - 1));
+            Ok(())
+        }
+    }
+}
+
 /// Unwraps a `Result<_, Status>` inside a host function, returning the status on error.
 macro_rules! tri {
     ($e:expr) => {
@@ -195,6 +216,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_get_current_time_nanoseconds", |mut c: C<'_>, out: i32| -> Result<i32> {
+        fault(&c, "proxy_get_current_time_nanoseconds")?;
         let now = EPOCH_NS + c.data().proc.borrow().now_us * 1000;
         tri!(write_u64(&mut c, out, now));
         Ok(S_OK)
@@ -209,6 +231,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_buffer_bytes",
         |mut c: C<'_>, t: i32, start: i32, max: i32, pp: i32, sp: i32| -> Result<i32> {
+            fault(&c, "proxy_get_buffer_bytes")?;
             let Some(buf) = buffer_ref(&mut c, t) else {
                 return Ok(st(Status::NotFound));
             };
@@ -229,6 +252,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_set_buffer_bytes",
         |mut c: C<'_>, t: i32, start: i32, size: i32, p: i32, n: i32| -> Result<i32> {
+            fault(&c, "proxy_set_buffer_bytes")?;
             let data = tri!(read(&mut c, p, n));
             let d = c.data_mut();
             let buf = match t {
@@ -251,6 +275,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
 
     // Header maps.
     l.func_wrap(ENV, "proxy_get_header_map_pairs", |mut c: C<'_>, t: i32, pp: i32, sp: i32| -> Result<i32> {
+        fault(&c, "proxy_get_header_map_pairs")?;
         match map_ref(&mut c, t) {
             Some(m) => give(&mut c, &abi::serialize_map(&m), pp, sp),
             None => give(&mut c, &[], pp, sp),
@@ -268,6 +293,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, pp: i32, sp: i32| -> Result<i32> {
+            fault(&c, "proxy_get_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let Some(m) = map_ref(&mut c, t) else {
                 return Ok(st(Status::NotFound));
@@ -282,6 +308,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_remove_header_map_value", |mut c: C<'_>, t: i32, kp: i32, kn: i32| -> Result<i32> {
+        fault(&c, "proxy_remove_header_map_value")?;
         let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
         tri!(with_map(&mut c, t, |m| m.retain(|(k, _)| *k != key)));
         Ok(S_OK)
@@ -290,6 +317,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_replace_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, vp: i32, vn: i32| -> Result<i32> {
+            fault(&c, "proxy_replace_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
             let val = tri!(read(&mut c, vp, vn));
             tri!(with_map(&mut c, t, |m| {
@@ -316,6 +344,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_add_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, vp: i32, vn: i32| -> Result<i32> {
+            fault(&c, "proxy_add_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
             let val = tri!(read(&mut c, vp, vn));
             tri!(with_map(&mut c, t, |m| m.push((key, val))));
@@ -325,6 +354,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
 
     // Properties.
     l.func_wrap(ENV, "proxy_get_property", |mut c: C<'_>, p: i32, n: i32, pp: i32, sp: i32| -> Result<i32> {
+        fault(&c, "proxy_get_property")?;
         let path = abi::property_path(&tri!(read(&mut c, p, n)));
         match property(&mut c, &path) {
             Some(v) => give(&mut c, &v, pp, sp),
@@ -352,6 +382,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_shared_data",
         |mut c: C<'_>, kp: i32, kn: i32, pp: i32, sp: i32, cp: i32| -> Result<i32> {
+            fault(&c, "proxy_get_shared_data")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let entry = c.data().proc.borrow().shared.get(&key).cloned();
             let Some(e) = entry else {
@@ -365,6 +396,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_set_shared_data",
         |mut c: C<'_>, kp: i32, kn: i32, vp: i32, vn: i32, cas: i32| -> Result<i32> {
+            fault(&c, "proxy_set_shared_data")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let value = tri!(read(&mut c, vp, vn));
             let mut p = c.data().proc.borrow_mut();
@@ -391,6 +423,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
 
     // Shared queues.
     l.func_wrap(ENV, "proxy_register_shared_queue", |mut c: C<'_>, np: i32, nn: i32, out: i32| -> Result<i32> {
+        fault(&c, "proxy_register_shared_queue")?;
         let name = tri!(read_str(&mut c, np, nn));
         let (vm, root) = (c.data().vm, c.data().root_id);
         let id = {
@@ -420,6 +453,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_resolve_shared_queue",
         |mut c: C<'_>, vp: i32, vn: i32, np: i32, nn: i32, out: i32| -> Result<i32> {
+            fault(&c, "proxy_resolve_shared_queue")?;
             let vm_id = tri!(read_str(&mut c, vp, vn));
             let name = tri!(read_str(&mut c, np, nn));
             let id = c.data().proc.borrow().queue_names.get(&(vm_id, name)).copied();
@@ -431,6 +465,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_dequeue_shared_queue", |mut c: C<'_>, id: i32, pp: i32, sp: i32| -> Result<i32> {
+        fault(&c, "proxy_dequeue_shared_queue")?;
         let item = {
             let mut p = c.data().proc.borrow_mut();
             let Some(q) = p.queues.get_mut(&(id as u32)) else {
@@ -444,6 +479,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_enqueue_shared_queue", |mut c: C<'_>, id: i32, vp: i32, vn: i32| -> Result<i32> {
+        fault(&c, "proxy_enqueue_shared_queue")?;
         let value = tri!(read(&mut c, vp, vn));
         let mut p = c.data().proc.borrow_mut();
         let Some(q) = p.queues.get_mut(&(id as u32)) else {
@@ -467,6 +503,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         S_OK
     }
     l.func_wrap(ENV, "proxy_continue_stream", |mut c: C<'_>, t: i32| -> Result<i32> {
+        fault(&c, "proxy_continue_stream")?;
         Ok(match t {
             stream_type::REQUEST => defer(&mut c, StreamAction::ContinueRequest),
             stream_type::RESPONSE => defer(&mut c, StreamAction::ContinueResponse),
@@ -475,9 +512,11 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         })
     })?;
     l.func_wrap(ENV, "proxy_continue_request", |mut c: C<'_>| -> Result<i32> {
+        fault(&c, "proxy_continue_request")?;
         Ok(defer(&mut c, StreamAction::ContinueRequest))
     })?;
     l.func_wrap(ENV, "proxy_continue_response", |mut c: C<'_>| -> Result<i32> {
+        fault(&c, "proxy_continue_response")?;
         Ok(defer(&mut c, StreamAction::ContinueResponse))
     })?;
     l.func_wrap(ENV, "proxy_close_stream", |mut c: C<'_>, t: i32| -> Result<i32> {
@@ -491,6 +530,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_send_local_response",
         |mut c: C<'_>, status: i32, dp: i32, dn: i32, bp: i32, bn: i32, hp: i32, hn: i32, _grpc: i32| -> Result<i32> {
+            fault(&c, "proxy_send_local_response")?;
             let details = tri!(read_str(&mut c, dp, dn));
             let body = tri!(read(&mut c, bp, bn));
             let hb = tri!(read(&mut c, hp, hn));
@@ -518,6 +558,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
          timeout: i32,
          out: i32|
          -> Result<i32> {
+            fault(&c, "proxy_http_call")?;
             let cluster = tri!(read_str(&mut c, up, un));
             let Some(headers) = abi::deserialize_map(&tri!(read(&mut c, hp, hn))) else {
                 return Ok(st(Status::SerializationFailure));
@@ -533,7 +574,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
                     return Ok(st(Status::BadArgument));
                 }
             }
-            let (vm, ctx) = (c.data().vm, c.data().effective);
+            let (vm, ctx, instance) = (c.data().vm, c.data().effective, c.data().instance);
             let token = {
                 let mut p = c.data().proc.borrow_mut();
                 let endpoint = match p.clusters.get_mut(&cluster) {
@@ -553,6 +594,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
                 let token = p.next_token;
                 p.http_calls.push(HttpCallOut {
                     vm,
+                    instance,
                     context_id: ctx,
                     token,
                     cluster,
@@ -604,6 +646,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
     })?;
 
     l.func_wrap(ENV, "proxy_set_effective_context", |mut c: C<'_>, id: i32| -> Result<i32> {
+        fault(&c, "proxy_set_effective_context")?;
         let d = c.data_mut();
         // Only contexts of the calling VM resolve, as in Envoy (contexts are per instance).
         if d.contexts.contains_key(&(id as u32)) {
@@ -662,6 +705,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_increment_metric", |c: C<'_>, id: i32, off: i64| -> Result<i32> {
+        fault(&c, "proxy_increment_metric")?;
         let mut p = c.data().proc.borrow_mut();
         let Some(&i) = p.metric_ids.get(&(id as u32)) else {
             return Ok(st(Status::NotFound));
@@ -676,6 +720,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_record_metric", |c: C<'_>, id: i32, v: i64| -> Result<i32> {
+        fault(&c, "proxy_record_metric")?;
         let mut p = c.data().proc.borrow_mut();
         let Some(&i) = p.metric_ids.get(&(id as u32)) else {
             return Ok(st(Status::NotFound));

@@ -61,7 +61,22 @@
 //!   filter releases them; none or unknown gives Envoy's 503 "no healthy upstream".
 //! - A trap (with its wasm backtrace, also logged at critical) fails that request with 500; the
 //!   VM then follows [`FailurePolicy`]. Every call runs with a fuel budget, so an endless loop
-//!   traps instead of hanging the run.
+//!   traps instead of hanging the run. A reloaded VM is a new instance: answers to http calls
+//!   the old one made are not delivered to it.
+//! - Envoy's stream idle timeout ([`GatewayConfig::stream_idle_timeout_us`], off by default):
+//!   a stream without activity for that long gets Envoy's 504 (408 while the client is still
+//!   sending) through the filter's response callbacks, or a reset once the response started;
+//!   `response.code_details` reads `stream_idle_timeout`, and `on_log` runs.
+//!
+//! # Fault injection and the soak
+//!
+//! [`faults`] holds the faults a run can inject, each from its own seeded stream: client
+//! cancels while queued and while streaming, backend resets, hung backends
+//! ([`faults::HangingUpstream`]), refused, timed-out and garbage scrapes, traps in host calls
+//! ([`PluginSpec::trap_rate`]), CAS races and tick jitter. [`soak`] combines them all over many
+//! requests and checks invariants (one outcome per request, queue wait within TTL plus a tick,
+//! idle bound, stock and queue back to 0, bounded memory, no trap but the injected ones); the
+//! `sluice-soak` binary runs it.
 //! - gRPC calls and TCP stream types return Unimplemented; unknown foreign functions NotFound
 //!   (`clear_route_cache` is accepted); any other import the module declares traps only when
 //!   called, naming it.
@@ -72,18 +87,21 @@
 
 pub mod abi;
 pub mod engine;
+pub mod faults;
 pub mod host;
 mod hostcalls;
 pub mod report;
 pub mod repro;
 pub mod routing_compare;
 pub mod scenario;
+pub mod soak;
 pub mod state;
 pub mod upstream;
 pub mod workload;
 
 pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 pub use host::{FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
+pub use hostcalls::INJECTED_TRAP;
 pub use report::Report;
 pub use scenario::Scenario;
 pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};

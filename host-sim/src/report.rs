@@ -505,6 +505,8 @@ mod tests {
             tokens_received: 1,
             bytes_received: 0,
             preemptions: 0,
+            queued_us: None,
+            max_silence_us: 0,
         }
     }
 

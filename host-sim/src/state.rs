@@ -75,6 +75,9 @@ pub struct QueuePost {
 pub struct HttpCallOut {
     /// Calling VM.
     pub vm: usize,
+    /// Instance of that VM that made the call (a reloaded VM is a new instance; the answer to
+    /// a call of the old one is not delivered to it).
+    pub instance: u64,
     /// Context the response is delivered to (the effective context at call time).
     pub context_id: u32,
     /// Token returned to the module.
@@ -183,6 +186,8 @@ pub(crate) struct Process {
     pub cas_conflict_rate: f64,
     pub cas_rng: ChaCha8Rng,
     pub cas_conflicts_injected: u64,
+    /// Host-call traps injected so far (see `PluginSpec::trap_rate`).
+    pub traps_injected: u64,
 }
 
 impl Process {
@@ -229,6 +234,10 @@ pub(crate) struct VmState {
     pub vm_configuration: Vec<u8>,
     pub plugin_configuration: Vec<u8>,
     pub done_called: bool,
+    /// Fault injection: the running callback traps at its n-th instrumented host call.
+    pub trap_in: std::cell::Cell<Option<u32>>,
+    /// Which instance of this VM this is (one more at every reload).
+    pub instance: u64,
 }
 
 impl VmState {

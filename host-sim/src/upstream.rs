@@ -68,6 +68,11 @@ pub trait Upstream {
     fn handle_call(&mut self, now_us: u64, headers: &HeaderMap, body: &[u8]) -> (HeaderMap, Vec<u8>);
     /// Downcasting, for tests and reports.
     fn as_any(&self) -> &dyn Any;
+    /// When the endpoint is hung at `now_us` (answers nothing, not even calls), the time it
+    /// resumes; `None` when it is answering. See [`crate::faults::HangingUpstream`].
+    fn hung_until(&self, _now_us: u64) -> Option<u64> {
+        None
+    }
 }
 
 fn h(pairs: &[(&str, &str)]) -> HeaderMap {
