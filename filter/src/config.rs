@@ -85,6 +85,9 @@ fn default_scrape_timeout_ms() -> u64 {
 fn default_metrics_path() -> String {
     "/metrics".into()
 }
+/// Longest prefix block: longer ones would match nothing a server caches.
+const MAX_PREFIX_BLOCK_TOKENS: usize = 1 << 16;
+
 fn default_prefix_block_tokens() -> usize {
     16
 }
@@ -333,8 +336,11 @@ impl Config {
         if !r.metrics_path.starts_with('/') {
             return Err(format!("field `routing.metrics_path` must start with '/', got {:?}", r.metrics_path));
         }
-        if r.prefix_block_tokens == 0 {
-            return Err("field `routing.prefix_block_tokens` must be at least 1, got 0".into());
+        if !(1..=MAX_PREFIX_BLOCK_TOKENS).contains(&r.prefix_block_tokens) {
+            return Err(format!(
+                "field `routing.prefix_block_tokens` must be in 1..={MAX_PREFIX_BLOCK_TOKENS}, got {}",
+                r.prefix_block_tokens
+            ));
         }
         let s = r.saturation;
         if !(s.queue_depth > 0.0 && s.kv_cache_util > 0.0) {
@@ -514,6 +520,10 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"flow_capacity":0}"#, "flow_capacity"),
             (r#"{"endpoints":["127.0.0.1:1"],"max_body_bytes":67108865}"#, "max_body_bytes"),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":0}"#, "max_tenant_bytes"),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"routing":{"prefix_block_tokens":4611686018427387904}}"#,
+                "prefix_block_tokens",
+            ),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":3}"#, "default_tenant"),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenants":0}"#, "max_tenants"),
             (
