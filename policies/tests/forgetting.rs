@@ -52,7 +52,7 @@ fn a_hundred_thousand_one_shot_tenants_stay_within_the_cap_in_every_band_and_pol
     // Fewer under wasm, where the tests run unoptimised in Node.
     let tenants: u64 = if cfg!(target_arch = "wasm32") { 5_000 } else { 100_000 };
     const CAP: usize = 100;
-    for p in 0..POLICIES.len() {
+    for (p, spec) in POLICIES.iter().enumerate() {
         let mut q = banded(p, CAP);
         q.advance(0);
         let mut running: Vec<(u64, Criticality, FlowId)> = Vec::new();
@@ -80,10 +80,10 @@ fn a_hundred_thousand_one_shot_tenants_stay_within_the_cap_in_every_band_and_pol
                 q.release(flow);
             }
             // At most 12 queued and 8 running tenants are busy: under the cap, it holds exactly.
-            assert!(q.tenants().len() <= CAP, "{}: {} tenants tracked", POLICIES[p], q.tenants().len());
+            assert!(q.tenants().len() <= CAP, "{}: {} tenants tracked", spec, q.tenants().len());
         }
-        assert!(q.tenants().id_bound() <= CAP, "{}: ids up to {}", POLICIES[p], q.tenants().id_bound());
-        assert!(slots(&q) <= CAP, "{}: per-flow tables of {} entries", POLICIES[p], slots(&q));
+        assert!(q.tenants().id_bound() <= CAP, "{}: ids up to {}", spec, q.tenants().id_bound());
+        assert!(slots(&q) <= CAP, "{}: per-flow tables of {} entries", spec, slots(&q));
         assert!(q.tenants().forgotten_total() >= tenants - CAP as u64);
         // The last tenants are the ones remembered.
         assert!(q.tenants().get(&format!("one-shot-{}", tenants - 1)).is_some());
