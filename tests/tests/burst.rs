@@ -327,10 +327,10 @@ fn steady_latency(outcomes: &[Outcome], from: Duration, to: Duration) -> (usize,
 }
 
 /// Peak RSS growth allowed while 100,000 distinct tenants pass (default `max_tenants` 10,000).
-/// Measured on the 2-core dev VM with the cap: +37 MB, +41 MB, and +48 MB with both cores busy
-/// with other work; without the cap (before 2b5c4ff) the same flood grew Envoy by 410-480 MB and
-/// kept growing with every tenant. 150 MB is three to four times the capped growth and a third of
-/// the uncapped.
+/// Measured on the 2-core dev VM with the cap (2b5c4ff): +37 MB, +41 MB, and +48 MB with both
+/// cores busy with other work; +12 MB once counters were saved per dirty shard (6533af9). Without
+/// the cap the same flood grew Envoy by 410-480 MB and kept growing with every tenant. 150 MB is
+/// three times the worst capped growth and a third of the uncapped.
 const FLOOD_RSS_GROWTH_BOUND_MB: f64 = 150.0;
 /// RSS growth allowed while 2,000 requests with 30 KB tenant values are refused (they must leave
 /// nothing behind: measured +0.1 to +7 MB with the `max_tenant_bytes` cap; without it they were
