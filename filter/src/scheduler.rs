@@ -99,6 +99,14 @@ impl Scheduler {
         self.queue.tenants().forgotten_total()
     }
 
+    /// Forgets up to `budget` idle tenants while more than `max_tenants` are
+    /// tracked. New tenants and completions already do this a little at a
+    /// time; a tick may call it so that the count also shrinks back soon
+    /// after a burst of busy tenants left by cancellation or expiry.
+    pub fn trim_tenants(&mut self, budget: usize) -> usize {
+        self.queue.trim(budget)
+    }
+
     /// `flow`'s counters changed: its shard must be saved again.
     fn mark(&mut self, flow: FlowId) {
         if self.counters {
@@ -776,6 +784,17 @@ mod tests {
         next.restore_from(&store);
         assert_eq!(next.tenants(), 10);
         assert!(next.queue.tenants().get("old0").is_none());
+        // Twenty tenants queue at once (all busy: kept), then expire; a trim
+        // brings the count back to the cap, its budget at a time.
+        for i in 0..20u32 {
+            next.on_message(enqueue(0, i, &format!("burst{i}"), 0), 0, &mut out);
+        }
+        assert_eq!(next.tenants(), 20, "the twenty busy ones are kept; the idle ones made room");
+        next.expire(u64::MAX / 2, &mut out);
+        assert_eq!(next.tenants(), 20, "expiry forgets nothing by itself");
+        assert_eq!(next.trim_tenants(8), 8);
+        assert_eq!(next.trim_tenants(100), 2);
+        assert_eq!(next.tenants(), 10);
     }
 
     #[test]
