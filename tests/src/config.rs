@@ -29,9 +29,9 @@ pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The filter's default `max_body_bytes` (used when a plugin configuration does not set it).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
 
-/// What Envoy's buffer limit adds to `max_body_bytes`: the data of the read in which the body
-/// crosses `max_body_bytes` arrives in Envoy's buffer before the filter can drain it.
-pub const BUFFER_HEADROOM_BYTES: u64 = 1 << 20;
+/// `per_connection_buffer_limit_bytes` of the listeners: Envoy's default, written out. It bounds
+/// what Envoy reads from a connection in one go, so one body chunk is at most about this much.
+pub const CONNECTION_BUFFER_LIMIT: u64 = 1 << 20;
 
 /// The paths the route table sends to the pool (the ORIGINAL_DST cluster), each with the one
 /// method it accepts; every other method and path gets Envoy's `direct_response` 404.
@@ -56,20 +56,25 @@ pub struct EnvoyConfig {
     /// `idle_timeout` of the pool's routes: a stream with no activity in either direction for this
     /// long ends (a hung backend's requests end). Must exceed the plugin's `queue_ttl_ms`.
     pub stream_idle_timeout: Duration,
-    /// `per_connection_buffer_limit_bytes` of the listeners and the cluster; `None` derives it from
-    /// the plugin's `max_body_bytes` ([`buffer_limit_for`]).
-    pub buffer_limit_bytes: Option<u64>,
+    /// `request_body_buffer_limit` of the pool's routes; `None` derives it from the plugin's
+    /// `max_body_bytes` ([`request_body_limit_for`]).
+    pub request_body_buffer_limit: Option<u64>,
 }
 
-/// Envoy's buffer limit for a plugin configuration: its `max_body_bytes` (the filter's default
-/// when absent) plus [`BUFFER_HEADROOM_BYTES`], so that a body the filter accepts is never refused
-/// by Envoy first (Envoy answers 413 itself once a filter holds more than the limit).
-pub fn buffer_limit_for(plugin_config: Option<&Value>) -> u64 {
+/// The pool routes' `request_body_buffer_limit` for a plugin configuration: its `max_body_bytes`
+/// (the filter's default when absent) plus two connection buffer limits.
+///
+/// Envoy adds each chunk it reads to the body a filter holds and answers 413 itself (plain text,
+/// before the filter runs) when the sum passes this limit. While the filter buffers, it holds at
+/// most `max_body_bytes` (past that it drains); a chunk is at most one read, about
+/// [`CONNECTION_BUFFER_LIMIT`] plus one socket read. So the sum stays under this limit and every
+/// body over `max_body_bytes` reaches the filter, which answers its own JSON 413.
+pub fn request_body_limit_for(plugin_config: Option<&Value>) -> u64 {
     let max_body = plugin_config
         .and_then(|pc| pc.get("max_body_bytes"))
         .and_then(|v| v.as_u64().or_else(|| v.as_f64().map(|f| f as u64)))
         .unwrap_or(DEFAULT_MAX_BODY_BYTES);
-    max_body + BUFFER_HEADROOM_BYTES
+    max_body + 2 * CONNECTION_BUFFER_LIMIT
 }
 
 /// The plugin configuration with every key at its documented default, for `endpoints`.
@@ -191,7 +196,7 @@ fn envoy_duration(d: Duration) -> String {
 }
 
 /// The route table shared by the listeners: the pool's paths to the ORIGINAL_DST cluster, the rest 404.
-fn routes(idle_timeout: Duration) -> String {
+fn routes(idle_timeout: Duration, body_limit: u64, with_filter: bool) -> String {
     let idle = envoy_duration(idle_timeout);
     let mut out = String::from(
         r#"              # Only what belongs to the pool reaches the ORIGINAL_DST cluster: exact paths (compared
@@ -204,6 +209,12 @@ fn routes(idle_timeout: Duration) -> String {
               #     before the response started, a reset after), so the requests of a hung backend end
               #     and give their stock slot back. The timer also runs while a request waits in the
               #     queue, so it must exceed queue_ttl_ms (30 s in the reference config).
+              #   request_body_buffer_limit: the filter holds a body in Envoy's buffer until it has
+              #     read it whole, and Envoy answers 413 itself (plain text, before the filter) when
+              #     that buffer plus the chunk just read passes this limit. The filter holds at most
+              #     max_body_bytes (past it, it drains the body and answers its own JSON 413) and a
+              #     chunk is at most about one per_connection_buffer_limit_bytes: so max_body_bytes
+              #     plus twice that limit.
 "#,
     );
     for (path, method) in POOL_ROUTES {
@@ -212,6 +223,7 @@ fn routes(idle_timeout: Duration) -> String {
                   path: "{path}"
                   headers: [{{ name: ":method", string_match: {{ exact: {method} }} }}]
                 route: {{ cluster: model_servers, timeout: 0s, idle_timeout: {idle} }}
+                request_body_buffer_limit: {body_limit}
 "#
         ));
     }
@@ -225,21 +237,32 @@ fn routes(idle_timeout: Duration) -> String {
                   append_action: OVERWRITE_IF_EXISTS_OR_ADD
 "#
     ));
+    if with_filter {
+        // The filter would otherwise schedule what it reads as a completion (it matches more
+        // spellings than these exact routes, e.g. `/V1/completions`) only for Envoy to answer 404.
+        out.push_str(
+            r#"                # Never goes upstream, so sluice has nothing to schedule or guard here: a request
+                # Envoy answers 404 takes no stock slot and no counter.
+                typed_per_filter_config:
+                  envoy.filters.http.wasm:
+                    "@type": type.googleapis.com/envoy.config.route.v3.FilterConfig
+                    disabled: true
+"#,
+        );
+    }
     out
 }
 
-fn listener(name: &str, port: u16, buffer_limit: u64, idle_timeout: Duration, http_filters: &str) -> String {
-    let routes = routes(idle_timeout);
+fn listener(name: &str, port: u16, body_limit: u64, idle_timeout: Duration, http_filters: &str) -> String {
+    let routes = routes(idle_timeout, body_limit, http_filters.contains("envoy.filters.http.wasm"));
     format!(
         r#"  - name: {name}
     address:
       socket_address: {{ address: 127.0.0.1, port_value: {port} }}
-    # The filter holds a request's body in Envoy's buffer until it has read it whole, and Envoy
-    # answers 413 itself (plain text) once a filter holds more than this limit: so the limit is the
-    # plugin's max_body_bytes plus 1 MiB for the read in which a body crosses max_body_bytes (past
-    # it the filter drains the body and answers its own 413). It also bounds the memory one
-    # connection may hold (Envoy's default is 1 MiB).
-    per_connection_buffer_limit_bytes: {buffer_limit}
+    # Envoy's default, written out: what Envoy reads from a connection in one go (so the largest
+    # body chunk a filter sees) and buffers for it outside the pool routes, which raise their own
+    # request_body_buffer_limit for the body the filter holds.
+    per_connection_buffer_limit_bytes: {CONNECTION_BUFFER_LIMIT}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
@@ -283,19 +306,20 @@ impl EnvoyConfig {
             }),
             direct_listener_port: None,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
-            buffer_limit_bytes: None,
+            request_body_buffer_limit: None,
         }
     }
 
-    /// `per_connection_buffer_limit_bytes` of this config: the override, else derived from the
+    /// `request_body_buffer_limit` of the pool's routes: the override, else derived from the
     /// plugin's `max_body_bytes`.
-    pub fn buffer_limit(&self) -> u64 {
-        self.buffer_limit_bytes.unwrap_or_else(|| buffer_limit_for(self.filter.as_ref().map(|f| &f.plugin_config)))
+    pub fn body_limit(&self) -> u64 {
+        self.request_body_buffer_limit
+            .unwrap_or_else(|| request_body_limit_for(self.filter.as_ref().map(|f| &f.plugin_config)))
     }
 
     /// The Envoy bootstrap YAML.
     pub fn render(&self) -> String {
-        let buffer_limit = self.buffer_limit();
+        let body_limit = self.body_limit();
         let mut out = String::from(
             "# sluice in front of simulated GPU model servers. Generated by the harness renderer\n\
              # (tests/src/config.rs, `sluice-demo --write-reference-configs`); the test\n\
@@ -333,9 +357,9 @@ impl EnvoyConfig {
             ));
         }
         filters.push_str(ROUTER);
-        out.push_str(&listener("inference", self.listener_port, buffer_limit, self.stream_idle_timeout, &filters));
+        out.push_str(&listener("inference", self.listener_port, body_limit, self.stream_idle_timeout, &filters));
         if let Some(port) = self.direct_listener_port {
-            out.push_str(&listener("direct", port, buffer_limit, self.stream_idle_timeout, ROUTER));
+            out.push_str(&listener("direct", port, body_limit, self.stream_idle_timeout, ROUTER));
         }
         out.push_str(&format!(
             r#"  clusters:
@@ -347,8 +371,6 @@ impl EnvoyConfig {
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {DESTINATION_HEADER}
-    # A released request's body (up to max_body_bytes) goes upstream in one piece: same limit as the listener.
-    per_connection_buffer_limit_bytes: {buffer_limit}
     # Admission is sluice's job; Envoy's default circuit breakers (1024) must not shed first.
     circuit_breakers:
       thresholds:
@@ -432,6 +454,15 @@ pub const MODEL_PORT: u16 = 8000;
 /// Route timeout of the Envoy Gateway example (BackendTrafficPolicy `requestTimeout`).
 pub const ENVOY_GATEWAY_REQUEST_TIMEOUT: &str = "600s";
 
+/// A Kubernetes quantity for a byte count (`3Mi` when whole MiB).
+fn quantity(bytes: u64) -> Value {
+    if bytes % (1 << 20) == 0 {
+        Value::String(format!("{}Mi", bytes >> 20))
+    } else {
+        Value::from(bytes)
+    }
+}
+
 fn model_service_fqdn() -> String {
     format!("{MODEL_SERVICE}.{MODEL_NAMESPACE}.svc.cluster.local")
 }
@@ -471,7 +502,7 @@ pub fn render_documents(header: &[&str], docs: &[Document]) -> String {
 /// rest, and an EnvoyFilter for what Istio's API does not expose (escaped slashes, buffer limits,
 /// the route idle timeout).
 pub fn istio_route_documents(plugin_config: &Value) -> Vec<Document> {
-    let buffer_limit = buffer_limit_for(Some(plugin_config));
+    let body_limit = request_body_limit_for(Some(plugin_config));
     let idle = envoy_duration(DEFAULT_STREAM_IDLE_TIMEOUT);
     let destination = json!([{"destination": {"host": model_service_fqdn(), "port": {"number": MODEL_PORT}}}]);
     let exact = |path: &str, method: &str| json!({"uri": {"exact": path}, "method": {"exact": method}});
@@ -508,7 +539,7 @@ pub fn istio_route_documents(plugin_config: &Value) -> Vec<Document> {
         json!({
             "applyTo": "HTTP_ROUTE",
             "match": {"context": "GATEWAY", "routeConfiguration": {"vhost": {"route": {"name": name}}}},
-            "patch": {"operation": "MERGE", "value": {"route": {"idle_timeout": idle}}}
+            "patch": {"operation": "MERGE", "value": {"route": {"idle_timeout": idle}, "request_body_buffer_limit": body_limit}}
         })
     };
     let ef = json!({
@@ -527,16 +558,6 @@ pub fn istio_route_documents(plugin_config: &Value) -> Vec<Document> {
                         "merge_slashes": true,
                         "path_with_escaped_slashes_action": "REJECT_REQUEST"
                     }}}
-                },
-                {
-                    "applyTo": "LISTENER",
-                    "match": {"context": "GATEWAY"},
-                    "patch": {"operation": "MERGE", "value": {"per_connection_buffer_limit_bytes": buffer_limit}}
-                },
-                {
-                    "applyTo": "CLUSTER",
-                    "match": {"context": "GATEWAY", "cluster": {"service": model_service_fqdn()}},
-                    "patch": {"operation": "MERGE", "value": {"per_connection_buffer_limit_bytes": buffer_limit}}
                 },
                 route_idle("sluice-completions"),
                 route_idle("sluice-models")
@@ -565,11 +586,11 @@ pub fn istio_route_documents(plugin_config: &Value) -> Vec<Document> {
             comment: vec![
                 "What Istio's API does not expose, patched into the ingress gateway's Envoy:",
                 "- the path normalisation of envoy/envoy.yaml, with %2F / %5C in a path refused (400);",
-                "- per_connection_buffer_limit_bytes = max_body_bytes + 1 MiB on the listener and the model",
-                "  servers' cluster, so that Envoy never answers 413 before the filter (which drains a body",
-                "  past max_body_bytes and answers its own JSON 413);",
-                "- idle_timeout on the pool's routes (above queue_ttl_ms, 30 s), so a hung backend's",
-                "  requests end and release their stock slot.",
+                "- on the pool's routes, idle_timeout (above queue_ttl_ms, 30 s), so a hung backend's",
+                "  requests end and release their stock slot, and request_body_buffer_limit =",
+                "  max_body_bytes + 2 x the listener's per_connection_buffer_limit_bytes (Istio's gateway",
+                "  keeps Envoy's 1 MiB), so that Envoy never answers 413 before the filter (which drains a",
+                "  body past max_body_bytes and answers its own JSON 413).",
             ],
             value: ef,
         },
@@ -580,7 +601,7 @@ pub fn istio_route_documents(plugin_config: &Value) -> Vec<Document> {
 /// envoy/envoy.yaml (rendered as `envoy/envoy-gateway-routes.yaml`): the HTTPRoute with the pool's
 /// exact paths, a JSON 404 for the rest, and the client and backend traffic policies.
 pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
-    let buffer_limit = buffer_limit_for(Some(plugin_config));
+    let body_limit = request_body_limit_for(Some(plugin_config));
     let matches: Vec<Value> = POOL_ROUTES
         .iter()
         .map(|(path, method)| json!({"path": {"type": "Exact", "value": path}, "method": method}))
@@ -618,8 +639,7 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
         "metadata": {"name": "sluice-client", "namespace": "default"},
         "spec": {
             "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-gateway"}],
-            "path": {"escapedSlashesAction": "RejectRequest", "disableMergeSlashes": false},
-            "connection": {"bufferLimit": buffer_limit}
+            "path": {"escapedSlashesAction": "RejectRequest", "disableMergeSlashes": false}
         }
     });
     let backend = json!({
@@ -629,7 +649,7 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
         "spec": {
             "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm-route"}],
             "timeout": {"tcp": {"connectTimeout": "2s"}, "http": {"requestTimeout": ENVOY_GATEWAY_REQUEST_TIMEOUT}},
-            "connection": {"bufferLimit": buffer_limit}
+            "requestBuffer": {"limit": quantity(body_limit), "mode": "LimitOnly"}
         }
     });
     vec![
@@ -647,9 +667,7 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
             comment: vec![
                 "Path normalisation on the gateway's listeners: Envoy Gateway always sets normalize_path and",
                 "merges slashes unless disableMergeSlashes; %2F / %5C in a path are refused (400) rather than",
-                "decoded (its default is UnescapeAndRedirect). bufferLimit = max_body_bytes + 1 MiB, so that",
-                "Envoy never answers 413 before the filter (which drains a body past max_body_bytes and",
-                "answers its own JSON 413); Envoy Gateway's default is 32 KiB.",
+                "decoded (its default is UnescapeAndRedirect).",
             ],
             value: client,
         },
@@ -658,7 +676,11 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
                 "Without requestTimeout Envoy's route timeout is 15 s, which cuts long streams; with it,",
                 "Envoy Gateway sets the route's idle timeout to max(1 h, requestTimeout), so requestTimeout",
                 "is what ends a hung backend's requests here. It runs from the moment sluice releases a",
-                "request (queue wait excluded). bufferLimit on the model servers' cluster: as above.",
+                "request (queue wait excluded). requestBuffer LimitOnly raises the route's request body",
+                "buffer limit (without buffering the request itself) to max_body_bytes + 2 MiB, so that",
+                "Envoy never answers 413 before the filter (which drains a body past max_body_bytes and",
+                "answers its own JSON 413); this needs an Envoy Gateway whose BackendTrafficPolicy has",
+                "requestBuffer.mode (without it, requestBuffer would buffer every request in Envoy).",
             ],
             value: backend,
         },

@@ -35,8 +35,8 @@ pub struct EnvoyOptions {
     pub log_level: String,
     /// `idle_timeout` of the pool's routes ([`EnvoyConfig::stream_idle_timeout`]).
     pub stream_idle_timeout: Duration,
-    /// `per_connection_buffer_limit_bytes`; `None` derives it from the plugin's `max_body_bytes`.
-    pub buffer_limit_bytes: Option<u64>,
+    /// `request_body_buffer_limit` of the pool's routes; `None` derives it from the plugin's `max_body_bytes`.
+    pub request_body_buffer_limit: Option<u64>,
 }
 
 impl EnvoyOptions {
@@ -56,7 +56,7 @@ impl EnvoyOptions {
             direct_listener: false,
             log_level: std::env::var("SLUICE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
             stream_idle_timeout: crate::config::DEFAULT_STREAM_IDLE_TIMEOUT,
-            buffer_limit_bytes: None,
+            request_body_buffer_limit: None,
         }
     }
 }
@@ -104,7 +104,7 @@ impl Envoy {
                 filter: filter.clone(),
                 direct_listener_port: if opts.direct_listener { Some(free_port()?) } else { None },
                 stream_idle_timeout: opts.stream_idle_timeout,
-                buffer_limit_bytes: opts.buffer_limit_bytes,
+                request_body_buffer_limit: opts.request_body_buffer_limit,
             };
             let yaml = cfg.render();
             std::fs::create_dir_all(log_dir())?;

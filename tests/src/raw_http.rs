@@ -69,6 +69,41 @@ pub async fn request(
     .map_err(|_| anyhow!("{method} {path} to {addr}: no complete response within {timeout:?}"))?
 }
 
+/// Writes `bytes` (a request exactly as given: any bytes in its head, its whole body) and only then
+/// reads the response, as clients that write before they read do (python `http.client`, httpx).
+/// Returns whether the whole write succeeded, and the response; bounded by `timeout`.
+pub async fn write_all_then_read(
+    addr: SocketAddr,
+    bytes: &[u8],
+    timeout: Duration,
+) -> Result<(std::io::Result<()>, RawResponse)> {
+    tokio::time::timeout(timeout, async {
+        let mut s = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
+        let wrote = s.write_all(bytes).await;
+        let r = read_response(&mut s).await.with_context(|| format!("reading the response (request write: {wrote:?})"))?;
+        Ok((wrote, r))
+    })
+    .await
+    .map_err(|_| anyhow!("{addr}: no complete response within {timeout:?}"))?
+}
+
+/// Reads a response head (status line and headers) and leaves the body unread, for a response
+/// that streams on. The returned response has the body bytes that arrived with the head.
+pub async fn read_head(s: &mut TcpStream) -> Result<RawResponse> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut chunk).await.context("reading a response head")?;
+        if n == 0 {
+            bail!("connection closed before the response head ({} bytes)", buf.len());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(0);
+    let (status, headers) = parse_head(&buf[..end])?;
+    Ok(RawResponse { status, headers, body: buf[end + 4..].to_vec() })
+}
+
 /// `GET path` with a 10 s bound, returning (status, body text).
 pub async fn get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     let r = request(addr, "GET", path, &[], b"", Duration::from_secs(10)).await?;
@@ -120,7 +155,16 @@ pub fn parse_response(buf: &[u8]) -> Result<RawResponse> {
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
         .ok_or_else(|| anyhow!("incomplete response head ({} bytes received)", buf.len()))?;
-    let head = String::from_utf8_lossy(&buf[..end]);
+    let (status, headers) = parse_head(&buf[..end])?;
+    let raw_body = &buf[end + 4..];
+    let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked"));
+    let body = if chunked { dechunk(raw_body)? } else { raw_body.to_vec() };
+    Ok(RawResponse { status, headers, body })
+}
+
+/// Status and headers of a response head (without its blank line).
+fn parse_head(head: &[u8]) -> Result<(u16, Vec<(String, String)>)> {
+    let head = String::from_utf8_lossy(head);
     let mut lines = head.split("\r\n");
     let status_line = lines.next().unwrap_or_default();
     let status: u16 = status_line
@@ -132,10 +176,7 @@ pub fn parse_response(buf: &[u8]) -> Result<RawResponse> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
-    let raw_body = &buf[end + 4..];
-    let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked"));
-    let body = if chunked { dechunk(raw_body)? } else { raw_body.to_vec() };
-    Ok(RawResponse { status, headers, body })
+    Ok((status, headers))
 }
 
 fn dechunk(mut data: &[u8]) -> Result<Vec<u8>> {

@@ -4,8 +4,8 @@
 
 use serde_json::{Map, Value};
 use sluice_e2e::config::{
-    buffer_limit_for, is_plain_yaml_key, plugin_manifests, reference_files, reference_plugin_config, route_manifests,
-    EnvoyConfig, DEFAULT_STREAM_IDLE_TIMEOUT, POOL_ROUTES,
+    is_plain_yaml_key, plugin_manifests, reference_files, reference_plugin_config, request_body_limit_for,
+    route_manifests, EnvoyConfig, CONNECTION_BUFFER_LIMIT, DEFAULT_STREAM_IDLE_TIMEOUT, POOL_ROUTES,
 };
 use sluice_e2e::paths::{envoy_bin, repo_root};
 
@@ -53,23 +53,28 @@ fn reference_envoy_config_normalises_and_routes_only_the_pool() {
     let ttl_ms = reference_plugin_config()["queue_ttl_ms"].as_u64().unwrap();
     assert!(DEFAULT_STREAM_IDLE_TIMEOUT.as_millis() > u128::from(ttl_ms));
     assert!(yaml.contains(&format!("idle_timeout: {}s", DEFAULT_STREAM_IDLE_TIMEOUT.as_secs())));
-    // The buffer limit leaves room for max_body_bytes, on the listener and on the cluster.
-    let limit = buffer_limit_for(Some(&reference_plugin_config()));
-    assert!(limit > reference_plugin_config()["max_body_bytes"].as_u64().unwrap());
-    assert_eq!(yaml.matches(&format!("per_connection_buffer_limit_bytes: {limit}")).count(), 2);
+    // The pool routes' body limit leaves room for max_body_bytes plus one read; the listener keeps
+    // Envoy's default (it bounds one read).
+    let limit = request_body_limit_for(Some(&reference_plugin_config()));
+    let max_body = reference_plugin_config()["max_body_bytes"].as_u64().unwrap();
+    assert!(limit >= max_body + 2 * CONNECTION_BUFFER_LIMIT);
+    assert_eq!(yaml.matches(&format!("request_body_buffer_limit: {limit}")).count(), POOL_ROUTES.len());
+    assert_eq!(yaml.matches(&format!("per_connection_buffer_limit_bytes: {CONNECTION_BUFFER_LIMIT}")).count(), 1);
+    // Envoy's 404 route does not run the filter (nothing to schedule or guard there).
+    assert!(yaml.contains("envoy.filters.http.wasm:\n                    \"@type\": type.googleapis.com/envoy.config.route.v3.FilterConfig\n                    disabled: true"), "{yaml}");
 }
 
 #[test]
-fn buffer_limit_follows_max_body_bytes() {
+fn body_limit_follows_max_body_bytes() {
     let pc = |n: u64| serde_json::json!({"max_body_bytes": n});
-    assert!(buffer_limit_for(Some(&pc(8 << 20))) > 8 << 20);
-    assert!(buffer_limit_for(None) > 1 << 20, "the filter's default max_body_bytes is 1 MiB");
+    assert!(request_body_limit_for(Some(&pc(8 << 20))) >= (8 << 20) + 2 * CONNECTION_BUFFER_LIMIT);
+    assert!(request_body_limit_for(None) >= (1 << 20) + 2 * CONNECTION_BUFFER_LIMIT, "default max_body_bytes: 1 MiB");
     let mut cfg = EnvoyConfig::reference();
     cfg.filter.as_mut().unwrap().plugin_config["max_body_bytes"] = 8_388_608u64.into();
-    let want = buffer_limit_for(Some(&pc(8 << 20)));
-    assert!(cfg.render().contains(&format!("per_connection_buffer_limit_bytes: {want}")));
-    cfg.buffer_limit_bytes = Some(12345);
-    assert!(cfg.render().contains("per_connection_buffer_limit_bytes: 12345"));
+    let want = request_body_limit_for(Some(&pc(8 << 20)));
+    assert!(cfg.render().contains(&format!("request_body_buffer_limit: {want}")));
+    cfg.request_body_buffer_limit = Some(12345);
+    assert!(cfg.render().contains("request_body_buffer_limit: 12345"));
 }
 
 /// Envoy itself accepts envoy/envoy.yaml (`--mode validate` parses and checks the whole bootstrap
@@ -113,7 +118,8 @@ fn route_manifests_are_yaml_that_reads_back() {
 
 #[test]
 fn route_manifests_carry_the_same_guarantees() {
-    let limit = buffer_limit_for(Some(&reference_plugin_config())).to_string();
+    let limit = request_body_limit_for(Some(&reference_plugin_config()));
+    let limits = [limit.to_string(), format!("\"{}Mi\"", limit >> 20)];
     let idle = format!("\"{}s\"", DEFAULT_STREAM_IDLE_TIMEOUT.as_secs());
     for (rel, docs) in route_manifests() {
         let text: String = docs.iter().map(|d| d.value.to_string()).collect();
@@ -121,13 +127,14 @@ fn route_manifests_carry_the_same_guarantees() {
             assert!(text.contains(&format!("\"{path}\"")), "{rel} does not route {path}");
         }
         assert!(text.contains("404"), "{rel} has no 404 for the rest");
-        assert!(text.contains(&limit), "{rel} lacks the buffer limit {limit}");
+        assert!(limits.iter().any(|l| text.contains(l.as_str())), "{rel} lacks the body limit {limit}");
         if rel.contains("istio") {
             assert!(text.contains("REJECT_REQUEST") && text.contains("\"merge_slashes\":true"), "{rel}");
             assert!(text.contains(&idle), "{rel} lacks the idle timeout");
         } else {
             assert!(text.contains("RejectRequest") && text.contains("\"disableMergeSlashes\":false"), "{rel}");
             assert!(text.contains("requestTimeout"), "{rel} lacks the request timeout");
+            assert!(text.contains("LimitOnly"), "{rel}: requestBuffer must only raise the limit");
         }
     }
 }
