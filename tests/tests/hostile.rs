@@ -17,7 +17,8 @@
 //! - `idle_timeout_ends_a_hung_backends_requests` (4, the route's `idle_timeout`): streams from a
 //!   SIGSTOPped backend end, and their slots come back, while it stays stopped.
 //! - `over_limit_bodies_get_a_readable_413` (7): a client that writes its whole over-limit body
-//!   before reading (declared `content-length`, or chunked) reads the filter's JSON 413.
+//!   before reading (declared `content-length`, or chunked; 2 and 12 MiB against 1 MiB) reads the
+//!   filter's JSON 413.
 //! - `max_body_bytes_above_envoys_default_buffer_is_honoured` (7): with `max_body_bytes` 4 MiB, a
 //!   3 MiB request is served and a 6 MiB one gets the filter's JSON 413, not Envoy's plain one.
 //!
@@ -278,8 +279,8 @@ async fn no_request_reaches_a_host_outside_the_pool() -> Result<()> {
             ));
         }
     }
-    assert_eq!(canary.accepted(), 0, "connections reached the canary");
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(canary.accepted(), 0, "connections reached the canary");
     let s = wait_idle(&rig.envoy).await?;
     // Every completion spelling was scheduled, the rest never touched the counters, and the only
     // upstream requests are the answers the backends gave.
@@ -642,19 +643,26 @@ async fn over_limit_bodies_get_a_readable_413() -> Result<()> {
     let _g = serial();
     let rig = rig("readable-413", backends(1, 1.0), "vtc", json!({"max_body_bytes": 1 << 20}), 2).await?;
     let addr = rig.envoy.listener;
-    let big = padded_chat_body(2 << 20);
-    for (how, bytes) in [("declared content-length", with_length(&big)), ("chunked", chunked(&big))] {
-        for round in 0..3 {
-            let (wrote, r) = raw_http::write_all_then_read(addr, &bytes, T).await?;
-            assert!(wrote.is_ok(), "{how} {round}: the gateway stopped reading the body: {wrote:?}; got {r:?}");
-            assert_reject(&r, 413, "body-too-large");
+    // 2 MiB fits in the sockets' buffers even if the gateway stops reading; 12 MiB does not (the
+    // send buffer is at most 4 MiB here), so a gateway that answers before the end of the body and
+    // closes makes the client's write fail instead of letting it read the answer. Both are under
+    // the filter's default max_drain_bytes (16 MiB).
+    for size in [2 << 20, 12 << 20] {
+        let big = padded_chat_body(size);
+        for (how, bytes) in [("declared content-length", with_length(&big)), ("chunked", chunked(&big))] {
+            for round in 0..2 {
+                let what = format!("{how}, {} MiB, round {round}", size >> 20);
+                let (wrote, r) = raw_http::write_all_then_read(addr, &bytes, T).await?;
+                assert!(wrote.is_ok(), "{what}: the gateway stopped reading the body: {wrote:?}; got {r:?}");
+                assert_reject(&r, 413, "body-too-large");
+            }
         }
     }
     // Just under the limit is served.
     let r = exchange(addr, &with_length(&padded_chat_body((1 << 20) - 1024))).await?;
     assert_eq!((r.status, r.header("x-sluice-backend").is_some()), (200, true), "{:?} {}", r.headers, r.text());
     let s = wait_idle(&rig.envoy).await?;
-    assert_eq!(s.value("sluice_requests_rejected_body_too_large"), 6.0, "{}", s.sluice_summary());
+    assert_eq!(s.value("sluice_requests_rejected_body_too_large"), 8.0, "{}", s.sluice_summary());
     assert_eq!(upstream_requests(&s), 1.0, "only the request under the limit went upstream");
     assert!(rig.envoy.vm_failures().is_empty(), "VM failures: {:#?}", rig.envoy.vm_failures());
     Ok(())
