@@ -30,6 +30,8 @@ pub const REJECT_REASON: &str = "x-sluice-reject-reason";
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// How often the scheduler saves its policy's counters to shared data.
 const COUNTERS_SAVE_MS: u64 = 1000;
+/// Idle tenants forgotten per tick, at most, while over `max_tenants`.
+const TENANTS_TRIMMED_PER_TICK: usize = 256;
 /// Counter shards written in one tick, at most (of `shared::COUNTER_SHARDS`).
 const MAX_SHARDS_SAVED_PER_TICK: usize = 16;
 /// Charges a worker holds before it flushes them without waiting for the tick.
@@ -755,6 +757,8 @@ impl<H: Host> Worker<H> {
             role.scheduler.on_congestion(severity);
             // Requests dispatched by a worker that vanished never send `done`.
             role.scheduler.bound_running(MAX_RUNNING);
+            // Tenants that went idle by cancellation or expiry, a few per tick.
+            role.scheduler.trim_tenants(TENANTS_TRIMMED_PER_TICK);
             // Nor do they release their slots: a VM that stopped ticking
             // (crashed, reloaded under a new number) gives its slots back.
             for (worker, slots) in shared::reclaim_dead(&self.host, n, now, DEAD_AFTER_LEASES * self.lease_ms) {
