@@ -222,7 +222,7 @@ impl Host {
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed),
             alive: Vec::new(),
             cas_conflict_rate: spec.cas_conflict_rate,
-            cas_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x5eed_ca5),
+            cas_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x05ee_dca5),
             cas_conflicts_injected: 0,
             traps_injected: 0,
         }));
@@ -235,7 +235,7 @@ impl Host {
             spec: spec.clone(),
             failed: Vec::new(),
             reloads: 0,
-            trap_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x7ea9_0f_ba11),
+            trap_rng: rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed ^ 0x7ea9_0fba),
             arming: true,
         };
         for vm in 0..=spec.workers {

@@ -47,7 +47,7 @@ pub fn load_rows(raw: &[u8], endpoints: usize) -> Option<Vec<(u32, Vec<u32>)>> {
     if raw.len() == 4 * endpoints {
         return Some(vec![(0, raw.chunks_exact(4).map(u32_at).collect())]);
     }
-    if raw.len() % (4 * (endpoints + 1)) != 0 {
+    if !raw.len().is_multiple_of(4 * (endpoints + 1)) {
         return None;
     }
     Some(
@@ -170,7 +170,8 @@ pub struct SoakConfig {
     pub faults: SoakFaults,
     /// Bound on each VM's linear memory, bytes.
     pub max_vm_memory_bytes: usize,
-    /// Bound on shared data (keys plus values), bytes.
+    /// Bound on shared data (keys plus values), and separately on the messages waiting in shared
+    /// queues, bytes.
     pub max_shared_bytes: usize,
     /// Extra filter configuration merged over the soak's.
     pub filter_config: serde_json::Value,
@@ -346,6 +347,8 @@ pub struct SoakReport {
     pub max_vm_memory_bytes: usize,
     /// Largest shared data seen, bytes.
     pub max_shared_bytes: usize,
+    /// Most bytes of messages waiting in shared queues seen.
+    pub max_queued_message_bytes: usize,
     /// Largest wait in the gateway, ms.
     pub max_queue_wait_ms: f64,
     /// The first requests that broke `queue_wait_bound`, described.
@@ -534,20 +537,8 @@ pub fn run_sim(wasm: &[u8], cfg: &SoakConfig) -> Result<(Sim, SoakReport)> {
     let wall = Instant::now();
     let mut sim = build(wasm, cfg)?;
     let last = sim.records().last().map_or(0, |r| r.arrival_us);
-    let vms = sim.host().vm_count();
-    let mut max_mem = 0usize;
-    let mut max_mem_vm = 0usize;
-    let mut max_shared = 0usize;
-    let mut sample = |sim: &Sim| {
-        for vm in 0..vms {
-            let m = sim.host().memory_bytes(vm);
-            if m > max_mem {
-                max_mem = m;
-                max_mem_vm = vm;
-            }
-        }
-        max_shared = max_shared.max(sim.host().shared_data_bytes());
-    };
+    let mut peaks = Peaks::default();
+    let mut sample = |sim: &Sim| peaks.sample(sim);
     // Every request ends by the stream idle timeout at the latest, so the horizon only guards
     // against an engine bug: requests still open there fail `one_outcome`.
     let horizon = last + 10 * (cfg.idle_timeout_ms + cfg.queue_ttl_ms) * 1000 + 60_000_000;
@@ -565,11 +556,37 @@ pub fn run_sim(wasm: &[u8], cfg: &SoakConfig) -> Result<(Sim, SoakReport)> {
     sim.run_idle_until(end);
     sample(&sim);
     let wall_s = wall.elapsed().as_secs_f64();
-    let report = check(&sim, cfg, max_mem, max_mem_vm, max_shared, wall_s);
+    let report = check(&sim, cfg, &peaks, wall_s);
     Ok((sim, report))
 }
 
-fn check(sim: &Sim, cfg: &SoakConfig, max_mem: usize, max_mem_vm: usize, max_shared: usize, wall_s: f64) -> SoakReport {
+/// Largest memory figures seen at the samples.
+#[derive(Default)]
+struct Peaks {
+    mem: usize,
+    mem_vm: usize,
+    shared: usize,
+    queued: usize,
+}
+
+impl Peaks {
+    fn sample(&mut self, sim: &Sim) {
+        let host = sim.host();
+        for vm in 0..host.vm_count() {
+            let m = host.memory_bytes(vm);
+            if m > self.mem {
+                self.mem = m;
+                self.mem_vm = vm;
+            }
+        }
+        self.shared = self.shared.max(host.shared_data_bytes());
+        let queued = host.queues().iter().flat_map(|(_, _, items)| items).map(Vec::len).sum();
+        self.queued = self.queued.max(queued);
+    }
+}
+
+fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport {
+    let Peaks { mem: max_mem, mem_vm: max_mem_vm, shared: max_shared, queued: max_queued } = *peaks;
     let recs = sim.records();
     let host = sim.host();
     let fc = sim.fault_counts().clone();
@@ -758,12 +775,13 @@ fn check(sim: &Sim, cfg: &SoakConfig, max_mem: usize, max_mem_vm: usize, max_sha
     // memory_bounded
     inv.push(Invariant {
         name: "memory_bounded",
-        ok: max_mem <= cfg.max_vm_memory_bytes && max_shared <= cfg.max_shared_bytes,
+        ok: max_mem <= cfg.max_vm_memory_bytes
+            && max_shared <= cfg.max_shared_bytes
+            && max_queued <= cfg.max_shared_bytes,
         detail: format!(
-            "largest VM linear memory {:.1} MiB (VM {max_mem_vm}; bound {:.0} MiB); largest shared data {} bytes (bound {})",
+            "largest VM linear memory {:.1} MiB (VM {max_mem_vm}; bound {:.0} MiB); largest shared data {max_shared} bytes, most bytes waiting in shared queues {max_queued} (bound {} each)",
             max_mem as f64 / (1 << 20) as f64,
             cfg.max_vm_memory_bytes as f64 / (1 << 20) as f64,
-            max_shared,
             cfg.max_shared_bytes
         ),
     });
@@ -803,6 +821,7 @@ fn check(sim: &Sim, cfg: &SoakConfig, max_mem: usize, max_mem_vm: usize, max_sha
         stranded_dispatches,
         max_vm_memory_bytes: max_mem,
         max_shared_bytes: max_shared,
+        max_queued_message_bytes: max_queued,
         max_queue_wait_ms: max_wait as f64 / 1000.0,
         queue_wait_examples: examples,
         max_silence_ms: max_silence as f64 / 1000.0,

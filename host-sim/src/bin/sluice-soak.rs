@@ -60,44 +60,44 @@ struct Cli {
     /// Extra filter configuration, a JSON object merged over the soak's.
     #[arg(long)]
     filter_config: Option<String>,
-    /// Probability that a client cancels a request the gateway holds (queued).
-    #[arg(long)]
+    /// Probability that a client cancels a request the gateway holds (queued) [default: 0.05]
+    #[arg(long, help_heading = "Faults")]
     cancel_queued_rate: Option<f64>,
-    /// Probability that a client cancels a streaming response after its first token.
-    #[arg(long)]
+    /// Probability that a client cancels a streaming response after its first token [default: 0.02]
+    #[arg(long, help_heading = "Faults")]
     cancel_streaming_rate: Option<f64>,
-    /// Probability that a backend resets a stream after its first token.
-    #[arg(long)]
+    /// Probability that a backend resets a stream after its first token [default: 0.001]
+    #[arg(long, help_heading = "Faults")]
     reset_mid_stream_rate: Option<f64>,
-    /// Probability that a backend resets a request before its response headers.
-    #[arg(long)]
+    /// Probability that a backend resets a request before its response headers [default: 0.0005]
+    #[arg(long, help_heading = "Faults")]
     reset_before_headers_rate: Option<f64>,
-    /// Mean time between hangs of each backend, s (0: no hangs).
-    #[arg(long)]
+    /// Mean time between hangs of each backend, s (0: no hangs) [default: 30]
+    #[arg(long, help_heading = "Faults")]
     hang_mean_gap_s: Option<f64>,
-    /// Shortest hang, s.
-    #[arg(long)]
+    /// Shortest hang, s [default: 3]
+    #[arg(long, help_heading = "Faults")]
     hang_min_s: Option<f64>,
-    /// Longest hang, s.
-    #[arg(long)]
+    /// Longest hang, s [default: 12]
+    #[arg(long, help_heading = "Faults")]
     hang_max_s: Option<f64>,
-    /// Probability that a scrape's connection is refused.
-    #[arg(long)]
+    /// Probability that a scrape's connection is refused [default: 0.02]
+    #[arg(long, help_heading = "Faults")]
     scrape_refused_rate: Option<f64>,
-    /// Probability that a scrape times out.
-    #[arg(long)]
+    /// Probability that a scrape times out [default: 0.01]
+    #[arg(long, help_heading = "Faults")]
     scrape_timeout_rate: Option<f64>,
-    /// Probability that a scrape answers a garbage body.
-    #[arg(long)]
+    /// Probability that a scrape answers a garbage body [default: 0.02]
+    #[arg(long, help_heading = "Faults")]
     scrape_malformed_rate: Option<f64>,
-    /// Probability that a callback into a worker VM traps in one of its host calls.
-    #[arg(long)]
+    /// Probability that a callback into a worker VM traps in one of its host calls [default: 0.00005]
+    #[arg(long, help_heading = "Faults")]
     trap_rate: Option<f64>,
-    /// Probability that a conditional shared-data write loses a race with another worker.
-    #[arg(long)]
+    /// Probability that a conditional shared-data write loses a race with another worker [default: 0.05]
+    #[arg(long, help_heading = "Faults")]
     cas_conflict_rate: Option<f64>,
-    /// Ticks fire up to this many ms late (uniform, seeded).
-    #[arg(long)]
+    /// Ticks fire up to this many ms late (uniform, seeded) [default: 10]
+    #[arg(long, help_heading = "Faults")]
     tick_jitter_ms: Option<f64>,
     /// Turn every fault off (a control run); explicit rates given with it still apply.
     #[arg(long)]
@@ -117,6 +117,9 @@ struct Cli {
     /// Write the module's log records here (JSON lines).
     #[arg(long)]
     logs: Option<PathBuf>,
+    /// Write one CSV row per request here.
+    #[arg(long)]
+    csv: Option<PathBuf>,
 }
 
 fn main() {
@@ -202,6 +205,10 @@ fn run(cli: Cli) -> Result<bool> {
         }
     }
     print!("{}", report.counts_text());
+    if let Some(p) = &cli.csv {
+        std::fs::write(p, host_sim::report::records_csv(&sim.records()))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
     if let Some(p) = &cli.json {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", p.display()))?;
