@@ -9,7 +9,8 @@
 //! - `one_outcome`: every request ended exactly once, with one outcome (none left open at the
 //!   horizon, no second answer from the filter on an ended stream).
 //! - `queue_wait_bound`: no request waited in the gateway longer than the queue TTL plus one
-//!   tick (plus the tick jitter): from arrival to the moment it was sent upstream or answered.
+//!   tick (plus the tick jitter and the filter's 1 ms clock resolution): from arrival to the
+//!   moment it was sent upstream or answered.
 //!   Time spent on a backend, hung or not, is not gateway wait.
 //! - `idle_bound`: no stream went longer than the stream idle timeout without activity: what
 //!   bounds a request stuck on a hung backend.
@@ -241,9 +242,11 @@ impl SoakConfig {
     }
 
     /// Longest wait in the gateway the `queue_wait_bound` invariant allows, µs: TTL plus one
-    /// tick plus the tick jitter.
+    /// tick plus the tick jitter, plus 1 ms because the filter's clock counts whole milliseconds
+    /// (a request that arrived at 0.9 ms reads as arrived at 0 ms, and is expirable only once
+    /// more than TTL has passed in whole milliseconds).
     pub fn queue_wait_bound_us(&self) -> u64 {
-        (self.queue_ttl_ms + self.tick_ms) * 1000 + (self.faults.tick_jitter_ms * 1000.0) as u64
+        (self.queue_ttl_ms + self.tick_ms + 1) * 1000 + (self.faults.tick_jitter_ms * 1000.0) as u64
     }
 
     fn validate(&self) -> Result<()> {
@@ -688,7 +691,7 @@ fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport 
         name: "queue_wait_bound",
         ok: n_over == 0,
         detail: format!(
-            "bound {} ms (TTL {} + tick {} + jitter {}); max wait {:.1} ms{}; {n_over} over the bound{}",
+            "bound {} ms (TTL {} + tick {} + jitter {} + 1 ms clock resolution); max wait {:.1} ms{}; {n_over} over the bound{}",
             bound as f64 / 1000.0,
             cfg.queue_ttl_ms,
             cfg.tick_ms,
