@@ -669,11 +669,17 @@ fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport 
             let why = format!("{} {}", r.outcome, r.reason.as_deref().unwrap_or(""));
             *over.entry(why.trim().to_string()).or_insert(0) += 1;
             if examples.len() < 8 {
-                // The last trap before the request ended, for context.
+                // Traps from a lease before its arrival to its end, for context (a trap of the
+                // scheduler's VM hands the queue to another worker a lease later).
                 let until = r.dispatched_us.or(r.end_us).unwrap_or(0);
-                let trap = host.traps().iter().rev().find(|t| t.time_us <= until).map_or(String::new(), |t| {
-                    format!(", last trap before: VM {} in {} at {:.3} s", t.vm, t.callback, t.time_us as f64 / 1e6)
-                });
+                let from = r.arrival_us.saturating_sub(cfg.lease_ms() * 1000);
+                let near: Vec<String> = host
+                    .traps()
+                    .iter()
+                    .filter(|t| (from..=until).contains(&t.time_us))
+                    .map(|t| format!("VM {} in {} at {:.3} s", t.vm, t.callback, t.time_us as f64 / 1e6))
+                    .collect();
+                let trap = if near.is_empty() { String::new() } else { format!("; traps around: {}", near.join(", ")) };
                 examples.push(format!(
                     "request {} on VM {}: arrived {:.3} s, waited {:.1} ms, {}{}",
                     r.id,
