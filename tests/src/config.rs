@@ -456,7 +456,7 @@ pub const ENVOY_GATEWAY_REQUEST_TIMEOUT: &str = "600s";
 
 /// A Kubernetes quantity for a byte count (`3Mi` when whole MiB).
 fn quantity(bytes: u64) -> Value {
-    if bytes % (1 << 20) == 0 {
+    if bytes.is_multiple_of(1 << 20) {
         Value::String(format!("{}Mi", bytes >> 20))
     } else {
         Value::from(bytes)
