@@ -612,15 +612,21 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
         "metadata": {"name": "llm-route", "namespace": "default"},
         "spec": {
             "parentRefs": [{"name": "llm-gateway"}],
-            "rules": [
-                {"matches": matches, "backendRefs": [{"name": MODEL_SERVICE, "port": MODEL_PORT}]},
-                {
-                    "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-                    "filters": [{"type": "ExtensionRef", "extensionRef": {
-                        "group": "gateway.envoyproxy.io", "kind": "HTTPRouteFilter", "name": "sluice-not-found"
-                    }}]
-                }
-            ]
+            "rules": [{"matches": matches, "backendRefs": [{"name": MODEL_SERVICE, "port": MODEL_PORT}]}]
+        }
+    });
+    let rest = json!({
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "llm-not-found", "namespace": "default"},
+        "spec": {
+            "parentRefs": [{"name": "llm-gateway"}],
+            "rules": [{
+                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "filters": [{"type": "ExtensionRef", "extensionRef": {
+                    "group": "gateway.envoyproxy.io", "kind": "HTTPRouteFilter", "name": "sluice-not-found"
+                }}]
+            }]
         }
     });
     let not_found = json!({
@@ -656,11 +662,18 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
         Document {
             comment: vec![
                 "Only the pool's own paths reach the model servers: exact paths, each with its one method.",
-                "Everything else matches the second rule and gets the JSON 404 of sluice-not-found.",
-                "The backendRef's endpoints must be addressable by x-gateway-destination-endpoint",
-                "(override_host, e.g. through an EnvoyPatchPolicy), see envoy/README.md.",
+                "The EnvoyExtensionPolicy (sluice) attaches to this route. The backendRef's endpoints must be",
+                "addressable by x-gateway-destination-endpoint (override_host, e.g. through an",
+                "EnvoyPatchPolicy), see envoy/README.md.",
             ],
             value: route,
+        },
+        Document {
+            comment: vec![
+                "Everything else (Exact matches take precedence over this prefix) gets the JSON 404 of",
+                "sluice-not-found. A route of its own, so that the sluice filter does not run for it.",
+            ],
+            value: rest,
         },
         Document { comment: vec!["The 404 for every path that is not the pool's."], value: not_found },
         Document {
