@@ -549,14 +549,16 @@ impl<H: Host> Worker<H> {
         let epoch = self.epoch;
         let mut resend = Vec::new();
         for s in self.streams.values_mut() {
-            if let Stream::Queued { enqueue, epoch: e, .. } = s {
+            if let Stream::Queued { enqueue, epoch: e, arrival_ms } = s {
                 if *e != epoch {
                     *e = epoch;
-                    resend.push(enqueue.clone());
+                    resend.push((*arrival_ms, enqueue.clone()));
                 }
             }
         }
-        for m in resend {
+        // Oldest first, as they first arrived: the new scheduler's order.
+        resend.sort_by_key(|(arrival, _)| *arrival);
+        for (_, m) in resend {
             self.send_to_scheduler(&m);
         }
     }
@@ -594,6 +596,8 @@ impl<H: Host> Worker<H> {
     /// Dispatches what the stock band allows and delivers `out` to the workers.
     fn pump(&mut self, mut out: Vec<(u32, ToWorker)>) {
         let Some(mut role) = self.role.take() else { return };
+        // Nothing past its TTL goes to a backend.
+        role.scheduler.expire(self.now, &mut out);
         role.scheduler.pump(
             self.now,
             &mut |req, route| self.take_slot(crate::scheduler::worker_of(req), route, true),

@@ -270,7 +270,11 @@ impl<A: Allocation> FairQueue<A> {
         }
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.by_age.push_back((req.arrival_ms, req.id));
+        // Kept sorted by arrival: requests resent after a scheduler takeover,
+        // or posted by workers a moment apart, may come out of order, and
+        // expiry only looks at the front. In order, this is a push at the end.
+        let at = self.by_age.partition_point(|&(a, _)| a <= req.arrival_ms);
+        self.by_age.insert(at, (req.arrival_ms, req.id));
         let rank = if self.fifo { 0.0 } else { self.order.rank(&req, &meta, self.now_ms) };
         let q = &mut self.flows[flow as usize];
         let pos = if self.fifo { q.len() } else { q.partition_point(|e| e.before(rank, seq)) };
@@ -443,6 +447,20 @@ mod tests {
         assert_eq!(q.pop().map(|r| r.id), Some(3));
         assert!(q.is_empty());
         assert_eq!(q.pop(), None);
+    }
+
+    #[test]
+    fn expiry_follows_arrival_even_when_requests_are_pushed_out_of_order() {
+        // After a scheduler takeover, workers resend what they hold in any order.
+        let mut q = FairQueue::new(QueueLimits { ttl_ms: 100, ..Default::default() }, Fcfs::default());
+        let (a, b) = (q.flow_id("a"), q.flow_id("b"));
+        q.push(r(1, a, 90)).unwrap();
+        q.push(r(2, b, 10)).unwrap();
+        q.push(r(3, a, 50)).unwrap();
+        assert_eq!(q.oldest_arrival(), Some(10));
+        let expired: Vec<u64> = std::iter::from_fn(|| q.pop_expired(175).map(|r| r.id)).collect();
+        assert_eq!(expired, vec![2, 3], "both past the TTL go, oldest first; the younger one stays");
+        assert_eq!(q.len(), 1);
     }
 
     fn due(ms: u64) -> RequestMeta {
