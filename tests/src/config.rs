@@ -344,6 +344,11 @@ impl EnvoyConfig {
                 root_id: sluice
                 # Lets the filter pause in on_http_request_headers and still receive the body.
                 allow_on_headers_stop_iteration: true
+                # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
+                # one's stock slots; requests fail closed while it restarts. Never fail open: an
+                # absent filter would let a client's x-gateway-destination-endpoint through.
+                failure_policy: FAIL_RELOAD
+                reload_config: {{ backoff: {{ base_interval: 0.1s, max_interval: 5s }} }}
                 vm_config:
                   vm_id: sluice
                   runtime: envoy.wasm.runtime.v8
