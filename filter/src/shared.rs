@@ -186,18 +186,54 @@ pub fn least_loaded(load: &[u32]) -> Option<usize> {
     load.iter().enumerate().min_by_key(|&(i, &n)| (n, i)).map(|(i, _)| i)
 }
 
+/// One unit of stock: a slot on an endpoint, held for the worker that will
+/// release it. Like tower's concurrency-limit permit, it is a value, not a
+/// count to keep right by hand: it cannot be copied, and only
+/// [`Permit::release`] consumes it (or [`reclaim_dead`], when its worker died).
+#[must_use = "a slot stays taken until its permit is released"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Permit {
+    owner: u32,
+    endpoint: u32,
+}
+
+impl Permit {
+    /// The endpoint (index into the configured endpoints) it holds a slot on.
+    pub fn endpoint(&self) -> u32 {
+        self.endpoint
+    }
+
+    /// Gives the slot back; returns the new stock. A slot already reclaimed
+    /// (its worker was presumed dead) is not given back twice.
+    pub fn release(self, store: &dyn Store, endpoints: usize) -> u64 {
+        release(store, endpoints, self.owner, self.endpoint)
+    }
+
+    /// Hands the permit over in a `Dispatch` message: the scheduler takes
+    /// slots for the worker that holds the stream, which takes the permit
+    /// back with [`Permit::delivered`].
+    pub fn into_message(self) -> u32 {
+        self.endpoint
+    }
+
+    /// The permit a `Dispatch` message carried to `owner`, the worker it was taken for.
+    pub fn delivered(owner: u32, endpoint: u32) -> Permit {
+        Permit { owner, endpoint }
+    }
+}
+
 /// Takes a slot, held for worker `owner` (the VM that will release it), on
 /// the endpoint `pick` chooses from the in-flight counts, if `allowed(load)`
-/// says the in-flight counts per endpoint permit one more. Returns the
-/// endpoint index and the new stock. Both closures may run more than once
-/// (CAS retries).
+/// says the in-flight counts per endpoint permit one more. Returns its
+/// permit and the new stock. Both closures may run more than once (CAS
+/// retries).
 pub fn acquire(
     store: &dyn Store,
     endpoints: usize,
     owner: u32,
     allowed: impl Fn(&[u32]) -> bool,
     mut pick: impl FnMut(&[u32]) -> Option<usize>,
-) -> Option<(u32, u64)> {
+) -> Option<(Permit, u64)> {
     update(store, LOAD_KEY, |v| {
         let mut rows = decode_rows(v, endpoints);
         let load = total(&rows, endpoints);
@@ -214,7 +250,7 @@ pub fn acquire(
                 rows.push(Row { worker: owner, load });
             }
         }
-        Some((encode_rows(&rows), (i as u32, stock + 1)))
+        Some((encode_rows(&rows), (Permit { owner, endpoint: i as u32 }, stock + 1)))
     })
 }
 
@@ -340,9 +376,8 @@ pub fn update_record(store: &dyn Store, endpoints: usize, endpoint: usize, f: im
     });
 }
 
-/// Gives back a slot [`acquire`] took for `owner`; returns the new stock. A
-/// slot already reclaimed (its worker was presumed dead) is not given back twice.
-pub fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u64 {
+/// Gives back a slot [`acquire`] took for `owner`; returns the new stock.
+fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u64 {
     update(store, LOAD_KEY, |v| {
         let mut rows = decode_rows(v, endpoints);
         if let Some(n) = rows.iter_mut().find(|r| r.worker == owner).and_then(|r| r.load.get_mut(endpoint as usize)) {
@@ -502,14 +537,18 @@ pub(crate) mod tests {
     fn acquire_spreads_over_the_least_loaded_and_respects_the_limit() {
         let s = MapStore::default();
         let under4 = |load: &[u32]| load.iter().sum::<u32>() < 4;
-        let picks: Vec<u32> = (0..4).map(|w| acquire(&s, 3, w % 2, under4, least_loaded).unwrap().0).collect();
-        assert_eq!(picks, vec![0, 1, 2, 0]);
+        let mut permits: Vec<Permit> = (0..4).map(|w| acquire(&s, 3, w % 2, under4, least_loaded).unwrap().0).collect();
+        assert_eq!(permits.iter().map(Permit::endpoint).collect::<Vec<_>>(), vec![0, 1, 2, 0]);
         assert_eq!(acquire(&s, 3, 0, under4, least_loaded), None);
-        assert_eq!(release(&s, 3, 1, 1), 3);
+        assert_eq!(permits.remove(1).release(&s, 3), 3);
         assert_eq!(release(&s, 3, 1, 1), 3, "worker 1 holds nothing more on endpoint 1");
-        assert_eq!(acquire(&s, 3, 0, under4, least_loaded), Some((1, 4)));
+        assert_eq!(acquire(&s, 3, 0, under4, least_loaded), Some((Permit { owner: 0, endpoint: 1 }, 4)));
         assert_eq!(load(&s, 3), vec![2, 1, 1]);
-        assert_eq!(acquire(&s, 3, 0, |_| true, |_| Some(2)), Some((2, 5)), "the picker decides");
+        assert_eq!(
+            acquire(&s, 3, 0, |_| true, |_| Some(2)).map(|(p, n)| (p.endpoint(), n)),
+            Some((2, 5)),
+            "the picker decides"
+        );
         assert_eq!(acquire(&s, 3, 0, |_| true, |_| None), None, "no pick, no slot");
         assert_eq!(acquire(&s, 3, 0, |_| true, |_| Some(9)), None, "an out-of-range pick is refused");
         assert_eq!(stock(&s, 3), 5);
@@ -520,16 +559,16 @@ pub(crate) mod tests {
         let s = MapStore::default();
         heartbeat(&s, 1, 0);
         heartbeat(&s, 2, 0);
-        for owner in [1, 1, 2] {
-            acquire(&s, 2, owner, |_| true, least_loaded).unwrap();
-        }
+        let permits: Vec<Permit> =
+            [1, 1, 2].map(|owner| acquire(&s, 2, owner, |_| true, least_loaded).unwrap().0).into();
         assert_eq!(stock(&s, 2), 3);
         heartbeat(&s, 2, 900);
         assert_eq!(reclaim_dead(&s, 2, 1000, 500), vec![(1, 2)], "worker 1 stopped ticking");
         assert_eq!(load(&s, 2), vec![1, 0], "worker 2's slot on endpoint 0 stays");
-        assert_eq!(release(&s, 2, 1, 0), 1, "a late release of a reclaimed slot changes nothing");
+        let mut permits = permits.into_iter();
+        assert_eq!(permits.next().unwrap().release(&s, 2), 1, "a late release of a reclaimed slot changes nothing");
         assert_eq!(reclaim_dead(&s, 2, 1000, 500), vec![], "nothing left to reclaim");
-        assert_eq!(release(&s, 2, 2, 0), 0);
+        assert_eq!(permits.nth(1).unwrap().release(&s, 2), 0);
         assert_eq!(s.get(LOAD_KEY).0.unwrap().len(), 0, "empty rows are dropped");
     }
 

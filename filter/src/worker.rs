@@ -14,7 +14,7 @@ use crate::config::{Config, NoEndpoint};
 use crate::openai;
 use crate::outcome::Outcome;
 use crate::scheduler::{band_code, Scheduler, Slot};
-use crate::shared::{self, Lease, Store};
+use crate::shared::{self, Lease, Permit, Store};
 use crate::wire::{decode_entry, encode_batch, RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
@@ -180,8 +180,8 @@ enum Stream {
     /// Paused; `enqueue` was sent to the scheduler of `epoch` (and is sent
     /// again if the scheduler changes).
     Queued { enqueue: ToScheduler, arrival_ms: u64, epoch: u32 },
-    /// Sent to a backend; holds one unit of stock on `endpoint`.
-    Dispatched { tenant: String, band: u8, endpoint: u32 },
+    /// Sent to a backend; holds one unit of stock.
+    Dispatched { tenant: String, band: u8, permit: Permit },
 }
 
 /// This VM's half of the scheduler lease.
@@ -223,6 +223,16 @@ pub struct Worker<H: Host> {
     replies_left: u32,
     /// Next endpoint for requests the filter does not schedule.
     passthrough_next: usize,
+}
+
+/// What the stock grants a request now.
+enum Grant {
+    /// A slot, on the permit's endpoint.
+    Slot(Permit),
+    /// Not now (the band or saturation says wait).
+    Wait,
+    /// Never: no endpoint is usable and the configuration says reject.
+    NoEndpoint,
 }
 
 /// What admission decided for a request whose body was read.
@@ -331,7 +341,8 @@ impl<H: Host> Worker<H> {
         let band = band_code(band);
         if may_bypass {
             match self.take_slot(self.worker, &route, false) {
-                Slot::Granted(endpoint) => {
+                Grant::Slot(permit) => {
+                    let endpoint = permit.endpoint();
                     self.host.add(Metric::Bypassed, 1);
                     self.host.add(Metric::Dispatched, 1);
                     self.charge_later(ToScheduler::Charge {
@@ -343,11 +354,11 @@ impl<H: Host> Worker<H> {
                         done: false,
                         tenant: tenant.clone(),
                     });
-                    self.streams.insert(ctx, Stream::Dispatched { tenant, band, endpoint });
+                    self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit });
                     return Admission::Bypass(endpoint);
                 }
-                Slot::NoEndpoint => return Admission::NoEndpoint,
-                Slot::Wait => {}
+                Grant::NoEndpoint => return Admission::NoEndpoint,
+                Grant::Wait => {}
             }
         }
         let arrival_ms = self.now;
@@ -386,10 +397,10 @@ impl<H: Host> Worker<H> {
         }
     }
 
-    /// Takes one unit of stock for a request, if the band (for a pop from the
-    /// queue, or for a bypass) and the pool's saturation allow, on the endpoint
-    /// the router picks.
-    fn take_slot(&mut self, owner: u32, route: &RouteInfo, from_queue: bool) -> Slot {
+    /// Takes one unit of stock for a request held by worker `owner`, if the
+    /// band (for a pop from the queue, or for a bypass) and the pool's
+    /// saturation allow, on the endpoint the router picks.
+    fn take_slot(&mut self, owner: u32, route: &RouteInfo, from_queue: bool) -> Grant {
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
         let now = self.now;
@@ -430,13 +441,13 @@ impl<H: Host> Worker<H> {
             chosen.or_else(|| if no_endpoint { None } else { shared::least_loaded(load) })
         };
         match shared::acquire(&self.host, n, owner, allowed, pick) {
-            Some((endpoint, stock)) => {
+            Some((permit, stock)) => {
                 self.publish_stock(stock);
-                self.affinity.record(&request, endpoint as usize);
-                Slot::Granted(endpoint)
+                self.affinity.record(&request, permit.endpoint() as usize);
+                Grant::Slot(permit)
             }
-            None if no_endpoint => Slot::NoEndpoint,
-            None => Slot::Wait,
+            None if no_endpoint => Grant::NoEndpoint,
+            None => Grant::Wait,
         }
     }
 
@@ -462,7 +473,8 @@ impl<H: Host> Worker<H> {
     /// connection, so it is avoided for a while.
     pub fn finish(&mut self, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
         match self.streams.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, endpoint }) => {
+            Some(Stream::Dispatched { tenant, band, permit }) => {
+                let endpoint = permit.endpoint();
                 if upstream_failed {
                     let until = self.now + self.cfg.routing.quarantine_ms;
                     log::warn!(
@@ -474,7 +486,7 @@ impl<H: Host> Worker<H> {
                         r.quarantined_until_ms = r.quarantined_until_ms.max(until)
                     });
                 }
-                let stock = shared::release(&self.host, self.endpoints(), self.worker, endpoint);
+                let stock = permit.release(&self.host, self.endpoints());
                 self.publish_stock(stock);
                 self.host.add(Metric::Completed, 1);
                 let done = ToScheduler::Charge {
@@ -600,7 +612,12 @@ impl<H: Host> Worker<H> {
         role.scheduler.expire(self.now, &mut out);
         role.scheduler.pump(
             self.now,
-            &mut |req, route| self.take_slot(crate::scheduler::worker_of(req), route, true),
+            &mut |req, route| match self.take_slot(crate::scheduler::worker_of(req), route, true) {
+                // The Dispatch message carries the permit to the stream's worker.
+                Grant::Slot(permit) => Slot::Granted(permit.into_message()),
+                Grant::Wait => Slot::Wait,
+                Grant::NoEndpoint => Slot::NoEndpoint,
+            },
             &mut out,
         );
         let len = role.scheduler.len();
@@ -638,27 +655,27 @@ impl<H: Host> Worker<H> {
         }
     }
 
+    /// The scheduler took a slot on `endpoint` for paused stream `ctx`.
     fn dispatch(&mut self, ctx: u32, endpoint: u32) {
-        let arrival = match self.streams.get(&ctx) {
-            Some(Stream::Queued { arrival_ms, .. }) => Some(*arrival_ms),
-            _ => None,
-        };
-        let resumed = arrival.is_some()
+        let permit = Permit::delivered(self.worker, endpoint);
+        let queued = matches!(self.streams.get(&ctx), Some(Stream::Queued { .. }));
+        if queued
             && (endpoint as usize) < self.endpoints()
-            && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize]);
-        if resumed {
-            let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, .. }) =
+            && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize])
+        {
+            if let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, arrival_ms, .. }) =
                 self.streams.remove(&ctx)
-            else {
-                unreachable!("checked above")
-            };
-            self.streams.insert(ctx, Stream::Dispatched { tenant, band, endpoint });
-            self.host.add(Metric::Dispatched, 1);
-            self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival.unwrap_or(0)));
-        } else {
+            {
+                self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit });
+                self.host.add(Metric::Dispatched, 1);
+                self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival_ms));
+                return;
+            }
+        }
+        {
             // The stream is gone (or was dispatched twice after a takeover):
             // give the slot back and let the scheduler use it.
-            let stock = shared::release(&self.host, self.endpoints(), self.worker, endpoint);
+            let stock = permit.release(&self.host, self.endpoints());
             self.publish_stock(stock);
             let wake = ToScheduler::Charge {
                 req: 0,
@@ -1091,9 +1108,8 @@ mod tests {
         let mut w = vm(&p, 1, config(serde_json::json!({})), 0);
         // A hung server holds two requests: the band of two slots is full.
         shared::heartbeat(&p.store, 9, 0);
-        for _ in 0..2 {
-            shared::acquire(&p.store, 2, 9, |_| true, |_| Some(0)).unwrap();
-        }
+        let _stuck: Vec<Permit> =
+            (0..2).map(|_| shared::acquire(&p.store, 2, 9, |_| true, |_| Some(0)).unwrap().0).collect();
         assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Queued);
         w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
         assert!(p.resumed.borrow().is_empty(), "the band is full");
