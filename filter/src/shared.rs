@@ -171,6 +171,14 @@ fn total(rows: &[Row], endpoints: usize) -> Vec<u32> {
     load
 }
 
+/// Every worker's row of a [`LOAD_KEY`] value, as `(worker, in-flight per
+/// endpoint)`, for inspection (the simulator's checks); `None` when the bytes
+/// are not whole rows for `endpoints` endpoints.
+pub fn load_rows(bytes: &[u8], endpoints: usize) -> Option<Vec<(u32, Vec<u32>)>> {
+    let rows = decode_rows(Some(bytes), endpoints).into_iter().map(|r| (r.worker, r.load)).collect();
+    bytes.len().is_multiple_of(4 * (endpoints + 1)).then_some(rows)
+}
+
 /// In-flight requests per endpoint, over every worker.
 pub fn load(store: &dyn Store, endpoints: usize) -> Vec<u32> {
     total(&decode_rows(store.get(LOAD_KEY).0.as_deref(), endpoints), endpoints)

@@ -19,6 +19,8 @@
 //! - `queue_drains`: ... and the scheduler's published queue length (`sluice.queued`) is 0.
 //! - `memory_bounded`: every VM's linear memory and the total shared data stayed under their
 //!   bounds at every sample.
+//! - `outcomes_typed`: every answer the filter gave itself names an [`Outcome`] in its reason
+//!   header and carries that outcome's status.
 //! - `no_unexpected_traps`: every trap was an injected one (the filter itself never trapped).
 
 use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
@@ -30,35 +32,14 @@ use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use sluice_filter::outcome::Outcome;
+use sluice_filter::wire::ToWorker;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Instant;
 
-/// Shared-data key of the filter's stock: one row per worker that holds slots, each the worker
-/// number then one count per configured endpoint, all `u32` little-endian (see
-/// `filter/src/shared.rs`). Filters before per-worker slots wrote one count per endpoint.
-pub const LOAD_KEY: &str = "sluice.load";
-
-/// Decodes [`LOAD_KEY`] for `endpoints` endpoints into `(worker, in-flight per endpoint)` rows;
-/// the older layout (one count per endpoint, no worker) reads as one row of worker 0. `None`
-/// when the bytes fit neither layout.
-pub fn load_rows(raw: &[u8], endpoints: usize) -> Option<Vec<(u32, Vec<u32>)>> {
-    let u32_at = |c: &[u8]| u32::from_le_bytes(c.try_into().expect("4 bytes"));
-    // 4·n is never a multiple of 4·(n + 1), so the two layouts cannot be confused.
-    if raw.len() == 4 * endpoints {
-        return Some(vec![(0, raw.chunks_exact(4).map(u32_at).collect())]);
-    }
-    if !raw.len().is_multiple_of(4 * (endpoints + 1)) {
-        return None;
-    }
-    Some(
-        raw.chunks_exact(4 * (endpoints + 1))
-            .map(|row| (u32_at(&row[..4]), row[4..].chunks_exact(4).map(u32_at).collect()))
-            .collect(),
-    )
-}
-/// Shared-data key of the scheduler's queue length (`u64` little-endian).
-pub const QUEUED_KEY: &str = "sluice.queued";
+/// The filter's stock and queue length in shared data, read with the filter's own decoders.
+pub use sluice_filter::shared::{load_rows, LOAD_KEY, QUEUED_KEY};
 /// Header carrying the tenant.
 pub const TENANT_HEADER: &str = "x-gateway-inference-fairness-id";
 
@@ -736,8 +717,7 @@ fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport 
     }
     let stock: u64 = final_load.iter().map(|&x| x as u64).sum();
     let layout_note = match &rows {
-        None => format!(" (unreadable: {} bytes fit no known layout of {LOAD_KEY})", raw_load.len()),
-        Some(_) if raw_load.len() == 4 * n => " (one count per endpoint: a filter without per-worker slots)".into(),
+        None => format!(" (unreadable: {} bytes are not whole rows of {LOAD_KEY})", raw_load.len()),
         Some(rows) => {
             let held: Vec<String> = rows
                 .iter()
@@ -756,7 +736,8 @@ fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport 
     for (name, _, items) in host.queues() {
         if !items.is_empty() {
             if name.starts_with("sluice.worker.") {
-                stranded_dispatches += items.iter().filter(|m| m.len() == 13 && m[0] == 1).count();
+                stranded_dispatches +=
+                    items.iter().filter(|m| matches!(ToWorker::decode(m), Some(ToWorker::Dispatch { .. }))).count();
             }
             stranded_messages.insert(name, items.len());
         }
@@ -793,6 +774,30 @@ fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport 
             cfg.max_vm_memory_bytes as f64 / (1 << 20) as f64,
             cfg.max_shared_bytes
         ),
+    });
+
+    // outcomes_typed: the filter's answers speak its one vocabulary.
+    let untyped: Vec<&RequestRecord> = recs
+        .iter()
+        .filter(|r| r.outcome == "local_reply")
+        .filter(|r| {
+            let outcome = r.reason.as_deref().and_then(Outcome::from_reason);
+            outcome.is_none_or(|o| o.status() != r.status as u32)
+        })
+        .collect();
+    let local = recs.iter().filter(|r| r.outcome == "local_reply").count();
+    inv.push(Invariant {
+        name: "outcomes_typed",
+        ok: untyped.is_empty(),
+        detail: match untyped.first() {
+            None => format!("{local} local replies, each a known outcome with its own status"),
+            Some(r) => format!(
+                "{} of {local} local replies are no known outcome or carry another status; first: {} {:?}",
+                untyped.len(),
+                r.status,
+                r.reason
+            ),
+        },
     });
 
     // no_unexpected_traps
