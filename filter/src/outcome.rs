@@ -23,13 +23,11 @@ pub enum Outcome {
     BadRequest,
     /// The body is larger than `max_body_bytes` (413).
     BodyTooLarge,
-    /// No VM could take the scheduler role (503).
-    NoScheduler,
 }
 
 impl Outcome {
     /// Every outcome, in wire-code order.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::QueueFull,
         Outcome::FlowFull,
         Outcome::TtlExpired,
@@ -38,14 +36,13 @@ impl Outcome {
         Outcome::Overloaded,
         Outcome::BadRequest,
         Outcome::BodyTooLarge,
-        Outcome::NoScheduler,
     ];
 
     /// The HTTP status of the answer.
     pub fn status(self) -> u32 {
         match self {
             Outcome::QueueFull | Outcome::FlowFull | Outcome::Evicted | Outcome::Overloaded => 429,
-            Outcome::TtlExpired | Outcome::NoEndpoint | Outcome::NoScheduler => 503,
+            Outcome::TtlExpired | Outcome::NoEndpoint => 503,
             Outcome::BadRequest => 400,
             Outcome::BodyTooLarge => 413,
         }
@@ -62,7 +59,6 @@ impl Outcome {
             Outcome::Overloaded => "rejected-overload",
             Outcome::BadRequest => "bad-request",
             Outcome::BodyTooLarge => "body-too-large",
-            Outcome::NoScheduler => "no-scheduler",
         }
     }
 
@@ -86,7 +82,6 @@ impl Outcome {
             Outcome::Overloaded => "sluice_requests_rejected_overload",
             Outcome::BadRequest => "sluice_requests_rejected_bad_request",
             Outcome::BodyTooLarge => "sluice_requests_rejected_body_too_large",
-            Outcome::NoScheduler => "sluice_requests_rejected_no_scheduler",
         }
     }
 

@@ -340,7 +340,6 @@ impl HttpContext for Http {
                 self.phase = Phase::Scheduled;
                 Action::Pause
             }
-            Admission::NoScheduler => self.answer(Outcome::NoScheduler, "no scheduler is available; retry later"),
             Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, "no backend is healthy"),
             Admission::Overloaded => {
                 self.answer(Outcome::Overloaded, "the gateway is overloaded; long requests are refused for now")

@@ -177,9 +177,10 @@ fn worker_queue_name(worker: u32) -> String {
 
 /// A request this VM holds, as the scheduler protocol sees it.
 enum Stream {
-    /// Paused; `enqueue` was sent to the scheduler of `epoch` (and is sent
-    /// again if the scheduler changes).
-    Queued { enqueue: ToScheduler, arrival_ms: u64, epoch: u32 },
+    /// Paused; `enqueue` was delivered to the scheduler of lease epoch
+    /// `sent_to`, and is sent again when the scheduler changes, or on the next
+    /// tick while it could not be delivered (`None`: no scheduler yet).
+    Queued { enqueue: ToScheduler, arrival_ms: u64, sent_to: Option<u32> },
     /// Sent to a backend; holds one unit of stock.
     Dispatched { tenant: String, band: u8, permit: Permit },
 }
@@ -242,8 +243,6 @@ pub enum Admission {
     Bypass(u32),
     /// Handed to the scheduler; the stream stays paused.
     Queued,
-    /// No VM could take the scheduler role.
-    NoScheduler,
     /// No endpoint is healthy and the configuration says reject.
     NoEndpoint,
     /// The overload ladder refuses it.
@@ -373,11 +372,11 @@ impl<H: Host> Worker<H> {
             route,
             tenant,
         };
-        if !self.send_to_scheduler(&enqueue) {
-            return Admission::NoScheduler;
-        }
+        // Undelivered (no VM holds the scheduler role yet, or the lease is
+        // changing hands): it stays paused and goes on the next tick.
+        let sent_to = self.send_to_scheduler(&enqueue).then_some(self.epoch);
         self.host.add(Metric::Queued, 1);
-        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, epoch: self.epoch });
+        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to });
         Admission::Queued
     }
 
@@ -557,21 +556,27 @@ impl<H: Host> Worker<H> {
         }
     }
 
+    /// Sends the scheduler of the current epoch every queued request it has
+    /// not received: after a takeover, or when an earlier send failed.
     fn resend_queued(&mut self) {
-        let epoch = self.epoch;
-        let mut resend = Vec::new();
-        for s in self.streams.values_mut() {
-            if let Stream::Queued { enqueue, epoch: e, arrival_ms } = s {
-                if *e != epoch {
-                    *e = epoch;
-                    resend.push((*arrival_ms, enqueue.clone()));
-                }
-            }
-        }
+        let epoch = Some(self.epoch);
+        let mut resend: Vec<(u64, u32)> = self
+            .streams
+            .iter()
+            .filter_map(|(&ctx, s)| match s {
+                Stream::Queued { arrival_ms, sent_to, .. } if *sent_to != epoch => Some((*arrival_ms, ctx)),
+                _ => None,
+            })
+            .collect();
         // Oldest first, as they first arrived: the new scheduler's order.
-        resend.sort_by_key(|(arrival, _)| *arrival);
-        for (_, m) in resend {
-            self.send_to_scheduler(&m);
+        resend.sort_unstable();
+        for (_, ctx) in resend {
+            let Some(Stream::Queued { enqueue, .. }) = self.streams.get(&ctx) else { continue };
+            let msg = enqueue.clone();
+            let sent = self.send_to_scheduler(&msg);
+            if let (true, Some(Stream::Queued { sent_to, .. })) = (sent, self.streams.get_mut(&ctx)) {
+                *sent_to = epoch;
+            }
         }
     }
 
@@ -767,6 +772,7 @@ impl<H: Host> Worker<H> {
         // The lease first, before any work that could make it lapse.
         self.claim_lease(now);
         shared::heartbeat(&self.host, self.worker, now);
+        self.resend_queued();
         self.flush_charges();
         let n = self.endpoints();
         if let Some(queued) = self.role.as_ref().map(|r| r.scheduler.len() as u64) {
@@ -1100,6 +1106,23 @@ mod tests {
         assert_eq!(queued(&p, SCHEDULER_QUEUE), 1, "and leaves the message to the holder");
         new.on_queue_ready(5_000, queue_id(&p, SCHEDULER_QUEUE));
         assert_eq!(queued(&p, SCHEDULER_QUEUE), 0);
+    }
+
+    #[test]
+    fn a_request_that_finds_no_scheduler_yet_waits_for_the_next_tick() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+        assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Bypass(0));
+        // Another VM has just taken the lease and not yet registered the queue.
+        Lease::claim(&p.store, 9, 0, 1000).unwrap();
+        assert_eq!(admit(&mut w, 0, 2, "a"), Admission::Queued, "paused, not refused");
+        assert!(p.replies.borrow().is_empty());
+        Vm(p.clone(), 9).register_queue(SCHEDULER_QUEUE);
+        assert_eq!(queued(&p, SCHEDULER_QUEUE), 0);
+        w.on_tick(50);
+        assert_eq!(queued(&p, SCHEDULER_QUEUE), 1, "delivered on the next tick");
+        w.on_tick(100);
+        assert_eq!(queued(&p, SCHEDULER_QUEUE), 1, "and only once");
     }
 
     #[test]
