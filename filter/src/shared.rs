@@ -321,8 +321,14 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
                 for v in [m.waiting, m.running, m.kv_usage] {
                     b.extend_from_slice(&v.to_le_bytes());
                 }
-                let loras = m.loras.join(",");
-                let loras = &loras.as_bytes()[..loras.len().min(u16::MAX as usize)];
+                // At most u16::MAX bytes, cut after a whole adapter name (a cut
+                // inside a character would make the record, and those after it, unreadable).
+                let mut loras = m.loras.join(",");
+                if loras.len() > u16::MAX as usize {
+                    let cut = loras.as_bytes()[..=u16::MAX as usize].iter().rposition(|&b| b == b',').unwrap_or(0);
+                    loras.truncate(cut);
+                }
+                let loras = loras.as_bytes();
                 b.extend_from_slice(&(loras.len() as u16).to_le_bytes());
                 b.extend_from_slice(loras);
             }
@@ -599,6 +605,20 @@ pub(crate) mod tests {
         assert_eq!(records(&s, 3).len(), 3, "a new endpoint reads as never scraped");
         s.set(METRICS_KEY, &[1, 2, 3], None);
         assert_eq!(records(&s, 2), vec![EndpointRecord::default(); 2]);
+    }
+
+    #[test]
+    fn a_huge_lora_list_is_cut_between_names_and_keeps_every_record_readable() {
+        let s = MapStore::default();
+        let name = "é".repeat(1000); // 2,000 bytes: a byte cut would split a character
+        let loras: Vec<String> = (0..40).map(|i| format!("{name}{i}")).collect();
+        let m = EndpointMetrics { waiting: 1.0, running: 2.0, kv_usage: 0.5, loras };
+        update_record(&s, 2, 0, |r| r.metrics = Some(m.clone()));
+        update_record(&s, 2, 1, |r| r.failures = 3);
+        let recs = records(&s, 2);
+        let kept = &recs[0].metrics.as_ref().unwrap().loras;
+        assert!(!kept.is_empty() && kept.len() < 40 && kept.iter().all(|l| m.loras.contains(l)), "{}", kept.len());
+        assert_eq!(recs[1].failures, 3, "the record after it is still read");
     }
 
     #[test]

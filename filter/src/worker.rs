@@ -805,9 +805,10 @@ impl<H: Host> Worker<H> {
             }
             self.pump(out);
         }
-        // Safety net for a scheduler that vanished with our requests: never
-        // hold a stream much past its TTL.
-        let deadline = self.cfg.bands.ttl_ms + self.lease_ms;
+        // The worker's own TTL, beside the scheduler's: a scheduler that died
+        // with our requests (or is between holders) cannot make them wait
+        // longer. Whichever answers first wins; the other finds the stream gone.
+        let deadline = self.cfg.bands.ttl_ms;
         let mut expired: Vec<(u64, u32)> = self
             .streams
             .iter()
