@@ -47,15 +47,28 @@ pub fn band_of_code(code: u8) -> Criticality {
     Criticality::ALL.get(code as usize).copied().unwrap_or(Criticality::Standard)
 }
 
-/// The answer to "may the next request go, and where?".
+/// The answer to "may the next request go, and where?": the scheduler sees
+/// the endpoint index (`P = u32`), the worker that takes the slot its
+/// [`crate::shared::Permit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Slot {
-    /// Yes, to this endpoint; one unit of stock is taken.
-    Granted(u32),
+pub enum Slot<P = u32> {
+    /// Yes: one unit of stock is taken, on this endpoint.
+    Granted(P),
     /// Not now (the band or saturation says wait).
     Wait,
     /// Never: no endpoint is usable and the configuration says reject.
     NoEndpoint,
+}
+
+impl<P> Slot<P> {
+    /// The same answer with the grant converted.
+    pub fn map<Q>(self, f: impl FnOnce(P) -> Q) -> Slot<Q> {
+        match self {
+            Slot::Granted(p) => Slot::Granted(f(p)),
+            Slot::Wait => Slot::Wait,
+            Slot::NoEndpoint => Slot::NoEndpoint,
+        }
+    }
 }
 
 /// What the scheduler asks of the stock and the router for the next request
@@ -322,40 +335,6 @@ impl Scheduler {
             }
         }
     }
-
-    /// Each band's counters by tenant name, as JSON (`None` for policies
-    /// without counters). A pass over every tracked tenant: prefer
-    /// [`Scheduler::dirty_snapshots`].
-    pub fn snapshot(&self) -> Option<Vec<u8>> {
-        let mut bands = serde_json::Map::new();
-        for band in Criticality::ALL {
-            let q = self.queue.band(band);
-            let counters: serde_json::Map<String, serde_json::Value> = self
-                .queue
-                .tenants()
-                .iter()
-                .filter_map(|(f, name)| Some((name.to_owned(), q.policy().counter_of(f)?.into())))
-                .collect();
-            if !counters.is_empty() {
-                bands.insert(band.as_str().to_owned(), counters.into());
-            }
-        }
-        (!bands.is_empty()).then(|| serde_json::to_vec(&bands).expect("a JSON map serialises"))
-    }
-
-    /// Restores counters from [`Scheduler::snapshot`]; unreadable input is ignored.
-    pub fn restore(&mut self, bytes: &[u8]) {
-        let Ok(bands) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(bytes) else { return };
-        for (band, counters) in bands {
-            let (Some(band), Some(counters)) = (Criticality::parse(&band), counters.as_object()) else { continue };
-            for (name, v) in counters {
-                if let Some(v) = v.as_f64() {
-                    let flow = self.queue.flow_id(name);
-                    self.queue.band_mut(band).policy_mut().restore_counter(flow, v);
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -479,10 +458,12 @@ mod tests {
         // Without the history, "a" (lifted to b's 0) gets the second turn ...
         assert_eq!(order(&mut Scheduler::new(&c)), vec![1, 3, 2]);
         // ... with its 1000 restored it waits for both of b's requests.
+        let store = MapStore::default();
+        save_all(&mut old, &store, usize::MAX);
         let mut new = Scheduler::new(&c);
-        new.restore(&old.snapshot().unwrap());
+        new.restore_from(&store);
         assert_eq!(order(&mut new), vec![1, 2, 3]);
-        assert!(Scheduler::new(&cfg("fcfs", "")).snapshot().is_none(), "FCFS has no counters");
+        assert!(Scheduler::new(&cfg("fcfs", "")).dirty_snapshots(usize::MAX).is_empty(), "FCFS has no counters");
     }
 
     #[test]

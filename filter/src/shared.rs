@@ -29,10 +29,6 @@ pub const QUEUED_KEY: &str = "sluice.queued";
 pub const WORKERS_KEY: &str = "sluice.workers";
 /// The scheduler lease.
 pub const LEASE_KEY: &str = "sluice.lease";
-/// Snapshot of the allocation policy's counters (VTC), for a scheduler takeover.
-/// Superseded by the shards under [`COUNTERS_PREFIX`]; kept for
-/// [`crate::scheduler::Scheduler::snapshot`], which writes every tenant at once.
-pub const COUNTERS_KEY: &str = "sluice.counters";
 /// Prefix of the keys holding the policy's counters, one key per shard of
 /// tenants (`sluice.counters.<k>`, `k` in `0..COUNTER_SHARDS`): the scheduler
 /// rewrites only the shards whose tenants changed, so a save costs what

@@ -226,16 +226,6 @@ pub struct Worker<H: Host> {
     passthrough_next: usize,
 }
 
-/// What the stock grants a request now.
-enum Grant {
-    /// A slot, on the permit's endpoint.
-    Slot(Permit),
-    /// Not now (the band or saturation says wait).
-    Wait,
-    /// Never: no endpoint is usable and the configuration says reject.
-    NoEndpoint,
-}
-
 /// What admission decided for a request whose body was read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Admission {
@@ -340,7 +330,7 @@ impl<H: Host> Worker<H> {
         let band = band_code(band);
         if may_bypass {
             match self.take_slot(self.worker, &route, false) {
-                Grant::Slot(permit) => {
+                Slot::Granted(permit) => {
                     let endpoint = permit.endpoint();
                     self.host.add(Metric::Bypassed, 1);
                     self.host.add(Metric::Dispatched, 1);
@@ -356,8 +346,8 @@ impl<H: Host> Worker<H> {
                     self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit });
                     return Admission::Bypass(endpoint);
                 }
-                Grant::NoEndpoint => return Admission::NoEndpoint,
-                Grant::Wait => {}
+                Slot::NoEndpoint => return Admission::NoEndpoint,
+                Slot::Wait => {}
             }
         }
         let arrival_ms = self.now;
@@ -399,7 +389,7 @@ impl<H: Host> Worker<H> {
     /// Takes one unit of stock for a request held by worker `owner`, if the
     /// band (for a pop from the queue, or for a bypass) and the pool's
     /// saturation allow, on the endpoint the router picks.
-    fn take_slot(&mut self, owner: u32, route: &RouteInfo, from_queue: bool) -> Grant {
+    fn take_slot(&mut self, owner: u32, route: &RouteInfo, from_queue: bool) -> Slot<Permit> {
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
         let now = self.now;
@@ -443,10 +433,10 @@ impl<H: Host> Worker<H> {
             Some((permit, stock)) => {
                 self.publish_stock(stock);
                 self.affinity.record(&request, permit.endpoint() as usize);
-                Grant::Slot(permit)
+                Slot::Granted(permit)
             }
-            None if no_endpoint => Grant::NoEndpoint,
-            None => Grant::Wait,
+            None if no_endpoint => Slot::NoEndpoint,
+            None => Slot::Wait,
         }
     }
 
@@ -617,12 +607,8 @@ impl<H: Host> Worker<H> {
         role.scheduler.expire(self.now, &mut out);
         role.scheduler.pump(
             self.now,
-            &mut |req, route| match self.take_slot(crate::scheduler::worker_of(req), route, true) {
-                // The Dispatch message carries the permit to the stream's worker.
-                Grant::Slot(permit) => Slot::Granted(permit.into_message()),
-                Grant::Wait => Slot::Wait,
-                Grant::NoEndpoint => Slot::NoEndpoint,
-            },
+            // The Dispatch message carries the permit to the stream's worker.
+            &mut |req, route| self.take_slot(crate::scheduler::worker_of(req), route, true).map(Permit::into_message),
             &mut out,
         );
         let len = role.scheduler.len();

@@ -3,35 +3,21 @@
 //! reused without confusing any policy, and VTC's fairness between tenants
 //! that stay is untouched by the churn of tenants that come and go.
 
+mod common;
+
+use common::{policy, POLICIES};
 use proptest::prelude::*;
 use sluice_policies::alloc::{Allocation, CounterPolicy, Vtc, VtcWeights};
 use sluice_policies::bands::{BandLimits, BandedQueue, Criticality};
 use sluice_policies::queue::{FairQueue, QueueLimits};
-use sluice_policies::spec::PolicySpec;
 use sluice_policies::tenants::Tenants;
 use sluice_policies::{FlowId, Request};
 use std::collections::{HashMap, HashSet};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-const POLICIES: &[&str] = &[
-    r#"{"policy":"fcfs"}"#,
-    r#"{"policy":"rpm","requests_per_minute":3}"#,
-    r#"{"policy":"lcf"}"#,
-    r#"{"policy":"vtc","tenant_weights":{"t1":2}}"#,
-    r#"{"policy":"vtc-cost","cost":"profiled"}"#,
-    r#"{"policy":"vtc-predict"}"#,
-    r#"{"policy":"vtc-oracle"}"#,
-    r#"{"policy":"wfq","flow_weights":{"t2":3}}"#,
-    r#"{"policy":"drr","quantum":16,"congestion_boost":{"t0":1}}"#,
-];
-
 /// Policies for which forgetting an idle flow changes no decision at all.
 const FREE_TO_FORGET: &[usize] = &[0, 7, 8];
-
-fn policy(i: usize) -> Box<dyn Allocation> {
-    serde_json::from_str::<PolicySpec>(POLICIES[i]).unwrap().build().unwrap()
-}
 
 fn banded(p: usize, cap: usize) -> BandedQueue<Box<dyn Allocation>> {
     let limits = BandLimits { total_capacity: 12, flow_capacity: 4, ttl_ms: 30_000, critical_reserve: 2 };

@@ -2,32 +2,18 @@
 //! lost or duplicated, work conservation, FIFO inside a flow for equal sizes,
 //! strict priority between bands, and the VTC counter bound (Lemma 4.3).
 
+mod common;
+
+use common::{policy, POLICIES};
 use proptest::prelude::*;
 use sluice_policies::alloc::{Allocation, Vtc, VtcWeights};
 use sluice_policies::bands::{BandLimits, BandedQueue, Criticality};
 use sluice_policies::order::{Edf, FeasibleSet, Fifo, FlowOrder, ShortestPredicted};
 use sluice_policies::queue::{FairQueue, QueueLimits};
-use sluice_policies::spec::PolicySpec;
 use sluice_policies::Request;
 use std::collections::{HashMap, HashSet};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
-
-const POLICIES: &[&str] = &[
-    r#"{"policy":"fcfs"}"#,
-    r#"{"policy":"rpm","requests_per_minute":3}"#,
-    r#"{"policy":"lcf"}"#,
-    r#"{"policy":"vtc","tenant_weights":{"t1":2}}"#,
-    r#"{"policy":"vtc-cost","cost":"profiled"}"#,
-    r#"{"policy":"vtc-predict"}"#,
-    r#"{"policy":"vtc-oracle"}"#,
-    r#"{"policy":"wfq","flow_weights":{"t2":3}}"#,
-    r#"{"policy":"drr","quantum":16,"congestion_boost":{"t0":1}}"#,
-];
-
-fn policy(i: usize) -> Box<dyn Allocation> {
-    serde_json::from_str::<PolicySpec>(POLICIES[i]).unwrap().build().unwrap()
-}
 
 fn order(i: usize) -> Box<dyn FlowOrder> {
     match i {

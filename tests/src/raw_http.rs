@@ -80,7 +80,8 @@ pub async fn write_all_then_read(
     tokio::time::timeout(timeout, async {
         let mut s = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
         let wrote = s.write_all(bytes).await;
-        let r = read_response(&mut s).await.with_context(|| format!("reading the response (request write: {wrote:?})"))?;
+        let r =
+            read_response(&mut s).await.with_context(|| format!("reading the response (request write: {wrote:?})"))?;
         Ok((wrote, r))
     })
     .await

@@ -53,6 +53,26 @@ fn bad_answer(o: &Outcome, max_tokens: u64, reasons: &[&str]) -> Option<String> 
     }
 }
 
+/// Every request got exactly one proper answer (see [`bad_answers`]) and no VM failed.
+fn assert_one_proper_answer_each(
+    envoy: &Envoy,
+    outcomes: &[Outcome],
+    max_tokens: u64,
+    reasons: &[&str],
+    stats: &sluice_e2e::Stats,
+) {
+    let (n_bad, examples) = bad_answers(outcomes, max_tokens, reasons);
+    let vm_failures = envoy.vm_failures();
+    assert!(
+        n_bad == 0 && vm_failures.is_empty(),
+        "{n_bad} of {} requests did not get one proper answer:\n{examples}\nVM failures in the log ({}):\n{}\nstats: {}",
+        outcomes.len(),
+        vm_failures.len(),
+        vm_failures.iter().take(8).cloned().collect::<Vec<_>>().join("\n"),
+        stats.sluice_summary()
+    );
+}
+
 /// Checks every outcome; returns the number of bad ones and a few examples grouped by problem.
 fn bad_answers(outcomes: &[Outcome], max_tokens: u64, reasons: &[&str]) -> (usize, String) {
     let mut groups: std::collections::BTreeMap<String, (usize, String)> = Default::default();
@@ -145,18 +165,12 @@ async fn burst_of_one_tenant() -> anyhow::Result<()> {
     report("burst of one tenant", &outcomes, elapsed, &s);
     eprintln!("  reject reasons: {:?}", reasons(&outcomes));
 
-    let (n_bad, examples) = bad_answers(
+    assert_one_proper_answer_each(
+        &rig.envoy,
         &outcomes,
         max_tokens as u64,
         &["rejected-flow-capacity", "rejected-saturated", "rejected-ttl-expired"],
-    );
-    let vm_failures = rig.envoy.vm_failures();
-    assert!(
-        n_bad == 0 && vm_failures.is_empty(),
-        "{n_bad} of {N} requests did not get one proper answer:\n{examples}\nVM failures in the log ({}):\n{}\nstats: {}",
-        vm_failures.len(),
-        vm_failures.iter().take(8).cloned().collect::<Vec<_>>().join("\n"),
-        s.sluice_summary()
+        &s,
     );
     let ok = count(&outcomes, 200);
     let refused = count(&outcomes, 429);
@@ -247,15 +261,7 @@ async fn ttl_expiry_of_many_queued() -> anyhow::Result<()> {
         reasons(&outcomes)
     );
 
-    let (n_bad, examples) = bad_answers(&outcomes, 4, &["rejected-ttl-expired"]);
-    let vm_failures = rig.envoy.vm_failures();
-    assert!(
-        n_bad == 0 && vm_failures.is_empty(),
-        "{n_bad} of {N} requests did not get one proper answer:\n{examples}\nVM failures in the log ({}):\n{}\nstats: {}",
-        vm_failures.len(),
-        vm_failures.iter().take(8).cloned().collect::<Vec<_>>().join("\n"),
-        s.sluice_summary()
-    );
+    assert_one_proper_answer_each(&rig.envoy, &outcomes, 4, &["rejected-ttl-expired"], &s);
     let expired = count(&outcomes, 503);
     assert!(
         expired >= N * 9 / 10,
