@@ -18,6 +18,7 @@ pub mod overload;
 pub mod prom;
 pub mod queue;
 pub mod routing;
+pub mod slo;
 pub mod spec;
 pub mod tenants;
 

@@ -1,0 +1,669 @@
+//! The SLO half of the seeds, in gateway form: QLM's waiting-time estimator
+//! and PARD's load factor with delayed HBF/LBF transition.
+//!
+//! A gateway cannot evict from a GPU; it can estimate, order, hold and drop.
+//! [`Estimator`] learns, from what the filter already sees (output tokens
+//! charged on responses, completions, the time from dispatch to the first
+//! token), three things: the pool's output-token throughput while it is
+//! saturated, the output length of each (tenant, model) with its spread, and
+//! the time from dispatch to the first token as a linear function of the
+//! prompt. A queued request's time to first token is then predicted as
+//!
+//! ```text
+//! TTFT = elapsed + (W_ahead + W_slot) / Θ + prefill(input)
+//! ```
+//!
+//! where `W_ahead` is the predicted output work of the requests that will be
+//! dispatched before it (see [`WorkIndex`]), `W_slot` one mean request's work
+//! (with the pool at its in-flight bound, a slot frees after about one mean
+//! request's worth of service: the least-remaining of `R` running requests
+//! has about `L/(R+1)` tokens left, decoded at `Θ/R`), and `Θ` the
+//! saturated throughput. Lengths are independent and summed, so the work has
+//! mean `Σμ` and variance `Σσ²`; its λ-quantile (normal approximation) gives
+//! PARD's conservative estimate `F⁻¹(λ)`. Until a saturated window has been
+//! measured the estimator says nothing ([`Estimator::predict_ttft`] is
+//! `None`), and nothing is dropped on a guess.
+//!
+//! [`LoadFactor`] is PARD's `μ = T_in / T_m` with the thresholds `1 ± ε`,
+//! `ε = Σ|T_in − T_s| / Σ T_in` over a sliding window (`T_s` the window's
+//! average arrival rate), so bursts widen the band and the order does not
+//! flap.
+//!
+//! Nothing here reads a clock: time is an argument in milliseconds.
+
+use hashbrown::HashMap;
+use std::collections::{BTreeMap, VecDeque};
+
+/// `z` with `P(N(0,1) ≤ z) = p`, for `p` in `(0, 1)` (clamped to
+/// `[1e-6, 1 − 1e-6]`). Abramowitz and Stegun 26.2.23: absolute error under
+/// 4.5·10⁻⁴, ample for a drop threshold.
+pub fn normal_quantile(p: f64) -> f64 {
+    let p = if p.is_finite() { p.clamp(1e-6, 1.0 - 1e-6) } else { 0.5 };
+    let tail = |q: f64| {
+        let t = (-2.0 * q.ln()).sqrt();
+        t - (2.515517 + 0.802853 * t + 0.010328 * t * t) / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
+    };
+    if p < 0.5 {
+        -tail(p)
+    } else {
+        tail(1.0 - p)
+    }
+}
+
+/// A mean and variance that follow a drifting quantity (exponentially
+/// weighted), with the number of samples seen.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Moments {
+    /// Weighted mean.
+    pub mean: f64,
+    /// Weighted variance around the mean.
+    pub var: f64,
+    /// Samples seen.
+    pub n: u64,
+}
+
+impl Moments {
+    /// Adds a sample with weight `alpha` (the first sample sets the mean).
+    pub fn observe(&mut self, x: f64, alpha: f64) {
+        if !x.is_finite() {
+            return;
+        }
+        if self.n == 0 {
+            self.mean = x;
+            self.var = 0.0;
+        } else {
+            let d = x - self.mean;
+            self.mean += alpha * d;
+            self.var = (1.0 - alpha) * (self.var + alpha * d * d);
+        }
+        self.n += 1;
+    }
+}
+
+/// Tunables of the estimator.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EstimatorConfig {
+    /// Output length assumed for a tenant and model never seen complete
+    /// (mean; its standard deviation is taken equal to it).
+    pub prior_output_tokens: f64,
+    /// Weight of a new sample in the length and prefill statistics.
+    pub alpha: f64,
+    /// Length of a throughput window in milliseconds.
+    pub window_ms: u64,
+    /// Samples a (tenant, model) needs before its own statistics are used
+    /// instead of the model's or the pool's.
+    pub min_samples: u64,
+}
+
+impl Default for EstimatorConfig {
+    fn default() -> Self {
+        EstimatorConfig { prior_output_tokens: 256.0, alpha: 0.05, window_ms: 1000, min_samples: 3 }
+    }
+}
+
+/// Most (tenant, model) and model entries kept; past it the least recently
+/// updated half is dropped (tenant and model names come from clients).
+const MAX_LENGTH_KEYS: usize = 4096;
+const MAX_MODEL_KEYS: usize = 64;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Keyed {
+    m: Moments,
+    touched: u64,
+}
+
+/// Keeps the map under `cap` entries by dropping the least recently touched half.
+fn bound<K: std::hash::Hash + Eq + Clone>(map: &mut HashMap<K, Keyed>, cap: usize) {
+    if map.len() < cap {
+        return;
+    }
+    let mut ages: Vec<u64> = map.values().map(|k| k.touched).collect();
+    let mid = ages.len() / 2;
+    let (_, &mut cut, _) = ages.select_nth_unstable(mid);
+    map.retain(|_, k| k.touched > cut);
+}
+
+/// Linear fit `y = a + b·x` with exponentially weighted sums, and the
+/// weighted variance of its residuals.
+#[derive(Clone, Copy, Debug, Default)]
+struct Fit {
+    s: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    resid: Moments,
+}
+
+impl Fit {
+    fn observe(&mut self, x: f64, y: f64, alpha: f64) {
+        if !(x.is_finite() && y.is_finite()) {
+            return;
+        }
+        if self.resid.n > 0 {
+            let r = y - self.predict(x);
+            self.resid.observe(r, alpha);
+        } else {
+            self.resid.n = 1;
+        }
+        let k = 1.0 - alpha;
+        self.s = k * self.s + 1.0;
+        self.sx = k * self.sx + x;
+        self.sy = k * self.sy + y;
+        self.sxx = k * self.sxx + x * x;
+        self.sxy = k * self.sxy + x * y;
+    }
+
+    fn predict(&self, x: f64) -> f64 {
+        if self.s == 0.0 {
+            return 0.0;
+        }
+        let det = self.s * self.sxx - self.sx * self.sx;
+        let (a, b) = if det.abs() < 1e-9 * self.s * self.sxx.max(1.0) {
+            (self.sy / self.s, 0.0)
+        } else {
+            let b = (self.s * self.sxy - self.sx * self.sy) / det;
+            ((self.sy - b * self.sx) / self.s, b)
+        };
+        // Never negative, never falling with a longer prompt.
+        (a + b.max(0.0) * x).max(0.0)
+    }
+}
+
+/// What the estimator predicts for one request's output: mean and variance in tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Work {
+    /// Expected output tokens.
+    pub mean: f64,
+    /// Variance of the output tokens.
+    pub var: f64,
+}
+
+impl std::ops::Add for Work {
+    type Output = Work;
+    fn add(self, o: Work) -> Work {
+        Work { mean: self.mean + o.mean, var: self.var + o.var }
+    }
+}
+
+/// QLM's waiting-time estimator, fed with what the gateway observes.
+#[derive(Clone, Debug)]
+pub struct Estimator {
+    cfg: EstimatorConfig,
+    lengths: HashMap<(String, String), Keyed>,
+    by_model: HashMap<String, Keyed>,
+    all: Moments,
+    prefill: Fit,
+    /// Saturated output-token throughput, tokens per second.
+    tput: Moments,
+    /// Throughput of the busiest window seen, used until a saturated one is.
+    tput_floor: f64,
+    window_start: u64,
+    window_tokens: u64,
+    window_saturated: bool,
+    /// Completions in the current window, for the load factor's `T_m`.
+    window_done: u64,
+    window_arrivals: u64,
+    clock: u64,
+    load: LoadFactor,
+}
+
+impl Estimator {
+    /// An estimator that knows nothing yet.
+    pub fn new(cfg: EstimatorConfig) -> Self {
+        Estimator {
+            cfg,
+            lengths: HashMap::new(),
+            by_model: HashMap::new(),
+            all: Moments::default(),
+            prefill: Fit::default(),
+            tput: Moments::default(),
+            tput_floor: 0.0,
+            window_start: 0,
+            window_tokens: 0,
+            window_saturated: true,
+            window_done: 0,
+            window_arrivals: 0,
+            clock: 0,
+            load: LoadFactor::new(10),
+        }
+    }
+
+    /// Moves the clock; closes throughput windows. `saturated`: requests are
+    /// waiting in the queue now (so the pool runs at its in-flight bound).
+    pub fn advance(&mut self, now_ms: u64, saturated: bool) {
+        self.window_saturated &= saturated;
+        let w = self.cfg.window_ms.max(1);
+        if now_ms < self.window_start.saturating_add(w) {
+            return;
+        }
+        let secs = (now_ms - self.window_start) as f64 / 1000.0;
+        let rate = self.window_tokens as f64 / secs;
+        if self.window_saturated && self.window_tokens > 0 {
+            self.tput.observe(rate, 0.3);
+            // T_m: completions per second while saturated.
+            self.load.service(self.window_done as f64 / secs);
+        }
+        self.tput_floor = self.tput_floor.max(rate);
+        self.load.arrivals(self.window_arrivals as f64 / secs);
+        self.window_start = now_ms;
+        self.window_tokens = 0;
+        self.window_done = 0;
+        self.window_arrivals = 0;
+        self.window_saturated = saturated;
+    }
+
+    /// A request arrived (queued or bypassing), for the load factor.
+    pub fn on_arrival(&mut self) {
+        self.window_arrivals += 1;
+    }
+
+    /// `tokens` output tokens were generated (any request).
+    pub fn on_output(&mut self, tokens: u32) {
+        self.window_tokens += tokens as u64;
+    }
+
+    /// A request of `tenant` for `model` finished after `output_tokens`.
+    pub fn on_complete(&mut self, tenant: &str, model: &str, output_tokens: u32) {
+        self.clock += 1;
+        self.window_done += 1;
+        let x = output_tokens as f64;
+        let a = self.cfg.alpha;
+        self.all.observe(x, a);
+        if !self.by_model.contains_key(model) {
+            bound(&mut self.by_model, MAX_MODEL_KEYS);
+        }
+        let e = self.by_model.entry_ref(model).or_default();
+        e.m.observe(x, a);
+        e.touched = self.clock;
+        let key = (tenant.to_owned(), model.to_owned());
+        if !self.lengths.contains_key(&key) {
+            bound(&mut self.lengths, MAX_LENGTH_KEYS);
+        }
+        let e = self.lengths.entry(key).or_default();
+        e.m.observe(x, a);
+        e.touched = self.clock;
+    }
+
+    /// The first token of a request with `input_tokens` came `ms` after it was dispatched.
+    pub fn on_first_token(&mut self, input_tokens: u32, ms: u32) {
+        self.prefill.observe(input_tokens as f64, ms as f64, self.cfg.alpha);
+    }
+
+    /// Predicted output of a request: its (tenant, model)'s statistics once
+    /// they have enough samples, else its model's, else the pool's, else the
+    /// prior; bounded by `max_tokens` when the client gave one (`None` is
+    /// "unknown", never zero).
+    pub fn output(&self, tenant: &str, model: &str, max_tokens: Option<u32>) -> Work {
+        let enough = |m: &Moments| m.n >= self.cfg.min_samples;
+        let m = self
+            .lengths
+            .get(&(tenant.to_owned(), model.to_owned()))
+            .map(|k| k.m)
+            .filter(enough)
+            .or_else(|| self.by_model.get(model).map(|k| k.m).filter(enough))
+            .or_else(|| Some(self.all).filter(enough))
+            .unwrap_or(Moments {
+                mean: self.cfg.prior_output_tokens,
+                var: self.cfg.prior_output_tokens * self.cfg.prior_output_tokens,
+                n: 0,
+            });
+        match max_tokens {
+            Some(cap) => {
+                let cap = cap as f64;
+                Work { mean: m.mean.min(cap), var: m.var.min(cap * cap / 4.0) }
+            }
+            None => Work { mean: m.mean, var: m.var },
+        }
+    }
+
+    /// Saturated output-token throughput of the pool (tokens per second),
+    /// or the busiest window seen before any saturated one; `None` before any output.
+    pub fn throughput(&self) -> Option<f64> {
+        if self.tput.n > 0 && self.tput.mean > 0.0 {
+            Some(self.tput.mean)
+        } else {
+            (self.tput_floor > 0.0).then_some(self.tput_floor)
+        }
+    }
+
+    /// Predicted milliseconds from dispatch to the first token: mean and variance.
+    pub fn prefill_ms(&self, input_tokens: u32) -> (f64, f64) {
+        (self.prefill.predict(input_tokens as f64), self.prefill.resid.var)
+    }
+
+    /// Predicted time to first token, `z` standard deviations above the mean
+    /// (0 for the expected value; [`normal_quantile`]`(λ)` for PARD's
+    /// conservative estimate): `elapsed_ms` already spent, `ahead` the work
+    /// dispatched before it, `queued` whether it must wait for a slot at all.
+    /// `None` while the throughput is unknown.
+    pub fn predict_ttft(&self, elapsed_ms: f64, ahead: Work, queued: bool, input_tokens: u32, z: f64) -> Option<f64> {
+        let (pre, pre_var) = self.prefill_ms(input_tokens);
+        let mut ms = elapsed_ms + pre + z * pre_var.sqrt();
+        if queued {
+            let tput = self.throughput()?;
+            let slot = Work { mean: self.all.mean.max(1.0), var: self.all.var };
+            let slot = if self.all.n == 0 { self.output("", "", None) } else { slot };
+            let w = ahead + slot;
+            ms += (w.mean + z * w.var.sqrt()).max(0.0) / tput * 1000.0;
+        }
+        Some(ms.max(0.0))
+    }
+
+    /// PARD's load factor and its current order.
+    pub fn load(&self) -> &LoadFactor {
+        &self.load
+    }
+}
+
+/// PARD's load factor `μ = T_in / T_m` and the order it selects, switched
+/// with delay: to HBF above `1 + ε`, to LBF below `1 − ε`, unchanged between.
+#[derive(Clone, Debug)]
+pub struct LoadFactor {
+    /// Recent arrival rates, one per window (requests per second).
+    history: VecDeque<f64>,
+    window: usize,
+    service: Moments,
+    hbf: bool,
+    switches: u64,
+}
+
+impl LoadFactor {
+    /// Keeps `window` rates for `T_s` and `ε`.
+    pub fn new(window: usize) -> Self {
+        LoadFactor { history: VecDeque::new(), window: window.max(2), service: Moments::default(), hbf: false, switches: 0 }
+    }
+
+    /// `T_m`: requests per second the pool completed in a saturated window.
+    pub fn service(&mut self, rate: f64) {
+        if rate > 0.0 {
+            self.service.observe(rate, 0.3);
+        }
+    }
+
+    /// `T_in` of the window that just closed; re-decides the order.
+    pub fn arrivals(&mut self, rate: f64) {
+        if !rate.is_finite() {
+            return;
+        }
+        if self.history.len() == self.window {
+            self.history.pop_front();
+        }
+        self.history.push_back(rate);
+        let Some(mu) = self.mu() else { return };
+        let eps = self.epsilon();
+        let hbf = if mu > 1.0 + eps {
+            true
+        } else if mu < 1.0 - eps {
+            false
+        } else {
+            self.hbf
+        };
+        if hbf != self.hbf {
+            self.switches += 1;
+            self.hbf = hbf;
+        }
+    }
+
+    /// `μ`: the last window's arrival rate over the saturated completion rate.
+    pub fn mu(&self) -> Option<f64> {
+        let t_in = *self.history.back()?;
+        (self.service.n > 0 && self.service.mean > 0.0).then(|| t_in / self.service.mean)
+    }
+
+    /// `ε = Σ|T_in − T_s| / Σ T_in` over the window (0 with no arrivals).
+    pub fn epsilon(&self) -> f64 {
+        let n = self.history.len() as f64;
+        let sum: f64 = self.history.iter().sum();
+        if sum <= 0.0 {
+            return 0.0;
+        }
+        let avg = sum / n;
+        self.history.iter().map(|r| (r - avg).abs()).sum::<f64>() / sum
+    }
+
+    /// True while High Budget First is selected (the system is under-provisioned).
+    pub fn is_hbf(&self) -> bool {
+        self.hbf
+    }
+
+    /// Times the order switched.
+    pub fn switches(&self) -> u64 {
+        self.switches
+    }
+}
+
+/// The predicted work of queued requests by dispatch key, so that a new
+/// request's work ahead is a prefix sum.
+///
+/// The key is the rank the request is served in inside its band: its slack
+/// key under the SLO orders, its arrival otherwise (FIFO within the band's
+/// policy, exact for FCFS, an upper bound for fair policies that may serve a
+/// newcomer sooner). The sum scans at most `max_scan` entries and takes the
+/// whole index past them, so admission costs are bounded however long the
+/// queue is.
+#[derive(Clone, Debug, Default)]
+pub struct WorkIndex {
+    entries: BTreeMap<(u64, u64), Work>,
+    by_id: HashMap<u64, (u64, u64)>,
+    total: Work,
+}
+
+/// Total order on f64 keys as u64 (negative values sort first).
+pub fn key_bits(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
+    }
+}
+
+impl WorkIndex {
+    /// Records queued request `id` with sort key `key` (ties by id).
+    pub fn insert(&mut self, id: u64, key: f64, work: Work) {
+        self.remove(id);
+        let k = (key_bits(key), id);
+        self.entries.insert(k, work);
+        self.by_id.insert(id, k);
+        self.total = self.total + work;
+    }
+
+    /// Forgets request `id` (dispatched, dropped or cancelled); its work, if it was there.
+    pub fn remove(&mut self, id: u64) -> Option<Work> {
+        let k = self.by_id.remove(&id)?;
+        let w = self.entries.remove(&k)?;
+        self.total.mean -= w.mean;
+        self.total.var -= w.var;
+        if self.entries.is_empty() {
+            self.total = Work::default();
+        }
+        Some(w)
+    }
+
+    /// Everything recorded.
+    pub fn total(&self) -> Work {
+        Work { mean: self.total.mean.max(0.0), var: self.total.var.max(0.0) }
+    }
+
+    /// Requests recorded.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Work of the requests served before one with `key`: keys below it
+    /// (`reverse`: above it, for High Budget First). Scans at most `max_scan`
+    /// entries; past them it answers the total (an upper bound).
+    pub fn ahead(&self, key: f64, reverse: bool, max_scan: usize) -> Work {
+        let k = (key_bits(key), 0);
+        let mut w = Work::default();
+        let mut n = 0usize;
+        let mut truncated = false;
+        let mut add = |x: &Work| {
+            if n == max_scan {
+                truncated = true;
+                return false;
+            }
+            w = w + *x;
+            n += 1;
+            true
+        };
+        if reverse {
+            for (_, x) in self.entries.range((k.0, u64::MAX)..).rev() {
+                if !add(x) {
+                    break;
+                }
+            }
+        } else {
+            for (_, x) in self.entries.range(..k) {
+                if !add(x) {
+                    break;
+                }
+            }
+        }
+        if truncated {
+            // Past the scan nothing is counted exactly: assume the whole
+            // index is ahead (an upper bound, so drops stay on the safe side
+            // only in the sense that they happen earlier, never later).
+            w = self.total();
+        }
+        w
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normal_quantile_matches_known_values() {
+        for (p, z) in [(0.5, 0.0), (0.9, 1.2816), (0.95, 1.6449), (0.99, 2.3263), (0.1, -1.2816)] {
+            assert!((normal_quantile(p) - z).abs() < 1e-3, "p={p}: {}", normal_quantile(p));
+        }
+        assert!(normal_quantile(f64::NAN).abs() < 1e-3);
+        assert!(normal_quantile(1.0).is_finite() && normal_quantile(0.0).is_finite());
+    }
+
+    #[test]
+    fn moments_follow_the_samples() {
+        let mut m = Moments::default();
+        for i in 0..2000 {
+            m.observe(if i % 2 == 0 { 100.0 } else { 300.0 }, 0.05);
+        }
+        assert!((m.mean - 200.0).abs() < 10.0, "{m:?}");
+        assert!((m.var.sqrt() - 100.0).abs() < 10.0, "{m:?}");
+    }
+
+    #[test]
+    fn output_falls_back_from_tenant_to_model_to_pool_to_prior() {
+        let mut e = Estimator::new(EstimatorConfig::default());
+        assert_eq!(e.output("a", "m", None).mean, 256.0, "prior");
+        assert_eq!(e.output("a", "m", Some(100)).mean, 100.0, "bounded by max_tokens");
+        for _ in 0..5 {
+            e.on_complete("a", "m", 1000);
+            e.on_complete("b", "m2", 10);
+        }
+        assert_eq!(e.output("a", "m", None).mean, 1000.0, "own statistics");
+        assert!((e.output("c", "m", None).mean - 1000.0).abs() < 1e-9, "the model's");
+        let pool = e.output("c", "other", None).mean;
+        assert!(pool > 10.0 && pool < 1000.0, "the pool's: {pool}");
+        assert_eq!(e.output("a", "m", Some(50)).mean, 50.0);
+    }
+
+    #[test]
+    fn hostile_names_do_not_grow_the_tables_without_bound() {
+        let mut e = Estimator::new(EstimatorConfig::default());
+        for i in 0..20_000 {
+            e.on_complete(&format!("t{i}"), &format!("m{i}"), 10);
+        }
+        assert!(e.lengths.len() <= MAX_LENGTH_KEYS && e.by_model.len() <= MAX_MODEL_KEYS);
+    }
+
+    #[test]
+    fn throughput_is_learned_only_from_saturated_windows_and_prediction_waits_for_it() {
+        let mut e = Estimator::new(EstimatorConfig::default());
+        assert_eq!(e.predict_ttft(0.0, Work::default(), true, 100, 0.0), None, "no data: no guess");
+        // One unsaturated second at 500 tok/s, then saturated seconds at 2000 tok/s.
+        e.on_output(500);
+        e.advance(1000, false);
+        assert_eq!(e.throughput(), Some(500.0), "the floor until a saturated window");
+        for s in 2..10 {
+            e.on_output(2000);
+            e.advance(s * 1000, true);
+        }
+        assert!((e.throughput().unwrap() - 2000.0).abs() < 1.0);
+        // 4000 tokens ahead + one slot of the prior (256) at 2000 tok/s.
+        let t = e.predict_ttft(100.0, Work { mean: 4000.0, var: 0.0 }, true, 0, 0.0).unwrap();
+        assert!((t - (100.0 + 4256.0 / 2.0)).abs() < 1.0, "{t}");
+        let hi = e.predict_ttft(100.0, Work { mean: 4000.0, var: 1e6 }, true, 0, normal_quantile(0.9)).unwrap();
+        assert!(hi > t + 500.0, "the λ-quantile is more conservative: {hi} vs {t}");
+        assert_eq!(e.predict_ttft(100.0, Work::default(), false, 0, 0.0), Some(100.0), "not queued: no wait");
+    }
+
+    #[test]
+    fn prefill_fit_recovers_a_line() {
+        let mut e = Estimator::new(EstimatorConfig::default());
+        for i in 0..500u32 {
+            let x = (i * 37) % 4000;
+            e.on_first_token(x, 20 + x / 10);
+        }
+        let (m, _) = e.prefill_ms(3000);
+        assert!((m - 320.0).abs() < 5.0, "{m}");
+        let (m0, _) = e.prefill_ms(0);
+        assert!((m0 - 20.0).abs() < 5.0, "{m0}");
+    }
+
+    #[test]
+    fn load_factor_switches_with_delay() {
+        let mut l = LoadFactor::new(4);
+        l.service(10.0);
+        for _ in 0..4 {
+            l.arrivals(5.0);
+        }
+        assert!(!l.is_hbf());
+        // A steady overload: ε is 0, so μ = 2 > 1 switches to HBF.
+        for _ in 0..4 {
+            l.arrivals(20.0);
+        }
+        assert!(l.is_hbf());
+        // A bursty window widens ε: μ just under 1 does not switch back.
+        let mut b = LoadFactor::new(4);
+        b.service(10.0);
+        for r in [30.0, 0.0, 30.0] {
+            b.arrivals(r);
+        }
+        assert!(b.is_hbf(), "μ=3 > 1+ε");
+        b.arrivals(9.0);
+        assert!(b.epsilon() > 0.1);
+        assert!(b.is_hbf(), "0.9 is inside 1 ± ε: unchanged");
+        let switches = b.switches();
+        for _ in 0..8 {
+            b.arrivals(2.0);
+        }
+        assert!(!b.is_hbf() && b.switches() == switches + 1);
+    }
+
+    #[test]
+    fn work_index_sums_what_is_ahead() {
+        let mut w = WorkIndex::default();
+        for i in 0..10u64 {
+            w.insert(i, i as f64 * 10.0, Work { mean: 1.0, var: 2.0 });
+        }
+        assert_eq!(w.ahead(35.0, false, 100), Work { mean: 4.0, var: 8.0 });
+        assert_eq!(w.ahead(35.0, true, 100), Work { mean: 6.0, var: 12.0 });
+        assert_eq!(w.ahead(-5.0, false, 100), Work::default());
+        // A truncated scan answers the total, an upper bound.
+        assert_eq!(w.ahead(95.0, false, 3).mean, 10.0);
+        assert_eq!(w.ahead(25.0, false, 3).mean, 3.0, "not truncated: exact");
+        w.remove(3);
+        w.remove(3);
+        assert_eq!(w.total().mean, 9.0);
+        assert_eq!(w.ahead(35.0, false, 100).mean, 3.0);
+        assert!(key_bits(-1.0) < key_bits(0.0) && key_bits(0.0) < key_bits(1.5));
+    }
+}
