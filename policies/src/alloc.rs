@@ -96,6 +96,13 @@ pub trait Allocation {
     fn counter_of(&self, _flow: FlowId) -> Option<f64> {
         None
     }
+    /// How far backlogged `flow` runs ahead of the flow [`Allocation::next`]
+    /// would choose, in the policy's service units (>= 0); `None` for
+    /// policies without such a measure. The SLO choice across flows
+    /// ([`crate::queue::FairQueue::with_slo_window`]) stays within a window of it.
+    fn lead(&self, _flow: FlowId) -> Option<f64> {
+        None
+    }
     /// Restores a counter saved with [`Allocation::counter_of`] (after a
     /// scheduler takeover); ignored by policies without counters.
     fn restore_counter(&mut self, _flow: FlowId, _value: f64) {}
@@ -151,6 +158,9 @@ impl<A: Allocation + ?Sized> Allocation for Box<A> {
     }
     fn counter_of(&self, flow: FlowId) -> Option<f64> {
         (**self).counter_of(flow)
+    }
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        (**self).lead(flow)
     }
     fn restore_counter(&mut self, flow: FlowId, value: f64) {
         (**self).restore_counter(flow, value)

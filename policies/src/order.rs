@@ -16,6 +16,9 @@ pub struct RequestMeta {
     pub deadline_ms: Option<u64>,
     /// Predicted output tokens, if a predictor gave one.
     pub predicted_output: Option<u32>,
+    /// Predicted milliseconds from dispatch to the first token, if an estimator gave one.
+    #[serde(default)]
+    pub service_ms: Option<u32>,
 }
 
 /// Predicted total tokens: prompt plus the prediction, else `max_tokens`, else `default_output`.
@@ -63,6 +66,22 @@ impl FlowOrder for Edf {
     }
     fn rank(&self, _req: &Request, meta: &RequestMeta, _now_ms: u64) -> f64 {
         meta.deadline_ms.map_or(f64::INFINITY, |d| d as f64)
+    }
+}
+
+/// Least slack first: the latest time the request can be dispatched and
+/// still meet its deadline (`deadline − predicted service`). Now and the wait
+/// ahead are the same for whichever request goes next, so ranking by this
+/// key is ranking by slack. Requests without a deadline go last.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Slack;
+
+impl FlowOrder for Slack {
+    fn name(&self) -> &'static str {
+        "slack"
+    }
+    fn rank(&self, _req: &Request, meta: &RequestMeta, _now_ms: u64) -> f64 {
+        meta.deadline_ms.map_or(f64::INFINITY, |d| d as f64 - meta.service_ms.unwrap_or(0) as f64)
     }
 }
 
@@ -174,7 +193,7 @@ mod tests {
 
     #[test]
     fn prediction_beats_max_tokens_beats_the_default() {
-        let m = RequestMeta { deadline_ms: None, predicted_output: Some(5) };
+        let m = RequestMeta { predicted_output: Some(5), ..Default::default() };
         assert_eq!(predicted_tokens(&r(10, 100, 0), &m, 7), 15.0);
         assert_eq!(predicted_tokens(&r(10, 100, 0), &RequestMeta::default(), 7), 110.0);
         assert_eq!(predicted_tokens(&r(10, 0, 0), &RequestMeta::default(), 7), 17.0);

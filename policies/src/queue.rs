@@ -70,6 +70,25 @@ pub struct FairQueue<A> {
     /// skipped lazily.
     by_age: VecDeque<(u64, u64)>,
     next_seq: u64,
+    /// Choice across flows by the heads' ranks, within a fairness window.
+    slo: Option<SloSelect>,
+}
+
+/// The SLO choice across flows: the flow whose head has the smallest rank
+/// (Low Budget First) or, while [`FairQueue::set_high_budget_first`] is on, the
+/// largest (and each flow's head is then its largest-ranked request), unless
+/// the policy says that flow runs more than `window` service units ahead of
+/// its own choice ([`Allocation::lead`]); then the policy's choice. Every
+/// flow served is thus within `window` (plus one request's cost) of the
+/// fairest one, and a policy without a notion of lead (FCFS) leaves the
+/// order to the ranks alone. Requests with an infinite rank (no objective)
+/// are served only as the policy's choice.
+struct SloSelect {
+    window: f64,
+    hbf: bool,
+    /// (rank bits, seq, flow) of each flow whose head has a finite rank.
+    heads: BTreeSet<(u64, u64, FlowId)>,
+    head_of: HashMap<FlowId, (u64, u64)>,
 }
 
 impl<A: Allocation> FairQueue<A> {
@@ -94,6 +113,81 @@ impl<A: Allocation> FairQueue<A> {
             flow_of: HashMap::new(),
             by_age: VecDeque::new(),
             next_seq: 0,
+            slo: None,
+        }
+    }
+
+    /// Chooses across flows by the heads' ranks (see the ordering given to
+    /// [`FairQueue::with_order`], e.g. slack) whenever the chosen flow is
+    /// within `window` service units of the policy's own choice. Only on a new queue.
+    pub fn with_slo_window(mut self, window: f64) -> Self {
+        assert!(self.is_empty(), "set before anything is queued");
+        self.slo = Some(SloSelect { window, hbf: false, heads: BTreeSet::new(), head_of: HashMap::new() });
+        self
+    }
+
+    /// Switches between Low Budget First (false, the default: smallest rank
+    /// first) and High Budget First (largest first), PARD's two orders. Each
+    /// flow's head may change, so every flow with two or more requests is
+    /// announced again: call it when the order really changes.
+    pub fn set_high_budget_first(&mut self, hbf: bool) {
+        let Some(slo) = self.slo.as_mut() else { return };
+        if slo.hbf == hbf {
+            return;
+        }
+        slo.hbf = hbf;
+        let crowded: Vec<FlowId> = self.crowded.iter().copied().collect();
+        for flow in crowded {
+            self.head_changed(flow);
+        }
+    }
+
+    /// True while High Budget First is on.
+    pub fn is_high_budget_first(&self) -> bool {
+        self.slo.as_ref().is_some_and(|s| s.hbf)
+    }
+
+    /// Position of a flow's head in its deque: the front, or under High
+    /// Budget First the last request with a finite rank (requests without an
+    /// objective sort last and have no budget to rank by).
+    fn head_pos(&self, q: &VecDeque<Entry>) -> usize {
+        if self.is_high_budget_first() {
+            q.partition_point(|e| e.rank.is_finite()).saturating_sub(1)
+        } else {
+            0
+        }
+    }
+
+    fn head_entry(&self, flow: FlowId) -> Option<&Entry> {
+        let q = self.flows.get(flow as usize)?;
+        q.get(self.head_pos(q))
+    }
+
+    /// `flow`'s head may have changed: tells the policy and the SLO index.
+    fn head_changed(&mut self, flow: FlowId) {
+        let pos = self.head_pos(&self.flows[flow as usize]);
+        let head = self.flows[flow as usize].get(pos);
+        self.alloc.set_head_request(flow, head.map(|e| (e.seq, &e.req)));
+        if let Some(slo) = self.slo.as_mut() {
+            if let Some(old) = slo.head_of.remove(&flow) {
+                slo.heads.remove(&(old.0, old.1, flow));
+            }
+            if let Some(e) = head.filter(|e| e.rank.is_finite()) {
+                let k = (crate::slo::key_bits(e.rank), e.seq);
+                slo.heads.insert((k.0, k.1, flow));
+                slo.head_of.insert(flow, k);
+            }
+        }
+    }
+
+    /// The flow served next: the SLO choice when it is within the window, else the policy's.
+    fn next_flow(&self) -> Option<FlowId> {
+        let fair = self.alloc.next()?;
+        let Some(slo) = &self.slo else { return Some(fair) };
+        let pick = if slo.hbf { slo.heads.last() } else { slo.heads.first() };
+        match pick {
+            Some(&(_, _, flow)) if self.alloc.lead(flow).is_none_or(|lead| lead <= slo.window) => Some(flow),
+            _ => Some(fair),
         }
     }
 
@@ -177,8 +271,8 @@ impl<A: Allocation> FairQueue<A> {
 
     /// The request [`FairQueue::pop`] would take now, left in place.
     pub fn peek(&self) -> Option<&Request> {
-        let flow = self.alloc.next()?;
-        self.flows.get(flow as usize)?.front().map(|e| &e.req)
+        let flow = self.next_flow()?;
+        self.head_entry(flow).map(|e| &e.req)
     }
 
     /// Moves the clock: time-based policies act, and a time-dependent ordering
@@ -189,16 +283,16 @@ impl<A: Allocation> FairQueue<A> {
         if !self.order.is_dynamic() {
             return;
         }
-        for &flow in &self.crowded {
+        let crowded: Vec<FlowId> = self.crowded.iter().copied().collect();
+        for flow in crowded {
+            let old_head = self.head_entry(flow).map(|e| e.seq);
             let q = &mut self.flows[flow as usize];
-            let old_head = q.front().map(|e| e.seq);
             for e in q.iter_mut() {
                 e.rank = self.order.rank(&e.req, &e.meta, self.now_ms);
             }
             q.make_contiguous().sort_by(|a, b| a.rank.total_cmp(&b.rank).then(a.seq.cmp(&b.seq)));
-            let head = q.front().expect("non-empty");
-            if Some(head.seq) != old_head {
-                self.alloc.set_head_request(flow, Some((head.seq, &head.req)));
+            if self.head_entry(flow).map(|e| e.seq) != old_head {
+                self.head_changed(flow);
             }
         }
     }
@@ -285,24 +379,21 @@ impl<A: Allocation> FairQueue<A> {
         if self.own_ids {
             self.tenants.hold(flow);
         }
-        let q = &self.flows[flow as usize];
-        if pos == 0 {
-            let head = &q[0];
-            self.alloc.set_head_request(flow, Some((seq, &head.req)));
+        if pos == self.head_pos(&self.flows[flow as usize]) {
+            self.head_changed(flow);
         }
         Ok(())
     }
 
     /// Takes the request the policy serves next.
     pub fn pop(&mut self) -> Option<Request> {
-        let flow = self.alloc.next()?;
-        let q = &mut self.flows[flow as usize];
-        let req = q.pop_front().expect("policy named a flow with nothing queued").req;
+        let flow = self.next_flow()?;
+        let pos = self.head_pos(&self.flows[flow as usize]);
+        let req = self.flows[flow as usize].remove(pos).expect("policy named a flow with nothing queued").req;
         self.left(flow);
         self.flow_of.remove(&req.id);
         self.alloc.on_dispatch(&req);
-        let q = &self.flows[flow as usize];
-        self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
+        self.head_changed(flow);
         self.compact();
         Some(req)
     }
@@ -310,13 +401,13 @@ impl<A: Allocation> FairQueue<A> {
     /// Takes a request out wherever it stands (its client went away).
     pub fn remove(&mut self, id: u64) -> Option<Request> {
         let flow = self.flow_of.remove(&id)?;
-        let q = &mut self.flows[flow as usize];
+        let q = &self.flows[flow as usize];
         let pos = q.iter().position(|e| e.req.id == id).expect("flow index out of step");
-        let req = q.remove(pos).expect("position just found").req;
+        let was_head = pos == self.head_pos(q);
+        let req = self.flows[flow as usize].remove(pos).expect("position just found").req;
         self.left(flow);
-        if pos == 0 {
-            let q = &self.flows[flow as usize];
-            self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
+        if was_head {
+            self.head_changed(flow);
         }
         self.compact();
         Some(req)
@@ -464,7 +555,7 @@ mod tests {
     }
 
     fn due(ms: u64) -> RequestMeta {
-        RequestMeta { deadline_ms: Some(ms), predicted_output: None }
+        RequestMeta { deadline_ms: Some(ms), ..Default::default() }
     }
 
     #[test]
@@ -481,6 +572,51 @@ mod tests {
         assert_eq!(q.peek().map(|r| r.id), Some(2));
         let order: Vec<u64> = std::iter::from_fn(|| q.pop().map(|r| r.id)).collect();
         assert_eq!(order, vec![2, 3, 1]);
+    }
+
+    #[test]
+    fn slo_choice_is_global_under_fcfs_and_reverses_under_high_budget_first() {
+        let mut q = FairQueue::with_order(QueueLimits::default(), Fcfs::default(), Box::new(crate::order::Slack))
+            .with_slo_window(0.0);
+        let (a, b) = (q.flow_id("a"), q.flow_id("b"));
+        let slack = |d: u64, s: u32| RequestMeta { deadline_ms: Some(d), service_ms: Some(s), ..Default::default() };
+        q.push_with(r(1, a, 0), slack(900, 0)).unwrap();
+        q.push_with(r(2, b, 1), slack(600, 0)).unwrap();
+        // Deadline 700 but 300 ms of predicted service: the least slack of all.
+        q.push_with(r(3, a, 2), slack(700, 300)).unwrap();
+        q.push_with(r(4, b, 3), RequestMeta::default()).unwrap();
+        assert_eq!(q.peek().map(|r| r.id), Some(3), "global least slack, FCFS has no lead to bound it");
+        q.set_high_budget_first(true);
+        assert!(q.is_high_budget_first());
+        assert_eq!(q.peek().map(|r| r.id), Some(1), "most slack first; no objective is not a budget");
+        let order: Vec<u64> = std::iter::from_fn(|| q.pop().map(|r| r.id)).collect();
+        assert_eq!(order, vec![1, 2, 3, 4], "budgets 900, 600, 400; request 4 (no objective) last");
+    }
+
+    #[test]
+    fn the_slo_choice_stays_within_the_fairness_window_of_vtc() {
+        // Flow a: tight deadlines; flow b: none. Each request costs 10 + 10 = 20 units under VTC.
+        let run = |window: f64| {
+            let mut q = FairQueue::with_order(QueueLimits::default(), Vtc::new(VtcWeights::default()), Box::new(Edf))
+                .with_slo_window(window);
+            let (a, b) = (q.flow_id("a"), q.flow_id("b"));
+            for i in 0..20 {
+                q.push_with(r(i, a, i), due(1000 + i)).unwrap();
+                q.push_with(r(100 + i, b, i), RequestMeta::default()).unwrap();
+            }
+            let mut served = Vec::new();
+            for _ in 0..20 {
+                let req = q.pop().unwrap();
+                let (c_a, c_b) = (q.policy().counter(a), q.policy().counter(b));
+                assert!((c_a - c_b).abs() <= window + 20.0 + 1e-9, "window {window}: {c_a} vs {c_b}");
+                served.push(req.flow);
+            }
+            served.iter().filter(|&&f| f == a).count()
+        };
+        assert_eq!(run(0.0), 10, "no window: plain VTC alternates");
+        let wide = run(100.0);
+        assert!(wide > 10 && wide < 20, "a window lets the deadlines lead, within it: {wide}");
+        assert_eq!(run(1e9), 20, "an unbounded window is pure deadline order");
     }
 
     #[test]

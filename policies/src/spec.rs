@@ -14,7 +14,7 @@ use crate::alloc::drr::Drr;
 use crate::alloc::rpm::RpmLimit;
 use crate::alloc::wfq::Wfq;
 use crate::alloc::{Allocation, Fcfs, FlowWeights, VtcWeights};
-use crate::order::{Edf, FeasibleSet, Fifo, FlowOrder, ShortestPredicted};
+use crate::order::{Edf, FeasibleSet, Fifo, FlowOrder, ShortestPredicted, Slack};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -258,6 +258,8 @@ pub enum OrderSpec {
     Fifo,
     /// Earliest deadline first.
     Edf,
+    /// Least slack first (deadline minus predicted service).
+    Slack,
     /// Shortest predicted first.
     ShortestPredicted {
         /// Output assumed without a prediction or `max_tokens`.
@@ -274,6 +276,7 @@ impl OrderSpec {
         Ok(match self {
             OrderSpec::Fifo => Box::new(Fifo),
             OrderSpec::Edf => Box::new(Edf),
+            OrderSpec::Slack => Box::new(Slack),
             OrderSpec::ShortestPredicted { default_output_tokens } => {
                 Box::new(ShortestPredicted { default_output: *default_output_tokens })
             }

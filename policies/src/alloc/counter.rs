@@ -429,6 +429,10 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
         Some(self.counter(flow))
     }
 
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        Some((self.counter(flow) - self.min_backlogged()?).max(0.0))
+    }
+
     fn restore_counter(&mut self, flow: FlowId, value: f64) {
         self.set_counter(flow, value);
     }

@@ -77,6 +77,11 @@ impl Allocation for Wfq {
         self.place(flow, head.map(|(seq, r)| (seq, size(r))));
     }
 
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        let min = f64::from_bits(self.backlog.first()?.0);
+        Some((self.head_tag(flow)? - min).max(0.0))
+    }
+
     fn next(&self) -> Option<FlowId> {
         self.backlog.first().map(|&(_, _, f)| f)
     }
