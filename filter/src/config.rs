@@ -1,5 +1,6 @@
 //! The plugin configuration: a JSON object, validated once in `on_configure`.
 
+use crate::slo::{SloConfig, SloOrder};
 use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
 use sluice_policies::bands::{BandLimits, Criticality};
@@ -189,6 +190,14 @@ struct RawConfig {
     retry_after_s: u32,
     #[serde(default = "default_tick_ms")]
     tick_ms: u64,
+    #[serde(default = "default_tenant_header_aliases")]
+    tenant_header_aliases: Vec<String>,
+    #[serde(default)]
+    slo: Option<SloConfig>,
+}
+
+fn default_tenant_header_aliases() -> Vec<String> {
+    vec!["x-llm-d-inference-fairness-id".into()]
 }
 
 fn default_tenant_header() -> String {
@@ -251,6 +260,9 @@ pub struct Config {
     pub endpoints: Vec<String>,
     /// Header naming the tenant (lower-case).
     pub tenant_header: String,
+    /// Headers read for the tenant, in order: `tenant_header`, then its
+    /// aliases (the llm-d name by default); the first present wins.
+    pub tenant_headers: Vec<String>,
     /// Tenant of requests without that header.
     pub default_tenant: String,
     /// Allocation policy across tenants, built once per criticality band.
@@ -298,6 +310,9 @@ pub struct Config {
     pub tick_ms: u64,
     /// Scraping and endpoint selection.
     pub routing: Routing,
+    /// Service-level objectives and their use (estimation, SLO order,
+    /// proactive dropping); absent: none.
+    pub slo: Option<SloConfig>,
 }
 
 impl Config {
@@ -449,6 +464,25 @@ impl Config {
         if let Some(ladder) = &raw.overload {
             ladder.validate("overload").map_err(|e| format!("field `{e}"))?;
         }
+        if let Some(slo) = &raw.slo {
+            slo.validate().map_err(|e| format!("field `{e}"))?;
+            let name = policy.build().map_err(|e| format!("field `policy`: {e}"))?.name();
+            if slo.order != SloOrder::Fair && (!work_conserving || name == "drr") {
+                return Err(format!(
+                    "field `slo.order`: the SLO order needs a policy that measures how far a flow runs ahead (fcfs, the vtc family, wfq), not `{name}`"
+                ));
+            }
+        }
+        let mut tenant_headers = vec![raw.tenant_header.to_ascii_lowercase()];
+        for h in raw.tenant_header_aliases {
+            if h.is_empty() {
+                return Err("field `tenant_header_aliases` must not hold an empty name".into());
+            }
+            let h = h.to_ascii_lowercase();
+            if !tenant_headers.contains(&h) {
+                tenant_headers.push(h);
+            }
+        }
         let bounds = match (raw.lower_bound_per_backend, raw.upper_bound_per_backend) {
             (None, None) => StockBounds::from_watermark(raw.watermark_per_backend, raw.percentage_deviation_for_bounds),
             (Some(l), Some(u)) => StockBounds::explicit(l, u),
@@ -463,6 +497,8 @@ impl Config {
             endpoints,
             routing,
             tenant_header: raw.tenant_header.to_ascii_lowercase(),
+            tenant_headers,
+            slo: raw.slo,
             default_tenant: raw.default_tenant,
             policy,
             bypass: work_conserving,

@@ -12,6 +12,7 @@ pub mod openai;
 pub mod outcome;
 pub mod scheduler;
 pub mod shared;
+pub mod slo;
 #[cfg(target_arch = "wasm32")]
 pub mod vm;
 pub mod wire;

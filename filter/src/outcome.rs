@@ -23,11 +23,15 @@ pub enum Outcome {
     BadRequest,
     /// The body is larger than `max_body_bytes` (413).
     BodyTooLarge,
+    /// Its objective cannot be met: the conservative predicted TTFT exceeds
+    /// it (PARD's proactive drop, 429), so it is answered now instead of
+    /// failing later.
+    SloUnattainable,
 }
 
 impl Outcome {
     /// Every outcome, in wire-code order.
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::QueueFull,
         Outcome::FlowFull,
         Outcome::TtlExpired,
@@ -36,12 +40,17 @@ impl Outcome {
         Outcome::Overloaded,
         Outcome::BadRequest,
         Outcome::BodyTooLarge,
+        Outcome::SloUnattainable,
     ];
 
     /// The HTTP status of the answer.
     pub fn status(self) -> u32 {
         match self {
-            Outcome::QueueFull | Outcome::FlowFull | Outcome::Evicted | Outcome::Overloaded => 429,
+            Outcome::QueueFull
+            | Outcome::FlowFull
+            | Outcome::Evicted
+            | Outcome::Overloaded
+            | Outcome::SloUnattainable => 429,
             Outcome::TtlExpired | Outcome::NoEndpoint => 503,
             Outcome::BadRequest => 400,
             Outcome::BodyTooLarge => 413,
@@ -59,6 +68,7 @@ impl Outcome {
             Outcome::Overloaded => "rejected-overload",
             Outcome::BadRequest => "bad-request",
             Outcome::BodyTooLarge => "body-too-large",
+            Outcome::SloUnattainable => "rejected-slo-unattainable",
         }
     }
 
@@ -82,6 +92,7 @@ impl Outcome {
             Outcome::Overloaded => "sluice_requests_rejected_overload",
             Outcome::BadRequest => "sluice_requests_rejected_bad_request",
             Outcome::BodyTooLarge => "sluice_requests_rejected_body_too_large",
+            Outcome::SloUnattainable => "sluice_requests_rejected_slo_unattainable",
         }
     }
 

@@ -23,12 +23,15 @@
 use crate::config::Config;
 use crate::outcome::Outcome;
 use crate::shared;
-use crate::wire::{RouteInfo, ToScheduler, ToWorker};
+use crate::slo::SloOrder;
+use crate::wire::{Deadline, RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::alloc::Allocation;
 use sluice_policies::bands::{BandedQueue, Criticality};
-use sluice_policies::order::RequestMeta;
+use sluice_policies::order::{RequestMeta, Slack};
 use sluice_policies::queue::FairQueue;
+use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
+use sluice_policies::spec::OrderSpec;
 use sluice_policies::tenants::Tenants;
 use sluice_policies::{FlowId, Request};
 
@@ -40,6 +43,11 @@ pub fn worker_of(req: u64) -> u32 {
 /// Band index on the wire.
 pub fn band_code(b: Criticality) -> u8 {
     Criticality::ALL.iter().position(|&x| x == b).expect("a band") as u8
+}
+
+/// Index of a band in [`Criticality::ALL`] (highest first).
+fn band_index(b: Criticality) -> usize {
+    band_code(b) as usize
 }
 
 /// Band from its wire index (unknown codes are the default band).
@@ -75,6 +83,41 @@ impl<P> Slot<P> {
 /// (its id, which names the worker the slot is held for, and its routing facts).
 pub type Acquire<'a> = &'a mut dyn FnMut(u64, &RouteInfo) -> Slot;
 
+/// A dispatched request whose charges are still to come.
+struct Running {
+    band: Criticality,
+    flow: FlowId,
+    input_tokens: u32,
+    /// Output tokens charged so far.
+    output: u32,
+    model: String,
+}
+
+/// What the SLO machinery keeps of a queued request.
+struct QueuedSlo {
+    deadline: Option<Deadline>,
+    input_tokens: u32,
+    /// The TTFT predicted when it was queued (expected value).
+    predicted_ms: Option<u32>,
+}
+
+/// The estimator and what it needs of the queue (present with `"slo"`).
+struct SloState {
+    order: SloOrder,
+    /// `F⁻¹(λ)` of proactive dropping, when on.
+    drop_z: Option<f64>,
+    expose: bool,
+    est: Estimator,
+    /// Predicted work of queued requests by dispatch key, per band.
+    work: [WorkIndex; 3],
+    queued: HashMap<u64, QueuedSlo>,
+}
+
+/// Most requests answered `rejected-slo-unattainable` in one pump (the rest next time).
+const MAX_DROPS_PER_PUMP: usize = 64;
+/// Entries summed for a newcomer's work ahead before the whole band is taken instead.
+const MAX_AHEAD_SCAN: usize = 4096;
+
 /// The queue, the order it is served in, and the service each tenant received.
 pub struct Scheduler {
     queue: BandedQueue<Box<dyn Allocation>>,
@@ -84,22 +127,47 @@ pub struct Scheduler {
     /// tokens and completion reach the policy that dispatched them. Each
     /// entry holds its tenant in the queue's table (it is never forgotten
     /// while it runs).
-    running: HashMap<u64, (Criticality, FlowId)>,
+    running: HashMap<u64, Running>,
     /// Does the policy keep counters (worth saving)?
     counters: bool,
+    slo: Option<SloState>,
+    /// The in-flow ordering ranks by deadline (EDF, slack).
+    by_deadline: bool,
 }
 
 impl Scheduler {
     /// An empty scheduler for `cfg` (whose policy and order specs were validated).
     pub fn new(cfg: &Config) -> Scheduler {
+        let slo_order = cfg.slo.as_ref().map_or(SloOrder::Fair, |s| s.order);
+        let by_slack = slo_order != SloOrder::Fair;
+        let by_deadline = by_slack || cfg.order == OrderSpec::Edf;
+        let window = cfg.slo.as_ref().map_or(crate::slo::DEFAULT_FAIRNESS_WINDOW, |s| s.fairness_window);
         let queue = BandedQueue::with_queues(cfg.bands, |_, limits| {
             let policy = cfg.policy.build().expect("validated with the configuration");
-            let order = cfg.order.build().expect("validated with the configuration");
-            FairQueue::with_order(limits, policy, order)
+            let order =
+                if by_slack { Box::new(Slack) } else { cfg.order.build().expect("validated with the configuration") };
+            let q = FairQueue::with_order(limits, policy, order);
+            // Deadlines order across flows too, within the policy's fairness window.
+            if by_deadline {
+                q.with_slo_window(window)
+            } else {
+                q
+            }
         })
         .with_tenants(Tenants::new(cfg.max_tenants).with_groups(shared::COUNTER_SHARDS, shared::counter_shard));
         let counters = queue.band(Criticality::Standard).policy().counter_of(0).is_some();
-        Scheduler { queue, routes: HashMap::new(), running: HashMap::new(), counters }
+        let slo = cfg.slo.as_ref().map(|s| SloState {
+            order: s.order,
+            drop_z: s.drop.map(|d| normal_quantile(d.quantile)),
+            expose: s.expose_prediction,
+            est: Estimator::new(EstimatorConfig {
+                prior_output_tokens: s.prior_output_tokens as f64,
+                ..EstimatorConfig::default()
+            }),
+            work: Default::default(),
+            queued: HashMap::new(),
+        });
+        Scheduler { queue, routes: HashMap::new(), running: HashMap::new(), counters, slo, by_deadline }
     }
 
     /// Tenants tracked now.
@@ -128,20 +196,87 @@ impl Scheduler {
     }
 
     /// Records a running request (holding its tenant); false if it already was.
-    fn start(&mut self, req: u64, band: Criticality, flow: FlowId) -> bool {
-        let new = self.running.insert(req, (band, flow)).is_none();
+    fn start(&mut self, req: u64, band: Criticality, flow: FlowId, input_tokens: u32, model: String) -> bool {
+        let new = !self.running.contains_key(&req);
         if new {
+            self.running.insert(req, Running { band, flow, input_tokens, output: 0, model });
             self.queue.hold(flow);
         }
         new
     }
 
     /// A running request is done: its tenant may become idle, and idle
-    /// tenants past the cap may be forgotten.
-    fn finish(&mut self, req: u64) {
-        if let Some((_, flow)) = self.running.remove(&req) {
-            self.queue.release(flow);
+    /// tenants past the cap may be forgotten. `complete`: it really finished
+    /// (its output length is a sample for the estimator).
+    fn finish(&mut self, req: u64, complete: bool) {
+        if let Some(r) = self.running.remove(&req) {
+            if let Some(slo) = self.slo.as_mut().filter(|_| complete) {
+                let tenant = self.queue.flow_name(r.flow).unwrap_or_default();
+                slo.est.on_complete(tenant, &r.model, r.output);
+            }
+            self.queue.release(r.flow);
         }
+    }
+
+    /// A queued request left the queue (any way): the estimator forgets it;
+    /// its prediction, if any, is returned.
+    fn left_queue(&mut self, req: u64) -> Option<u32> {
+        let slo = self.slo.as_mut()?;
+        for w in &mut slo.work {
+            if w.remove(req).is_some() {
+                break;
+            }
+        }
+        slo.queued.remove(&req)?.predicted_ms
+    }
+
+    /// Time moved: the estimator closes its windows and, under `"pard"`, the
+    /// bands follow the load factor's order.
+    fn observe_clock(&mut self, now_ms: u64) {
+        let saturated = !self.queue.is_empty();
+        let Some(slo) = self.slo.as_mut() else { return };
+        slo.est.advance(now_ms, saturated);
+        if slo.order == SloOrder::Pard {
+            let hbf = slo.est.load().is_hbf();
+            for band in Criticality::ALL {
+                self.queue.band_mut(band).set_high_budget_first(hbf);
+            }
+        }
+    }
+
+    /// The estimator's prediction of a newcomer's TTFT (expected, and at the
+    /// drop quantile), and its rank and predicted work, for a request about
+    /// to join `band`.
+    fn predict(
+        &self,
+        req: u64,
+        band: Criticality,
+        key: f64,
+        d: Deadline,
+        input_tokens: u32,
+        now_ms: u64,
+    ) -> (Option<f64>, Option<f64>) {
+        let Some(slo) = &self.slo else { return (None, None) };
+        let i = band_index(band);
+        // Higher bands are served first: all their work is ahead.
+        let above = slo.work[..i].iter().fold(Work::default(), |w, x| w + x.total());
+        let hbf = self.queue.band(band).is_high_budget_first();
+        let ahead = above + slo.work[i].ahead(key, req, hbf, MAX_AHEAD_SCAN);
+        let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
+        let mean = slo.est.predict_ttft(elapsed, ahead, true, input_tokens, 0.0);
+        let hi = slo.drop_z.and_then(|z| slo.est.predict_ttft(elapsed, ahead, true, input_tokens, z));
+        (mean, hi)
+    }
+
+    /// True when a request about to be dispatched now cannot meet its
+    /// objective even so (the drop quantile of its time to first token from
+    /// here, prefill only, exceeds what is left).
+    fn unattainable_now(&self, req: u64, now_ms: u64) -> bool {
+        let Some(slo) = &self.slo else { return false };
+        let (Some(z), Some(q)) = (slo.drop_z, slo.queued.get(&req)) else { return false };
+        let Some(d) = q.deadline else { return false };
+        let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
+        slo.est.predict_ttft(elapsed, Work::default(), false, q.input_tokens, z).is_some_and(|t| t > d.ttft_ms as f64)
     }
 
     /// Requests waiting.
@@ -157,18 +292,44 @@ impl Scheduler {
     /// Handles one message at `now_ms`; rejections go to `out`.
     pub fn on_message(&mut self, msg: ToScheduler, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         match msg {
-            ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline_ms, route, tenant } => {
+            ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline, route, tenant } => {
                 if self.queue.band_of(req).is_some() {
                     return; // a resend after a takeover race: already queued
                 }
+                let band = band_of_code(band);
+                let max = (max_tokens > 0).then_some(max_tokens);
+                let mut meta =
+                    RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, service_ms: None };
+                let mut slo_entry = None;
+                if let Some(slo) = self.slo.as_mut() {
+                    slo.est.on_arrival();
+                    let work = slo.est.output(&tenant, &route.model, max);
+                    let service = slo.est.prefill_ms(input_tokens).0;
+                    meta.service_ms = Some(service.min(u32::MAX as f64) as u32);
+                    // The key this request is served by in its band: its rank
+                    // under a deadline order, else its arrival.
+                    let key = match deadline {
+                        Some(d) if slo.order != SloOrder::Fair => d.at_ms as f64 - service,
+                        Some(d) if self.by_deadline => d.at_ms as f64,
+                        None if self.by_deadline => f64::INFINITY,
+                        _ => arrival_ms as f64,
+                    };
+                    let (mean, hi) = match deadline {
+                        Some(d) => self.predict(req, band, key, d, input_tokens, now_ms),
+                        None => (None, None),
+                    };
+                    if let (Some(hi), Some(d)) = (hi, deadline) {
+                        if hi > d.ttft_ms as f64 {
+                            out.push((worker_of(req), ToWorker::Reject { req, outcome: Outcome::SloUnattainable }));
+                            return;
+                        }
+                    }
+                    let predicted_ms = mean.map(|m| m.min(u32::MAX as f64) as u32);
+                    slo_entry = Some((key, work, QueuedSlo { deadline, input_tokens, predicted_ms }));
+                }
                 let flow = self.queue.flow_id(&tenant);
                 let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
-                let meta = RequestMeta {
-                    deadline_ms: (deadline_ms != u64::MAX).then_some(deadline_ms),
-                    predicted_output: (max_tokens > 0).then_some(max_tokens),
-                };
                 self.queue.advance(now_ms);
-                let band = band_of_code(band);
                 if max_tokens > 0 {
                     // The oracle policy reads it as the true length: true in the
                     // simulator, whose backends generate exactly max_tokens.
@@ -179,8 +340,13 @@ impl Scheduler {
                         // Joining the backlog may lift the counter.
                         self.mark(flow);
                         self.routes.insert(req, route);
+                        if let (Some(slo), Some((key, work, q))) = (self.slo.as_mut(), slo_entry) {
+                            slo.work[band_index(band)].insert(req, key, work);
+                            slo.queued.insert(req, q);
+                        }
                         if let Some(victim) = evicted {
                             self.routes.remove(&victim.id);
+                            self.left_queue(victim.id);
                             out.push((
                                 worker_of(victim.id),
                                 ToWorker::Reject { req: victim.id, outcome: Outcome::Evicted },
@@ -193,10 +359,21 @@ impl Scheduler {
             ToScheduler::Cancel { req } => {
                 self.queue.remove(req);
                 self.routes.remove(&req);
+                self.left_queue(req);
             }
-            ToScheduler::Charge { req, band, input_tokens, max_tokens, output_tokens, done, tenant } => {
+            ToScheduler::Charge {
+                req,
+                band,
+                input_tokens,
+                max_tokens,
+                output_tokens,
+                done,
+                first_token_ms,
+                model,
+                tenant,
+            } => {
                 let (band, flow) = match self.running.get(&req) {
-                    Some(&known) => known,
+                    Some(known) => (known.band, known.flow),
                     None if tenant.is_empty() => return, // a wake-up, not a charge
                     None => (band_of_code(band), self.queue.flow_id(&tenant)),
                 };
@@ -208,7 +385,10 @@ impl Scheduler {
                     }
                     let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
                     policy.on_dispatch(&r);
-                    self.start(req, band, flow);
+                    if let Some(slo) = self.slo.as_mut() {
+                        slo.est.on_arrival();
+                    }
+                    self.start(req, band, flow, input_tokens, model);
                 }
                 let policy = self.queue.band_mut(band).policy_mut();
                 if output_tokens > 0 {
@@ -217,36 +397,58 @@ impl Scheduler {
                 if done {
                     policy.on_complete(flow, req);
                 }
+                if let (Some(slo), Some(run)) = (self.slo.as_mut(), self.running.get_mut(&req)) {
+                    slo.est.on_output(output_tokens);
+                    run.output = run.output.saturating_add(output_tokens);
+                    if let Some(ms) = first_token_ms {
+                        slo.est.on_first_token(run.input_tokens, ms);
+                    }
+                }
                 if input_tokens > 0 || output_tokens > 0 || done {
                     self.mark(flow);
                 }
                 if done {
                     // Last: the tenant may be forgotten now.
-                    self.finish(req);
+                    self.finish(req, true);
                 }
             }
         }
     }
 
-    /// Dispatches while the stock band allows and something waits.
+    /// Dispatches while the stock band allows and something waits. Under
+    /// proactive dropping, a request that can no longer meet its objective
+    /// is answered instead of dispatched (at most [`MAX_DROPS_PER_PUMP`] a call).
     pub fn pump(&mut self, now_ms: u64, acquire: Acquire<'_>, out: &mut Vec<(u32, ToWorker)>) {
         static NO_ROUTE: RouteInfo = RouteInfo { session: None, model: String::new(), prefix: Vec::new() };
+        self.observe_clock(now_ms);
         self.queue.advance(now_ms);
+        let mut drops = 0;
         while let Some(next) = self.queue.peek().map(|(_, r)| r.id) {
-            let slot = acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE));
-            let msg = match slot {
-                Slot::Wait => break,
-                Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint },
-                Slot::NoEndpoint => ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint },
+            let msg = if drops < MAX_DROPS_PER_PUMP && self.unattainable_now(next, now_ms) {
+                drops += 1;
+                ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }
+            } else {
+                match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE)) {
+                    Slot::Wait => break,
+                    Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint, predicted_ttft_ms: None },
+                    Slot::NoEndpoint => ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint },
+                }
             };
             let (band, r) = self.queue.pop().expect("peeked a request");
             debug_assert_eq!(r.id, next, "pop takes the request peek showed");
-            self.routes.remove(&r.id);
-            if matches!(msg, ToWorker::Dispatch { .. }) {
-                self.start(r.id, band, r.flow);
-            } else {
-                self.queue.band_mut(band).policy_mut().on_complete(r.flow, r.id);
-            }
+            let route = self.routes.remove(&r.id).unwrap_or_default();
+            let predicted = self.left_queue(r.id);
+            let msg = match msg {
+                ToWorker::Dispatch { req, endpoint, .. } => {
+                    self.start(r.id, band, r.flow, r.input_tokens, route.model);
+                    let expose = self.slo.as_ref().is_some_and(|s| s.expose);
+                    ToWorker::Dispatch { req, endpoint, predicted_ttft_ms: predicted.filter(|_| expose) }
+                }
+                reject => {
+                    self.queue.band_mut(band).policy_mut().on_complete(r.flow, r.id);
+                    reject
+                }
+            };
             self.mark(r.flow);
             out.push((worker_of(r.id), msg));
         }
@@ -256,6 +458,7 @@ impl Scheduler {
     pub fn expire(&mut self, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         while let Some(r) = self.queue.pop_expired(now_ms) {
             self.routes.remove(&r.id);
+            self.left_queue(r.id);
             out.push((worker_of(r.id), ToWorker::Reject { req: r.id, outcome: Outcome::TtlExpired }));
         }
     }
@@ -274,11 +477,11 @@ impl Scheduler {
     pub fn bound_running(&mut self, max: usize) {
         if self.running.len() > max {
             let drop: Vec<(u64, Criticality, FlowId)> =
-                self.running.iter().take(self.running.len() - max).map(|(&id, &(b, f))| (id, b, f)).collect();
+                self.running.iter().take(self.running.len() - max).map(|(&id, r)| (id, r.band, r.flow)).collect();
             for (id, band, flow) in drop {
                 self.queue.band_mut(band).policy_mut().on_complete(flow, id);
                 self.mark(flow);
-                self.finish(id);
+                self.finish(id, false);
             }
         }
     }
@@ -355,7 +558,7 @@ mod tests {
             input_tokens: 100,
             max_tokens: 100,
             arrival_ms: t,
-            deadline_ms: u64::MAX,
+            deadline: None,
             route: RouteInfo::default(),
             tenant: tenant.into(),
         }
@@ -366,7 +569,17 @@ mod tests {
     }
 
     fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
-        ToScheduler::Charge { req, band: 1, input_tokens, max_tokens: 0, output_tokens, done, tenant: tenant.into() }
+        ToScheduler::Charge {
+            req,
+            band: 1,
+            input_tokens,
+            max_tokens: 0,
+            output_tokens,
+            done,
+            first_token_ms: None,
+            model: String::new(),
+            tenant: tenant.into(),
+        }
     }
 
     /// Grants up to `n` slots on endpoint 0, then says wait.
@@ -495,7 +708,7 @@ mod tests {
             out,
             vec![
                 (0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint }),
-                (0, ToWorker::Dispatch { req: 2, endpoint: 1 }),
+                (0, ToWorker::Dispatch { req: 2, endpoint: 1, predicted_ttft_ms: None }),
             ]
         );
         assert!(s.routes.is_empty(), "route facts leave with their requests");
@@ -562,10 +775,10 @@ mod tests {
     fn edf_serves_the_earliest_deadline_inside_a_tenant() {
         let mut s = Scheduler::new(&cfg("fcfs", r#","order":"edf""#));
         let mut out = Vec::new();
-        for (ctx, deadline) in [(1, 500), (2, 100), (3, u64::MAX)] {
+        for (ctx, deadline) in [(1, Some(500)), (2, Some(100)), (3, None)] {
             let mut m = enqueue(0, ctx, "a", ctx as u64);
-            if let ToScheduler::Enqueue { deadline_ms, .. } = &mut m {
-                *deadline_ms = deadline;
+            if let ToScheduler::Enqueue { deadline: d, .. } = &mut m {
+                *d = deadline.map(|at_ms| Deadline { at_ms, ttft_ms: 1000 });
             }
             s.on_message(m, 0, &mut out);
         }
@@ -672,6 +885,8 @@ mod tests {
                 max_tokens: 0,
                 output_tokens: 3,
                 done: true,
+                first_token_ms: None,
+                model: String::new(),
                 tenant: (*name).into(),
             };
             old.on_message(m, 0, &mut out);
@@ -878,5 +1093,135 @@ mod tests {
         assert_eq!((churned.0, churned.1), (remembered.0, remembered.1), "forgetting changed no decision");
         assert!((share(alone) - 0.5).abs() < 0.01, "{alone:?}");
         assert!((share(churned) - share(alone)).abs() < 0.01, "{} vs {}", share(churned), share(alone));
+    }
+
+    fn enqueue_slo(ctx: u32, tenant: &str, now: u64, ttft_ms: u32, max_tokens: u32) -> ToScheduler {
+        ToScheduler::Enqueue {
+            req: ctx as u64,
+            band: band_code(Criticality::Standard),
+            input_tokens: 100,
+            max_tokens,
+            arrival_ms: now,
+            deadline: Some(Deadline { at_ms: now + ttft_ms as u64, ttft_ms }),
+            route: RouteInfo::default(),
+            tenant: tenant.into(),
+        }
+    }
+
+    /// Runs `n` requests of 100 output tokens through a saturated scheduler, one
+    /// completing every 50 ms (2,000 output tokens per second), so the estimator learns.
+    fn warm_up(s: &mut Scheduler, n: u32) -> u64 {
+        let mut out = Vec::new();
+        let mut now = 0;
+        for i in 0..n {
+            s.on_message(enqueue_slo(10_000 + i, "warm", now, 3_600_000, 0), now, &mut out);
+        }
+        for i in 0..n {
+            s.pump(now, &mut slots(1), &mut out);
+            now += 50;
+            let done = ToScheduler::Charge {
+                req: 10_000 + i as u64,
+                band: 1,
+                input_tokens: 0,
+                max_tokens: 0,
+                output_tokens: 100,
+                done: true,
+                first_token_ms: Some(20),
+                model: String::new(),
+                tenant: "warm".into(),
+            };
+            s.on_message(done, now, &mut out);
+        }
+        s.pump(now, &mut slots(0), &mut out);
+        now
+    }
+
+    #[test]
+    fn proactive_dropping_answers_what_cannot_meet_its_objective_and_never_best_effort() {
+        let mut s = Scheduler::new(&cfg(
+            "fcfs",
+            r#","slo":{"order":"slack","drop":{"quantile":0.9},"expose_prediction":true}"#,
+        ));
+        let now = warm_up(&mut s, 60);
+        let mut out = Vec::new();
+        // 40 queued requests of ~100 tokens: ~2 s of work at 2,000 tokens/s.
+        for ctx in 0..40 {
+            s.on_message(enqueue_slo(ctx, "a", now, 60_000, 100), now, &mut out);
+        }
+        assert!(out.is_empty(), "an ample objective is met: {out:?}");
+        // Least slack goes first, so 5 s is in reach: only a slot's wait
+        // (~50 ms) and the prefill (20 ms) are ahead of it. 30 ms is not.
+        s.on_message(enqueue_slo(100, "b", now, 30, 100), now, &mut out);
+        s.on_message(enqueue_slo(101, "b", now, 5_000, 100), now, &mut out);
+        assert_eq!(
+            out,
+            vec![(0, ToWorker::Reject { req: 100, outcome: Outcome::SloUnattainable })],
+            "30 ms is out of reach"
+        );
+        // Best effort (no deadline) is never dropped, however long the queue.
+        let mut be = enqueue(0, 102, "c", now);
+        if let ToScheduler::Enqueue { max_tokens, .. } = &mut be {
+            *max_tokens = 100;
+        }
+        s.on_message(be, now, &mut out);
+        assert_eq!(out.len(), 1);
+        // Least slack first, with its prediction exposed: request 101 goes first.
+        s.pump(now, &mut slots(1), &mut out);
+        match out.last() {
+            Some((_, ToWorker::Dispatch { req: 101, predicted_ttft_ms: Some(ms), .. })) => {
+                assert!(*ms > 0 && *ms < 5_000, "{ms}")
+            }
+            other => panic!("expected 101 dispatched with a prediction: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn under_a_fair_order_the_work_queued_before_a_newcomer_counts() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"drop":{"quantile":0.5}}"#));
+        let now = warm_up(&mut s, 60);
+        let mut out = Vec::new();
+        for ctx in 0..40 {
+            s.on_message(enqueue_slo(ctx, "a", now, 60_000, 100), now, &mut out);
+        }
+        // FCFS: ~4,000 tokens ahead at 2,000 tokens/s is ~2 s.
+        s.on_message(enqueue_slo(100, "b", now, 1_000, 100), now, &mut out);
+        s.on_message(enqueue_slo(101, "b", now, 3_000, 100), now, &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 100, outcome: Outcome::SloUnattainable })]);
+    }
+
+    #[test]
+    fn a_request_past_its_deadline_at_dispatch_is_dropped_not_sent() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"drop":{"quantile":0.9}}"#));
+        let mut out = Vec::new();
+        // Before any measurement nothing is dropped at admission (no guess)...
+        s.on_message(enqueue_slo(1, "a", 0, 1_000, 10), 0, &mut out);
+        s.on_message(enqueue_slo(2, "a", 0, 60_000, 10), 0, &mut out);
+        assert!(out.is_empty());
+        // ...but once its deadline passed, dispatching it is pointless.
+        s.pump(2_000, &mut slots(2), &mut out);
+        assert_eq!(out[0], (0, ToWorker::Reject { req: 1, outcome: Outcome::SloUnattainable }));
+        assert!(matches!(out[1], (0, ToWorker::Dispatch { req: 2, predicted_ttft_ms: None, .. })), "{out:?}");
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn without_dropping_nothing_is_refused_and_the_prediction_stays_inside() {
+        let mut s = Scheduler::new(&cfg("vtc", r#","slo":{"order":"pard"}"#));
+        let now = warm_up(&mut s, 40);
+        let mut out = Vec::new();
+        s.on_message(enqueue_slo(1, "a", now, 1, 100), now, &mut out);
+        s.pump(now + 10_000, &mut slots(1), &mut out);
+        assert!(matches!(out[..], [(0, ToWorker::Dispatch { req: 1, predicted_ttft_ms: None, .. })]), "{out:?}");
+    }
+
+    #[test]
+    fn edf_orders_across_tenants_by_each_request_s_own_deadline() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","order":"edf""#));
+        let mut out = Vec::new();
+        s.on_message(enqueue_slo(1, "a", 0, 9_000, 10), 0, &mut out);
+        s.on_message(enqueue_slo(2, "b", 1, 5_000, 10), 1, &mut out);
+        s.on_message(enqueue_slo(3, "c", 2, 1_000, 10), 2, &mut out);
+        s.pump(3, &mut slots(3), &mut out);
+        assert_eq!(dispatched(&out), vec![3, 2, 1]);
     }
 }

@@ -7,8 +7,9 @@ use crate::config::Config;
 use crate::openai::{self, TokenCounter};
 use crate::outcome::Outcome;
 use crate::shared::Store;
+use crate::slo::SloHeaders;
 use crate::wire::RouteInfo;
-use crate::worker::{Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION};
+use crate::worker::{Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION, PREDICTED_TTFT};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -73,9 +74,10 @@ impl Host for ProxyHost {
         hostcalls::set_effective_context(ctx).is_ok()
             && hostcalls::send_http_response(status, headers.to_vec(), Some(body)).is_ok()
     }
-    fn resume(&self, ctx: u32, destination: &str) -> bool {
+    fn resume(&self, ctx: u32, destination: &str, headers: &[(&str, &str)]) -> bool {
         hostcalls::set_effective_context(ctx).is_ok()
             && hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION, Some(destination)).is_ok()
+            && headers.iter().all(|(k, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, k, Some(v)).is_ok())
             && hostcalls::resume_http_request().is_ok()
     }
     fn http_call(&self, cluster: &str, headers: &[(&str, &str)], timeout_ms: u64) -> Option<u32> {
@@ -178,6 +180,7 @@ impl RootContext for Root {
             tenant: String::new(),
             session: None,
             band: Criticality::Standard,
+            slo: SloHeaders::default(),
             tokens: None,
         }))
     }
@@ -208,6 +211,7 @@ struct Http {
     tenant: String,
     session: Option<u64>,
     band: Criticality,
+    slo: SloHeaders,
     tokens: Option<TokenCounter>,
 }
 
@@ -227,14 +231,18 @@ impl Http {
     }
 
     /// The request's tenant, or the 400 message when its header cannot be one.
+    /// The first of the tenant headers present and not empty names the tenant.
     fn read_tenant(&self, cfg: &Config) -> Result<String, String> {
-        match self.get_http_request_header_bytes(&cfg.tenant_header) {
+        let found = cfg
+            .tenant_headers
+            .iter()
+            .find_map(|h| self.get_http_request_header_bytes(h).filter(|b| !b.is_empty()).map(|b| (h, b)));
+        match found {
             None => Ok(cfg.default_tenant.clone()),
-            Some(b) if b.is_empty() => Ok(cfg.default_tenant.clone()),
-            Some(b) if b.len() > cfg.max_tenant_bytes => {
-                Err(format!("header `{}` is longer than {} bytes", cfg.tenant_header, cfg.max_tenant_bytes))
+            Some((h, b)) if b.len() > cfg.max_tenant_bytes => {
+                Err(format!("header `{h}` is longer than {} bytes", cfg.max_tenant_bytes))
             }
-            Some(b) => String::from_utf8(b).map_err(|_| format!("header `{}` is not valid UTF-8", cfg.tenant_header)),
+            Some((h, b)) => String::from_utf8(b).map_err(|_| format!("header `{h}` is not valid UTF-8")),
         }
     }
 
@@ -260,6 +268,8 @@ impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
         // ORIGINAL_DST trusts this header: a client never chooses the host, on any path.
         self.set_http_request_header(DESTINATION, None);
+        // Nor does it tell the backend what the gateway predicted.
+        self.set_http_request_header(PREDICTED_TTFT, None);
         let Some(vm) = self.vm.clone() else { return Action::Continue };
         let path = self.get_http_request_header_bytes(":path").unwrap_or_default();
         if !openai::is_scheduled_path(&path) {
@@ -290,6 +300,9 @@ impl HttpContext for Http {
             .and_then(|v| Criticality::parse(&v))
             .or_else(|| cfg.criticality_by_tenant.get(&self.tenant).copied())
             .unwrap_or(cfg.default_criticality);
+        if let Some(slo) = &cfg.slo {
+            self.slo = slo.read_headers(|h| self.get_http_request_header_bytes(h));
+        }
         let declared =
             text(self.get_http_request_header_bytes("content-length")).and_then(|v| v.trim().parse::<u64>().ok());
         if end_of_stream {
@@ -328,7 +341,12 @@ impl HttpContext for Http {
             model: std::mem::take(&mut req.model),
             prefix: std::mem::take(&mut req.prefix),
         };
-        let who = Admit { tenant: std::mem::take(&mut self.tenant), band: self.band, route };
+        let who = Admit {
+            tenant: std::mem::take(&mut self.tenant),
+            band: self.band,
+            route,
+            slo: std::mem::take(&mut self.slo),
+        };
         let admission = vm.borrow_mut().at(now_ms()).admit(self.ctx, who, &req);
         match admission {
             Admission::Bypass(endpoint) => {
@@ -343,6 +361,9 @@ impl HttpContext for Http {
             Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, "no backend is healthy"),
             Admission::Overloaded => {
                 self.answer(Outcome::Overloaded, "the gateway is overloaded; long requests are refused for now")
+            }
+            Admission::Unattainable => {
+                self.answer(Outcome::SloUnattainable, "the request's latency objective was already spent upstream")
             }
         }
     }
@@ -363,7 +384,7 @@ impl HttpContext for Http {
             n += counter.finish();
         }
         if n > 0 {
-            vm.borrow_mut().charge(self.ctx, n);
+            vm.borrow_mut().at(now_ms()).charge(self.ctx, n);
         }
         Action::Continue
     }

@@ -22,19 +22,29 @@ impl RouteInfo {
     }
 }
 
+/// A request's objective, as the scheduler needs it: the absolute deadline
+/// of its first token and the objective it came from (so that the time
+/// already spent, upstream included, is `now − (at_ms − ttft_ms)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadline {
+    /// When the first token is due, on the proxy's clock.
+    pub at_ms: u64,
+    /// The TTFT objective, in milliseconds.
+    pub ttft_ms: u32,
+}
+
 /// A worker tells the scheduler.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ToScheduler {
     /// Queue this request (the worker that holds its paused stream is
-    /// `req >> 32`). `band` is a criticality code; `deadline_ms` is
-    /// `u64::MAX` for none.
+    /// `req >> 32`). `band` is a criticality code; `max_tokens` 0 is "not given".
     Enqueue {
         req: u64,
         band: u8,
         input_tokens: u32,
         max_tokens: u32,
         arrival_ms: u64,
-        deadline_ms: u64,
+        deadline: Option<Deadline>,
         route: RouteInfo,
         tenant: String,
     },
@@ -43,15 +53,29 @@ pub enum ToScheduler {
     /// Service of request `req` of `tenant` in `band`: it bypassed the queue
     /// with `input_tokens`, or `output_tokens` more were generated; `done`
     /// means it finished and released its stock. An empty tenant with
-    /// nothing charged is a bare wake-up (stock was freed).
-    Charge { req: u64, band: u8, input_tokens: u32, max_tokens: u32, output_tokens: u32, done: bool, tenant: String },
+    /// nothing charged is a bare wake-up (stock was freed). `first_token_ms`:
+    /// the first output came this long after the request was sent upstream
+    /// (given once). `model` is given with a bypass charge.
+    Charge {
+        req: u64,
+        band: u8,
+        input_tokens: u32,
+        max_tokens: u32,
+        output_tokens: u32,
+        done: bool,
+        first_token_ms: Option<u32>,
+        model: String,
+        tenant: String,
+    },
 }
 
 /// The scheduler tells a worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToWorker {
-    /// Resume the request towards `endpoint` (an index into the configured endpoints).
-    Dispatch { req: u64, endpoint: u32 },
+    /// Resume the request towards `endpoint` (an index into the configured
+    /// endpoints); `predicted_ttft_ms` is the estimator's prediction made when
+    /// it was queued, when there was one and the configuration exposes it.
+    Dispatch { req: u64, endpoint: u32, predicted_ttft_ms: Option<u32> },
     /// Answer the request with this outcome.
     Reject { req: u64, outcome: Outcome },
 }
@@ -96,6 +120,17 @@ impl<'a> Reader<'a> {
         let prefix = (0..n).map(|_| self.u64()).collect::<Option<Vec<u64>>>()?;
         Some(RouteInfo { session, model, prefix })
     }
+    fn opt_u32(&mut self) -> Option<Option<u32>> {
+        match self.u8()? {
+            0 => Some(None),
+            1 => Some(Some(self.u32()?)),
+            _ => None,
+        }
+    }
+    fn str16(&mut self) -> Option<String> {
+        let n = self.u16()? as usize;
+        String::from_utf8(self.bytes(n)?.to_vec()).ok()
+    }
     fn rest_str(self) -> Option<String> {
         String::from_utf8(self.0.to_vec()).ok()
     }
@@ -106,14 +141,21 @@ impl ToScheduler {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(48);
         match self {
-            ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline_ms, route, tenant } => {
+            ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline, route, tenant } => {
                 b.push(1);
                 b.extend_from_slice(&req.to_le_bytes());
                 b.push(*band);
                 b.extend_from_slice(&input_tokens.to_le_bytes());
                 b.extend_from_slice(&max_tokens.to_le_bytes());
                 b.extend_from_slice(&arrival_ms.to_le_bytes());
-                b.extend_from_slice(&deadline_ms.to_le_bytes());
+                match deadline {
+                    None => b.push(0),
+                    Some(d) => {
+                        b.push(1);
+                        b.extend_from_slice(&d.at_ms.to_le_bytes());
+                        b.extend_from_slice(&d.ttft_ms.to_le_bytes());
+                    }
+                }
                 match route.session {
                     None => b.push(0),
                     Some(h) => {
@@ -122,13 +164,7 @@ impl ToScheduler {
                     }
                 }
                 // Lengths are u16 on the wire: longer model names or prefixes are cut.
-                let model = &route.model.as_bytes()[..route.model.len().min(u16::MAX as usize)];
-                let model = match std::str::from_utf8(model) {
-                    Ok(m) => m.as_bytes(),
-                    Err(e) => &model[..e.valid_up_to()],
-                };
-                b.extend_from_slice(&(model.len() as u16).to_le_bytes());
-                b.extend_from_slice(model);
+                put_str16(&mut b, &route.model);
                 let prefix = &route.prefix[..route.prefix.len().min(u16::MAX as usize)];
                 b.extend_from_slice(&(prefix.len() as u16).to_le_bytes());
                 prefix.iter().for_each(|h| b.extend_from_slice(&h.to_le_bytes()));
@@ -138,7 +174,17 @@ impl ToScheduler {
                 b.push(2);
                 b.extend_from_slice(&req.to_le_bytes());
             }
-            ToScheduler::Charge { req, band, input_tokens, max_tokens, output_tokens, done, tenant } => {
+            ToScheduler::Charge {
+                req,
+                band,
+                input_tokens,
+                max_tokens,
+                output_tokens,
+                done,
+                first_token_ms,
+                model,
+                tenant,
+            } => {
                 b.push(3);
                 b.extend_from_slice(&req.to_le_bytes());
                 b.push(*band);
@@ -146,6 +192,8 @@ impl ToScheduler {
                 b.extend_from_slice(&max_tokens.to_le_bytes());
                 b.extend_from_slice(&output_tokens.to_le_bytes());
                 b.push(*done as u8);
+                put_opt_u32(&mut b, *first_token_ms);
+                put_str16(&mut b, model);
                 b.extend_from_slice(tenant.as_bytes());
             }
         }
@@ -162,7 +210,11 @@ impl ToScheduler {
                 input_tokens: r.u32()?,
                 max_tokens: r.u32()?,
                 arrival_ms: r.u64()?,
-                deadline_ms: r.u64()?,
+                deadline: match r.u8()? {
+                    0 => None,
+                    1 => Some(Deadline { at_ms: r.u64()?, ttft_ms: r.u32()? }),
+                    _ => return None,
+                },
                 route: r.route()?,
                 tenant: r.rest_str()?,
             }),
@@ -177,9 +229,32 @@ impl ToScheduler {
                 max_tokens: r.u32()?,
                 output_tokens: r.u32()?,
                 done: r.u8()? != 0,
+                first_token_ms: r.opt_u32()?,
+                model: r.str16()?,
                 tenant: r.rest_str()?,
             }),
             _ => None,
+        }
+    }
+}
+
+/// Writes `s` as a u16 length and its bytes, cut at a character boundary
+/// under 64 KiB.
+fn put_str16(b: &mut Vec<u8>, s: &str) {
+    let mut n = s.len().min(u16::MAX as usize);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    b.extend_from_slice(&(n as u16).to_le_bytes());
+    b.extend_from_slice(&s.as_bytes()[..n]);
+}
+
+fn put_opt_u32(b: &mut Vec<u8>, v: Option<u32>) {
+    match v {
+        None => b.push(0),
+        Some(v) => {
+            b.push(1);
+            b.extend_from_slice(&v.to_le_bytes());
         }
     }
 }
@@ -220,10 +295,11 @@ impl ToWorker {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(13);
         match self {
-            ToWorker::Dispatch { req, endpoint } => {
+            ToWorker::Dispatch { req, endpoint, predicted_ttft_ms } => {
                 b.push(1);
                 b.extend_from_slice(&req.to_le_bytes());
                 b.extend_from_slice(&endpoint.to_le_bytes());
+                put_opt_u32(&mut b, *predicted_ttft_ms);
             }
             ToWorker::Reject { req, outcome } => {
                 b.push(2);
@@ -238,7 +314,7 @@ impl ToWorker {
     pub fn decode(bytes: &[u8]) -> Option<ToWorker> {
         let mut r = Reader(bytes);
         let m = match r.u8()? {
-            1 => ToWorker::Dispatch { req: r.u64()?, endpoint: r.u32()? },
+            1 => ToWorker::Dispatch { req: r.u64()?, endpoint: r.u32()?, predicted_ttft_ms: r.opt_u32()? },
             2 => ToWorker::Reject { req: r.u64()?, outcome: Outcome::from_code(r.u8()?)? },
             _ => return None,
         };
@@ -259,7 +335,7 @@ mod tests {
                 input_tokens: 17,
                 max_tokens: 256,
                 arrival_ms: 1_700_000_000_123,
-                deadline_ms: 1_700_000_020_123,
+                deadline: Some(Deadline { at_ms: 1_700_000_020_123, ttft_ms: 20_000 }),
                 route: RouteInfo { session: Some(0), model: "llama-ä".into(), prefix: vec![1, u64::MAX] },
                 tenant: "tenant-ä".into(),
             },
@@ -269,7 +345,7 @@ mod tests {
                 input_tokens: 0,
                 max_tokens: 0,
                 arrival_ms: 0,
-                deadline_ms: u64::MAX,
+                deadline: None,
                 route: RouteInfo::default(),
                 tenant: String::new(),
             },
@@ -281,14 +357,19 @@ mod tests {
                 max_tokens: 30,
                 output_tokens: 5,
                 done: true,
+                first_token_ms: Some(120),
+                model: "m".into(),
                 tenant: "t".into(),
             },
         ];
         for m in to_sched {
             assert_eq!(ToScheduler::decode(&m.encode()), Some(m));
         }
-        for m in [ToWorker::Dispatch { req: 9, endpoint: 2 }, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint }]
-        {
+        for m in [
+            ToWorker::Dispatch { req: 9, endpoint: 2, predicted_ttft_ms: None },
+            ToWorker::Dispatch { req: 9, endpoint: 2, predicted_ttft_ms: Some(1234) },
+            ToWorker::Reject { req: 1, outcome: Outcome::SloUnattainable },
+        ] {
             assert_eq!(ToWorker::decode(&m.encode()), Some(m));
         }
     }
@@ -304,6 +385,8 @@ mod tests {
                 max_tokens: 4,
                 output_tokens: 5,
                 done: false,
+                first_token_ms: None,
+                model: String::new(),
                 tenant: "a".into(),
             },
         ];
@@ -324,7 +407,7 @@ mod tests {
         assert_eq!(ToScheduler::decode(&[1, 0, 0]), None);
         assert_eq!(ToWorker::decode(&[1, 0]), None);
         assert_eq!(ToWorker::decode(&ToWorker::Reject { req: 1, outcome: Outcome::QueueFull }.encode()[..5]), None);
-        let mut long = ToWorker::Dispatch { req: 1, endpoint: 0 }.encode();
+        let mut long = ToWorker::Dispatch { req: 1, endpoint: 0, predicted_ttft_ms: None }.encode();
         long.push(0);
         assert_eq!(ToWorker::decode(&long), None);
     }

@@ -15,7 +15,8 @@ use crate::openai;
 use crate::outcome::Outcome;
 use crate::scheduler::{band_code, Scheduler, Slot};
 use crate::shared::{self, Lease, Permit, Store};
-use crate::wire::{decode_entry, encode_batch, RouteInfo, ToScheduler, ToWorker};
+use crate::slo::SloHeaders;
+use crate::wire::{decode_entry, encode_batch, Deadline, RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::overload::{LadderDecision, LoadSignals};
@@ -26,6 +27,9 @@ use std::rc::Rc;
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// Header naming why the gateway answered instead of a backend.
 pub const REJECT_REASON: &str = "x-sluice-reject-reason";
+/// Header added to a dispatched request with the TTFT the estimator
+/// predicted when it was queued (with `slo.expose_prediction`).
+pub const PREDICTED_TTFT: &str = "x-sluice-predicted-ttft-ms";
 /// Name of the scheduler's shared queue.
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// How often the scheduler saves its policy's counters to shared data.
@@ -64,8 +68,9 @@ pub trait Host: Store {
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>>;
     /// Answers stream `ctx` of this VM itself.
     fn reply(&self, ctx: u32, status: u32, headers: &[(&str, &str)], body: &[u8]) -> bool;
-    /// Resumes paused stream `ctx` of this VM towards `destination`; `false` if it is gone.
-    fn resume(&self, ctx: u32, destination: &str) -> bool;
+    /// Resumes paused stream `ctx` of this VM towards `destination`, with
+    /// `headers` added to the upstream request; `false` if it is gone.
+    fn resume(&self, ctx: u32, destination: &str, headers: &[(&str, &str)]) -> bool;
     /// Sends an HTTP call through `cluster`; its token, `None` if it could not be sent.
     fn http_call(&self, cluster: &str, headers: &[(&str, &str)], timeout_ms: u64) -> Option<u32>;
     /// Adds to a counter.
@@ -181,8 +186,9 @@ enum Stream {
     /// `sent_to`, and is sent again when the scheduler changes, or on the next
     /// tick while it could not be delivered (`None`: no scheduler yet).
     Queued { enqueue: ToScheduler, arrival_ms: u64, sent_to: Option<u32> },
-    /// Sent to a backend; holds one unit of stock.
-    Dispatched { tenant: String, band: u8, permit: Permit },
+    /// Sent to a backend at `sent_ms`; holds one unit of stock. `first_seen`:
+    /// its first output was reported (the estimator's prefill sample).
+    Dispatched { tenant: String, band: u8, permit: Permit, sent_ms: u64, first_seen: bool },
 }
 
 /// This VM's half of the scheduler lease.
@@ -237,6 +243,8 @@ pub enum Admission {
     NoEndpoint,
     /// The overload ladder refuses it.
     Overloaded,
+    /// Its objective was already spent by earlier stages (proactive dropping is on).
+    Unattainable,
 }
 
 /// What a request's own callbacks learned before admission.
@@ -247,6 +255,8 @@ pub struct Admit {
     pub band: Criticality,
     /// What routing needs of it.
     pub route: RouteInfo,
+    /// What its trusted headers said of its objective.
+    pub slo: SloHeaders,
 }
 
 impl<H: Host> Worker<H> {
@@ -315,7 +325,12 @@ impl<H: Host> Worker<H> {
 
     /// Bypass, or hand the request to the scheduler.
     pub fn admit(&mut self, ctx: u32, who: Admit, req: &openai::CompletionRequest) -> Admission {
-        let Admit { tenant, band, route } = who;
+        let Admit { tenant, band, route, slo } = who;
+        let deadline = self.deadline(&slo, &tenant, &route.model, band);
+        if deadline.is_some_and(|d| d.at_ms <= self.now) && self.cfg.slo.as_ref().is_some_and(|s| s.drop.is_some()) {
+            // Earlier stages already spent the whole objective.
+            return Admission::Unattainable;
+        }
         let queued = shared::get_u64(&self.host, shared::QUEUED_KEY);
         let mut may_bypass = queued == 0 && self.cfg.bypass;
         if let Some(ladder) = self.cfg.overload {
@@ -341,9 +356,12 @@ impl<H: Host> Worker<H> {
                         max_tokens: req.max_tokens,
                         output_tokens: 0,
                         done: false,
+                        first_token_ms: None,
+                        model: route.model.clone(),
                         tenant: tenant.clone(),
                     });
-                    self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit });
+                    let sent_ms = self.now;
+                    self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit, sent_ms, first_seen: false });
                     return Admission::Bypass(endpoint);
                 }
                 Slot::NoEndpoint => return Admission::NoEndpoint,
@@ -351,14 +369,13 @@ impl<H: Host> Worker<H> {
             }
         }
         let arrival_ms = self.now;
-        let slo = self.cfg.ttft_slo_ms.get(&crate::scheduler::band_of_code(band));
         let enqueue = ToScheduler::Enqueue {
             req: req_id,
             band,
             input_tokens: req.prompt_tokens,
             max_tokens: req.max_tokens,
             arrival_ms,
-            deadline_ms: slo.map_or(u64::MAX, |slo| arrival_ms.saturating_add(*slo)),
+            deadline,
             route,
             tenant,
         };
@@ -368,6 +385,20 @@ impl<H: Host> Worker<H> {
         self.host.add(Metric::Queued, 1);
         self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to });
         Admission::Queued
+    }
+
+    /// The request's first-token deadline: its objective (the `"slo"`
+    /// sources, else its band's `ttft_slo_ms`) from its arrival here, less
+    /// what earlier stages already spent.
+    fn deadline(&self, slo: &SloHeaders, tenant: &str, model: &str, band: Criticality) -> Option<Deadline> {
+        let ttft_ms = match &self.cfg.slo {
+            Some(cfg) => cfg.ttft_ms(slo, tenant, model),
+            None => None,
+        }
+        .or_else(|| self.cfg.ttft_slo_ms.get(&band).copied())?;
+        let ttft_ms = ttft_ms.min(u32::MAX as u64) as u32;
+        let start = self.now.saturating_sub(slo.elapsed_ms);
+        Some(Deadline { at_ms: start.saturating_add(ttft_ms as u64), ttft_ms })
     }
 
     /// The overload ladder's signals: stock over the band's upper bound, queue
@@ -462,7 +493,7 @@ impl<H: Host> Worker<H> {
     /// connection, so it is avoided for a while.
     pub fn finish(&mut self, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
         match self.streams.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, permit }) => {
+            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen }) => {
                 let endpoint = permit.endpoint();
                 if upstream_failed {
                     let until = self.now + self.cfg.routing.quarantine_ms;
@@ -485,6 +516,10 @@ impl<H: Host> Worker<H> {
                     max_tokens: 0,
                     output_tokens: uncharged_tokens,
                     done: true,
+                    // A response that was not streamed: its first token came with the rest.
+                    first_token_ms: (!first_seen && uncharged_tokens > 0 && !upstream_failed)
+                        .then(|| self.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32),
+                    model: String::new(),
                     tenant,
                 };
                 // Freed stock matters now only if something waits for it.
@@ -504,14 +539,19 @@ impl<H: Host> Worker<H> {
     }
 
     pub fn charge(&mut self, ctx: u32, tokens: u32) {
-        if let Some(Stream::Dispatched { tenant, band, .. }) = self.streams.get(&ctx) {
+        let (now, req) = (self.now, self.request_id(ctx));
+        if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, .. }) = self.streams.get_mut(&ctx) {
+            let first = !*first_seen && tokens > 0;
+            *first_seen |= first;
             let msg = ToScheduler::Charge {
-                req: self.request_id(ctx),
+                req,
                 band: *band,
                 input_tokens: 0,
                 max_tokens: 0,
                 output_tokens: tokens,
                 done: false,
+                first_token_ms: first.then(|| now.saturating_sub(*sent_ms).min(u32::MAX as u64) as u32),
+                model: String::new(),
                 tenant: tenant.clone(),
             };
             self.charge_later(msg);
@@ -633,7 +673,9 @@ impl<H: Host> Worker<H> {
             }
             let Some(bytes) = self.host.dequeue(queue_id) else { break };
             match ToWorker::decode(&bytes) {
-                Some(ToWorker::Dispatch { req, endpoint }) => self.dispatch(req as u32, endpoint),
+                Some(ToWorker::Dispatch { req, endpoint, predicted_ttft_ms }) => {
+                    self.dispatch(req as u32, endpoint, predicted_ttft_ms)
+                }
                 Some(ToWorker::Reject { req, outcome }) => {
                     let ctx = req as u32;
                     if matches!(self.streams.get(&ctx), Some(Stream::Queued { .. })) {
@@ -647,17 +689,23 @@ impl<H: Host> Worker<H> {
     }
 
     /// The scheduler took a slot on `endpoint` for paused stream `ctx`.
-    fn dispatch(&mut self, ctx: u32, endpoint: u32) {
+    fn dispatch(&mut self, ctx: u32, endpoint: u32, predicted_ttft_ms: Option<u32>) {
         let permit = Permit::delivered(self.worker, endpoint);
         let queued = matches!(self.streams.get(&ctx), Some(Stream::Queued { .. }));
+        let predicted = predicted_ttft_ms.map(|ms| ms.to_string());
+        let extra: &[(&str, &str)] = match &predicted {
+            Some(ms) => &[(PREDICTED_TTFT, ms.as_str())],
+            None => &[],
+        };
         if queued
             && (endpoint as usize) < self.endpoints()
-            && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize])
+            && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize], extra)
         {
             if let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, arrival_ms, .. }) =
                 self.streams.remove(&ctx)
             {
-                self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit });
+                let sent_ms = self.now;
+                self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit, sent_ms, first_seen: false });
                 self.host.add(Metric::Dispatched, 1);
                 self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival_ms));
                 return;
@@ -675,6 +723,8 @@ impl<H: Host> Worker<H> {
                 max_tokens: 0,
                 output_tokens: 0,
                 done: true,
+                first_token_ms: None,
+                model: String::new(),
                 tenant: String::new(),
             };
             self.send_to_scheduler(&wake);
@@ -983,7 +1033,7 @@ mod tests {
             self.0.replies.borrow_mut().push((self.1, ctx, status, reason.unwrap_or_default()));
             true
         }
-        fn resume(&self, ctx: u32, destination: &str) -> bool {
+        fn resume(&self, ctx: u32, destination: &str, _headers: &[(&str, &str)]) -> bool {
             self.0.resumed.borrow_mut().push((self.1, ctx, destination.to_owned()));
             true
         }
@@ -1012,7 +1062,12 @@ mod tests {
 
     fn admit(w: &mut Worker<Vm>, now: u64, ctx: u32, tenant: &str) -> Admission {
         let req = openai::parse_request(br#"{"model":"m","prompt":"hi","max_tokens":4}"#, 0).unwrap();
-        let who = Admit { tenant: tenant.into(), band: Criticality::Standard, route: RouteInfo::default() };
+        let who = Admit {
+            tenant: tenant.into(),
+            band: Criticality::Standard,
+            route: RouteInfo::default(),
+            slo: SloHeaders::default(),
+        };
         w.at(now).admit(ctx, who, &req)
     }
 

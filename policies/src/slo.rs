@@ -41,7 +41,8 @@ pub fn normal_quantile(p: f64) -> f64 {
     let p = if p.is_finite() { p.clamp(1e-6, 1.0 - 1e-6) } else { 0.5 };
     let tail = |q: f64| {
         let t = (-2.0 * q.ln()).sqrt();
-        t - (2.515517 + 0.802853 * t + 0.010328 * t * t) / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
+        t - (2.515517 + 0.802853 * t + 0.010328 * t * t)
+            / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
     };
     if p < 0.5 {
         -tail(p)
@@ -371,7 +372,13 @@ pub struct LoadFactor {
 impl LoadFactor {
     /// Keeps `window` rates for `T_s` and `ε`.
     pub fn new(window: usize) -> Self {
-        LoadFactor { history: VecDeque::new(), window: window.max(2), service: Moments::default(), hbf: false, switches: 0 }
+        LoadFactor {
+            history: VecDeque::new(),
+            window: window.max(2),
+            service: Moments::default(),
+            hbf: false,
+            switches: 0,
+        }
     }
 
     /// `T_m`: requests per second the pool completed in a saturated window.
@@ -496,11 +503,12 @@ impl WorkIndex {
         self.entries.is_empty()
     }
 
-    /// Work of the requests served before one with `key`: keys below it
-    /// (`reverse`: above it, for High Budget First). Scans at most `max_scan`
-    /// entries; past them it answers the total (an upper bound).
-    pub fn ahead(&self, key: f64, reverse: bool, max_scan: usize) -> Work {
-        let k = (key_bits(key), 0);
+    /// Work of the requests served before request `id` with `key`: keys
+    /// below it, ties by id (`reverse`: above it, for High Budget First).
+    /// Scans at most `max_scan` entries; past them it answers the total (an
+    /// upper bound).
+    pub fn ahead(&self, key: f64, id: u64, reverse: bool, max_scan: usize) -> Work {
+        let k = (key_bits(key), id);
         let mut w = Work::default();
         let mut n = 0usize;
         let mut truncated = false;
@@ -514,7 +522,7 @@ impl WorkIndex {
             true
         };
         if reverse {
-            for (_, x) in self.entries.range((k.0, u64::MAX)..).rev() {
+            for (_, x) in self.entries.range((std::ops::Bound::Excluded(k), std::ops::Bound::Unbounded)).rev() {
                 if !add(x) {
                     break;
                 }
@@ -654,16 +662,19 @@ mod tests {
         for i in 0..10u64 {
             w.insert(i, i as f64 * 10.0, Work { mean: 1.0, var: 2.0 });
         }
-        assert_eq!(w.ahead(35.0, false, 100), Work { mean: 4.0, var: 8.0 });
-        assert_eq!(w.ahead(35.0, true, 100), Work { mean: 6.0, var: 12.0 });
-        assert_eq!(w.ahead(-5.0, false, 100), Work::default());
+        assert_eq!(w.ahead(35.0, 99, false, 100), Work { mean: 4.0, var: 8.0 });
+        assert_eq!(w.ahead(35.0, 99, true, 100), Work { mean: 6.0, var: 12.0 });
+        assert_eq!(w.ahead(-5.0, 99, false, 100), Work::default());
+        assert_eq!(w.ahead(30.0, 99, false, 100).mean, 4.0, "ties by id: 3 is before 99");
+        assert_eq!(w.ahead(30.0, 3, false, 100).mean, 3.0, "and not before itself");
+        assert_eq!(w.ahead(30.0, 3, true, 100).mean, 6.0);
         // A truncated scan answers the total, an upper bound.
-        assert_eq!(w.ahead(95.0, false, 3).mean, 10.0);
-        assert_eq!(w.ahead(25.0, false, 3).mean, 3.0, "not truncated: exact");
+        assert_eq!(w.ahead(95.0, 99, false, 3).mean, 10.0);
+        assert_eq!(w.ahead(25.0, 99, false, 3).mean, 3.0, "not truncated: exact");
         w.remove(3);
         w.remove(3);
         assert_eq!(w.total().mean, 9.0);
-        assert_eq!(w.ahead(35.0, false, 100).mean, 3.0);
+        assert_eq!(w.ahead(35.0, 99, false, 100).mean, 3.0);
         assert!(key_bits(-1.0) < key_bits(0.0) && key_bits(0.0) < key_bits(1.5));
     }
 }
