@@ -8,7 +8,7 @@ use crate::openai::{self, TokenCounter};
 use crate::outcome::Outcome;
 use crate::shared::Store;
 use crate::wire::RouteInfo;
-use crate::worker::{Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION};
+use crate::worker::{Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION, OVERLOADED_MESSAGE};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -179,6 +179,7 @@ impl RootContext for Root {
             session: None,
             band: Criticality::Standard,
             tokens: None,
+            awaiting_first_bytes: false,
         }))
     }
 }
@@ -209,6 +210,8 @@ struct Http {
     session: Option<u64>,
     band: Criticality,
     tokens: Option<TokenCounter>,
+    /// A 2xx response began and its first body bytes (the TTFT) are awaited.
+    awaiting_first_bytes: bool,
 }
 
 /// Bytes as text, or `None` when they are not UTF-8: a header value Envoy
@@ -336,13 +339,15 @@ impl HttpContext for Http {
                 self.phase = Phase::Scheduled;
                 Action::Continue
             }
-            Admission::Queued => {
+            Admission::Queued | Admission::Held => {
                 self.phase = Phase::Scheduled;
                 Action::Pause
             }
             Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, "no backend is healthy"),
-            Admission::Overloaded => {
-                self.answer(Outcome::Overloaded, "the gateway is overloaded; long requests are refused for now")
+            Admission::Overloaded { retry_after_s } => {
+                vm.borrow_mut().reject_after(self.ctx, Outcome::Overloaded, OVERLOADED_MESSAGE, retry_after_s);
+                self.phase = Phase::Answered;
+                Action::Pause
             }
         }
     }
@@ -351,12 +356,18 @@ impl HttpContext for Http {
         if self.phase == Phase::Scheduled {
             let content_type = text(self.get_http_response_header_bytes("content-type"));
             self.tokens = Some(TokenCounter::new(content_type.as_deref()));
+            // Only successful responses measure TTFT: a quick error is no first token.
+            let status = self.get_http_response_header_bytes(":status").unwrap_or_default();
+            self.awaiting_first_bytes = status.first() == Some(&b'2');
         }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         let (Some(counter), Some(vm)) = (self.tokens.as_mut(), self.vm.as_ref()) else { return Action::Continue };
+        if size > 0 && std::mem::take(&mut self.awaiting_first_bytes) {
+            vm.borrow_mut().at(now_ms()).first_response_bytes(self.ctx);
+        }
         let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default();
         let mut n = counter.feed(&chunk);
         if end_of_stream {
