@@ -942,15 +942,15 @@ impl<H: Host> Worker<H> {
         // longer. Whichever answers first wins; the other finds the stream gone.
         // Requests the ladder holds expire alike.
         let deadline = self.cfg.bands.ttl_ms;
-        let expired = |arrival_ms: u64| now.saturating_sub(arrival_ms) > deadline;
+        let past_ttl = |arrival_ms: u64| now.saturating_sub(arrival_ms) > deadline;
         let mut expired: Vec<(u64, u32)> = self
             .streams
             .iter()
             .filter_map(|(&ctx, s)| match s {
-                Stream::Queued { arrival_ms, .. } if expired(*arrival_ms) => Some((*arrival_ms, ctx)),
+                Stream::Queued { arrival_ms, .. } if past_ttl(*arrival_ms) => Some((*arrival_ms, ctx)),
                 _ => None,
             })
-            .chain(self.held.iter().filter(|(_, h)| expired(h.arrival_ms)).map(|(&ctx, h)| (h.arrival_ms, ctx)))
+            .chain(self.held.iter().filter(|(_, h)| past_ttl(h.arrival_ms)).map(|(&ctx, h)| (h.arrival_ms, ctx)))
             .collect();
         // Oldest first; what the reply budget leaves goes on the next tick.
         expired.sort_unstable();

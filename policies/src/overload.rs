@@ -2,8 +2,8 @@
 //!
 //! `severity = w_load · load + w_queue · queue_pressure + w_tail · tail_ratio`,
 //! each signal clamped to `[0, 1]`. Requests fall into the seed's buckets by
-//! *expected output tokens* (short ≤ 64, medium 65–256, long 257–1024, xlong
-//! > 1024), and each bucket has the seed's cost weight (short and medium 0,
+//! *expected output tokens* (short ≤ 64, medium 65–256, long 257–1024,
+//! xlong over 1024), and each bucket has the seed's cost weight (short and medium 0,
 //! long 1, xlong 2). Weight-0 work is always admitted. Weighted work is
 //! deferred above `defer_above` (0.45); above `reject_xlong_above` (0.65)
 //! weight-2 work is rejected, above `reject_long_above` (0.80) weight-1 work
