@@ -578,6 +578,9 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"criticality_by_tenant":{"a":"urgent"}}"#, "criticality_by_tenant.a"),
             (r#"{"endpoints":["127.0.0.1:1"],"total_capacity":10,"critical_reserve":10}"#, "critical_reserve"),
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"defer_above":0.9}}"#, "overload"),
+            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"medium_from_tokens":512}}"#, "medium_from_tokens"),
+            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"short_max_tokens":300}}"#, "short_max_tokens"),
+            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"tail_window_requests":0}}"#, "overload.tail_window_requests"),
             (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#,

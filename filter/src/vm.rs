@@ -9,7 +9,9 @@ use crate::outcome::Outcome;
 use crate::shared::Store;
 use crate::slo::SloHeaders;
 use crate::wire::RouteInfo;
-use crate::worker::{Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION, PREDICTED_TTFT};
+use crate::worker::{
+    Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION, OVERLOADED_MESSAGE, PREDICTED_TTFT,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -182,6 +184,7 @@ impl RootContext for Root {
             band: Criticality::Standard,
             slo: SloHeaders::default(),
             tokens: None,
+            awaiting_first_bytes: false,
         }))
     }
 }
@@ -213,6 +216,8 @@ struct Http {
     band: Criticality,
     slo: SloHeaders,
     tokens: Option<TokenCounter>,
+    /// A 2xx response began and its first body bytes (the TTFT) are awaited.
+    awaiting_first_bytes: bool,
 }
 
 /// Bytes as text, or `None` when they are not UTF-8: a header value Envoy
@@ -354,13 +359,15 @@ impl HttpContext for Http {
                 self.phase = Phase::Scheduled;
                 Action::Continue
             }
-            Admission::Queued => {
+            Admission::Queued | Admission::Held => {
                 self.phase = Phase::Scheduled;
                 Action::Pause
             }
             Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, "no backend is healthy"),
-            Admission::Overloaded => {
-                self.answer(Outcome::Overloaded, "the gateway is overloaded; long requests are refused for now")
+            Admission::Overloaded { retry_after_s } => {
+                vm.borrow_mut().reject_after(self.ctx, Outcome::Overloaded, OVERLOADED_MESSAGE, retry_after_s);
+                self.phase = Phase::Answered;
+                Action::Pause
             }
             Admission::Unattainable => {
                 self.answer(Outcome::SloUnattainable, "the request's latency objective was already spent upstream")
@@ -372,12 +379,18 @@ impl HttpContext for Http {
         if self.phase == Phase::Scheduled {
             let content_type = text(self.get_http_response_header_bytes("content-type"));
             self.tokens = Some(TokenCounter::new(content_type.as_deref()));
+            // Only successful responses measure TTFT: a quick error is no first token.
+            let status = self.get_http_response_header_bytes(":status").unwrap_or_default();
+            self.awaiting_first_bytes = status.first() == Some(&b'2');
         }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         let (Some(counter), Some(vm)) = (self.tokens.as_mut(), self.vm.as_ref()) else { return Action::Continue };
+        if size > 0 && std::mem::take(&mut self.awaiting_first_bytes) {
+            vm.borrow_mut().at(now_ms()).first_response_bytes(self.ctx);
+        }
         let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default();
         let mut n = counter.feed(&chunk);
         if end_of_stream {

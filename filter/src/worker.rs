@@ -19,7 +19,7 @@ use crate::slo::SloHeaders;
 use crate::wire::{decode_entry, encode_batch, Deadline, RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
-use sluice_policies::overload::{LadderDecision, LoadSignals};
+use sluice_policies::overload::{LadderDecision, LoadSignals, OverloadLadder, SizeClass, TailWindow};
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
 use std::rc::Rc;
 
@@ -30,6 +30,8 @@ pub const REJECT_REASON: &str = "x-sluice-reject-reason";
 /// Header added to a dispatched request with the TTFT the estimator
 /// predicted when it was queued (with `slo.expose_prediction`).
 pub const PREDICTED_TTFT: &str = "x-sluice-predicted-ttft-ms";
+/// The message of an overload ladder's refusal.
+pub const OVERLOADED_MESSAGE: &str = "the gateway is overloaded; long requests are refused for now";
 /// Name of the scheduler's shared queue.
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// How often the scheduler saves its policy's counters to shared data.
@@ -53,6 +55,10 @@ pub const MAX_REPLIES_PER_CALLBACK: u32 = 32;
 const DEAD_AFTER_LEASES: u64 = 3;
 /// Messages handled in one VM callback, at most (per queue).
 pub const MAX_MESSAGES_PER_CALLBACK: u32 = 256;
+/// Requests the overload ladder held that one tick releases to the queue, at
+/// most: severity is measured once per tick, so a bounded release keeps a
+/// backlog of held work from overshooting it.
+const MAX_RELEASED_PER_TICK: usize = 32;
 
 /// What a worker needs of its host beyond shared data: shared queues, the
 /// streams it holds, outgoing calls and stats. The proxy-wasm host in
@@ -117,6 +123,11 @@ pub enum Metric {
     ScrapesFailed,
     /// Slots reclaimed from workers that stopped ticking.
     SlotsReclaimed,
+    /// Requests the overload ladder deferred (held out of the queue).
+    Deferred,
+    /// Time a deferred request was held, until it was released, rejected,
+    /// expired or cancelled.
+    HeldMs,
 }
 
 impl Metric {
@@ -126,7 +137,7 @@ impl Metric {
         [Stock, QueueLength, Bypassed, Queued, Dispatched, Completed, CancelledInQueue]
             .into_iter()
             .chain(Outcome::ALL.into_iter().map(Rejected))
-            .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed])
+            .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
     }
 
     /// Its position in [`Metric::all`].
@@ -145,6 +156,8 @@ impl Metric {
             Metric::ScrapesOk => 8 + outcomes,
             Metric::ScrapesFailed => 9 + outcomes,
             Metric::SlotsReclaimed => 10 + outcomes,
+            Metric::Deferred => 11 + outcomes,
+            Metric::HeldMs => 12 + outcomes,
         }
     }
 
@@ -163,6 +176,8 @@ impl Metric {
             Metric::ScrapesOk => "sluice_scrapes_ok",
             Metric::ScrapesFailed => "sluice_scrapes_failed",
             Metric::SlotsReclaimed => "sluice_slots_reclaimed",
+            Metric::Deferred => "sluice_requests_deferred",
+            Metric::HeldMs => "sluice_held_ms",
         }
     }
 
@@ -170,7 +185,7 @@ impl Metric {
     pub fn kind(self) -> MetricKind {
         match self {
             Metric::Stock | Metric::QueueLength => MetricKind::Gauge,
-            Metric::QueueWaitMs => MetricKind::Histogram,
+            Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
             _ => MetricKind::Counter,
         }
     }
@@ -185,10 +200,31 @@ enum Stream {
     /// Paused; `enqueue` was delivered to the scheduler of lease epoch
     /// `sent_to`, and is sent again when the scheduler changes, or on the next
     /// tick while it could not be delivered (`None`: no scheduler yet).
-    Queued { enqueue: ToScheduler, arrival_ms: u64, sent_to: Option<u32> },
+    /// `held_ms`: how long the overload ladder held it before that.
+    Queued { enqueue: ToScheduler, arrival_ms: u64, sent_to: Option<u32>, held_ms: u64 },
     /// Sent to a backend at `sent_ms`; holds one unit of stock. `first_seen`:
     /// its first output was reported (the estimator's prefill sample).
-    Dispatched { tenant: String, band: u8, permit: Permit, sent_ms: u64, first_seen: bool },
+    /// `ttft_from_ms`: where its TTFT is counted from for the ladder's tail
+    /// signal (arrival plus time held), until its first response bytes;
+    /// `objective_ms`: its TTFT objective.
+    Dispatched {
+        tenant: String,
+        band: u8,
+        permit: Permit,
+        sent_ms: u64,
+        first_seen: bool,
+        ttft_from_ms: Option<u64>,
+        objective_ms: Option<u32>,
+    },
+}
+
+/// A request the overload ladder deferred: paused, and not sent to the
+/// scheduler until severity lets its class through.
+struct Held {
+    /// What goes to the scheduler on release.
+    enqueue: ToScheduler,
+    arrival_ms: u64,
+    class: SizeClass,
 }
 
 /// This VM's half of the scheduler lease.
@@ -230,6 +266,12 @@ pub struct Worker<H: Host> {
     replies_left: u32,
     /// Next endpoint for requests the filter does not schedule.
     passthrough_next: usize,
+    /// Requests the overload ladder holds, at most `total_capacity`.
+    held: HashMap<u32, Held>,
+    /// Recent TTFTs of this worker's requests over their objectives.
+    tail: TailWindow,
+    /// Their p95 as of the last tick: the ladder's tail signal.
+    tail_ratio: f64,
 }
 
 /// What admission decided for a request whose body was read.
@@ -239,10 +281,13 @@ pub enum Admission {
     Bypass(u32),
     /// Handed to the scheduler; the stream stays paused.
     Queued,
+    /// Deferred by the overload ladder: the stream stays paused, out of the
+    /// queue, until severity falls (or its TTL, or the client, ends it).
+    Held,
     /// No endpoint is healthy and the configuration says reject.
     NoEndpoint,
-    /// The overload ladder refuses it.
-    Overloaded,
+    /// The overload ladder refuses it; answer with this `retry-after`.
+    Overloaded { retry_after_s: u32 },
     /// Its objective was already spent by earlier stages (proactive dropping is on).
     Unattainable,
 }
@@ -323,7 +368,8 @@ impl<H: Host> Worker<H> {
         }
     }
 
-    /// Bypass, or hand the request to the scheduler.
+    /// Bypass, hand the request to the scheduler, or (overload ladder) hold
+    /// or refuse it.
     pub fn admit(&mut self, ctx: u32, who: Admit, req: &openai::CompletionRequest) -> Admission {
         let Admit { tenant, band, route, slo } = who;
         let deadline = self.deadline(&slo, &tenant, &route.model, band);
@@ -333,12 +379,22 @@ impl<H: Host> Worker<H> {
         }
         let queued = shared::get_u64(&self.host, shared::QUEUED_KEY);
         let mut may_bypass = queued == 0 && self.cfg.bypass;
+        let mut deferred = None;
         if let Some(ladder) = self.cfg.overload {
-            let tokens = req.prompt_tokens as f64 + req.max_tokens as f64;
-            match ladder.evaluate(&self.load_signals(queued), tokens) {
+            let class = ladder.classify(self.expected_output_tokens(req));
+            let severity = ladder.severity(&self.load_signals(queued));
+            match ladder.decide(severity, class) {
                 LadderDecision::Admit => {}
-                LadderDecision::Defer => may_bypass = false,
-                LadderDecision::Reject => return Admission::Overloaded,
+                // The hold is bounded: past `total_capacity` held, deferral becomes refusal.
+                LadderDecision::Defer if self.held.len() < self.cfg.bands.total_capacity => {
+                    deferred = Some(class);
+                    may_bypass = false;
+                }
+                LadderDecision::Defer | LadderDecision::Reject => {
+                    return Admission::Overloaded {
+                        retry_after_s: ladder.retry_after_s(severity, class, self.cfg.retry_after_s),
+                    }
+                }
             }
         }
         let req_id = self.request_id(ctx);
@@ -360,8 +416,18 @@ impl<H: Host> Worker<H> {
                         model: route.model.clone(),
                         tenant: tenant.clone(),
                     });
-                    let sent_ms = self.now;
-                    self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit, sent_ms, first_seen: false });
+                    let (sent_ms, ttft_from_ms) = (self.now, Some(self.now));
+                    let objective_ms = deadline.map(|d| d.ttft_ms);
+                    let stream = Stream::Dispatched {
+                        tenant,
+                        band,
+                        permit,
+                        sent_ms,
+                        first_seen: false,
+                        ttft_from_ms,
+                        objective_ms,
+                    };
+                    self.streams.insert(ctx, stream);
                     return Admission::Bypass(endpoint);
                 }
                 Slot::NoEndpoint => return Admission::NoEndpoint,
@@ -379,12 +445,22 @@ impl<H: Host> Worker<H> {
             route,
             tenant,
         };
+        if let Some(class) = deferred {
+            self.host.add(Metric::Deferred, 1);
+            self.held.insert(ctx, Held { enqueue, arrival_ms, class });
+            return Admission::Held;
+        }
+        self.enqueue(ctx, enqueue, arrival_ms, 0);
+        Admission::Queued
+    }
+
+    /// Sends a paused request to the scheduler and keeps it as queued.
+    fn enqueue(&mut self, ctx: u32, enqueue: ToScheduler, arrival_ms: u64, held_ms: u64) {
         // Undelivered (no VM holds the scheduler role yet, or the lease is
         // changing hands): it stays paused and goes on the next tick.
         let sent_to = self.send_to_scheduler(&enqueue).then_some(self.epoch);
         self.host.add(Metric::Queued, 1);
-        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to });
-        Admission::Queued
+        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms });
     }
 
     /// The request's first-token deadline: its objective (the `"slo"`
@@ -401,19 +477,84 @@ impl<H: Host> Worker<H> {
         Some(Deadline { at_ms: start.saturating_add(ttft_ms as u64), ttft_ms })
     }
 
-    /// The overload ladder's signals: stock over the band's upper bound, queue
-    /// over its capacity, and the pool's mean KV-cache usage (0 without scraping).
+    /// The output a request is expected to produce, for the ladder's size
+    /// buckets: its `max_tokens` when given, else unknown (`None`, which the
+    /// ladder sizes by its prior). The one place an output-length estimator
+    /// plugs in.
+    fn expected_output_tokens(&self, req: &openai::CompletionRequest) -> Option<u32> {
+        (req.max_tokens > 0).then_some(req.max_tokens)
+    }
+
+    /// The ladder in force: the configured one, else the defaults (which
+    /// still give congestion-aware policies their severity).
+    fn ladder(&self) -> OverloadLadder {
+        self.cfg.overload.unwrap_or_default()
+    }
+
+    /// The first bytes of a successful response body reached stream `ctx`:
+    /// its TTFT (arrival to first byte, less what the ladder held it, which
+    /// is the ladder's own doing and would feed back into it) joins the tail
+    /// window as a fraction of its objective. Requests without an objective
+    /// are not sampled.
+    pub fn first_response_bytes(&mut self, ctx: u32) {
+        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, .. }) = self.streams.get_mut(&ctx) else { return };
+        let (Some(from), objective) = (ttft_from_ms.take(), *objective_ms) else { return };
+        if let Some(objective) = objective {
+            let ttft = self.now.saturating_sub(from);
+            self.tail.record(self.now, ttft as f64 / objective.max(1) as f64);
+        }
+    }
+
+    /// Takes a held request out of the hold, recording how long it was held.
+    fn unhold(&mut self, ctx: u32) -> Option<Held> {
+        let held = self.held.remove(&ctx)?;
+        self.host.record(Metric::HeldMs, self.now.saturating_sub(held.arrival_ms));
+        Some(held)
+    }
+
+    /// Runs the ladder again over the requests this worker holds, oldest
+    /// first, at this tick's severity: releases to the queue those it now
+    /// admits (at most [`MAX_RELEASED_PER_TICK`]) and refuses those it now
+    /// rejects (within the reply budget); the rest stay held.
+    fn recheck_held(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let ladder = self.ladder();
+        let queued = shared::get_u64(&self.host, shared::QUEUED_KEY);
+        let severity = ladder.severity(&self.load_signals(queued));
+        let mut order: Vec<(u64, u32)> = self.held.iter().map(|(&ctx, h)| (h.arrival_ms, ctx)).collect();
+        order.sort_unstable();
+        let mut released = 0;
+        for (_, ctx) in order {
+            let class = self.held[&ctx].class;
+            match ladder.decide(severity, class) {
+                LadderDecision::Admit if released < MAX_RELEASED_PER_TICK => {
+                    released += 1;
+                    if let Some(Held { enqueue, arrival_ms, .. }) = self.unhold(ctx) {
+                        self.enqueue(ctx, enqueue, arrival_ms, self.now.saturating_sub(arrival_ms));
+                    }
+                }
+                LadderDecision::Reject if self.replies_left > 0 => {
+                    self.unhold(ctx);
+                    let retry = ladder.retry_after_s(severity, class, self.cfg.retry_after_s);
+                    self.reject_after(ctx, Outcome::Overloaded, OVERLOADED_MESSAGE, retry);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The overload ladder's signals: stock over the band's upper bound,
+    /// queue over its capacity, and the p95 of recent TTFT over objective.
     fn load_signals(&self, queued: u64) -> LoadSignals {
         let n = self.endpoints();
         let upper = self.cfg.bounds.upper_per_backend * n as f64;
         let stock = shared::stock(&self.host, n) as f64;
-        let records =
-            if self.cfg.routing.scrape_cluster.is_some() { shared::records(&self.host, n) } else { Vec::new() };
-        let kv: Vec<f64> = records.iter().filter_map(|r| r.metrics.as_ref().map(|m| m.kv_usage)).collect();
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
-            tail_ratio: if kv.is_empty() { 0.0 } else { kv.iter().sum::<f64>() / kv.len() as f64 },
+            tail_ratio: self.tail_ratio,
         }
     }
 
@@ -492,8 +633,13 @@ impl<H: Host> Worker<H> {
     /// what it held. `upstream_failed`: the backend refused or reset the
     /// connection, so it is avoided for a while.
     pub fn finish(&mut self, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
+        if self.unhold(ctx).is_some() {
+            // Held, so the scheduler never heard of it.
+            self.host.add(Metric::CancelledInQueue, 1);
+            return;
+        }
         match self.streams.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen }) => {
+            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, .. }) => {
                 let endpoint = permit.endpoint();
                 if upstream_failed {
                     let until = self.now + self.cfg.routing.quarantine_ms;
@@ -701,11 +847,18 @@ impl<H: Host> Worker<H> {
             && (endpoint as usize) < self.endpoints()
             && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize], extra)
         {
-            if let Some(Stream::Queued { enqueue: ToScheduler::Enqueue { tenant, band, .. }, arrival_ms, .. }) =
-                self.streams.remove(&ctx)
+            if let Some(Stream::Queued {
+                enqueue: ToScheduler::Enqueue { tenant, band, deadline, .. },
+                arrival_ms,
+                held_ms,
+                ..
+            }) = self.streams.remove(&ctx)
             {
-                let sent_ms = self.now;
-                self.streams.insert(ctx, Stream::Dispatched { tenant, band, permit, sent_ms, first_seen: false });
+                let (sent_ms, ttft_from_ms) = (self.now, Some(arrival_ms.saturating_add(held_ms)));
+                let objective_ms = deadline.map(|d| d.ttft_ms);
+                let stream =
+                    Stream::Dispatched { tenant, band, permit, sent_ms, first_seen: false, ttft_from_ms, objective_ms };
+                self.streams.insert(ctx, stream);
                 self.host.add(Metric::Dispatched, 1);
                 self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival_ms));
                 return;
@@ -734,11 +887,16 @@ impl<H: Host> Worker<H> {
     /// Answers stream `ctx` with an OpenAI-style error (one of the
     /// callback's reply budget).
     pub fn reject(&mut self, ctx: u32, why: Outcome, message: &str) {
+        self.reject_after(ctx, why, message, self.cfg.retry_after_s);
+    }
+
+    /// [`Worker::reject`] with its own `retry-after` (seconds).
+    pub fn reject_after(&mut self, ctx: u32, why: Outcome, message: &str, retry_after_s: u32) {
         self.replies_left = self.replies_left.saturating_sub(1);
         let (status, reason) = (why.status(), why.reason());
         self.host.add(Metric::Rejected(why), 1);
         let body = openai::error_body(message, why.error_type(), reason);
-        let retry = self.cfg.retry_after_s.to_string();
+        let retry = retry_after_s.to_string();
         let headers = [("content-type", "application/json"), ("retry-after", retry.as_str()), (REJECT_REASON, reason)];
         if !self.host.reply(ctx, status, &headers, &body) {
             log::warn!("could not send a {status} reply");
@@ -810,10 +968,12 @@ impl<H: Host> Worker<H> {
         shared::heartbeat(&self.host, self.worker, now);
         self.resend_queued();
         self.flush_charges();
+        // The tail signal, once per tick: admissions until the next one read it.
+        self.tail_ratio = self.tail.p95(now).unwrap_or(0.0);
         let n = self.endpoints();
         if let Some(queued) = self.role.as_ref().map(|r| r.scheduler.len() as u64) {
             // Congestion-aware policies (DRR) reweight on the overload ladder's severity.
-            let severity = self.cfg.overload.unwrap_or_default().severity(&self.load_signals(queued));
+            let severity = self.ladder().severity(&self.load_signals(queued));
             let role = self.role.as_mut().expect("checked above");
             let mut out = Vec::new();
             role.scheduler.expire(now, &mut out);
@@ -844,25 +1004,31 @@ impl<H: Host> Worker<H> {
         // The worker's own TTL, beside the scheduler's: a scheduler that died
         // with our requests (or is between holders) cannot make them wait
         // longer. Whichever answers first wins; the other finds the stream gone.
+        // Requests the ladder holds expire alike.
         let deadline = self.cfg.bands.ttl_ms;
+        let past_ttl = |arrival_ms: u64| now.saturating_sub(arrival_ms) > deadline;
         let mut expired: Vec<(u64, u32)> = self
             .streams
             .iter()
             .filter_map(|(&ctx, s)| match s {
-                Stream::Queued { arrival_ms, .. } if now.saturating_sub(*arrival_ms) > deadline => {
-                    Some((*arrival_ms, ctx))
-                }
+                Stream::Queued { arrival_ms, .. } if past_ttl(*arrival_ms) => Some((*arrival_ms, ctx)),
                 _ => None,
             })
+            .chain(self.held.iter().filter(|(_, h)| past_ttl(h.arrival_ms)).map(|(&ctx, h)| (h.arrival_ms, ctx)))
             .collect();
         // Oldest first; what the reply budget leaves goes on the next tick.
         expired.sort_unstable();
         for (_, ctx) in expired.into_iter().take(self.replies_left as usize) {
-            self.streams.remove(&ctx);
-            let req = self.request_id(ctx);
-            self.send_to_scheduler(&ToScheduler::Cancel { req });
+            // A held request was never sent to the scheduler: nothing to cancel there.
+            if self.unhold(ctx).is_none() {
+                self.streams.remove(&ctx);
+                let req = self.request_id(ctx);
+                self.send_to_scheduler(&ToScheduler::Cancel { req });
+            }
             self.reject(ctx, Outcome::TtlExpired, "the request expired in the queue");
         }
+        // Held requests the ladder now lets through go to the queue.
+        self.recheck_held();
         // Answers that earlier callbacks left for lack of budget.
         if let Some(&own) = self.queue_ids.get(&self.worker) {
             self.drain_worker_queue(own);
@@ -880,6 +1046,7 @@ impl<H: Host> Worker<H> {
         shared::heartbeat(&host, worker, now);
         let n = cfg.endpoints.len();
         let lease_ms = (20 * cfg.tick_ms).max(1000);
+        let tail = TailWindow::new(&cfg.overload.unwrap_or_default());
         Ok(Worker {
             host,
             now,
@@ -898,6 +1065,9 @@ impl<H: Host> Worker<H> {
             pending: Vec::new(),
             replies_left: MAX_REPLIES_PER_CALLBACK,
             passthrough_next: worker as usize,
+            held: HashMap::new(),
+            tail,
+            tail_ratio: 0.0,
         })
     }
 
@@ -995,6 +1165,10 @@ mod tests {
         /// (vm, ctx, destination).
         resumed: RefCell<Vec<(u32, u32, String)>>,
         metrics: RefCell<HashMap<&'static str, u64>>,
+        /// `retry-after` of each reply, by ctx.
+        retry_after: RefCell<HashMap<u32, u32>>,
+        /// Histogram values, by metric name.
+        recorded: RefCell<HashMap<&'static str, Vec<u64>>>,
     }
 
     /// One VM's view of the process.
@@ -1030,6 +1204,9 @@ mod tests {
         }
         fn reply(&self, ctx: u32, status: u32, headers: &[(&str, &str)], _body: &[u8]) -> bool {
             let reason = headers.iter().find(|(k, _)| *k == REJECT_REASON).map(|(_, v)| v.to_string());
+            if let Some((_, v)) = headers.iter().find(|(k, _)| *k == "retry-after") {
+                self.0.retry_after.borrow_mut().insert(ctx, v.parse().unwrap());
+            }
             self.0.replies.borrow_mut().push((self.1, ctx, status, reason.unwrap_or_default()));
             true
         }
@@ -1043,7 +1220,11 @@ mod tests {
         fn add(&self, metric: Metric, n: u64) {
             *self.0.metrics.borrow_mut().entry(metric.name()).or_default() += n;
         }
-        fn record(&self, _metric: Metric, _value: u64) {}
+        fn record(&self, metric: Metric, value: u64) {
+            if metric.kind() == MetricKind::Histogram {
+                self.0.recorded.borrow_mut().entry(metric.name()).or_default().push(value);
+            }
+        }
     }
 
     fn config(extra: serde_json::Value) -> Config {
@@ -1061,14 +1242,38 @@ mod tests {
     }
 
     fn admit(w: &mut Worker<Vm>, now: u64, ctx: u32, tenant: &str) -> Admission {
-        let req = openai::parse_request(br#"{"model":"m","prompt":"hi","max_tokens":4}"#, 0).unwrap();
         let who = Admit {
             tenant: tenant.into(),
             band: Criticality::Standard,
             route: RouteInfo::default(),
             slo: SloHeaders::default(),
         };
-        w.at(now).admit(ctx, who, &req)
+        w.at(now).admit(ctx, who, &request(Some(4)))
+    }
+
+    /// A request asking for `max_tokens` (`None`: not given).
+    fn request(max_tokens: Option<u32>) -> openai::CompletionRequest {
+        let body = match max_tokens {
+            Some(n) => format!(r#"{{"model":"m","prompt":"hi","max_tokens":{n}}}"#),
+            None => r#"{"model":"m","prompt":"hi"}"#.to_string(),
+        };
+        openai::parse_request(body.as_bytes(), 0).unwrap()
+    }
+
+    /// Admits a request of tenant `a` in `band` asking for `max_tokens`.
+    fn admit_sized(w: &mut Worker<Vm>, now: u64, ctx: u32, band: Criticality, max_tokens: Option<u32>) -> Admission {
+        let who = Admit { tenant: "a".into(), band, route: RouteInfo::default(), slo: SloHeaders::default() };
+        w.at(now).admit(ctx, who, &request(max_tokens))
+    }
+
+    fn metric(p: &Rc<Process>, name: &str) -> u64 {
+        p.metrics.borrow().get(name).copied().unwrap_or(0)
+    }
+
+    /// `n` slots on endpoint 0 held by a live worker 9 that this test plays.
+    fn foreign_stock(p: &Rc<Process>, endpoints: usize, n: usize) -> Vec<Permit> {
+        shared::heartbeat(&p.store, 9, 0);
+        (0..n).map(|_| shared::acquire(&p.store, endpoints, 9, |_| true, |_| Some(0)).unwrap().0).collect()
     }
 
     fn queue_id(p: &Rc<Process>, name: &str) -> u32 {
@@ -1183,5 +1388,213 @@ mod tests {
         w.on_tick(100);
         w.on_queue_ready(100, queue_id(&p, "sluice.worker.1"));
         assert_eq!(*p.resumed.borrow(), vec![(1, 1, "127.0.0.1:2".to_string())], "the oldest goes to the healthy one");
+    }
+
+    const STANDARD: Criticality = Criticality::Standard;
+
+    #[test]
+    fn short_and_medium_requests_pass_the_ladder_and_buckets_go_by_expected_output() {
+        let p = Rc::new(Process::default());
+        // Load alone drives severity to 1.0 once both slots are held.
+        let mut w = vm(&p, 1, config(serde_json::json!({"overload": {"w_load": 1.0}})), 0);
+        let _full = foreign_stock(&p, 2, 2);
+        for (ctx, size) in [(1, Some(4)), (2, Some(64)), (3, Some(200)), (4, Some(256)), (5, None)] {
+            assert_eq!(admit_sized(&mut w, 0, ctx, STANDARD, size), Admission::Queued, "{size:?} tokens");
+        }
+        for (ctx, size) in [(6, 257), (7, 1024), (8, 1025)] {
+            assert!(matches!(admit_sized(&mut w, 0, ctx, STANDARD, Some(size)), Admission::Overloaded { .. }));
+        }
+        // A huge prompt with a medium output is medium: buckets are by output.
+        let prompt = "x".repeat(40_000);
+        let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":100}}"#);
+        let req = openai::parse_request(body.as_bytes(), 0).unwrap();
+        let who = Admit { tenant: "a".into(), band: STANDARD, route: RouteInfo::default(), slo: SloHeaders::default() };
+        assert_eq!(w.at(0).admit(9, who, &req), Admission::Queued);
+        assert_eq!(metric(&p, "sluice_requests_deferred"), 0, "nothing short or medium is deferred");
+        assert_eq!(metric(&p, "sluice_requests_queued"), 6);
+    }
+
+    #[test]
+    fn a_deferred_request_stays_out_of_the_queue_until_severity_falls() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({"overload": {}})), 0);
+        // Load 1.0 at the default weights: severity 0.5, above defer_above.
+        let full = foreign_stock(&p, 2, 2);
+        assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
+        assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(200)), Admission::Queued, "medium is not deferred");
+        assert_eq!((metric(&p, "sluice_requests_deferred"), metric(&p, "sluice_requests_queued")), (1, 1));
+        for t in [50, 100, 150] {
+            shared::heartbeat(&p.store, 9, t);
+            w.on_tick(t);
+        }
+        assert_eq!(metric(&p, "sluice_requests_queued"), 1, "still held: the scheduler never heard of it");
+        assert!(p.replies.borrow().is_empty() && p.resumed.borrow().is_empty());
+        // The load goes: the held request goes to the queue, then a backend.
+        full.into_iter().for_each(|permit| {
+            permit.release(&p.store, 2);
+        });
+        w.on_tick(200);
+        assert_eq!(metric(&p, "sluice_requests_queued"), 2);
+        assert_eq!(p.recorded.borrow()["sluice_held_ms"], vec![200]);
+        w.on_queue_ready(200, queue_id(&p, SCHEDULER_QUEUE));
+        w.on_queue_ready(200, queue_id(&p, "sluice.worker.1"));
+        let resumed: Vec<u32> = p.resumed.borrow().iter().map(|r| r.1).collect();
+        assert!(resumed.contains(&1) && resumed.contains(&2), "both dispatched: {resumed:?}");
+    }
+
+    #[test]
+    fn the_hold_releases_a_bounded_number_per_tick_oldest_first() {
+        let p = Rc::new(Process::default());
+        let cfg = serde_json::json!({
+            "overload": {"w_load": 1.0}, "lower_bound_per_backend": 100, "upper_bound_per_backend": 100,
+        });
+        let mut w = vm(&p, 1, config(cfg), 0);
+        let busy = foreign_stock(&p, 2, 100);
+        for ctx in 1..=40 {
+            assert_eq!(admit_sized(&mut w, ctx as u64, ctx, STANDARD, Some(500)), Admission::Held);
+        }
+        busy.into_iter().for_each(|permit| {
+            permit.release(&p.store, 2);
+        });
+        w.on_tick(100);
+        assert_eq!(metric(&p, "sluice_requests_queued"), MAX_RELEASED_PER_TICK as u64);
+        let held: Vec<u32> = w.held.keys().copied().collect();
+        assert!(held.iter().all(|&ctx| ctx > MAX_RELEASED_PER_TICK as u32), "the oldest went first: {held:?}");
+        w.on_tick(150);
+        assert_eq!(metric(&p, "sluice_requests_queued"), 40);
+        assert!(w.held.is_empty());
+    }
+
+    #[test]
+    fn held_requests_expire_at_the_ttl_and_cancelled_ones_leave_quietly() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({"overload": {}, "queue_ttl_ms": 1000})), 0);
+        let _full = foreign_stock(&p, 2, 2);
+        assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
+        assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(5000)), Admission::Held);
+        w.at(10).finish(2, 0, false);
+        assert_eq!(metric(&p, "sluice_requests_cancelled_in_queue"), 1);
+        w.on_tick(1000);
+        assert!(p.replies.borrow().is_empty(), "not yet past the TTL");
+        shared::heartbeat(&p.store, 9, 1001);
+        w.on_tick(1001);
+        assert_eq!(*p.replies.borrow(), vec![(1, 1, 503, "rejected-ttl-expired".to_string())]);
+        assert!(w.held.is_empty() && w.streams.is_empty());
+        assert_eq!(metric(&p, "sluice_requests_queued"), 0, "neither ever reached the scheduler");
+        assert_eq!(p.recorded.borrow()["sluice_held_ms"], vec![10, 1001]);
+    }
+
+    #[test]
+    fn a_held_request_is_refused_once_severity_passes_its_rung() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({"overload": {"w_load": 1.0}})), 0);
+        let _half = foreign_stock(&p, 2, 1);
+        // Severity 0.5: both deferred.
+        assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
+        assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(5000)), Admission::Held);
+        let _rest = foreign_stock(&p, 2, 1);
+        // Severity 1.0: past both rungs.
+        w.on_tick(50);
+        let replies = p.replies.borrow().clone();
+        assert_eq!(replies.len(), 2);
+        assert!(replies.iter().all(|r| (r.2, r.3.as_str()) == (429, "rejected-overload")));
+        let retry = p.retry_after.borrow().clone();
+        assert!(1 < retry[&1] && retry[&1] < retry[&2], "further past its rung, longer back-off: {retry:?}");
+        assert!(w.held.is_empty());
+    }
+
+    #[test]
+    fn retry_after_on_ladder_rejects_grows_with_severity() {
+        let p = Rc::new(Process::default());
+        let cfg = serde_json::json!({
+            "endpoints": ["127.0.0.1:1"], "overload": {"w_load": 1.0, "max_retry_after_s": 20},
+            "lower_bound_per_backend": 10, "upper_bound_per_backend": 10, "retry_after_s": 2,
+        });
+        let mut w = vm(&p, 1, config(cfg), 0);
+        let mut held = Vec::new();
+        let mut retries = Vec::new();
+        for (ctx, load) in [(1, 7), (2, 8), (3, 10)] {
+            held.extend(foreign_stock(&p, 1, load - held.len()));
+            let Admission::Overloaded { retry_after_s } = admit_sized(&mut w, 0, ctx, STANDARD, Some(5000)) else {
+                panic!("xlong is refused at load {load}/10");
+            };
+            retries.push(retry_after_s);
+        }
+        assert!(retries.windows(2).all(|r| r[0] < r[1]), "{retries:?}");
+        assert!(retries.iter().all(|&r| (2..=20).contains(&r)), "{retries:?}");
+        // Through the reply.
+        let Admission::Overloaded { retry_after_s } = admit_sized(&mut w, 0, 4, STANDARD, Some(5000)) else { panic!() };
+        w.reject_after(4, Outcome::Overloaded, OVERLOADED_MESSAGE, retry_after_s);
+        assert_eq!(p.retry_after.borrow()[&4], retries[2]);
+    }
+
+    #[test]
+    fn the_hold_is_bounded_by_the_queue_capacity() {
+        let p = Rc::new(Process::default());
+        let cfg = serde_json::json!({"overload": {}, "total_capacity": 2, "flow_capacity": 2});
+        let mut w = vm(&p, 1, config(cfg), 0);
+        let _full = foreign_stock(&p, 2, 2);
+        assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
+        assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(500)), Admission::Held);
+        assert_eq!(admit_sized(&mut w, 0, 3, STANDARD, Some(500)), Admission::Overloaded { retry_after_s: 1 });
+    }
+
+    #[test]
+    fn the_tail_signal_is_the_p95_of_ttft_over_objective_and_ages_out() {
+        let p = Rc::new(Process::default());
+        let cfg = serde_json::json!({
+            "overload": {"w_load": 0.0, "w_queue": 0.0, "w_tail": 1.0, "tail_window_ms": 10000},
+            "ttft_slo_ms": {"standard": 1000},
+            "lower_bound_per_backend": 100, "upper_bound_per_backend": 100,
+        });
+        let mut w = vm(&p, 1, config(cfg), 0);
+        // Twenty answered in 100 ms (0.1 of the objective), one in 3 s.
+        for ctx in 1..=21 {
+            assert!(matches!(admit_sized(&mut w, 0, ctx, STANDARD, Some(4)), Admission::Bypass(_)));
+        }
+        for ctx in 1..=20 {
+            w.at(100).first_response_bytes(ctx);
+        }
+        w.at(3000).first_response_bytes(21);
+        // Only the first bytes count, and a request without an objective never does.
+        w.at(9000).first_response_bytes(1);
+        assert!(matches!(admit_sized(&mut w, 0, 22, Criticality::Sheddable, Some(4)), Admission::Bypass(_)));
+        w.at(9000).first_response_bytes(22);
+        w.on_tick(3000);
+        assert_eq!(w.tail_ratio, 0.1, "one slow request in 21 is above the p95");
+        assert_eq!(admit_sized(&mut w, 3000, 30, STANDARD, Some(500)), Admission::Bypass(0));
+        // A second slow one reaches the p95 (rank 21 of 22): severity 1, long work is refused.
+        assert!(matches!(admit_sized(&mut w, 3000, 23, STANDARD, Some(4)), Admission::Bypass(_)));
+        w.at(5000).first_response_bytes(23);
+        w.on_tick(5000);
+        assert_eq!(w.tail_ratio, 2.0);
+        assert_eq!(admit_sized(&mut w, 5000, 31, STANDARD, Some(500)), Admission::Overloaded { retry_after_s: 10 });
+        assert!(matches!(admit_sized(&mut w, 5000, 32, STANDARD, Some(100)), Admission::Bypass(_)));
+        // Past the window's span the samples are gone.
+        w.on_tick(15_001);
+        assert_eq!(w.tail_ratio, 0.0);
+        assert!(matches!(admit_sized(&mut w, 15_001, 33, STANDARD, Some(500)), Admission::Bypass(_)));
+    }
+
+    #[test]
+    fn time_held_by_the_ladder_is_left_out_of_the_ttft_sample() {
+        let p = Rc::new(Process::default());
+        let cfg = serde_json::json!({
+            "endpoints": ["127.0.0.1:1"], "overload": {"w_load": 1.0, "w_queue": 0.0, "w_tail": 1.0},
+            "ttft_slo_ms": {"standard": 1000}, "lower_bound_per_backend": 2, "upper_bound_per_backend": 2,
+        });
+        let mut w = vm(&p, 1, config(cfg), 0);
+        let busy = foreign_stock(&p, 1, 1);
+        assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
+        busy.into_iter().for_each(|permit| {
+            permit.release(&p.store, 1);
+        });
+        w.on_tick(2500);
+        w.on_queue_ready(2500, queue_id(&p, SCHEDULER_QUEUE));
+        w.on_queue_ready(2500, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(p.resumed.borrow().len(), 1);
+        w.at(2600).first_response_bytes(1);
+        w.on_tick(2600);
+        assert!((w.tail_ratio - 0.1).abs() < 1e-9, "100 ms after its release, not 2.6 s: {}", w.tail_ratio);
     }
 }
