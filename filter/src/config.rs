@@ -581,6 +581,11 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"medium_from_tokens":512}}"#, "medium_from_tokens"),
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"short_max_tokens":300}}"#, "short_max_tokens"),
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"tail_window_requests":0}}"#, "overload.tail_window_requests"),
+            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"slack"},"policy":"drr"}"#, "slo.order"),
+            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"default":"gold"}}"#, "slo.default"),
+            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"drop":{"quantile":0.2}}}"#, "slo.drop.quantile"),
+            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"lbf"}}"#, "slo.order"),
+            (r#"{"endpoints":["127.0.0.1:1"],"tenant_header_aliases":[""]}"#, "tenant_header_aliases"),
             (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#,
