@@ -104,6 +104,7 @@ struct QueuedSlo {
 /// The estimator and what it needs of the queue (present with `"slo"`).
 struct SloState {
     order: SloOrder,
+    hold_batch_slack_ms: Option<u64>,
     /// `F⁻¹(λ)` of proactive dropping, when on.
     drop_z: Option<f64>,
     expose: bool,
@@ -158,6 +159,7 @@ impl Scheduler {
         let counters = queue.band(Criticality::Standard).policy().counter_of(0).is_some();
         let slo = cfg.slo.as_ref().map(|s| SloState {
             order: s.order,
+            hold_batch_slack_ms: s.hold_batch_slack_ms,
             drop_z: s.drop.map(|d| normal_quantile(d.quantile)),
             expose: s.expose_prediction,
             est: Estimator::new(EstimatorConfig {
@@ -240,6 +242,14 @@ impl Scheduler {
             let hbf = slo.est.load().is_hbf();
             for band in Criticality::ALL {
                 self.queue.band_mut(band).set_high_budget_first(hbf);
+            }
+        }
+        if let Some(ample) = slo.hold_batch_slack_ms {
+            // At risk: its dispatch key falls before the next slot is expected to free.
+            let next_slot = slo.est.predict_ttft(0.0, Work::default(), true, 0, 0.0);
+            let urgency = next_slot.map(|wait| (now_ms as f64 + wait, now_ms as f64 + ample as f64));
+            for band in Criticality::ALL {
+                self.queue.band_mut(band).set_urgency(urgency);
             }
         }
     }
@@ -1223,5 +1233,27 @@ mod tests {
         s.on_message(enqueue_slo(3, "c", 2, 1_000, 10), 2, &mut out);
         s.pump(3, &mut slots(3), &mut out);
         assert_eq!(dispatched(&out), vec![3, 2, 1]);
+    }
+
+    #[test]
+    fn batch_work_waits_while_an_interactive_request_is_at_risk() {
+        let first = |hold: &str| {
+            let extra = format!(r#","slo":{{"order":"slack","fairness_window":0{hold}}}"#);
+            let mut s = Scheduler::new(&cfg("vtc", &extra));
+            let now = warm_up(&mut s, 40);
+            let mut out = Vec::new();
+            // b is far ahead in service (a bypassed request), so VTC prefers a.
+            let mut bypass = charge(7, "b", 100_000, 0, false);
+            if let ToScheduler::Charge { band, .. } = &mut bypass {
+                *band = band_code(Criticality::Standard);
+            }
+            s.on_message(bypass, now, &mut out);
+            s.on_message(enqueue_slo(1, "a", now, 3_600_000, 100), now, &mut out);
+            s.on_message(enqueue_slo(2, "b", now, 60, 100), now, &mut out);
+            s.pump(now, &mut slots(1), &mut out);
+            dispatched(&out)
+        };
+        assert_eq!(first(""), vec![1], "without the hold, fairness serves the batch request");
+        assert_eq!(first(r#","hold_batch_slack_ms":60000"#), vec![2], "the at-risk one goes first");
     }
 }

@@ -105,6 +105,12 @@ pub struct SloConfig {
     /// Output tokens assumed for a tenant and model never seen complete.
     #[serde(default = "default_prior")]
     pub prior_output_tokens: u32,
+    /// QLM's hold of batch work: while a queued request is predicted to
+    /// miss unless dispatched at the next free slot, requests with at least
+    /// this much slack (and best-effort ones) wait for it, even beyond the
+    /// fairness window. Absent: off.
+    #[serde(default)]
+    pub hold_batch_slack_ms: Option<u64>,
 }
 
 /// Longest objective accepted: a day.

@@ -86,6 +86,8 @@ pub struct FairQueue<A> {
 struct SloSelect {
     window: f64,
     hbf: bool,
+    /// `(at_risk_below, ample_from)`: see [`FairQueue::set_urgency`].
+    urgency: Option<(f64, f64)>,
     /// (rank bits, seq, flow) of each flow whose head has a finite rank.
     heads: BTreeSet<(u64, u64, FlowId)>,
     head_of: HashMap<FlowId, (u64, u64)>,
@@ -122,7 +124,8 @@ impl<A: Allocation> FairQueue<A> {
     /// within `window` service units of the policy's own choice. Only on a new queue.
     pub fn with_slo_window(mut self, window: f64) -> Self {
         assert!(self.is_empty(), "set before anything is queued");
-        self.slo = Some(SloSelect { window, hbf: false, heads: BTreeSet::new(), head_of: HashMap::new() });
+        self.slo =
+            Some(SloSelect { window, hbf: false, urgency: None, heads: BTreeSet::new(), head_of: HashMap::new() });
         self
     }
 
@@ -139,6 +142,18 @@ impl<A: Allocation> FairQueue<A> {
         let crowded: Vec<FlowId> = self.crowded.iter().copied().collect();
         for flow in crowded {
             self.head_changed(flow);
+        }
+    }
+
+    /// QLM's hold of slack-rich work: while the least-ranked head is at risk
+    /// (rank below `at_risk_below`: it must be dispatched before the next
+    /// slot is expected to free) and the policy's own choice has ample slack
+    /// (its head ranks from `ample_from`, or has no deadline), the at-risk
+    /// one goes first even beyond the fairness window. `None` turns it off.
+    /// Ranks are the ordering's (deadline minus predicted service, in ms).
+    pub fn set_urgency(&mut self, urgency: Option<(f64, f64)>) {
+        if let Some(slo) = self.slo.as_mut() {
+            slo.urgency = urgency;
         }
     }
 
@@ -185,10 +200,18 @@ impl<A: Allocation> FairQueue<A> {
         let fair = self.alloc.next()?;
         let Some(slo) = &self.slo else { return Some(fair) };
         let pick = if slo.hbf { slo.heads.last() } else { slo.heads.first() };
-        match pick {
-            Some(&(_, _, flow)) if self.alloc.lead(flow).is_none_or(|lead| lead <= slo.window) => Some(flow),
-            _ => Some(fair),
+        if pick.is_none() {
+            return Some(fair);
         }
+        let &(bits, _, flow) = pick?;
+        if self.alloc.lead(flow).is_none_or(|lead| lead <= slo.window) {
+            return Some(flow);
+        }
+        let held = slo.urgency.is_some_and(|(risk, ample)| {
+            bits < crate::slo::key_bits(risk)
+                && self.head_entry(fair).is_none_or(|e| crate::slo::key_bits(e.rank) >= crate::slo::key_bits(ample))
+        });
+        Some(if held { flow } else { fair })
     }
 
     /// Tracks at most `max` flows while enough of them are idle (see
@@ -617,6 +640,26 @@ mod tests {
         let wide = run(100.0);
         assert!(wide > 10 && wide < 20, "a window lets the deadlines lead, within it: {wide}");
         assert_eq!(run(1e9), 20, "an unbounded window is pure deadline order");
+    }
+
+    #[test]
+    fn slack_rich_work_is_held_while_a_tight_request_is_at_risk() {
+        let mut q = FairQueue::with_order(QueueLimits::default(), Vtc::new(VtcWeights::default()), Box::new(Edf))
+            .with_slo_window(0.0);
+        let (a, b) = (q.flow_id("a"), q.flow_id("b"));
+        // b runs ahead after request 1: VTC prefers a, whose head is due in an
+        // hour (batch); b's next is due in 100 ms.
+        q.push_with(r(2, a, 0), due(3_600_000)).unwrap();
+        q.push_with(r(1, b, 0), due(0)).unwrap();
+        q.push_with(r(3, b, 1), due(100)).unwrap();
+        assert_eq!(q.pop().map(|r| r.id), Some(1), "tied counters: the least slack");
+        assert_eq!(q.peek().map(|r| r.id), Some(2), "window 0: the fair choice");
+        q.set_urgency(Some((200.0, 60_000.0)));
+        assert_eq!(q.peek().map(|r| r.id), Some(3), "b is at risk and a has an hour: a waits");
+        q.set_urgency(Some((50.0, 60_000.0)));
+        assert_eq!(q.peek().map(|r| r.id), Some(2), "not at risk yet");
+        q.set_urgency(Some((200.0, 7_200_000.0)));
+        assert_eq!(q.peek().map(|r| r.id), Some(2), "a's slack is not ample enough to hold");
     }
 
     #[test]
