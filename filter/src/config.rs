@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
-use sluice_policies::bands::{BandLimits, Criticality};
+use sluice_policies::bands::{BandLimits, Criticality, MinShares};
 use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
 use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
@@ -160,6 +160,8 @@ struct RawConfig {
     #[serde(default)]
     critical_reserve: Option<usize>,
     #[serde(default)]
+    band_min_share: BTreeMap<Criticality, f64>,
+    #[serde(default)]
     ttft_slo_ms: BTreeMap<Criticality, u64>,
     #[serde(default)]
     overload: Option<OverloadLadder>,
@@ -269,6 +271,9 @@ pub struct Config {
     pub default_criticality: Criticality,
     /// Capacities per band (total, per flow, TTL, slots reserved for critical requests).
     pub bands: BandLimits,
+    /// Least fraction of dispatches standard and sheddable each get while
+    /// another band also waits; none: strict priority.
+    pub band_min_share: MinShares,
     /// TTFT objective by band: requests get the deadline `arrival + objective` (for EDF orderings).
     pub ttft_slo_ms: BTreeMap<Criticality, u64>,
     /// The black-box overload ladder, when enabled.
@@ -446,6 +451,7 @@ impl Config {
             }),
         };
         bands.validate("limits").map_err(|e| format!("field {}", e.trim_start_matches("limits.")))?;
+        let band_min_share = MinShares::new("band_min_share", raw.band_min_share)?;
         if let Some(ladder) = &raw.overload {
             ladder.validate("overload").map_err(|e| format!("field `{e}"))?;
         }
@@ -471,6 +477,7 @@ impl Config {
             criticality_by_tenant: raw.criticality_by_tenant,
             default_criticality: raw.default_criticality,
             bands,
+            band_min_share,
             ttft_slo_ms: raw.ttft_slo_ms,
             overload: raw.overload,
             max_body_bytes: raw.max_body_bytes,
@@ -505,6 +512,7 @@ mod tests {
         let reserve = Config::from_json(critical).unwrap().bands.critical_reserve;
         assert_eq!(reserve, 500, "flow_capacity, at most half the queue");
         assert_eq!(c.default_criticality, Criticality::Standard);
+        assert!(c.band_min_share.is_strict(), "strict priority between bands");
         assert!(c.criticality_header.is_none() && c.overload.is_none());
         assert!((c.bounds.upper_per_backend - 2.2).abs() < 1e-9);
         assert!((c.bounds.lower_per_backend - 1.8).abs() < 1e-9);
@@ -542,6 +550,12 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"criticality_by_tenant":{"a":"urgent"}}"#, "criticality_by_tenant.a"),
             (r#"{"endpoints":["127.0.0.1:1"],"total_capacity":10,"critical_reserve":10}"#, "critical_reserve"),
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"defer_above":0.9}}"#, "overload"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":1}}"#, "band_min_share.standard"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"sheddable":-0.5}}"#, "band_min_share.sheddable"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":0.5,"sheddable":0.5}}"#, "band_min_share"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"critical":0.1}}"#, "band_min_share.critical"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"bulk":0.1}}"#, "band_min_share"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":"x"}}"#, "band_min_share"),
             (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#,
@@ -616,6 +630,13 @@ mod tests {
         assert_eq!(c.criticality_by_tenant["batch"], Criticality::Sheddable);
         assert_eq!(c.ttft_slo_ms[&Criticality::Critical], 2000);
         assert_eq!(c.overload, Some(OverloadLadder::default()));
+        let c =
+            Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":0.2,"sheddable":0.05}}"#)
+                .unwrap();
+        assert_eq!(
+            (c.band_min_share.get(Criticality::Standard), c.band_min_share.get(Criticality::Sheddable)),
+            (0.2, 0.05)
+        );
     }
 
     #[test]
