@@ -3,7 +3,7 @@
 use crate::slo::{SloConfig, SloOrder};
 use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
-use sluice_policies::bands::{BandLimits, Criticality};
+use sluice_policies::bands::{BandLimits, Criticality, MinShares};
 use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
 use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
@@ -39,6 +39,85 @@ pub enum NoEndpoint {
     FailOpen,
     /// Answer 503 with reason `no-healthy-endpoint`.
     Reject,
+}
+
+/// The request's band written into its body as the model server's own
+/// scheduling priority, so that the engine's queue and preemption follow the
+/// gateway's order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnginePriority {
+    /// Top-level member of the request body that carries it.
+    pub field: String,
+    /// The value written per band, highest band first.
+    pub values: [i64; 3],
+}
+
+impl EnginePriority {
+    /// vLLM (`--scheduling-policy priority`): lower values are served first.
+    pub const VLLM: [i64; 3] = [0, 1, 2];
+    /// SGLang (`--enable-priority-scheduling`): higher values are served
+    /// first; 100 apart, more than its default preemption threshold (10), so
+    /// that a waiting request of a higher band may preempt a running one.
+    pub const SGLANG: [i64; 3] = [200, 100, 0];
+
+    /// The value for requests of `band`.
+    pub fn value(&self, band: Criticality) -> i64 {
+        self.values[Criticality::ALL.iter().position(|&b| b == band).expect("a band")]
+    }
+}
+
+/// `engine_priority` as written: a preset name or `{field, values}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEnginePriority {
+    #[serde(default = "default_priority_field")]
+    field: String,
+    values: BTreeMap<Criticality, i64>,
+}
+
+fn default_priority_field() -> String {
+    "priority".into()
+}
+
+/// Body members the filter reads itself: writing the priority there would change the request.
+const READ_FIELDS: [&str; 6] = ["model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens"];
+
+/// Longest `engine_priority.field` accepted.
+const MAX_PRIORITY_FIELD_BYTES: usize = 64;
+
+/// Reads `engine_priority`: `null`, `"vllm"`, `"sglang"` or `{"field", "values"}`.
+fn parse_engine_priority(v: serde_json::Value) -> Result<Option<EnginePriority>, String> {
+    let (field, values) = match v {
+        serde_json::Value::Null => return Ok(None),
+        serde_json::Value::String(preset) => match preset.as_str() {
+            "vllm" => (default_priority_field(), EnginePriority::VLLM),
+            "sglang" => (default_priority_field(), EnginePriority::SGLANG),
+            other => {
+                return Err(format!(
+                    "field `engine_priority`: unknown preset {other:?}; expected \"vllm\", \"sglang\" or {{\"field\", \"values\"}}"
+                ))
+            }
+        },
+        v => {
+            let raw: RawEnginePriority = tagged("engine_priority", "field", v)?;
+            let mut values = [0i64; 3];
+            for (i, band) in Criticality::ALL.into_iter().enumerate() {
+                values[i] = *raw.values.get(&band).ok_or_else(|| {
+                    format!("field `engine_priority.values` must give every band; {} is missing", band.as_str())
+                })?;
+            }
+            (raw.field, values)
+        }
+    };
+    if field.is_empty() || field.len() > MAX_PRIORITY_FIELD_BYTES {
+        return Err(format!(
+            "field `engine_priority.field` must be 1 to {MAX_PRIORITY_FIELD_BYTES} bytes, got {field:?}"
+        ));
+    }
+    if READ_FIELDS.contains(&field.as_str()) {
+        return Err(format!("field `engine_priority.field` must not be {field:?}, which the filter reads"));
+    }
+    Ok(Some(EnginePriority { field, values }))
 }
 
 /// Metrics scraping and endpoint selection, as written.
@@ -161,6 +240,10 @@ struct RawConfig {
     #[serde(default)]
     critical_reserve: Option<usize>,
     #[serde(default)]
+    band_min_share: BTreeMap<Criticality, f64>,
+    #[serde(default)]
+    engine_priority: serde_json::Value,
+    #[serde(default)]
     ttft_slo_ms: BTreeMap<Criticality, u64>,
     #[serde(default)]
     overload: Option<OverloadLadder>,
@@ -281,6 +364,12 @@ pub struct Config {
     pub default_criticality: Criticality,
     /// Capacities per band (total, per flow, TTL, slots reserved for critical requests).
     pub bands: BandLimits,
+    /// Least fraction of dispatches standard and sheddable each get while
+    /// another band also waits; none: strict priority.
+    pub band_min_share: MinShares,
+    /// Where to write the band into the request body for the model server's
+    /// own priority scheduling; `None`: the body goes as the client sent it.
+    pub engine_priority: Option<EnginePriority>,
     /// TTFT objective by band: requests get the deadline `arrival + objective` (for EDF orderings).
     pub ttft_slo_ms: BTreeMap<Criticality, u64>,
     /// The black-box overload ladder, when enabled.
@@ -461,6 +550,8 @@ impl Config {
             }),
         };
         bands.validate("limits").map_err(|e| format!("field {}", e.trim_start_matches("limits.")))?;
+        let band_min_share = MinShares::new("band_min_share", raw.band_min_share)?;
+        let engine_priority = parse_engine_priority(raw.engine_priority)?;
         if let Some(ladder) = &raw.overload {
             ladder.validate("overload").map_err(|e| format!("field `{e}"))?;
         }
@@ -507,6 +598,8 @@ impl Config {
             criticality_by_tenant: raw.criticality_by_tenant,
             default_criticality: raw.default_criticality,
             bands,
+            band_min_share,
+            engine_priority,
             ttft_slo_ms: raw.ttft_slo_ms,
             overload: raw.overload,
             max_body_bytes: raw.max_body_bytes,
@@ -541,6 +634,8 @@ mod tests {
         let reserve = Config::from_json(critical).unwrap().bands.critical_reserve;
         assert_eq!(reserve, 500, "flow_capacity, at most half the queue");
         assert_eq!(c.default_criticality, Criticality::Standard);
+        assert!(c.band_min_share.is_strict(), "strict priority between bands");
+        assert_eq!(c.engine_priority, None, "the body goes as the client sent it");
         assert!(c.criticality_header.is_none() && c.overload.is_none());
         assert!((c.bounds.upper_per_backend - 2.2).abs() < 1e-9);
         assert!((c.bounds.lower_per_backend - 1.8).abs() < 1e-9);
@@ -586,6 +681,28 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"slo":{"drop":{"quantile":0.2}}}"#, "slo.drop.quantile"),
             (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"lbf"}}"#, "slo.order"),
             (r#"{"endpoints":["127.0.0.1:1"],"tenant_header_aliases":[""]}"#, "tenant_header_aliases"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":1}}"#, "band_min_share.standard"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"sheddable":-0.5}}"#, "band_min_share.sheddable"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":0.5,"sheddable":0.5}}"#, "band_min_share"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"critical":0.1}}"#, "band_min_share.critical"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"bulk":0.1}}"#, "band_min_share"),
+            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":"x"}}"#, "band_min_share"),
+            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":"tgi"}"#, "engine_priority"),
+            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":7}"#, "engine_priority"),
+            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"values":{"critical":0}}}"#, "standard is missing"),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"values":{"critical":0,"standard":"x","sheddable":2}}}"#,
+                "engine_priority.values",
+            ),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"field":"","values":{"critical":0,"standard":1,"sheddable":2}}}"#,
+                "engine_priority.field",
+            ),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"field":"model","values":{"critical":0,"standard":1,"sheddable":2}}}"#,
+                "engine_priority.field",
+            ),
+            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"feild":"p"}}"#, "feild"),
             (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#,
@@ -660,6 +777,33 @@ mod tests {
         assert_eq!(c.criticality_by_tenant["batch"], Criticality::Sheddable);
         assert_eq!(c.ttft_slo_ms[&Criticality::Critical], 2000);
         assert_eq!(c.overload, Some(OverloadLadder::default()));
+        let c =
+            Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":0.2,"sheddable":0.05}}"#)
+                .unwrap();
+        assert_eq!(
+            (c.band_min_share.get(Criticality::Standard), c.band_min_share.get(Criticality::Sheddable)),
+            (0.2, 0.05)
+        );
+    }
+
+    #[test]
+    fn engine_priority_presets_and_custom_fields() {
+        let read = |v: &str| {
+            Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"engine_priority":{v}}}"#).as_bytes())
+                .unwrap()
+                .engine_priority
+        };
+        let vllm = read(r#""vllm""#).unwrap();
+        assert_eq!((vllm.field.as_str(), vllm.values), ("priority", [0, 1, 2]), "vLLM: lower goes first");
+        let sglang = read(r#""sglang""#).unwrap();
+        assert!(
+            sglang.value(Criticality::Critical) > sglang.value(Criticality::Sheddable),
+            "SGLang: higher goes first"
+        );
+        let custom = read(r#"{"field":"x-prio","values":{"critical":-5,"standard":0,"sheddable":5}}"#).unwrap();
+        assert_eq!((custom.field.as_str(), custom.value(Criticality::Standard)), ("x-prio", 0));
+        assert_eq!(read(r#"{"values":{"critical":9,"standard":8,"sheddable":7}}"#).unwrap().field, "priority");
+        assert_eq!(read("null"), None);
     }
 
     #[test]

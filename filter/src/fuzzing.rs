@@ -9,9 +9,12 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 use crate::config::Config;
-use crate::openai::{is_scheduled_path, normalize_path, parse_request, TokenCounter, MAX_PREFIX_BLOCKS};
+use crate::openai::{
+    is_scheduled_path, normalize_path, parse_request, set_top_level_int, TokenCounter, MAX_PREFIX_BLOCKS,
+};
 use crate::scheduler::Scheduler;
 use crate::wire::{decode_entry, encode_batch, ToScheduler, ToWorker};
+use sluice_policies::bands::Criticality;
 use sluice_policies::prom;
 use sluice_policies::routing::{
     AffinityIndex, EndpointMetrics, EndpointView, ModelServer, Picker, RouteRequest, Router, SaturationThresholds,
@@ -34,7 +37,8 @@ pub const TARGETS: &[(&str, Check)] = &[
 
 /// A request body, as `on_http_request_body` parses it, with and without
 /// prefix hashing: the answer must not depend on the block size, and what
-/// is read must be self-consistent.
+/// is read must be self-consistent. A body it accepts takes the engine
+/// priority rewrite ([`check_priority_edit`]).
 pub fn check_openai_request(data: &[u8]) {
     let plain = parse_request(data, 0);
     let hashed = parse_request(data, 64);
@@ -55,10 +59,31 @@ pub fn check_openai_request(data: &[u8]) {
                 h.prompt_tokens
             );
             assert_eq!(parse_request(data, 64).as_ref(), Ok(h), "hashing is deterministic");
+            check_priority_edit(data);
         }
         (Err(p), Err(h)) => assert_eq!(p, h),
         _ => panic!("the block size changed the verdict: {plain:?} vs {hashed:?}"),
     }
+}
+
+/// The engine priority rewrite of an accepted body: the result is still one
+/// JSON object, with `priority` set at the top level and every other member
+/// as it was, and reads the same to the filter.
+fn check_priority_edit(data: &[u8]) {
+    let edit = set_top_level_int(data, "priority", -42).expect("an accepted body is a JSON object");
+    let out = edit.apply(data);
+    let mut after: serde_json::Value = serde_json::from_slice(&out).expect("the rewrite keeps the JSON valid");
+    assert_eq!(after.get("priority"), Some(&serde_json::Value::from(-42)));
+    if let Ok(mut before) = serde_json::from_slice::<serde_json::Value>(data) {
+        before.as_object_mut().expect("an object").remove("priority");
+        after.as_object_mut().expect("an object").remove("priority");
+        assert_eq!(before, after, "only the top-level priority changed");
+    }
+    let again = parse_request(&out, 64).expect("the rewritten body still parses");
+    assert_eq!(
+        parse_request(data, 64).map(|r| (r.model, r.max_tokens, r.prompt_tokens)),
+        Ok((again.model, again.max_tokens, again.prompt_tokens))
+    );
 }
 
 /// A request's `:path`, as `on_http_request_headers` matches it: the
@@ -237,6 +262,11 @@ pub fn check_config(data: &[u8]) {
     assert!(c.routing.scrape_interval_ms >= 1 && c.routing.scrape_timeout_ms >= 1);
     assert!((1..=10_000).contains(&c.tick_ms));
     assert!(!c.tenant_header.is_empty());
+    let shares = Criticality::ALL.map(|b| c.band_min_share.get(b));
+    assert!(shares[0] == 0.0 && shares.iter().all(|s| (0.0..1.0).contains(s)) && shares.iter().sum::<f64>() < 1.0);
+    if let Some(p) = &c.engine_priority {
+        assert!(!p.field.is_empty() && p.field.len() <= 64, "engine_priority.field {:?}", p.field);
+    }
     let s = Scheduler::new(&c);
     assert!(s.is_empty());
 }

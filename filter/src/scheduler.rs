@@ -155,7 +155,8 @@ impl Scheduler {
                 q
             }
         })
-        .with_tenants(Tenants::new(cfg.max_tenants).with_groups(shared::COUNTER_SHARDS, shared::counter_shard));
+        .with_tenants(Tenants::new(cfg.max_tenants).with_groups(shared::COUNTER_SHARDS, shared::counter_shard))
+        .with_min_shares(cfg.band_min_share);
         let counters = queue.band(Criticality::Standard).policy().counter_of(0).is_some();
         let slo = cfg.slo.as_ref().map(|s| SloState {
             order: s.order,
@@ -635,6 +636,28 @@ mod tests {
         s.on_message(enqueue(1, 100, "modest", 50), 0, &mut out);
         s.pump(0, &mut slots(3), &mut out);
         assert!(dispatched(&out).contains(&100), "modest served among the first three: {out:?}");
+    }
+
+    #[test]
+    fn a_band_min_share_lets_sheddable_requests_through_a_critical_flood() {
+        let order = |extra: &str| {
+            let mut s = Scheduler::new(&cfg("fcfs", extra));
+            let mut out = Vec::new();
+            for ctx in 0..6 {
+                s.on_message(enqueue_in(Criticality::Critical, 0, ctx, "c", ctx as u64), 0, &mut out);
+            }
+            for ctx in 10..13 {
+                s.on_message(enqueue_in(Criticality::Sheddable, 1, ctx, "s", ctx as u64), 0, &mut out);
+            }
+            // One slot at a time, with a refusal in between: a refused peek must not move the order.
+            for _ in 0..9 {
+                s.pump(0, &mut slots(0), &mut out);
+                s.pump(0, &mut slots(1), &mut out);
+            }
+            dispatched(&out)
+        };
+        assert_eq!(order(""), vec![0, 1, 2, 3, 4, 5, 10, 11, 12], "strict priority by default");
+        assert_eq!(order(r#","band_min_share":{"sheddable":0.5}"#), vec![0, 10, 1, 11, 2, 12, 3, 4, 5]);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! clock, headers and bodies and carries out what the worker decides.
 
 use crate::config::Config;
-use crate::openai::{self, TokenCounter};
+use crate::openai::{self, BodyEdit, TokenCounter};
 use crate::outcome::Outcome;
 use crate::shared::Store;
 use crate::slo::SloHeaders;
@@ -81,6 +81,26 @@ impl Host for ProxyHost {
             && hostcalls::set_map_value(MapType::HttpRequestHeaders, DESTINATION, Some(destination)).is_ok()
             && headers.iter().all(|(k, v)| hostcalls::set_map_value(MapType::HttpRequestHeaders, k, Some(v)).is_ok())
             && hostcalls::resume_http_request().is_ok()
+    }
+    fn edit_request_body(&self, ctx: u32, edit: &dyn Fn(&[u8]) -> Option<BodyEdit>) -> bool {
+        if hostcalls::set_effective_context(ctx).is_err() {
+            return false;
+        }
+        // The stream paused with its body buffered: Envoy hands the whole buffer.
+        let Ok(Some(body)) = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, u32::MAX as usize) else {
+            return false;
+        };
+        let Some(e) = edit(&body) else { return false };
+        if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, e.replace, &e.with).is_err() {
+            return false;
+        }
+        // Envoy forwards the client's content-length as it was; the backend
+        // would read a grown body short (and the rest as a next request).
+        let size = body.len() - e.replace.min(body.len()) + e.with.len();
+        if matches!(hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "content-length"), Ok(Some(_))) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&size.to_string()));
+        }
+        true
     }
     fn http_call(&self, cluster: &str, headers: &[(&str, &str)], timeout_ms: u64) -> Option<u32> {
         let _ = hostcalls::set_effective_context(self.root);

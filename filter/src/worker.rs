@@ -11,9 +11,9 @@
 //! bypass the queue with a single CAS when the band allows and nothing waits.
 
 use crate::config::{Config, NoEndpoint};
-use crate::openai;
+use crate::openai::{self, BodyEdit};
 use crate::outcome::Outcome;
-use crate::scheduler::{band_code, Scheduler, Slot};
+use crate::scheduler::{band_code, band_of_code, Scheduler, Slot};
 use crate::shared::{self, Lease, Permit, Store};
 use crate::slo::SloHeaders;
 use crate::wire::{decode_entry, encode_batch, Deadline, RouteInfo, ToScheduler, ToWorker};
@@ -77,6 +77,11 @@ pub trait Host: Store {
     /// Resumes paused stream `ctx` of this VM towards `destination`, with
     /// `headers` added to the upstream request; `false` if it is gone.
     fn resume(&self, ctx: u32, destination: &str, headers: &[(&str, &str)]) -> bool;
+    /// Rewrites the buffered body of paused stream `ctx` of this VM: `edit`
+    /// reads the whole body and answers the prefix to replace (the one
+    /// rewrite Envoy does in place); a `content-length` header is set to the
+    /// new size. `false` if the stream or its body is gone or `edit` declined.
+    fn edit_request_body(&self, ctx: u32, edit: &dyn Fn(&[u8]) -> Option<BodyEdit>) -> bool;
     /// Sends an HTTP call through `cluster`; its token, `None` if it could not be sent.
     fn http_call(&self, cluster: &str, headers: &[(&str, &str)], timeout_ms: u64) -> Option<u32>;
     /// Adds to a counter.
@@ -416,6 +421,7 @@ impl<H: Host> Worker<H> {
                         model: route.model.clone(),
                         tenant: tenant.clone(),
                     });
+                    self.write_engine_priority(ctx, band);
                     let (sent_ms, ttft_from_ms) = (self.now, Some(self.now));
                     let objective_ms = deadline.map(|d| d.ttft_ms);
                     let stream = Stream::Dispatched {
@@ -834,19 +840,39 @@ impl<H: Host> Worker<H> {
         }
     }
 
+    /// Writes band `band` into paused stream `ctx`'s body as the model
+    /// server's priority, when `engine_priority` is configured; whatever the
+    /// client put in that field is overwritten. Called as the request leaves
+    /// the gateway (bypass or dispatch), before it is resumed.
+    fn write_engine_priority(&self, ctx: u32, band: u8) {
+        let Some(p) = &self.cfg.engine_priority else { return };
+        let (field, value) = (p.field.as_str(), p.value(band_of_code(band)));
+        if !self.host.edit_request_body(ctx, &|body| openai::set_top_level_int(body, field, value)) {
+            log::warn!("could not write the engine priority into the body of stream {ctx}");
+        }
+    }
+
     /// The scheduler took a slot on `endpoint` for paused stream `ctx`.
     fn dispatch(&mut self, ctx: u32, endpoint: u32, predicted_ttft_ms: Option<u32>) {
         let permit = Permit::delivered(self.worker, endpoint);
-        let queued = matches!(self.streams.get(&ctx), Some(Stream::Queued { .. }));
         let predicted = predicted_ttft_ms.map(|ms| ms.to_string());
         let extra: &[(&str, &str)] = match &predicted {
             Some(ms) => &[(PREDICTED_TTFT, ms.as_str())],
             None => &[],
         };
-        if queued
-            && (endpoint as usize) < self.endpoints()
-            && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize], extra)
-        {
+        // The band of the paused stream this may resume.
+        let resumable = match self.streams.get(&ctx) {
+            Some(Stream::Queued { enqueue: ToScheduler::Enqueue { band, .. }, .. })
+                if (endpoint as usize) < self.endpoints() =>
+            {
+                Some(*band)
+            }
+            _ => None,
+        };
+        if let Some(band) = resumable {
+            self.write_engine_priority(ctx, band);
+        }
+        if resumable.is_some() && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize], extra) {
             if let Some(Stream::Queued {
                 enqueue: ToScheduler::Enqueue { tenant, band, deadline, .. },
                 arrival_ms,
@@ -1164,6 +1190,8 @@ mod tests {
         replies: RefCell<Vec<(u32, u32, u32, String)>>,
         /// (vm, ctx, destination).
         resumed: RefCell<Vec<(u32, u32, String)>>,
+        /// Buffered request bodies by (vm, ctx), as the streams' filters left them.
+        bodies: RefCell<HashMap<(u32, u32), Vec<u8>>>,
         metrics: RefCell<HashMap<&'static str, u64>>,
         /// `retry-after` of each reply, by ctx.
         retry_after: RefCell<HashMap<u32, u32>>,
@@ -1212,6 +1240,17 @@ mod tests {
         }
         fn resume(&self, ctx: u32, destination: &str, _headers: &[(&str, &str)]) -> bool {
             self.0.resumed.borrow_mut().push((self.1, ctx, destination.to_owned()));
+            true
+        }
+        fn edit_request_body(&self, ctx: u32, edit: &dyn Fn(&[u8]) -> Option<BodyEdit>) -> bool {
+            assert!(
+                !self.0.resumed.borrow().iter().any(|&(vm, c, _)| (vm, c) == (self.1, ctx)),
+                "a body is rewritten before its stream is resumed"
+            );
+            let mut bodies = self.0.bodies.borrow_mut();
+            let Some(body) = bodies.get_mut(&(self.1, ctx)) else { return false };
+            let Some(e) = edit(body) else { return false };
+            *body = e.apply(body);
             true
         }
         fn http_call(&self, _cluster: &str, _headers: &[(&str, &str)], _timeout_ms: u64) -> Option<u32> {
@@ -1276,6 +1315,14 @@ mod tests {
         (0..n).map(|_| shared::acquire(&p.store, endpoints, 9, |_| true, |_| Some(0)).unwrap().0).collect()
     }
 
+    /// Admits stream `ctx` of VM `w` (tag `vm`) in `band` with this body, which the host buffers.
+    fn admit_body(w: &mut Worker<Vm>, vm: u32, ctx: u32, band: Criticality, body: &[u8]) -> Admission {
+        w.host().0.bodies.borrow_mut().insert((vm, ctx), body.to_vec());
+        let req = openai::parse_request(body, 0).unwrap();
+        let who = Admit { tenant: "a".into(), band, route: RouteInfo::default(), slo: SloHeaders::default() };
+        w.admit(ctx, who, &req)
+    }
+
     fn queue_id(p: &Rc<Process>, name: &str) -> u32 {
         Vm(p.clone(), 0).resolve_queue(name).unwrap()
     }
@@ -1308,6 +1355,35 @@ mod tests {
         }
         assert_eq!(answered, (13..=62).collect::<Vec<_>>(), "each answered once, in order");
         assert_eq!(p.metrics.borrow()["sluice_requests_rejected_flow_capacity"], 50);
+    }
+
+    #[test]
+    fn the_band_reaches_the_engine_as_its_priority_on_bypass_and_from_the_queue() {
+        let body = br#"{"model":"m","priority":-100,"messages":[{"role":"user","content":"hi","priority":-5}]}"#;
+        let priority = |p: &Rc<Process>, ctx: u32| {
+            let v: serde_json::Value = serde_json::from_slice(&p.bodies.borrow()[&(1, ctx)]).unwrap();
+            (v["priority"].as_i64(), v["messages"][0]["priority"].as_i64())
+        };
+        for (preset, critical, sheddable) in [("vllm", 0, 2), ("sglang", 200, 0)] {
+            let p = Rc::new(Process::default());
+            let cfg = config(serde_json::json!({"endpoints": ["127.0.0.1:1"], "engine_priority": preset}));
+            let mut w = vm(&p, 1, cfg, 0);
+            assert_eq!(admit_body(w.at(0), 1, 1, Criticality::Critical, body), Admission::Bypass(0));
+            assert_eq!(priority(&p, 1), (Some(critical), Some(-5)), "{preset}: the client's value is overwritten");
+            assert_eq!(admit_body(w.at(0), 1, 2, Criticality::Sheddable, body), Admission::Queued);
+            w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
+            assert_eq!(priority(&p, 2), (Some(-100), Some(-5)), "{preset}: untouched while it waits");
+            w.at(1).finish(1, 0, false);
+            w.on_queue_ready(1, queue_id(&p, SCHEDULER_QUEUE));
+            w.on_queue_ready(1, queue_id(&p, "sluice.worker.1"));
+            assert_eq!(p.resumed.borrow().len(), 1, "dispatched from the queue");
+            assert_eq!(priority(&p, 2), (Some(sheddable), Some(-5)), "{preset}: written at dispatch");
+        }
+        // Not configured: the body goes as the client sent it.
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+        assert_eq!(admit_body(w.at(0), 1, 1, Criticality::Critical, body), Admission::Bypass(0));
+        assert_eq!(p.bodies.borrow()[&(1, 1)], body.to_vec());
     }
 
     #[test]

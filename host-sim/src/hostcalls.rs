@@ -264,10 +264,13 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
             let Some(buf) = buf else {
                 return Ok(st(Status::NotFound));
             };
-            // Envoy's rules (prepend at 0/0, replace at 0/len, append at len) are the special
-            // cases of replacing the clamped range [start, start+size).
-            let s = (start as u32 as usize).min(buf.len());
-            let e = s.saturating_add(size as u32 as usize).min(buf.len());
+            // Envoy's rules: at 0, drop `size` bytes and prepend (a prefix replaced); at or past
+            // the end, append; anywhere else BadArgument (a filter cannot splice mid-body).
+            let s = start as u32 as usize;
+            if s > 0 && s < buf.len() {
+                return Ok(st(Status::BadArgument));
+            }
+            let (s, e) = if s == 0 { (0, (size as u32 as usize).min(buf.len())) } else { (buf.len(), buf.len()) };
             buf.splice(s..e, data);
             Ok(S_OK)
         },

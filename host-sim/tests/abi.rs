@@ -168,6 +168,19 @@ fn body_arrives_in_chunks_and_is_buffered_while_paused() {
 }
 
 #[test]
+fn a_body_is_replaced_by_prefix_or_appended_never_spliced_inside() {
+    let mut s = sim("", 1);
+    s.add_request(req(0, 0, "buffer;splice-body", b"0123456789"));
+    s.run();
+    assert_eq!(
+        lines(&s, "splice ctx=2").into_iter().map(|l| l.2).collect::<Vec<_>>(),
+        ["splice ctx=2 mid=2 prefix=0 append=0"],
+        "mid-body: BadArgument (2); prefix and append: Ok (0)"
+    );
+    assert_eq!(static_up(&s, UP).received[0].1.body, b"<<23456789>>");
+}
+
+#[test]
 fn request_and_response_trailers_reach_the_filter() {
     let resp = StaticResponse { trailers: Some(vec![("grpc-status".into(), b"0".to_vec())]), ..Default::default() };
     let mut s = sim_with("", 1, resp);

@@ -2,6 +2,18 @@
 //! bands and an allocation policy (with its own state) inside each band, as in
 //! the queuing design's "cascading" dequeue.
 //!
+//! Strict priority starves the lower bands under sustained load. [`MinShares`]
+//! (given with [`BandedQueue::with_min_shares`]) guarantees standard and
+//! sheddable a least fraction of the dispatches while they contend with another
+//! band: each dispatch made while two or more bands can dispatch credits every
+//! such band with its share, a band owed a whole dispatch goes first (the most
+//! owed first) and pays one for it, and otherwise the highest band goes. A
+//! band's credit lapses when it empties, so a share is never banked across idle
+//! time. Shares count dispatches, not tokens: a dispatch is the unit the
+//! gateway rations (one slot of stock), it is exact when the band is chosen,
+//! while a request's tokens are an estimate (`max_tokens` is often absent);
+//! the tokens each tenant gets inside a band stay the band's policy's business.
+//!
 //! When the queue is full, a request may take the place of the newest request
 //! of the lowest band below its own (sheddable first, then standard); critical
 //! requests are never evicted. `critical_reserve` slots of the total capacity
@@ -67,6 +79,57 @@ impl Criticality {
     }
 }
 
+/// Units of a dispatch in [`MinShares`] credits: shares are kept in
+/// millionths so that credit arithmetic is exact.
+const SHARE_UNIT: u64 = 1_000_000;
+
+/// The least fraction of dispatches standard and sheddable each get while
+/// they and another band can dispatch (see the module documentation). All zero
+/// (the default) is strict priority. Critical has no share: it takes what the
+/// others' shares leave, at least `1 - sum` of the dispatches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MinShares {
+    /// Per band, highest first, in millionths of a dispatch (critical's is 0).
+    millionths: [u64; 3],
+}
+
+impl MinShares {
+    /// Shares by band: each in [0, 1), their sum under 1, none for critical
+    /// (the error names `field.<band>` or `field`).
+    pub fn new(field: &str, shares: impl IntoIterator<Item = (Criticality, f64)>) -> Result<MinShares, String> {
+        let mut millionths = [0u64; 3];
+        for (band, share) in shares {
+            if band == Criticality::Critical {
+                return Err(format!(
+                    "field `{field}.critical`: critical requests are served first and take what the other shares leave; only standard and sheddable take a share"
+                ));
+            }
+            if !(0.0..1.0).contains(&share) {
+                return Err(format!("field `{field}.{}` must be in [0, 1), got {share}", band.as_str()));
+            }
+            millionths[band.index()] = (share * SHARE_UNIT as f64).round() as u64;
+        }
+        let sum: u64 = millionths.iter().sum();
+        if sum >= SHARE_UNIT {
+            return Err(format!(
+                "field `{field}`: the shares sum to {}, which must be under 1",
+                sum as f64 / SHARE_UNIT as f64
+            ));
+        }
+        Ok(MinShares { millionths })
+    }
+
+    /// The share of `band` (0 for critical).
+    pub fn get(&self, band: Criticality) -> f64 {
+        self.millionths[band.index()] as f64 / SHARE_UNIT as f64
+    }
+
+    /// True when no band has a share: strict priority.
+    pub fn is_strict(&self) -> bool {
+        self.millionths.iter().all(|&m| m == 0)
+    }
+}
+
 /// Capacities of a banded queue.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -122,6 +185,10 @@ pub struct BandedQueue<A> {
     order: [BTreeSet<(u64, u64)>; 3],
     next_order: u64,
     tenants: Tenants,
+    shares: MinShares,
+    /// Dispatches each band is owed under its share, in millionths; below
+    /// three dispatches' worth (see [`BandedQueue::pop`]).
+    owed: [u64; 3],
 }
 
 impl<A: Allocation> BandedQueue<A> {
@@ -142,7 +209,22 @@ impl<A: Allocation> BandedQueue<A> {
             order: Default::default(),
             next_order: 0,
             tenants: Tenants::default(),
+            shares: MinShares::default(),
+            owed: [0; 3],
         }
+    }
+
+    /// Serves the bands under `shares` instead of strict priority; what each
+    /// band was owed starts again from zero.
+    pub fn with_min_shares(mut self, shares: MinShares) -> Self {
+        self.shares = shares;
+        self.owed = [0; 3];
+        self
+    }
+
+    /// The minimum shares the bands are served under.
+    pub fn min_shares(&self) -> MinShares {
+        self.shares
     }
 
     /// Tracks tenants in `tenants` (an empty table: its cap and groups); by
@@ -292,23 +374,72 @@ impl<A: Allocation> BandedQueue<A> {
         if let Some((band, order)) = self.where_is.remove(&r.id) {
             self.order[band.index()].remove(&(order, r.id));
             self.tenants.release(r.flow);
+            if self.bands[band.index()].is_empty() {
+                // An emptied band was served: no credit carries over to its next backlog.
+                self.owed[band.index()] = 0;
+            }
         }
     }
 
-    /// Takes the next request of the highest band that can dispatch one.
-    pub fn pop(&mut self) -> Option<(Criticality, Request)> {
-        for band in Criticality::ALL {
-            if let Some(r) = self.bands[band.index()].pop() {
-                self.left(&r);
-                return Some((band, r));
+    /// Which bands can dispatch now (their policy names a flow).
+    fn ready(&self) -> [bool; 3] {
+        Criticality::ALL.map(|b| self.bands[b.index()].peek().is_some())
+    }
+
+    /// The band the next dispatch comes from, given which bands are `ready`:
+    /// a band owed a whole dispatch once this one is credited (the most owed
+    /// first, the higher band on a tie), else the highest ready band. Pure,
+    /// so that [`BandedQueue::peek`] and [`BandedQueue::pop`] agree.
+    fn choose(&self, ready: [bool; 3]) -> Option<Criticality> {
+        let first = Criticality::ALL.into_iter().find(|b| ready[b.index()])?;
+        if !self.contended(ready) {
+            return Some(first);
+        }
+        let mut pick = first;
+        let mut most = SHARE_UNIT - 1;
+        for b in Criticality::ALL {
+            let i = b.index();
+            let owed = self.owed[i] + self.shares.millionths[i];
+            if ready[i] && owed > most {
+                (pick, most) = (b, owed);
             }
         }
-        None
+        Some(pick)
+    }
+
+    /// Do shares apply to this dispatch (some band has one, two or more can go)?
+    fn contended(&self, ready: [bool; 3]) -> bool {
+        !self.shares.is_strict() && ready.iter().filter(|&&r| r).count() >= 2
+    }
+
+    /// Takes the next request: of the highest band that can dispatch one,
+    /// unless a lower band is owed a dispatch under its [`MinShares`]. Every
+    /// ready band is credited its share and the chosen one pays a dispatch
+    /// (never below zero: a band served beyond its share by priority banks
+    /// nothing). Credits stay under three dispatches (at most two bands hold
+    /// one; while both are owed a whole dispatch their sum falls each time),
+    /// so a band contending for `n` dispatches gets at least `share · n - 3`.
+    pub fn pop(&mut self) -> Option<(Criticality, Request)> {
+        let ready = self.ready();
+        let band = self.choose(ready)?;
+        if self.contended(ready) {
+            for b in Criticality::ALL {
+                if ready[b.index()] {
+                    self.owed[b.index()] += self.shares.millionths[b.index()];
+                }
+            }
+            let owed = &mut self.owed[band.index()];
+            *owed = owed.saturating_sub(SHARE_UNIT);
+        }
+        let r = self.bands[band.index()].pop().expect("the chosen band named a request");
+        self.left(&r);
+        Some((band, r))
     }
 
     /// The request [`BandedQueue::pop`] would take now.
     pub fn peek(&self) -> Option<(Criticality, &Request)> {
-        Criticality::ALL.into_iter().find_map(|b| self.bands[b.index()].peek().map(|r| (b, r)))
+        let band = self.choose(self.ready())?;
+        self.bands[band.index()].peek().map(|r| (band, r))
     }
 
     /// Takes a request out wherever it stands.
@@ -415,6 +546,58 @@ mod tests {
         assert_eq!(q.pop().map(|(b, r)| (b, r.id)), Some((Critical, 4)));
         let next: Vec<u64> = (0..2).map(|_| q.pop().unwrap().1.id).collect();
         assert!(next.contains(&5), "VTC inside the standard band serves the modest flow early: {next:?}");
+    }
+
+    fn shares(standard: f64, sheddable: f64) -> MinShares {
+        MinShares::new("band_min_share", [(Standard, standard), (Sheddable, sheddable)]).unwrap()
+    }
+
+    #[test]
+    fn min_shares_let_the_lower_bands_trickle_in_step_with_peek() {
+        let mut q = BandedQueue::new(limits(1000, 0), |_| Fcfs::default()).with_min_shares(shares(0.2, 0.05));
+        let a = q.flow_id("a");
+        for id in 0..300 {
+            q.push(Criticality::ALL[id as usize % 3], r(id, a)).unwrap();
+        }
+        let mut served = [0; 3];
+        for _ in 0..100 {
+            let peeked = q.peek().map(|(b, r)| (b, r.id));
+            let (band, req) = q.pop().unwrap();
+            assert_eq!(peeked, Some((band, req.id)), "pop takes what peek showed");
+            served[band as usize] += 1;
+        }
+        // Sheddable is owed a whole dispatch every 20th pop, one pop late when
+        // standard is owed one at the same moment (the higher band goes first).
+        assert_eq!(served, [76, 20, 4], "critical takes what the shares leave");
+    }
+
+    #[test]
+    fn credit_lapses_when_a_band_empties() {
+        let mut q = BandedQueue::new(limits(1000, 0), |_| Fcfs::default()).with_min_shares(shares(0.5, 0.0));
+        let a = q.flow_id("a");
+        for id in 0..10 {
+            q.push(Critical, r(id, a)).unwrap();
+        }
+        q.push(Standard, r(100, a)).unwrap();
+        // The first pop credits standard half a dispatch; critical goes.
+        assert_eq!(q.pop().map(|(b, _)| b), Some(Critical));
+        // Its only request leaves by cancellation: the half it was owed goes with it.
+        assert_eq!(q.remove(100).map(|r| r.id), Some(100));
+        q.push(Standard, r(101, a)).unwrap();
+        assert_eq!(q.pop().map(|(b, _)| b), Some(Critical), "owed half a dispatch again, not a whole one");
+        assert_eq!(q.pop().map(|(b, r)| (b, r.id)), Some((Standard, 101)));
+    }
+
+    #[test]
+    fn min_shares_are_validated_naming_the_field() {
+        let err = |pairs: &[(Criticality, f64)]| MinShares::new("band_min_share", pairs.iter().copied()).unwrap_err();
+        assert!(err(&[(Standard, 1.0)]).contains("band_min_share.standard"));
+        assert!(err(&[(Sheddable, -0.1)]).contains("band_min_share.sheddable"));
+        assert!(err(&[(Standard, 0.6), (Sheddable, 0.4)]).contains("sum to 1"));
+        assert!(err(&[(Critical, 0.1)]).contains("band_min_share.critical"));
+        let s = shares(0.25, 0.0);
+        assert_eq!((s.get(Standard), s.get(Critical), s.is_strict()), (0.25, 0.0, false));
+        assert!(MinShares::default().is_strict());
     }
 
     #[test]

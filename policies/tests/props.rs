@@ -1,13 +1,14 @@
 //! Invariants of the queue and the policies, as property tests: no request is
 //! lost or duplicated, work conservation, FIFO inside a flow for equal sizes,
-//! strict priority between bands, and the VTC counter bound (Lemma 4.3).
+//! strict priority between bands (and, with minimum shares, each band's share
+//! of the dispatches), and the VTC counter bound (Lemma 4.3).
 
 mod common;
 
 use common::{policy, POLICIES};
 use proptest::prelude::*;
 use sluice_policies::alloc::{Allocation, Vtc, VtcWeights};
-use sluice_policies::bands::{BandLimits, BandedQueue, Criticality};
+use sluice_policies::bands::{BandLimits, BandedQueue, Criticality, MinShares};
 use sluice_policies::order::{Edf, FeasibleSet, Fifo, FlowOrder, ShortestPredicted};
 use sluice_policies::queue::{FairQueue, QueueLimits};
 use sluice_policies::Request;
@@ -55,6 +56,18 @@ fn op() -> impl Strategy<Value = Op> {
 fn request(id: u64, flow: u32, size: u8, now: u64) -> Request {
     let input = if size == 0 { 32 } else { 32 * size as u32 };
     Request { id, flow, input_tokens: input, max_output_tokens: 16, arrival_ms: now }
+}
+
+/// Minimum shares for standard and sheddable: none (strict priority) or a
+/// pair summing to under 1.
+fn share_pair() -> impl Strategy<Value = MinShares> {
+    prop_oneof![
+        Just(MinShares::default()),
+        (0u32..700_000, 0u32..300_000).prop_map(|(a, b)| {
+            let pairs = [(Criticality::Standard, a as f64 / 1e6), (Criticality::Sheddable, b as f64 / 1e6)];
+            MinShares::new("band_min_share", pairs).unwrap()
+        }),
+    ]
 }
 
 /// Where every pushed request ended up.
@@ -175,12 +188,14 @@ proptest! {
         run_fair_queue(p, o, &ops, true)?;
     }
 
+    /// With shares (half the cases) pop still takes what peek showed and
+    /// never idles while a band can dispatch; without, the order is strict priority.
     #[test]
-    fn bands_lose_nothing_never_evict_critical_and_keep_strict_priority(
-        p in 0..POLICIES.len(), ops in prop::collection::vec(op(), 1..150)
+    fn bands_lose_nothing_never_evict_critical_and_keep_their_order(
+        p in 0..POLICIES.len(), ops in prop::collection::vec(op(), 1..150), shares in share_pair(),
     ) {
         let limits = BandLimits { total_capacity: 10, flow_capacity: 4, ttl_ms: 30_000, critical_reserve: 2 };
-        let mut q = BandedQueue::new(limits, |_| policy(p));
+        let mut q = BandedQueue::new(limits, |_| policy(p)).with_min_shares(shares);
         let flows: Vec<u32> = (0..5).map(|i| q.flow_id(&format!("t{i}"))).collect();
         let mut ledger = Ledger::default();
         let mut critical = HashSet::new();
@@ -204,9 +219,15 @@ proptest! {
                 }
                 Op::Pop => {
                     let higher_ready: Vec<bool> = Criticality::ALL.iter().map(|&b| q.band(b).peek().is_some()).collect();
-                    if let Some((band, r)) = q.pop() {
+                    let peeked = q.peek().map(|(b, r)| (b, r.id));
+                    let got = q.pop();
+                    prop_assert_eq!(peeked, got.as_ref().map(|(b, r)| (*b, r.id)), "pop takes what peek showed");
+                    prop_assert_eq!(got.is_some(), higher_ready.contains(&true), "work conservation");
+                    if let Some((band, r)) = got {
                         let i = band as usize;
-                        prop_assert!(higher_ready[..i].iter().all(|&x| !x), "a higher band was ready");
+                        if shares.is_strict() {
+                            prop_assert!(higher_ready[..i].iter().all(|&x| !x), "a higher band was ready");
+                        }
                         ledger.leave(r.id);
                         q.band_mut(band).policy_mut().on_complete(r.flow, r.id);
                     }
@@ -237,6 +258,47 @@ proptest! {
         }
         prop_assert!(q.is_empty());
         ledger.check()?;
+    }
+
+    /// With every band backlogged for `n` dispatches, standard and sheddable
+    /// each get at least `share · n - 3` of them and (critical being always
+    /// ready) no more than their share; critical keeps at least the rest.
+    #[test]
+    fn every_backlogged_band_gets_its_minimum_share(
+        p in 0..POLICIES.len(), shares in share_pair(), n in 200usize..3000, seed in any::<u64>(),
+    ) {
+        let mut q = BandedQueue::new(BandLimits { total_capacity: 10_000, ..BandLimits::default() }, |_| policy(p))
+            .with_min_shares(shares);
+        prop_assume!(q.band(Criticality::Critical).policy().is_work_conserving());
+        let flows: Vec<u32> = (0..4).map(|i| q.flow_id(&format!("t{i}"))).collect();
+        let mut rng = seed | 1;
+        let mut next_id = 0u64;
+        let mut refill = |q: &mut BandedQueue<Box<dyn Allocation>>, band: Criticality| {
+            while q.band_len(band) < 3 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let flow = flows[(rng % flows.len() as u64) as usize];
+                next_id += 1;
+                q.push(band, request(next_id, flow, (rng >> 8) as u8 % 3, 0)).unwrap();
+            }
+        };
+        let mut served = [0usize; 3];
+        for _ in 0..n {
+            Criticality::ALL.into_iter().for_each(|b| refill(&mut q, b));
+            let (band, r) = q.pop().expect("work-conserving and backlogged");
+            q.band_mut(band).policy_mut().on_complete(r.flow, r.id);
+            served[band as usize] += 1;
+        }
+        let mut rest = n as f64;
+        for band in [Criticality::Standard, Criticality::Sheddable] {
+            let want = shares.get(band) * n as f64;
+            let got = served[band as usize] as f64;
+            prop_assert!(got >= want - 3.0, "{:?} got {} of {} dispatches, share {}", band, got, n, shares.get(band));
+            prop_assert!(got <= want + 1e-6, "{:?} got {} of {} dispatches, more than its share {}", band, got, n, shares.get(band));
+            rest -= want;
+        }
+        prop_assert!(served[0] as f64 >= rest, "critical got {:?} of {}", served, n);
     }
 
     /// Lemma 4.3: while requests wait, max − min counter among backlogged

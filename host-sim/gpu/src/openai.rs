@@ -30,6 +30,8 @@ pub struct ParsedRequest {
     /// The prompt's bytes (message contents concatenated; token ids as 4 little-endian bytes each),
     /// kept to derive prefix-cache block hashes.
     pub prompt_bytes: Vec<u8>,
+    /// `priority`, an integer as vLLM and SGLang read it, if given (echoed, not scheduled on).
+    pub priority: Option<i64>,
 }
 
 /// Hashes of the leading full blocks of `tokens_per_block` tokens (4 bytes per token) of a prompt,
@@ -186,8 +188,17 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, A
             },
         }
     }
+    let priority = match v.get("priority") {
+        None | Some(Value::Null) => None,
+        Some(p) => match p.as_i64() {
+            Some(n) => Some(n),
+            None => {
+                return Err(ApiError::bad_request(Some("priority"), format!("'priority' must be an integer, got {p}")))
+            }
+        },
+    };
     let (prompt_bytes, prompt_tokens) = prompt_of(endpoint, &v)?;
-    Ok(ParsedRequest { endpoint, model, stream, include_usage, max_tokens, prompt_tokens, prompt_bytes })
+    Ok(ParsedRequest { endpoint, model, stream, include_usage, max_tokens, prompt_tokens, prompt_bytes, priority })
 }
 
 /// Text of generated token number `i` (0-based): a short word, so SSE clients see content.
@@ -292,7 +303,9 @@ mod tests {
             .unwrap();
         assert_eq!((r.prompt_tokens, r.max_tokens, r.stream), (3, Some(3), false));
         let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":"abcde"}"#).unwrap();
-        assert_eq!((r.prompt_tokens, r.max_tokens), (2, None));
+        assert_eq!((r.prompt_tokens, r.max_tokens, r.priority), (2, None, None));
+        let r = parse_request(Endpoint::Completions, br#"{"model":"m","prompt":"a","priority":-3}"#).unwrap();
+        assert_eq!(r.priority, Some(-3));
     }
 
     #[test]
@@ -316,6 +329,8 @@ mod tests {
         assert_eq!(e.param, Some("model"));
         let e = parse_request(Endpoint::Chat, br#"{"model":"m","messages":[],"max_tokens":0}"#).unwrap_err();
         assert_eq!(e.param, Some("max_tokens"));
+        let e = parse_request(Endpoint::Chat, br#"{"model":"m","messages":[],"priority":"high"}"#).unwrap_err();
+        assert_eq!(e.param, Some("priority"));
         let e = parse_request(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
         assert_eq!(e.param, Some("prompt"));
         let body: Value = serde_json::from_str(&e.body()).unwrap();

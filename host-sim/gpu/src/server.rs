@@ -38,6 +38,10 @@ pub const MAX_BODY_BYTES: usize = 16 << 20;
 /// Header naming the backend that answered, on every response.
 pub const BACKEND_HEADER: &str = "x-sluice-backend";
 
+/// Header echoing the integer `priority` the backend read in a completion
+/// request's body, so that tests can see what a gateway wrote there.
+pub const PRIORITY_HEADER: &str = "x-sluice-backend-priority";
+
 /// How to run a set of backends.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -332,6 +336,16 @@ async fn completion(b: Arc<Backend>, ep: Endpoint, req: Request<Incoming>) -> Re
         Ok(p) => p,
         Err(e) => return error(&b, &e),
     };
+    let priority = parsed.priority;
+    let mut r = generate(b, ep, parsed).await;
+    if let Some(p) = priority {
+        r.headers_mut().insert(PRIORITY_HEADER, HeaderValue::from(p));
+    }
+    r
+}
+
+/// Serves a parsed completion request: from the model, or at once when the backend is instant.
+async fn generate(b: Arc<Backend>, ep: Endpoint, parsed: ParsedRequest) -> Response<RespBody> {
     let n = b.counter.fetch_add(1, Ordering::Relaxed);
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let meta = ResponseMeta::new(ep, n, &parsed.model, created);

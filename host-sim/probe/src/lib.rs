@@ -8,8 +8,14 @@
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MetricType, Status};
 use std::cell::Cell;
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    /// The host call behind `hostcalls::set_buffer`, returning its status code.
+    fn proxy_set_buffer_bytes(buffer_type: u32, start: usize, size: usize, data: *const u8, len: usize) -> u32;
+}
 use std::time::Duration;
 
 proxy_wasm::main! {{
@@ -349,6 +355,15 @@ impl HttpContext for ProbeStream {
             log::info!("buffered body ctx={} len={} text={}", self.id, body.len(), String::from_utf8_lossy(&body));
             if self.has("rewrite-body") {
                 self.set_http_request_body(0, size, b"rewritten");
+            }
+            if self.has("splice-body") {
+                // Envoy replaces a prefix or appends; a splice inside the body is refused. Raw
+                // calls: the SDK panics on any status but Ok.
+                let set = |start: usize, size: usize, data: &[u8]| unsafe {
+                    proxy_set_buffer_bytes(BufferType::HttpRequestBody as u32, start, size, data.as_ptr(), data.len())
+                };
+                let (mid, prefix, append) = (set(1, 1, b"!"), set(0, 2, b"<<"), set(size + 5, 0, b">>"));
+                log::info!("splice ctx={} mid={mid} prefix={prefix} append={append}", self.id);
             }
         }
         Action::Continue
