@@ -94,6 +94,7 @@ pub mod report;
 pub mod repro;
 pub mod routing_compare;
 pub mod scenario;
+pub mod slo_workload;
 pub mod soak;
 pub mod state;
 pub mod upstream;

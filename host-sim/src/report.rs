@@ -507,6 +507,7 @@ mod tests {
             preemptions: 0,
             queued_us: None,
             max_silence_us: 0,
+            upstream_headers: Vec::new(),
         }
     }
 

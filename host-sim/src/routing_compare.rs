@@ -348,6 +348,9 @@ pub fn client_request(id: u64, item: &WorkItem, hash_block_tokens: u32) -> Clien
     }
     r.prompt_tokens = item.prompt_tokens;
     r.prefix_hashes = item.prefix_hashes.clone();
+    for (k, v) in &item.headers {
+        r.add_header(k, v);
+    }
     r
 }
 
