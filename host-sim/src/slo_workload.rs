@@ -64,9 +64,10 @@ pub fn validate_classes(classes: &[SloClass]) -> Result<(), String> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum AssignBy {
-    /// Every client (tenant) gets one class and one objective, by quota: the number of clients
-    /// per class is its share of the clients rounded by largest remainder, then the clients are
-    /// shuffled (seeded). A class is an application's, as a gateway's `by_tenant` table has it.
+    /// Every client (tenant) gets one class and one objective, a class being an application's
+    /// (as a gateway's `by_tenant` table has it). Clients are dealt out largest first (ties in a
+    /// seeded order), each to the class furthest below its share of the requests, so the
+    /// classes' request shares come as close to their targets as the clients' sizes allow.
     Client,
     /// Every row draws its class (with probability its share) and its objective on its own.
     Row,
@@ -103,20 +104,6 @@ fn draw_class(rng: &mut ChaCha8Rng, classes: &[SloClass]) -> usize {
     classes.iter().rposition(|c| c.share > 0.0).unwrap_or(0)
 }
 
-/// Quotas of `n` units over the classes' shares, by largest remainder (sums to `n`).
-fn quotas(n: usize, classes: &[SloClass]) -> Vec<usize> {
-    let total: f64 = classes.iter().map(|c| c.share).sum();
-    let exact: Vec<f64> = classes.iter().map(|c| c.share / total * n as f64).collect();
-    let mut q: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
-    let mut order: Vec<usize> = (0..classes.len()).collect();
-    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
-    let left = n - q.iter().sum::<usize>();
-    for &i in order.iter().take(left) {
-        q[i] += 1;
-    }
-    q
-}
-
 /// The objective of every row of `items` (same order), by client or by row, from `seed`.
 pub fn assign_classes(
     items: &[WorkItem],
@@ -125,7 +112,7 @@ pub fn assign_classes(
     seed: u64,
 ) -> Result<Vec<Objective>, String> {
     validate_classes(classes)?;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x510_c1a5_5e5);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0051_0c1a_55e5);
     match by {
         AssignBy::Row => Ok(items
             .iter()
@@ -135,24 +122,32 @@ pub fn assign_classes(
             })
             .collect()),
         AssignBy::Client => {
-            // Clients by name, so the assignment does not depend on arrival order.
-            let mut names: Vec<&str> = items.iter().map(|w| w.client.as_str()).collect();
-            names.sort_unstable();
-            names.dedup();
-            let mut slots: Vec<usize> = Vec::with_capacity(names.len());
-            for (i, q) in quotas(names.len(), classes).into_iter().enumerate() {
-                slots.extend(std::iter::repeat_n(i, q));
+            let mut size: BTreeMap<&str, usize> = BTreeMap::new();
+            for w in items {
+                *size.entry(w.client.as_str()).or_default() += 1;
             }
-            // Fisher-Yates.
-            for i in (1..slots.len()).rev() {
+            // Clients by name first, so nothing depends on arrival order; then a seeded shuffle
+            // (Fisher-Yates) that orders clients of equal size; then largest first.
+            let mut clients: Vec<(&str, usize)> = size.into_iter().collect();
+            for i in (1..clients.len()).rev() {
                 let j = rng.random_range(0..=i);
-                slots.swap(i, j);
+                clients.swap(i, j);
             }
-            let by_client: BTreeMap<&str, Objective> = names
-                .iter()
-                .zip(slots)
-                .map(|(n, class)| (*n, Objective { class, ttft_ms: draw_objective(&mut rng, &classes[class]) }))
-                .collect();
+            clients.sort_by_key(|c| std::cmp::Reverse(c.1));
+            let total: f64 = classes.iter().map(|c| c.share).sum();
+            let target: Vec<f64> = classes.iter().map(|c| c.share / total * items.len() as f64).collect();
+            let mut got = vec![0usize; classes.len()];
+            let mut by_client: BTreeMap<&str, Objective> = BTreeMap::new();
+            for (name, n) in clients {
+                let class = (0..classes.len())
+                    .filter(|&k| classes[k].share > 0.0)
+                    .max_by(|&a, &b| {
+                        (target[a] - got[a] as f64).total_cmp(&(target[b] - got[b] as f64)).then(b.cmp(&a))
+                    })
+                    .unwrap_or(0);
+                got[class] += n;
+                by_client.insert(name, Objective { class, ttft_ms: draw_objective(&mut rng, &classes[class]) });
+            }
             Ok(items.iter().map(|w| by_client[w.client.as_str()]).collect())
         }
     }
@@ -176,6 +171,24 @@ pub fn with_objective_headers(items: &[WorkItem], objectives: &[Objective], head
 pub fn mean_rate_rps(items: &[WorkItem]) -> Option<f64> {
     let (first, last) = (items.first()?.arrival_us, items.last()?.arrival_us);
     (items.len() >= 2 && last > first).then(|| (items.len() - 1) as f64 / ((last - first) as f64 / 1e6))
+}
+
+/// Highest arrival rate over any window of `window_s` seconds that starts at an arrival,
+/// requests per second: how far a trace's bursts go above its mean. Rows must be sorted.
+pub fn peak_rate_rps(items: &[WorkItem], window_s: f64) -> f64 {
+    let w = (window_s * 1e6) as u64;
+    if w == 0 {
+        return 0.0;
+    }
+    let (mut best, mut j) = (0usize, 0usize);
+    for i in 0..items.len() {
+        j = j.max(i);
+        while j < items.len() && items[j].arrival_us < items[i].arrival_us + w {
+            j += 1;
+        }
+        best = best.max(j - i);
+    }
+    best as f64 / window_s
 }
 
 /// The same rows, in the same order, with arrivals stretched or compressed (relative to the
@@ -322,32 +335,35 @@ mod tests {
     }
 
     #[test]
-    fn clients_get_one_class_each_by_quota() {
+    fn clients_get_one_class_each_and_request_shares_near_the_targets() {
         let classes = qlm_classes();
-        let w = rows(2_700, 27);
+        // 27 clients of very different sizes: client k sends k + 1 rows (1..=27, 378 in all).
+        let mut w = Vec::new();
+        for k in 0..27usize {
+            for j in 0..=k {
+                w.push(item((k * 100 + j) as f64 * 0.01, &format!("c{k:02}")));
+            }
+        }
+        w.sort_by_key(|x| x.arrival_us);
         let a = assign_classes(&w, &classes, AssignBy::Client, 3).unwrap();
         let mut per_client: BTreeMap<&str, Objective> = BTreeMap::new();
         for (x, o) in w.iter().zip(&a) {
             assert_eq!(*per_client.entry(&x.client).or_insert(*o), *o, "{} has one objective", x.client);
         }
-        let mut count = [0; 3];
-        for o in per_client.values() {
-            count[o.class] += 1;
+        // Dealt largest first, no class ends further from its target than the largest client
+        // (27 rows of 378: 7 points).
+        let s = shares(&a, 3);
+        for (got, want) in s.iter().zip([0.5, 0.25, 0.25]) {
+            assert!((got - want).abs() <= 27.0 / 378.0, "request shares {s:?}");
         }
-        // 27 × (0.5, 0.25, 0.25) = 13.5, 6.75, 6.75: largest remainders give 14, 7, 6 or 13, 7, 7.
-        assert_eq!(count.iter().sum::<usize>(), 27);
-        assert!(
-            (13..=14).contains(&count[0]) && (6..=7).contains(&count[1]) && (6..=7).contains(&count[2]),
-            "{count:?}"
-        );
-        // Arrival order does not matter; the seed does.
+        assert!(per_client.values().filter(|o| o.class == 0).all(|o| (2_000..=20_000).contains(&o.ttft_ms)));
+        // Arrival order does not matter; the seed does (objectives are drawn from it).
         let mut rev = w.clone();
         rev.reverse();
         let mut b = assign_classes(&rev, &classes, AssignBy::Client, 3).unwrap();
         b.reverse();
         assert_eq!(a, b);
-        let other = assign_classes(&w, &classes, AssignBy::Client, 4).unwrap();
-        assert_ne!(a, other);
+        assert_ne!(a, assign_classes(&w, &classes, AssignBy::Client, 4).unwrap());
     }
 
     #[test]
@@ -388,6 +404,17 @@ mod tests {
         let mut unsorted = w.clone();
         unsorted.swap(0, 4);
         assert!(scale_to_rate(&unsorted, 1.0).is_err());
+    }
+
+    #[test]
+    fn peak_rate_counts_the_busiest_window() {
+        // 10 rows in the first second, then one every 10 s.
+        let mut w: Vec<WorkItem> = (0..10).map(|i| item(i as f64 * 0.1, "a")).collect();
+        w.extend((1..=5).map(|i| item(i as f64 * 10.0, "a")));
+        assert_eq!(peak_rate_rps(&w, 1.0), 10.0);
+        assert_eq!(peak_rate_rps(&w, 10.0), 1.0, "10 s from 0 holds the first ten, not the one at 10 s");
+        assert_eq!(peak_rate_rps(&w, 100.0), 0.15);
+        assert_eq!(peak_rate_rps(&[], 1.0), 0.0);
     }
 
     #[test]
