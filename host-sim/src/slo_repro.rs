@@ -58,7 +58,8 @@ pub enum SloTrace {
     AzureConv,
     /// `azure-llm-2023-code.csv`: one client, classes assigned per row.
     AzureCode,
-    /// `mooncake-conversation.jsonl`: one client, classes assigned per row (long prompts).
+    /// `mooncake-conversation.jsonl`: one client, classes assigned per row. Its prompts run to
+    /// 126 k tokens: it needs a 128 k-context profile (`llama3-8b-a100`).
     Mooncake,
 }
 

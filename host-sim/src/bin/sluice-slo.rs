@@ -246,6 +246,17 @@ fn run(cli: Cli) -> Result<()> {
         );
         print!("{line}");
         summary += &line;
+        let too_long = items.iter().filter(|w| w.prompt_tokens + w.output_tokens > pool.profile.max_model_len).count();
+        if too_long > 0 {
+            let line = format!(
+                "warning: {too_long} rows of {} exceed {}'s context of {} tokens; the server refuses them (choose a longer --profile)\n",
+                t.name(),
+                pool.profile.name,
+                pool.profile.max_model_len
+            );
+            print!("{line}");
+            summary += &line;
+        }
     }
     summary += "\n";
 
