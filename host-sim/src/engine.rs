@@ -49,6 +49,10 @@ pub struct GatewayConfig {
     pub stream_idle_timeout_us: Option<u64>,
     /// Faults to inject (none by default).
     pub faults: Faults,
+    /// Request headers whose value, as the filter left them when it sent the request upstream,
+    /// is kept in [`RequestRecord::upstream_headers`] (what the model server saw, e.g. a
+    /// prediction the filter adds). Empty by default: nothing is copied.
+    pub recorded_upstream_headers: Vec<String>,
 }
 
 impl Default for GatewayConfig {
@@ -66,6 +70,7 @@ impl Default for GatewayConfig {
             reason_headers: vec!["x-llm-d-request-dropped-reason".into(), "x-sluice-reject-reason".into()],
             stream_idle_timeout_us: None,
             faults: Faults::default(),
+            recorded_upstream_headers: Vec::new(),
         }
     }
 }
@@ -143,6 +148,11 @@ impl ClientRequest {
             prefix_hashes: Vec::new(),
         }
     }
+
+    /// Adds a request header (name lower-cased, as Envoy passes names to filters).
+    pub fn add_header(&mut self, name: &str, value: &str) {
+        self.headers.push((name.to_ascii_lowercase(), value.as_bytes().to_vec()));
+    }
 }
 
 /// What happened to one request, as the client saw it.
@@ -190,12 +200,20 @@ pub struct RequestRecord {
     /// Longest time the stream went without activity (a request chunk, anything from
     /// upstream), up to its end, µs: what Envoy's stream idle timer measures.
     pub max_silence_us: u64,
+    /// The headers named in [`GatewayConfig::recorded_upstream_headers`] that the request
+    /// carried upstream (name, value), in that order; empty if it never went upstream.
+    pub upstream_headers: Vec<(String, String)>,
 }
 
 impl RequestRecord {
     /// Time to first token, ms.
     pub fn ttft_ms(&self) -> Option<f64> {
         self.first_token_us.map(|t| (t - self.arrival_us) as f64 / 1000.0)
+    }
+
+    /// Value of a header recorded in [`RequestRecord::upstream_headers`].
+    pub fn upstream_header(&self, name: &str) -> Option<&str> {
+        self.upstream_headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// Time per output token after the first, ms.
@@ -378,6 +396,7 @@ impl Sim {
             preemptions: 0,
             queued_us: None,
             max_silence_us: 0,
+            upstream_headers: Vec::new(),
         };
         self.streams.push(Stream {
             req,
@@ -889,10 +908,17 @@ impl Sim {
         if let Some(sd) = self.host.stream_mut(vm, ctx) {
             sd.properties.insert("upstream.address".into(), addr.clone().into_bytes());
         }
+        let kept: Vec<(String, String)> = self
+            .cfg
+            .recorded_upstream_headers
+            .iter()
+            .filter_map(|n| abi::header(&headers, n).map(|v| (n.clone(), String::from_utf8_lossy(v).into_owned())))
+            .collect();
         let s = &mut self.streams[i];
         s.upstream = Some(u);
         s.rec.endpoint = Some(addr);
         s.rec.dispatched_us = Some(self.now);
+        s.rec.upstream_headers = kept;
         let req = UpstreamRequest {
             headers,
             body: std::mem::take(&mut s.forwarded),

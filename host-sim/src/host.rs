@@ -17,6 +17,27 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 use wasmtime::{Config, Engine, InstancePre, Linker, Module, Store, TypedFunc, WasmParams, WasmResults};
 
+/// The plugin refused its configuration (`on_configure` returned false), as Envoy would refuse
+/// the listener; callers that compare configurations tell it from other start-up failures with
+/// `anyhow::Error::downcast_ref`.
+#[derive(Clone, Debug)]
+pub struct ConfigRejected {
+    /// The module's last log messages, newest first (where it says why).
+    pub last_logs: Vec<String>,
+}
+
+impl std::fmt::Display for ConfigRejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "on_configure returned false (the plugin rejected its configuration); last logs: {:?}",
+            self.last_logs
+        )
+    }
+}
+
+impl std::error::Error for ConfigRejected {}
+
 /// How the plugin is deployed: Envoy's `PluginConfig` / `VmConfig` plus the thread count.
 #[derive(Clone, Debug)]
 pub struct PluginSpec {
@@ -391,8 +412,8 @@ impl Host {
                 .invoke(vm, root, "proxy_on_configure", f, (root as i32, plugin_cfg_len))
                 .map_err(|t| anyhow::anyhow!("{t}"))?;
             if ok == 0 {
-                let tail: Vec<String> = self.logs().iter().rev().take(3).map(|l| l.message.clone()).collect();
-                bail!("on_configure returned false (the plugin rejected its configuration); last logs: {tail:?}");
+                let last_logs: Vec<String> = self.logs().iter().rev().take(3).map(|l| l.message.clone()).collect();
+                return Err(ConfigRejected { last_logs }.into());
             }
         }
         Ok(())

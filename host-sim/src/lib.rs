@@ -94,13 +94,15 @@ pub mod report;
 pub mod repro;
 pub mod routing_compare;
 pub mod scenario;
+pub mod slo_repro;
+pub mod slo_workload;
 pub mod soak;
 pub mod state;
 pub mod upstream;
 pub mod workload;
 
 pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-pub use host::{FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
+pub use host::{ConfigRejected, FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
 pub use hostcalls::INJECTED_TRAP;
 pub use report::Report;
 pub use scenario::Scenario;

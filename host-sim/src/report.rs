@@ -391,6 +391,17 @@ pub fn records_csv(recs: &[RequestRecord]) -> String {
     out
 }
 
+/// A label as a file-name part: lower-case ASCII letters and digits, anything else a dash.
+pub fn slug(label: &str) -> String {
+    label
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect::<String>()
+        .trim_matches('-')
+        .to_string()
+}
+
 /// A line chart as standalone SVG: one polyline per series, axes with min/max labels.
 pub fn svg_lines(title: &str, x_label: &str, y_label: &str, series: &BTreeMap<String, Vec<(f64, f64)>>) -> String {
     const W: f64 = 900.0;
@@ -507,6 +518,7 @@ mod tests {
             preemptions: 0,
             queued_us: None,
             max_silence_us: 0,
+            upstream_headers: Vec::new(),
         }
     }
 

@@ -160,6 +160,7 @@ pub fn uniform_client(client: &str, phases: &[Phase], seed: u64) -> Vec<WorkItem
                     output_tokens: p.output_tokens,
                     prefix_hashes: Vec::new(),
                     model: None,
+                    headers: Vec::new(),
                 });
             }
             t += 1.0 / rate_at(t).max(1e-9);

@@ -308,6 +308,9 @@ impl Scenario {
                 w.output_tokens,
             );
             r.prefix_hashes = w.prefix_hashes.clone();
+            for (k, v) in &w.headers {
+                r.add_header(k, v);
+            }
             r.cancel_after_us = self.client_timeout_s.map(|s| (s * 1e6) as u64);
             sim.add_request(r);
         }

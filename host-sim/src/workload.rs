@@ -21,6 +21,9 @@ pub struct WorkItem {
     pub prefix_hashes: Vec<u64>,
     /// Model asked for (default: the scenario's).
     pub model: Option<String>,
+    /// Extra request headers (name, value): what a trusted upstream filter would have set,
+    /// such as a request's SLO. Empty for every generator and trace format here.
+    pub headers: Vec<(String, String)>,
 }
 
 /// A synthetic client: an arrival process and a length distribution.
@@ -256,6 +259,7 @@ pub fn synthetic(clients: &[SyntheticClient], duration_s: f64, seed: u64) -> Res
             output_tokens: c.lengths.draw(&mut len_rng, c.output_tokens),
             prefix_hashes: Vec::new(),
             model: c.model.clone(),
+            headers: Vec::new(),
         }));
     }
     out.sort_by_key(|w| w.arrival_us);
@@ -379,6 +383,7 @@ fn parse_vtc(line: &str) -> Result<WorkItem, String> {
         output_tokens: tokens("output_tokens", f[3])?,
         prefix_hashes: Vec::new(),
         model: None,
+        headers: Vec::new(),
     })
 }
 
@@ -428,6 +433,7 @@ fn parse_azure(line: &str, t0: &mut Option<i64>) -> Result<WorkItem, String> {
         output_tokens: tokens("GeneratedTokens", f[2])?,
         prefix_hashes: Vec::new(),
         model: None,
+        headers: Vec::new(),
     })
 }
 
@@ -452,6 +458,7 @@ fn parse_mooncake(line: &str) -> Result<WorkItem, String> {
         output_tokens: tokens("output_length", &r.output_length.to_string())?,
         prefix_hashes: r.hash_ids,
         model: None,
+        headers: Vec::new(),
     })
 }
 
@@ -550,6 +557,7 @@ mod tests {
                 output_tokens: 4,
                 prefix_hashes: vec![],
                 model: None,
+                headers: vec![],
             }
         );
         assert_eq!(w[1].arrival_us, 1_000_000);

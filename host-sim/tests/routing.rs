@@ -183,6 +183,7 @@ fn prompts_share_exactly_the_text_of_their_shared_hash_blocks() {
         output_tokens: 1,
         prefix_hashes: hashes,
         model: None,
+        headers: Vec::new(),
     };
     // 32 tokens per hash block = 128 bytes.
     let a = rc::prompt_text(&item(vec![1, 2, 3], 90), 0, 32);

@@ -4,6 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use host_sim::report::slug;
 use host_sim::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload, Table2Row};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,16 +68,6 @@ fn main() {
         eprintln!("sluice-repro: error: {e:#}");
         std::process::exit(2);
     }
-}
-
-fn slug(label: &str) -> String {
-    label
-        .to_ascii_lowercase()
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-        .collect::<String>()
-        .trim_matches('-')
-        .to_string()
 }
 
 fn write(path: &Path, text: &str) -> Result<()> {
