@@ -88,6 +88,8 @@ struct Running {
     band: Criticality,
     flow: FlowId,
     input_tokens: u32,
+    /// The client's bound on output (0: none).
+    max_tokens: u32,
     /// Output tokens charged so far.
     output: u32,
     model: String,
@@ -114,7 +116,8 @@ struct SloState {
     queued: HashMap<u64, QueuedSlo>,
 }
 
-/// Most requests answered `rejected-slo-unattainable` in one pump (the rest next time).
+/// Most requests answered `rejected-slo-unattainable` (or demoted to best
+/// effort) in one pump (the rest next time).
 const MAX_DROPS_PER_PUMP: usize = 64;
 /// Entries summed for a newcomer's work ahead before the whole band is taken instead.
 const MAX_AHEAD_SCAN: usize = 4096;
@@ -198,11 +201,13 @@ impl Scheduler {
         }
     }
 
-    /// Records a running request (holding its tenant); false if it already was.
-    fn start(&mut self, req: u64, band: Criticality, flow: FlowId, input_tokens: u32, model: String) -> bool {
+    /// Records a running request (holding its tenant) with `r` = (input
+    /// tokens, `max_tokens`); false if it already was.
+    fn start(&mut self, req: u64, band: Criticality, flow: FlowId, r: (u32, u32), model: String) -> bool {
         let new = !self.running.contains_key(&req);
         if new {
-            self.running.insert(req, Running { band, flow, input_tokens, output: 0, model });
+            let (input_tokens, max_tokens) = r;
+            self.running.insert(req, Running { band, flow, input_tokens, max_tokens, output: 0, model });
             self.queue.hold(flow);
         }
         new
@@ -215,7 +220,7 @@ impl Scheduler {
         if let Some(r) = self.running.remove(&req) {
             if let Some(slo) = self.slo.as_mut().filter(|_| complete) {
                 let tenant = self.queue.flow_name(r.flow).unwrap_or_default();
-                slo.est.on_complete(tenant, &r.model, r.output);
+                slo.est.on_complete(tenant, &r.model, r.output, (r.max_tokens > 0).then_some(r.max_tokens));
             }
             self.queue.release(r.flow);
         }
@@ -280,14 +285,45 @@ impl Scheduler {
     }
 
     /// True when a request about to be dispatched now cannot meet its
-    /// objective even so (the drop quantile of its time to first token from
-    /// here, prefill only, exceeds what is left).
-    fn unattainable_now(&self, req: u64, now_ms: u64) -> bool {
+    /// objective even so: its time to first token from here (prefill only),
+    /// `z` standard deviations above the mean, exceeds what is left.
+    fn unattainable_now(&self, req: u64, now_ms: u64, z: f64) -> bool {
         let Some(slo) = &self.slo else { return false };
-        let (Some(z), Some(q)) = (slo.drop_z, slo.queued.get(&req)) else { return false };
+        let Some(q) = slo.queued.get(&req) else { return false };
         let Some(d) = q.deadline else { return false };
         let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
         slo.est.predict_ttft(elapsed, Work::default(), false, q.input_tokens, z).is_some_and(|t| t > d.ttft_ms as f64)
+    }
+
+    /// A queued request that can no longer meet its objective, under an SLO
+    /// order without dropping: it loses its deadline and waits as best
+    /// effort (behind every request that can still make it, as the policy's
+    /// choice only), instead of taking a slot from one that can. Serving the
+    /// hopeless first is how deadline orders collapse under overload.
+    fn demote(&mut self, req: u64) {
+        let Some(band) = self.queue.band_of(req) else { return };
+        let Some(flow) = self.queue.peek().filter(|(_, r)| r.id == req).map(|(_, r)| r.flow) else { return };
+        // Held so that the tenant is not forgotten between the two steps.
+        self.queue.hold(flow);
+        if let Some(r) = self.queue.remove(req) {
+            let meta = RequestMeta {
+                predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
+                ..Default::default()
+            };
+            // Room was just made in the same band and flow: it fits again.
+            let back = self.queue.push_with(band, r, meta);
+            debug_assert!(matches!(back, Ok(None)), "re-queued in place: {back:?}");
+            if let Some(slo) = self.slo.as_mut() {
+                if let Some(q) = slo.queued.get_mut(&req) {
+                    q.deadline = None;
+                }
+                let i = band_index(band);
+                if let Some(w) = slo.work[i].remove(req) {
+                    slo.work[i].insert(req, f64::INFINITY, w);
+                }
+            }
+        }
+        self.queue.release(flow);
     }
 
     /// Requests waiting.
@@ -399,7 +435,7 @@ impl Scheduler {
                     if let Some(slo) = self.slo.as_mut() {
                         slo.est.on_arrival();
                     }
-                    self.start(req, band, flow, input_tokens, model);
+                    self.start(req, band, flow, (input_tokens, max_tokens), model);
                 }
                 let policy = self.queue.band_mut(band).policy_mut();
                 if output_tokens > 0 {
@@ -434,8 +470,15 @@ impl Scheduler {
         self.observe_clock(now_ms);
         self.queue.advance(now_ms);
         let mut drops = 0;
+        let drop_z = self.slo.as_ref().and_then(|s| s.drop_z);
+        let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair) && drop_z.is_none();
         while let Some(next) = self.queue.peek().map(|(_, r)| r.id) {
-            let msg = if drops < MAX_DROPS_PER_PUMP && self.unattainable_now(next, now_ms) {
+            if demotes && drops < MAX_DROPS_PER_PUMP && self.unattainable_now(next, now_ms, 0.0) {
+                drops += 1;
+                self.demote(next);
+                continue;
+            }
+            let msg = if drops < MAX_DROPS_PER_PUMP && drop_z.is_some_and(|z| self.unattainable_now(next, now_ms, z)) {
                 drops += 1;
                 ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }
             } else {
@@ -451,7 +494,7 @@ impl Scheduler {
             let predicted = self.left_queue(r.id);
             let msg = match msg {
                 ToWorker::Dispatch { req, endpoint, .. } => {
-                    self.start(r.id, band, r.flow, r.input_tokens, route.model);
+                    self.start(r.id, band, r.flow, (r.input_tokens, r.max_output_tokens), route.model);
                     let expose = self.slo.as_ref().is_some_and(|s| s.expose);
                     ToWorker::Dispatch { req, endpoint, predicted_ttft_ms: predicted.filter(|_| expose) }
                 }
@@ -1278,5 +1321,18 @@ mod tests {
         };
         assert_eq!(first(""), vec![1], "without the hold, fairness serves the batch request");
         assert_eq!(first(r#","hold_batch_slack_ms":60000"#), vec![2], "the at-risk one goes first");
+    }
+
+    #[test]
+    fn without_dropping_the_slo_order_serves_the_hopeless_last_not_first() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"order":"slack"}"#));
+        let mut out = Vec::new();
+        s.on_message(enqueue_slo(1, "a", 0, 1_000, 10), 0, &mut out);
+        s.on_message(enqueue_slo(2, "b", 0, 60_000, 10), 0, &mut out);
+        s.on_message(enqueue_slo(3, "c", 0, 90_000, 10), 0, &mut out);
+        // At 2 s request 1 has missed: it goes after every request that can still make it.
+        s.pump(2_000, &mut slots(3), &mut out);
+        assert_eq!(dispatched(&out), vec![2, 3, 1]);
+        assert!(out.iter().all(|(_, m)| matches!(m, ToWorker::Dispatch { .. })), "nothing refused: {out:?}");
     }
 }

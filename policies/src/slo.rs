@@ -109,8 +109,21 @@ const MAX_MODEL_KEYS: usize = 64;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Keyed {
+    /// Output lengths.
     m: Moments,
+    /// Output over `max_tokens`, for requests that gave one.
+    ratio: Moments,
     touched: u64,
+}
+
+impl Keyed {
+    fn observe(&mut self, x: f64, ratio: Option<f64>, alpha: f64, clock: u64) {
+        self.m.observe(x, alpha);
+        if let Some(r) = ratio {
+            self.ratio.observe(r, alpha);
+        }
+        self.touched = clock;
+    }
 }
 
 /// Keeps the map under `cap` entries by dropping the least recently touched half.
@@ -193,7 +206,7 @@ pub struct Estimator {
     cfg: EstimatorConfig,
     lengths: HashMap<(String, String), Keyed>,
     by_model: HashMap<String, Keyed>,
-    all: Moments,
+    all: Keyed,
     prefill: Fit,
     /// Saturated output-token throughput, tokens per second.
     tput: Moments,
@@ -216,7 +229,7 @@ impl Estimator {
             cfg,
             lengths: HashMap::new(),
             by_model: HashMap::new(),
-            all: Moments::default(),
+            all: Keyed::default(),
             prefill: Fit::default(),
             tput: Moments::default(),
             tput_floor: 0.0,
@@ -264,26 +277,24 @@ impl Estimator {
         self.window_tokens += tokens as u64;
     }
 
-    /// A request of `tenant` for `model` finished after `output_tokens`.
-    pub fn on_complete(&mut self, tenant: &str, model: &str, output_tokens: u32) {
+    /// A request of `tenant` for `model` that asked for at most
+    /// `max_tokens` finished after `output_tokens`.
+    pub fn on_complete(&mut self, tenant: &str, model: &str, output_tokens: u32, max_tokens: Option<u32>) {
         self.clock += 1;
         self.window_done += 1;
         let x = output_tokens as f64;
-        let a = self.cfg.alpha;
-        self.all.observe(x, a);
+        let ratio = max_tokens.filter(|&m| m > 0).map(|m| (x / m as f64).min(1.0));
+        let (a, clock) = (self.cfg.alpha, self.clock);
+        self.all.observe(x, ratio, a, clock);
         if !self.by_model.contains_key(model) {
             bound(&mut self.by_model, MAX_MODEL_KEYS);
         }
-        let e = self.by_model.entry_ref(model).or_default();
-        e.m.observe(x, a);
-        e.touched = self.clock;
+        self.by_model.entry_ref(model).or_default().observe(x, ratio, a, clock);
         let key = (tenant.to_owned(), model.to_owned());
         if !self.lengths.contains_key(&key) {
             bound(&mut self.lengths, MAX_LENGTH_KEYS);
         }
-        let e = self.lengths.entry(key).or_default();
-        e.m.observe(x, a);
-        e.touched = self.clock;
+        self.lengths.entry(key).or_default().observe(x, ratio, a, clock);
     }
 
     /// The first token of a request with `input_tokens` came `ms` after it was dispatched.
@@ -291,30 +302,45 @@ impl Estimator {
         self.prefill.observe(input_tokens as f64, ms as f64, self.cfg.alpha);
     }
 
-    /// Predicted output of a request: its (tenant, model)'s statistics once
-    /// they have enough samples, else its model's, else the pool's, else the
-    /// prior; bounded by `max_tokens` when the client gave one (`None` is
-    /// "unknown", never zero).
-    pub fn output(&self, tenant: &str, model: &str, max_tokens: Option<u32>) -> Work {
+    /// The most specific statistics with enough samples: the (tenant,
+    /// model)'s, the model's, the pool's.
+    fn stats(&self, tenant: &str, model: &str, pick: impl Fn(&Keyed) -> Moments) -> Option<Moments> {
         let enough = |m: &Moments| m.n >= self.cfg.min_samples;
-        let m = self
-            .lengths
+        self.lengths
             .get(&(tenant.to_owned(), model.to_owned()))
-            .map(|k| k.m)
+            .map(&pick)
             .filter(enough)
-            .or_else(|| self.by_model.get(model).map(|k| k.m).filter(enough))
-            .or_else(|| Some(self.all).filter(enough))
-            .unwrap_or(Moments {
-                mean: self.cfg.prior_output_tokens,
-                var: self.cfg.prior_output_tokens * self.cfg.prior_output_tokens,
-                n: 0,
-            });
+            .or_else(|| self.by_model.get(model).map(&pick).filter(enough))
+            .or_else(|| Some(pick(&self.all)).filter(enough))
+    }
+
+    /// Predicted output of a request. With `max_tokens` (`None` is
+    /// "unknown", never zero): that bound times the fraction of it such
+    /// requests used (clients that always set a generous bound and clients
+    /// whose bound is the length are both learned). Without: the output
+    /// lengths seen. Each from the (tenant, model)'s statistics once they have
+    /// enough samples, else the model's, else the pool's, else the prior.
+    pub fn output(&self, tenant: &str, model: &str, max_tokens: Option<u32>) -> Work {
+        let prior = || Moments {
+            mean: self.cfg.prior_output_tokens,
+            var: self.cfg.prior_output_tokens * self.cfg.prior_output_tokens,
+            n: 0,
+        };
         match max_tokens {
             Some(cap) => {
                 let cap = cap as f64;
-                Work { mean: m.mean.min(cap), var: m.var.min(cap * cap / 4.0) }
+                match self.stats(tenant, model, |k| k.ratio) {
+                    Some(r) => Work { mean: cap * r.mean, var: cap * cap * r.var },
+                    None => {
+                        let m = self.stats(tenant, model, |k| k.m).unwrap_or_else(prior);
+                        Work { mean: m.mean.min(cap), var: m.var.min(cap * cap / 4.0) }
+                    }
+                }
             }
-            None => Work { mean: m.mean, var: m.var },
+            None => {
+                let m = self.stats(tenant, model, |k| k.m).unwrap_or_else(prior);
+                Work { mean: m.mean, var: m.var }
+            }
         }
     }
 
@@ -343,8 +369,8 @@ impl Estimator {
         let mut ms = elapsed_ms + pre + z * pre_var.sqrt();
         if queued {
             let tput = self.throughput()?;
-            let slot = Work { mean: self.all.mean.max(1.0), var: self.all.var };
-            let slot = if self.all.n == 0 { self.output("", "", None) } else { slot };
+            let slot = Work { mean: self.all.m.mean.max(1.0), var: self.all.m.var };
+            let slot = if self.all.m.n == 0 { self.output("", "", None) } else { slot };
             let w = ahead + slot;
             ms += (w.mean + z * w.var.sqrt()).max(0.0) / tput * 1000.0;
         }
@@ -573,21 +599,28 @@ mod tests {
         assert_eq!(e.output("a", "m", None).mean, 256.0, "prior");
         assert_eq!(e.output("a", "m", Some(100)).mean, 100.0, "bounded by max_tokens");
         for _ in 0..5 {
-            e.on_complete("a", "m", 1000);
-            e.on_complete("b", "m2", 10);
+            e.on_complete("a", "m", 1000, None);
+            e.on_complete("b", "m2", 10, None);
         }
         assert_eq!(e.output("a", "m", None).mean, 1000.0, "own statistics");
         assert!((e.output("c", "m", None).mean - 1000.0).abs() < 1e-9, "the model's");
         let pool = e.output("c", "other", None).mean;
         assert!(pool > 10.0 && pool < 1000.0, "the pool's: {pool}");
-        assert_eq!(e.output("a", "m", Some(50)).mean, 50.0);
+        assert_eq!(e.output("a", "m", Some(50)).mean, 50.0, "no ratio learned yet: capped lengths");
+        // Tenant g uses a quarter of its bound; tenant x all of it.
+        for _ in 0..5 {
+            e.on_complete("g", "m", 100, Some(400));
+            e.on_complete("x", "m", 300, Some(300));
+        }
+        assert!((e.output("g", "m", Some(800)).mean - 200.0).abs() < 1e-9);
+        assert!((e.output("x", "m", Some(800)).mean - 800.0).abs() < 1e-9);
     }
 
     #[test]
     fn hostile_names_do_not_grow_the_tables_without_bound() {
         let mut e = Estimator::new(EstimatorConfig::default());
         for i in 0..20_000 {
-            e.on_complete(&format!("t{i}"), &format!("m{i}"), 10);
+            e.on_complete(&format!("t{i}"), &format!("m{i}"), 10, None);
         }
         assert!(e.lengths.len() <= MAX_LENGTH_KEYS && e.by_model.len() <= MAX_MODEL_KEYS);
     }
