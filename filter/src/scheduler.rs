@@ -168,6 +168,7 @@ impl Scheduler {
             expose: s.expose_prediction,
             est: Estimator::new(EstimatorConfig {
                 prior_output_tokens: s.prior_output_tokens as f64,
+                input_cost: s.input_token_cost,
                 ..EstimatorConfig::default()
             }),
             work: Default::default(),
@@ -207,6 +208,9 @@ impl Scheduler {
         let new = !self.running.contains_key(&req);
         if new {
             let (input_tokens, max_tokens) = r;
+            if let Some(slo) = self.slo.as_mut() {
+                slo.est.on_dispatch(input_tokens);
+            }
             self.running.insert(req, Running { band, flow, input_tokens, max_tokens, output: 0, model });
             self.queue.hold(flow);
         }
@@ -350,7 +354,7 @@ impl Scheduler {
                 let mut slo_entry = None;
                 if let Some(slo) = self.slo.as_mut() {
                     slo.est.on_arrival();
-                    let work = slo.est.output(&tenant, &route.model, max);
+                    let work = slo.est.work(&tenant, &route.model, input_tokens, max);
                     let service = slo.est.prefill_ms(input_tokens).0;
                     meta.service_ms = Some(service.min(u32::MAX as f64) as u32);
                     // The key this request is served by in its band: its rank

@@ -57,6 +57,9 @@ pub const DEFAULT_FAIRNESS_WINDOW: f64 = 4096.0;
 fn default_window() -> f64 {
     DEFAULT_FAIRNESS_WINDOW
 }
+fn default_input_cost() -> f64 {
+    0.5
+}
 fn default_prior() -> u32 {
     256
 }
@@ -105,6 +108,11 @@ pub struct SloConfig {
     /// Output tokens assumed for a tenant and model never seen complete.
     #[serde(default = "default_prior")]
     pub prior_output_tokens: u32,
+    /// Work of a prompt token relative to an output token, for the
+    /// estimator's unit of work (`cost · prompt + output`). The default is
+    /// the VTC paper's price ratio `w_p / w_q = 1/2`.
+    #[serde(default = "default_input_cost")]
+    pub input_token_cost: f64,
     /// QLM's hold of batch work: while a queued request is predicted to
     /// miss unless dispatched at the next free slot, requests with at least
     /// this much slack (and best-effort ones) wait for it, even beyond the
@@ -169,6 +177,9 @@ impl SloConfig {
             if !(0.5..1.0).contains(&d.quantile) {
                 return Err(format!("slo.drop.quantile must be in [0.5, 1), got {}", d.quantile));
             }
+        }
+        if !(self.input_token_cost.is_finite() && (0.0..=100.0).contains(&self.input_token_cost)) {
+            return Err(format!("slo.input_token_cost must be in [0, 100], got {}", self.input_token_cost));
         }
         if self.prior_output_tokens == 0 {
             return Err("slo.prior_output_tokens must be positive".into());
@@ -266,6 +277,7 @@ mod tests {
             (r#"{"fairness_window":-1}"#, "slo.fairness_window"),
             (r#"{"drop":{"quantile":1.0}}"#, "slo.drop.quantile"),
             (r#"{"prior_output_tokens":0}"#, "slo.prior_output_tokens"),
+            (r#"{"input_token_cost":-1}"#, "slo.input_token_cost"),
         ] {
             let err = cfg(json).validate().unwrap_err();
             assert!(err.contains(field), "{json}: {err}");

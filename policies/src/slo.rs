@@ -87,6 +87,10 @@ pub struct EstimatorConfig {
     /// Output length assumed for a tenant and model never seen complete
     /// (mean; its standard deviation is taken equal to it).
     pub prior_output_tokens: f64,
+    /// Work of one prompt token in output-token units: the pool's throughput
+    /// and a request's work count `input_cost · prompt + output`, so that
+    /// prefill-heavy traffic is not taken for free.
+    pub input_cost: f64,
     /// Weight of a new sample in the length and prefill statistics.
     pub alpha: f64,
     /// Length of a throughput window in milliseconds.
@@ -98,7 +102,7 @@ pub struct EstimatorConfig {
 
 impl Default for EstimatorConfig {
     fn default() -> Self {
-        EstimatorConfig { prior_output_tokens: 256.0, alpha: 0.05, window_ms: 1000, min_samples: 3 }
+        EstimatorConfig { prior_output_tokens: 256.0, input_cost: 0.0, alpha: 0.05, window_ms: 1000, min_samples: 3 }
     }
 }
 
@@ -213,7 +217,7 @@ pub struct Estimator {
     /// Throughput of the busiest window seen, used until a saturated one is.
     tput_floor: f64,
     window_start: u64,
-    window_tokens: u64,
+    window_work: f64,
     window_saturated: bool,
     /// Completions in the current window, for the load factor's `T_m`.
     window_done: u64,
@@ -234,7 +238,7 @@ impl Estimator {
             tput: Moments::default(),
             tput_floor: 0.0,
             window_start: 0,
-            window_tokens: 0,
+            window_work: 0.0,
             window_saturated: true,
             window_done: 0,
             window_arrivals: 0,
@@ -252,16 +256,16 @@ impl Estimator {
             return;
         }
         let secs = (now_ms - self.window_start) as f64 / 1000.0;
-        let rate = self.window_tokens as f64 / secs;
-        if self.window_saturated && self.window_tokens > 0 {
-            self.tput.observe(rate, 0.3);
+        let rate = self.window_work / secs;
+        if self.window_saturated && self.window_work > 0.0 {
+            self.tput.observe(rate, 0.1);
             // T_m: completions per second while saturated.
             self.load.service(self.window_done as f64 / secs);
         }
         self.tput_floor = self.tput_floor.max(rate);
         self.load.arrivals(self.window_arrivals as f64 / secs);
         self.window_start = now_ms;
-        self.window_tokens = 0;
+        self.window_work = 0.0;
         self.window_done = 0;
         self.window_arrivals = 0;
         self.window_saturated = saturated;
@@ -274,7 +278,18 @@ impl Estimator {
 
     /// `tokens` output tokens were generated (any request).
     pub fn on_output(&mut self, tokens: u32) {
-        self.window_tokens += tokens as u64;
+        self.window_work += tokens as f64;
+    }
+
+    /// A request with `input_tokens` was dispatched: its prefill is work done.
+    pub fn on_dispatch(&mut self, input_tokens: u32) {
+        self.window_work += self.cfg.input_cost * input_tokens as f64;
+    }
+
+    /// The work of a request: `input_cost · prompt` plus its predicted output.
+    pub fn work(&self, tenant: &str, model: &str, input_tokens: u32, max_tokens: Option<u32>) -> Work {
+        let out = self.output(tenant, model, max_tokens);
+        Work { mean: out.mean + self.cfg.input_cost * input_tokens as f64, var: out.var }
     }
 
     /// A request of `tenant` for `model` that asked for at most
