@@ -502,16 +502,21 @@ mod tests {
     }
 
     #[test]
-    fn bypassed_requests_are_charged_their_input() {
+    fn a_bypassed_request_is_lifted_and_leaves_last_so_its_service_is_not_carried_over() {
         let mut s = Scheduler::new(&cfg("vtc", ""));
         let mut out = Vec::new();
-        // "a" sent 1000 prompt tokens past the queue; "b" nothing.
+        // "a" sent 1000 prompt tokens past the empty queue: charged, and the
+        // last tenant to leave the queue (Algorithm 2: it joined and left).
         s.on_message(charge(9, "a", 1000, 0, false), 0, &mut out);
+        let a = s.queue.tenants().get("a").unwrap();
+        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(a), Some(1000.0));
+        // So "b", joining the empty queue, is lifted to a's 1000 and the two
+        // then alternate: a's service while nothing waited is not held against it.
         s.on_message(enqueue(0, 1, "b", 0), 0, &mut out);
         s.on_message(enqueue(0, 2, "b", 1), 0, &mut out);
         s.on_message(enqueue(0, 3, "a", 2), 0, &mut out);
         s.pump(0, &mut slots(usize::MAX), &mut out);
-        assert_eq!(dispatched(&out), vec![1, 2, 3]);
+        assert_eq!(dispatched(&out), vec![1, 3, 2]);
         s.on_message(charge(9, "a", 0, 0, true), 0, &mut out);
         assert!(!s.running.contains_key(&9), "done forgets the request");
     }
@@ -721,11 +726,13 @@ mod tests {
         assert_eq!(s.dirty_shards(), shared::COUNTER_SHARDS as usize);
         assert_eq!(save_all(&mut s, &store, 5), shared::COUNTER_SHARDS as usize);
         // One tenant charged: its shard alone is written, with its new counter.
+        let t7 = s.queue.tenants().get("t7").unwrap();
+        let before = s.queue.band(Criticality::Standard).policy().counter_of(t7).unwrap();
         s.on_message(charge(5000, "t7", 0, 4, false), 0, &mut out);
         let shards = s.dirty_snapshots(usize::MAX);
         assert_eq!(shards.len(), 1);
         assert_eq!(shards[0].0, shared::counters_key(shared::counter_shard("t7")));
-        assert!(shared::decode_counters(&shards[0].1).contains(&(1, "t7", 18.0)));
+        assert!(shared::decode_counters(&shards[0].1).contains(&(1, "t7", before + 8.0)));
         assert!(s.dirty_snapshots(usize::MAX).is_empty(), "clean until charged again");
         // Requests that wait change nothing saved until they are dispatched; a
         // dispatch dirties the shard of its tenant only.
@@ -788,9 +795,10 @@ mod tests {
         }
         assert_eq!(s.tenants(), 5);
         // Output still reaches each tenant's own counter.
-        s.on_message(charge(3, "", 0, 5, false), 0, &mut out);
         let flow = s.queue.tenants().get("r3").unwrap();
-        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(flow), Some(20.0));
+        let before = s.queue.band(Criticality::Standard).policy().counter_of(flow).unwrap();
+        s.on_message(charge(3, "", 0, 5, false), 0, &mut out);
+        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(flow), Some(before + 10.0));
         // Their workers vanished: dropping them completes and releases them.
         s.bound_running(0);
         assert!(s.running.is_empty());

@@ -305,7 +305,8 @@ impl Default for VtcWeights {
 ///
 /// Counters are charged `w_p · input` at dispatch and `w_q` per generated token;
 /// a flow joining the queue is lifted to the smallest counter among backlogged
-/// flows, or to the counter of the last flow that left an emptied queue.
+/// flows, or to the counter of the last flow that left an emptied queue. A
+/// request that bypasses the queue counts as joining it and leaving at once.
 pub type Vtc = CounterPolicy<Linear>;
 
 #[cfg(test)]

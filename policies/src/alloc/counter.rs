@@ -332,6 +332,27 @@ impl<C: Charge> CounterPolicy<C> {
         self.update(flow, |c| *c = value);
     }
 
+    fn is_backlogged(&self, flow: FlowId) -> bool {
+        matches!(self.key_of.get(flow as usize), Some(Some(_)))
+    }
+
+    /// The counter lift of Algorithm 2 (lines 7-13) for a flow joining the
+    /// queue: up to the smallest backlogged counter, or, when nothing is
+    /// backlogged, to the counter of the last flow to leave. Nothing for LCF.
+    fn lift_newcomer(&mut self, flow: FlowId) {
+        if !self.lift {
+            return;
+        }
+        let floor = match self.min_backlogged() {
+            Some(min) => min,
+            None => self.last_left.map_or(self.left_floor, |l| self.counter(l)),
+        };
+        let c = slot(&mut self.counters, flow);
+        if *c < floor {
+            *c = floor;
+        }
+    }
+
     fn min_backlogged(&self) -> Option<f64> {
         self.backlog.first().map(|&(bits, _, _)| f64::from_bits(bits))
     }
@@ -375,16 +396,8 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
                 }
             }
             Some(seq) => {
-                if was.is_none() && self.lift {
-                    // Counter lift (Algorithm 2, lines 7-13).
-                    let floor = match self.min_backlogged() {
-                        Some(min) => min,
-                        None => self.last_left.map_or(self.left_floor, |l| self.counter(l)),
-                    };
-                    let c = slot(&mut self.counters, flow);
-                    if *c < floor {
-                        *c = floor;
-                    }
+                if was.is_none() {
+                    self.lift_newcomer(flow);
                 }
                 let bits = slot(&mut self.counters, flow).to_bits();
                 self.key_of[flow as usize] = Some((bits, seq));
@@ -397,9 +410,21 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
         self.backlog.first().map(|&(_, _, f)| f)
     }
 
+    /// A request of a flow that is not backlogged went straight to a backend
+    /// (it bypassed the queue in the filter): in Algorithm 2's terms it joined
+    /// the queue and left it at once, so it is lifted as a newcomer first and
+    /// its flow is the last to have left. Service received while nothing was
+    /// queued is therefore not carried over, as the seed intends.
     fn on_dispatch(&mut self, req: &Request) {
+        let bypass = !self.is_backlogged(req.flow);
+        if bypass {
+            self.lift_newcomer(req.flow);
+        }
         let s = self.charge.dispatch(req);
         self.add(req.flow, s);
+        if bypass {
+            self.last_left = Some(req.flow);
+        }
     }
 
     fn on_output(&mut self, flow: FlowId, tokens: u32) {
@@ -437,27 +462,24 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
     ///
     /// **With the lift (VTC and its weighted, cost, prediction and oracle
     /// variants)** a flow joining the backlog is lifted to the floor `F`: the
-    /// smallest backlogged counter, or, when nothing is backlogged, the counter
-    /// of the last flow to leave (kept here even when that flow is forgotten).
-    /// A returning tenant gets `max(c_old, F)` if remembered and `F` if
-    /// forgotten: forgetting changes nothing unless the tenant's counter `c_old`
-    /// is above the floor it returns to, and then it gains exactly `c_old − F` of
-    /// service credit, once. `F` never decreases (a lift never lowers the
-    /// minimum, a flow leaving never lowers it, an emptied queue leaves the floor
-    /// at the last leaver's counter, which was the minimum). So, when every
-    /// request of the tenant went through the queue, the gain is at most what it
-    /// was above the minimum when it last left the backlog (at most Lemma 4.3's
-    /// spread `U = max(w_p·L_input, w_q·M)`; just `w_p·L_input` when it left by
-    /// being dispatched, as VTC serves the minimum) plus the output charged
+    /// smallest backlogged counter, or, when nothing is backlogged, the counter of
+    /// the last flow to leave (kept here even when that flow is forgotten). A
+    /// returning tenant gets `max(c_old, F)` if remembered and `F` if forgotten:
+    /// forgetting changes nothing unless the tenant's counter `c_old` is above the
+    /// floor it returns to, and then it gains exactly `c_old − F` of service
+    /// credit, once. `F` never decreases (a lift never lowers the minimum, a flow
+    /// leaving never lowers it, an emptied queue leaves the floor at the last
+    /// leaver's counter, which was the minimum; a request that bypassed the queue
+    /// counts as having joined and left it, lifted first). So the gain is at most
+    /// what it was above the minimum when it last left the backlog (at most Lemma
+    /// 4.3's spread `U = max(w_p·L_input, w_q·M)`; just `w_p·L_input` when it left
+    /// by being dispatched, as VTC serves the minimum) plus the output charged
     /// afterwards to its requests then running (`w_q` per token, at most `w_q·M`
-    /// with a batch memory of `M` tokens): about two batches' worth. Service
-    /// charged while the tenant was *not* backlogged (requests that bypassed
-    /// an empty queue in the filter) can lift `c_old` further above `F`; that
-    /// excess is forgiven too. In every case the returning tenant is treated
-    /// exactly as a new tenant name would be, and forgetting needs
-    /// `max_tenants` other tenants to be active after its last activity.
-    /// (With prediction, refunds at completion may lower counters, and the floor
-    /// with them, by the over-prediction refunded.)
+    /// with a batch memory of `M` tokens): about two batches' worth. In every case
+    /// the returning tenant is treated exactly as a new tenant name would be, and
+    /// forgetting needs `max_tenants` other tenants to be active after its last
+    /// activity. (With prediction, refunds at completion may lower counters, and
+    /// the floor with them, by the over-prediction refunded.)
     ///
     /// **Without the lift (LCF)** a returning forgotten tenant starts from 0
     /// like any newcomer: its whole history is lost, and LCF serves it until
@@ -649,6 +671,50 @@ mod tests {
         v.set_head(0, Some(1));
         assert_eq!(v.counter(0), 60.0);
         assert_eq!(v.flow_slots(), 1);
+    }
+
+    #[test]
+    fn a_bypass_into_an_empty_queue_is_lifted_and_becomes_the_last_to_leave() {
+        let mut v = Vtc::new(VtcWeights::default());
+        v.set_head(0, Some(0));
+        v.on_output(0, 50);
+        // Flow 0 leaves an empty queue at 100.
+        v.set_head(0, None);
+        // Flow 1 (counter 0) sends past the empty queue: lifted to 100 first.
+        v.on_dispatch(&req(1, 1, 10));
+        assert_eq!(v.counter(1), 110.0);
+        // It is now the last to have left: a newcomer joins at 110, not 100.
+        v.set_head(2, Some(1));
+        assert_eq!(v.counter(2), 110.0);
+    }
+
+    #[test]
+    fn a_bypass_beside_a_backlog_is_lifted_to_its_minimum_and_a_backlogged_flow_is_not() {
+        let mut v = Vtc::new(VtcWeights::default());
+        v.set_head(0, Some(0));
+        v.set_head(1, Some(1));
+        v.on_output(0, 20); // 40
+        v.on_output(1, 30); // 60
+        v.on_dispatch(&req(1, 2, 5));
+        assert_eq!(v.counter(2), 45.0, "lifted to min(40, 60), then charged");
+        // A request of a backlogged flow dispatched out of turn is only charged.
+        v.on_dispatch(&req(2, 1, 5));
+        assert_eq!(v.counter(1), 65.0);
+        // Flow 2 left last for a moment; the flows that leave after it take over.
+        v.set_head(0, None);
+        v.set_head(1, None);
+        v.set_head(3, Some(2));
+        assert_eq!(v.counter(3), 65.0);
+    }
+
+    #[test]
+    fn lcf_does_not_lift_a_bypass_either() {
+        let mut v = CounterPolicy::lcf(VtcWeights::default());
+        v.set_head(0, Some(0));
+        v.on_output(0, 50);
+        v.set_head(0, None);
+        v.on_dispatch(&req(1, 1, 10));
+        assert_eq!(v.counter(1), 10.0);
     }
 
     #[test]
