@@ -136,12 +136,17 @@ impl Scheduler {
         new
     }
 
-    /// A running request is done: its tenant may become idle, and idle
-    /// tenants past the cap may be forgotten.
-    fn finish(&mut self, req: u64) {
-        if let Some((_, flow)) = self.running.remove(&req) {
-            self.queue.release(flow);
-        }
+    /// A running request is done (finished, or never delivered): its policy
+    /// closes its accounting, then its tenant may become idle and idle
+    /// tenants past the cap may be forgotten. Only the first call for a
+    /// request does anything; false for a request not running.
+    fn finish(&mut self, req: u64) -> bool {
+        let Some((band, flow)) = self.running.remove(&req) else { return false };
+        self.queue.band_mut(band).policy_mut().on_complete(flow, req);
+        self.mark(flow);
+        // Last: the tenant may be forgotten now.
+        self.queue.release(flow);
+        true
     }
 
     /// Requests waiting.
@@ -169,11 +174,6 @@ impl Scheduler {
                 };
                 self.queue.advance(now_ms);
                 let band = band_of_code(band);
-                if max_tokens > 0 {
-                    // The oracle policy reads it as the true length: true in the
-                    // simulator, whose backends generate exactly max_tokens.
-                    self.queue.band_mut(band).policy_mut().hint_output(req, max_tokens);
-                }
                 match self.queue.push_with(band, r, meta) {
                     Ok(evicted) => {
                         // Joining the backlog may lift the counter.
@@ -191,7 +191,12 @@ impl Scheduler {
                 }
             }
             ToScheduler::Cancel { req } => {
-                self.queue.remove(req);
+                // Still queued: it leaves uncharged. Already dispatched: the
+                // stream went away before the dispatch reached it, so it never
+                // ran; it is done, once (a second Cancel finds nothing).
+                if self.queue.remove(req).is_none() {
+                    self.finish(req);
+                }
                 self.routes.remove(&req);
             }
             ToScheduler::Charge { req, band, input_tokens, max_tokens, output_tokens, done, tenant } => {
@@ -201,28 +206,22 @@ impl Scheduler {
                     None => (band_of_code(band), self.queue.flow_id(&tenant)),
                 };
                 if input_tokens > 0 {
-                    // A request that bypassed the queue: charged as if dispatched from it.
-                    let policy = self.queue.band_mut(band).policy_mut();
-                    if max_tokens > 0 {
-                        policy.hint_output(req, max_tokens);
-                    }
+                    // A request that bypassed the queue: a dispatch of a tenant
+                    // that need not be backlogged (VTC lifts it as a newcomer).
                     let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
-                    policy.on_dispatch(&r);
+                    self.queue.band_mut(band).policy_mut().on_dispatch(&r);
                     self.start(req, band, flow);
                 }
-                let policy = self.queue.band_mut(band).policy_mut();
                 if output_tokens > 0 {
-                    policy.on_output_for(flow, req, output_tokens);
+                    self.queue.band_mut(band).policy_mut().on_output_for(flow, req, output_tokens);
                 }
-                if done {
-                    policy.on_complete(flow, req);
-                }
-                if input_tokens > 0 || output_tokens > 0 || done {
+                if input_tokens > 0 || output_tokens > 0 {
                     self.mark(flow);
                 }
-                if done {
-                    // Last: the tenant may be forgotten now.
-                    self.finish(req);
+                if done && !self.finish(req) {
+                    // Not known to run here (dispatched by an earlier lease holder).
+                    self.queue.band_mut(band).policy_mut().on_complete(flow, req);
+                    self.mark(flow);
                 }
             }
         }
@@ -233,22 +232,23 @@ impl Scheduler {
         static NO_ROUTE: RouteInfo = RouteInfo { session: None, model: String::new(), prefix: Vec::new() };
         self.queue.advance(now_ms);
         while let Some(next) = self.queue.peek().map(|(_, r)| r.id) {
-            let slot = acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE));
-            let msg = match slot {
+            let msg = match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE)) {
                 Slot::Wait => break,
-                Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint },
-                Slot::NoEndpoint => ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint },
+                Slot::Granted(endpoint) => {
+                    let (band, r) = self.queue.pop().expect("peeked a request");
+                    debug_assert_eq!(r.id, next, "pop takes the request peek showed");
+                    self.start(r.id, band, r.flow);
+                    self.mark(r.flow);
+                    ToWorker::Dispatch { req: next, endpoint }
+                }
+                Slot::NoEndpoint => {
+                    // Taken out without a dispatch: nothing is charged.
+                    self.queue.remove(next);
+                    ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint }
+                }
             };
-            let (band, r) = self.queue.pop().expect("peeked a request");
-            debug_assert_eq!(r.id, next, "pop takes the request peek showed");
-            self.routes.remove(&r.id);
-            if matches!(msg, ToWorker::Dispatch { .. }) {
-                self.start(r.id, band, r.flow);
-            } else {
-                self.queue.band_mut(band).policy_mut().on_complete(r.flow, r.id);
-            }
-            self.mark(r.flow);
-            out.push((worker_of(r.id), msg));
+            self.routes.remove(&next);
+            out.push((worker_of(next), msg));
         }
     }
 
@@ -273,14 +273,16 @@ impl Scheduler {
     /// one dropped is completed for its policy and releases its tenant.
     pub fn bound_running(&mut self, max: usize) {
         if self.running.len() > max {
-            let drop: Vec<(u64, Criticality, FlowId)> =
-                self.running.iter().take(self.running.len() - max).map(|(&id, &(b, f))| (id, b, f)).collect();
-            for (id, band, flow) in drop {
-                self.queue.band_mut(band).policy_mut().on_complete(flow, id);
-                self.mark(flow);
+            let drop: Vec<u64> = self.running.keys().take(self.running.len() - max).copied().collect();
+            for id in drop {
                 self.finish(id);
             }
         }
+    }
+
+    /// Requests dispatched (or bypassed) and not yet done.
+    pub fn running(&self) -> usize {
+        self.running.len()
     }
 
     /// Up to `max_shards` counter shards that changed since they were last
@@ -499,6 +501,44 @@ mod tests {
             ]
         );
         assert!(s.routes.is_empty(), "route facts leave with their requests");
+    }
+
+    #[test]
+    fn a_request_rejected_for_want_of_an_endpoint_is_not_charged() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        let a = s.queue.tenants().get("a").unwrap();
+        let before = s.queue.band(Criticality::Standard).policy().counter_of(a);
+        s.pump(0, &mut |_, _| Slot::NoEndpoint, &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint })]);
+        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(a), before, "no input charge");
+        assert!(s.running.is_empty() && s.is_empty());
+    }
+
+    #[test]
+    fn a_dispatch_whose_stream_left_is_closed_once_and_its_prediction_refunded() {
+        // The oracle charges input and max_tokens at dispatch: 100 + 2 x 100.
+        let mut s = Scheduler::new(&cfg("vtc-oracle", r#","max_tenants":1"#));
+        let mut out = Vec::new();
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        s.pump(0, &mut slots(1), &mut out);
+        assert_eq!(dispatched(&out), vec![1]);
+        let a = s.queue.tenants().get("a").unwrap();
+        let counter = |s: &Scheduler| s.queue.band(Criticality::Standard).policy().counter_of(a);
+        assert_eq!(counter(&s), Some(300.0));
+        // The client left before the dispatch reached its stream: the worker
+        // (as the stream ended, and again when the dispatch found it gone)
+        // says Cancel.
+        s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+        assert!(s.running.is_empty(), "the running entry is released");
+        assert_eq!(counter(&s), Some(100.0), "the predicted output is refunded; the input was charged at dispatch");
+        s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+        s.on_message(charge(1, "", 0, 0, true), 0, &mut out);
+        assert_eq!(counter(&s), Some(100.0), "closed once");
+        // Released: the idle tenant can make room for another under the cap.
+        s.on_message(charge(2, "b", 1, 0, true), 0, &mut out);
+        assert!(s.queue.tenants().get("a").is_none());
     }
 
     #[test]

@@ -38,7 +38,9 @@ pub enum ToScheduler {
         route: RouteInfo,
         tenant: String,
     },
-    /// The client went away while the request was queued.
+    /// The client went away while the request was queued, or before the
+    /// scheduler's dispatch reached its stream (the scheduler then closes
+    /// that dispatch; later `Cancel`s for the same request change nothing).
     Cancel { req: u64 },
     /// Service of request `req` of `tenant` in `band`: it bypassed the queue
     /// with `input_tokens`, or `output_tokens` more were generated; `done`

@@ -81,9 +81,6 @@ pub trait Allocation {
     /// Dispatched request `id` of `flow` finished (or was abandoned): per-request
     /// state is released and predictions corrected. Call exactly once per dispatch.
     fn on_complete(&mut self, _flow: FlowId, _id: u64) {}
-    /// A trusted output length for request `id`, given before it is dispatched.
-    /// Only the simulator knows this; the oracle policy uses it.
-    fn hint_output(&mut self, _id: u64, _output_tokens: u32) {}
     /// Congestion level in `[0, 1]` (e.g. the overload severity); congestion-aware
     /// policies (DRR) reweight on it.
     fn on_congestion(&mut self, _level: f64) {}
@@ -140,9 +137,6 @@ impl<A: Allocation + ?Sized> Allocation for Box<A> {
     fn on_complete(&mut self, flow: FlowId, id: u64) {
         (**self).on_complete(flow, id)
     }
-    fn hint_output(&mut self, id: u64, output_tokens: u32) {
-        (**self).hint_output(id, output_tokens)
-    }
     fn on_congestion(&mut self, level: f64) {
         (**self).on_congestion(level)
     }
@@ -169,11 +163,51 @@ pub(crate) fn slot<T: Default + Clone>(v: &mut Vec<T>, i: FlowId) -> &mut T {
     &mut v[i]
 }
 
-/// Estimated size of a request in tokens: prompt plus `max_tokens`, or plus
-/// `default_output` when the client gave no bound.
+/// Output a request is assumed to generate before it runs: its `max_tokens`,
+/// or `default_output` when the client gave no bound.
+pub fn assumed_output(req: &Request, default_output: u32) -> u32 {
+    if req.max_output_tokens > 0 {
+        req.max_output_tokens
+    } else {
+        default_output
+    }
+}
+
+/// Estimated size of a request in tokens: prompt plus [`assumed_output`].
 pub fn size_tokens(req: &Request, default_output: u32) -> f64 {
-    let out = if req.max_output_tokens > 0 { req.max_output_tokens } else { default_output };
-    req.input_tokens as f64 + out as f64
+    req.input_tokens as f64 + assumed_output(req, default_output) as f64
+}
+
+/// A dispatched request's assumed output set against what it really
+/// generates, for policies that price a request in full when it is
+/// dispatched (WFQ, DRR) and correct the price once the output is known.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Correction {
+    /// The request's flow.
+    pub flow: FlowId,
+    assumed: u32,
+    generated: u32,
+}
+
+impl Correction {
+    /// Before `req` generates anything.
+    pub fn new(req: &Request, default_output: u32) -> Self {
+        Correction { flow: req.flow, assumed: assumed_output(req, default_output), generated: 0 }
+    }
+
+    /// `tokens` more were generated; returns how many of them exceed the
+    /// assumption (to charge now).
+    pub fn generated(&mut self, tokens: u32) -> u32 {
+        let over = |n: u32| n.saturating_sub(self.assumed);
+        let before = over(self.generated);
+        self.generated = self.generated.saturating_add(tokens);
+        over(self.generated) - before
+    }
+
+    /// Assumed tokens never generated (to refund at completion).
+    pub fn unused(&self) -> u32 {
+        self.assumed.saturating_sub(self.generated)
+    }
 }
 
 /// Per-flow weights configured by flow name, resolved to dense ids as flows appear.

@@ -178,7 +178,6 @@ impl Driver {
                 let flow = self.q.flow_id(&name);
                 let id = self.next_id;
                 self.next_id += 1;
-                self.q.band_mut(Criticality::ALL[b as usize]).policy_mut().hint_output(id, 16);
                 match self.q.push(Criticality::ALL[b as usize], request(id, flow, 16 * (1 + s as u32), self.now)) {
                     Ok(evicted) => {
                         self.queued.insert(id, (name, flow));

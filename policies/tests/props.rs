@@ -103,7 +103,6 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
             Op::Push(f, s, _) => {
                 let id = next_id;
                 next_id += 1;
-                q.policy_mut().hint_output(id, 16);
                 let size = if equal_sizes { 0 } else { s };
                 if q.push(request(id, flows[f as usize], size, now)).is_ok() {
                     ledger.accepted.push(id);
@@ -256,8 +255,8 @@ proptest! {
         let mut b = Batch::new(tenants, wp, extra, l_input, l_output, slack, seed);
         for step in 0..300u32 {
             // Tenants join at their start step and stay backlogged.
-            for i in 0..tenants {
-                if step >= start[i] && b.q.flow_len(b.flows[i]) < 2 {
+            for (i, &from) in start.iter().enumerate().take(tenants) {
+                if step >= from && b.q.flow_len(b.flows[i]) < 2 {
                     b.arrive(i, step, false)?;
                 }
             }
@@ -287,12 +286,12 @@ proptest! {
             // Each tenant's arrival rate (percent per step) changes every phase:
             // the queue fills and drains, and light tenants go idle.
             if step % phase == 0 {
-                for i in 0..tenants {
-                    rates[i] = if b.rand(3) == 1 { 0 } else { b.rand(100) };
+                for r in rates.iter_mut() {
+                    *r = if b.rand(3) == 1 { 0 } else { b.rand(100) };
                 }
             }
-            for i in 0..tenants {
-                if b.rand(100) <= rates[i] {
+            for (i, &rate) in rates.iter().enumerate() {
+                if b.rand(100) <= rate {
                     b.arrive(i, step, true)?;
                 }
             }

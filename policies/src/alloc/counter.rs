@@ -9,8 +9,9 @@
 //!   charged as increments `h(np, nq_new) − h(np, nq_old)` per request.
 //! * Prediction ([`Tracked::predict`]) — Algorithm 3: the predicted output is charged at
 //!   dispatch, tokens beyond it as they arrive, and an over-prediction is refunded at completion.
-//! * Oracle ([`Tracked::oracle`]) — the prediction is the true length given by
-//!   [`Allocation::hint_output`] (simulator only).
+//! * Oracle ([`Tracked::oracle`]) — the prediction is the request's output
+//!   bound taken as its true length (exact in the simulator, whose backends
+//!   generate `max_tokens`).
 
 use super::{slot, Allocation, FlowWeights, VtcWeights};
 use crate::{FlowId, Request};
@@ -33,8 +34,6 @@ pub trait Charge {
     fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
         0.0
     }
-    /// The true output length of request `id`, for an oracle.
-    fn hint(&mut self, _id: u64, _output_tokens: u32) {}
     /// Drops per-flow pricing state of an idle flow (see [`Allocation::forget`]).
     fn forget(&mut self, _flow: FlowId) {}
     /// Length of the per-flow pricing tables.
@@ -118,9 +117,10 @@ pub enum Predictor {
         /// Completed requests remembered per tenant (the seed uses 5).
         window: usize,
     },
-    /// The length given by [`Allocation::hint_output`]; history when no hint came.
+    /// The request's `max_output_tokens`, trusted as its true length;
+    /// history for requests without one.
     Oracle {
-        /// Fallback window for requests without a hint.
+        /// Fallback window for requests without `max_output_tokens`.
         window: usize,
     },
 }
@@ -143,7 +143,6 @@ pub struct Tracked {
     h: CostFn,
     predictor: Predictor,
     live: HashMap<u64, Live>,
-    hints: HashMap<u64, u32>,
     history: Vec<VecDeque<u32>>,
 }
 
@@ -158,14 +157,14 @@ impl Tracked {
         Self::new(CostFn::linear(w), Predictor::History { window: window.max(1) })
     }
 
-    /// Linear cost with the true output length from [`Allocation::hint_output`].
+    /// Linear cost with the true output length: `max_output_tokens`.
     pub fn oracle(w: VtcWeights) -> Self {
         Self::new(CostFn::linear(w), Predictor::Oracle { window: 5 })
     }
 
     /// Any cost with any predictor.
     pub fn new(h: CostFn, predictor: Predictor) -> Self {
-        Tracked { h, predictor, live: HashMap::new(), hints: HashMap::new(), history: Vec::new() }
+        Tracked { h, predictor, live: HashMap::new(), history: Vec::new() }
     }
 
     /// Requests dispatched and not yet completed.
@@ -185,10 +184,8 @@ impl Tracked {
         match self.predictor {
             Predictor::None => 0,
             Predictor::History { .. } => self.history_mean(req.flow),
-            Predictor::Oracle { .. } => match self.hints.get(&req.id) {
-                Some(&n) => n as u64,
-                None => self.history_mean(req.flow),
-            },
+            Predictor::Oracle { .. } if req.max_output_tokens > 0 => req.max_output_tokens as u64,
+            Predictor::Oracle { .. } => self.history_mean(req.flow),
         }
     }
 }
@@ -196,7 +193,6 @@ impl Tracked {
 impl Charge for Tracked {
     fn dispatch(&mut self, req: &Request) -> f64 {
         let predicted = self.prediction(req);
-        self.hints.remove(&req.id);
         let np = req.input_tokens as f64;
         self.live.insert(req.id, Live { np, nq: 0, predicted });
         self.h.eval(np, predicted as f64)
@@ -235,12 +231,6 @@ impl Charge for Tracked {
             self.h.eval(l.np, l.nq as f64) - self.h.eval(l.np, l.predicted as f64)
         } else {
             0.0
-        }
-    }
-
-    fn hint(&mut self, id: u64, output_tokens: u32) {
-        if matches!(self.predictor, Predictor::Oracle { .. }) {
-            self.hints.insert(id, output_tokens);
         }
     }
 
@@ -446,10 +436,6 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
         self.add(flow, s);
     }
 
-    fn hint_output(&mut self, id: u64, output_tokens: u32) {
-        self.charge.hint(id, output_tokens);
-    }
-
     fn counter_of(&self, flow: FlowId) -> Option<f64> {
         Some(self.counter(flow))
     }
@@ -630,12 +616,15 @@ mod tests {
     #[test]
     fn oracle_charges_the_true_length_up_front_and_never_corrects() {
         let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
-        v.hint_output(3, 40);
-        v.on_dispatch(&req(3, 0, 10));
+        v.on_dispatch(&Request { max_output_tokens: 40, ..req(3, 0, 10) });
         assert_eq!(v.counter(0), 90.0);
         v.on_output_for(0, 3, 40);
         v.on_complete(0, 3);
         assert_eq!(v.counter(0), 90.0);
+        // Without a bound it predicts from the tenant's history (40 so far).
+        v.on_dispatch(&req(4, 0, 0));
+        assert_eq!(v.counter(0), 170.0);
+        assert_eq!(v.charge().in_flight(), 1, "per-request state only for what was dispatched");
     }
 
     #[test]
@@ -650,8 +639,7 @@ mod tests {
     #[test]
     fn a_refund_never_drives_a_counter_negative() {
         let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
-        v.hint_output(1, 50);
-        v.on_dispatch(&req(1, 0, 0));
+        v.on_dispatch(&Request { max_output_tokens: 50, ..req(1, 0, 0) });
         v.set_counter(0, 10.0);
         v.on_complete(0, 1);
         assert_eq!(v.counter(0), 0.0);
