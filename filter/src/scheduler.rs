@@ -98,7 +98,7 @@ impl Scheduler {
             FairQueue::with_order(limits, policy, order)
         })
         .with_tenants(Tenants::new(cfg.max_tenants).with_groups(shared::COUNTER_SHARDS, shared::counter_shard));
-        let counters = queue.band(Criticality::Standard).policy().counter_of(0).is_some();
+        let counters = queue.band(Criticality::Standard).policy().as_counters().is_some();
         Scheduler { queue, routes: HashMap::new(), running: HashMap::new(), counters }
     }
 
@@ -213,7 +213,7 @@ impl Scheduler {
                     self.start(req, band, flow);
                 }
                 if output_tokens > 0 {
-                    self.queue.band_mut(band).policy_mut().on_output_for(flow, req, output_tokens);
+                    self.queue.band_mut(band).policy_mut().on_output(flow, req, output_tokens);
                 }
                 if input_tokens > 0 || output_tokens > 0 {
                     self.mark(flow);
@@ -264,7 +264,9 @@ impl Scheduler {
     /// its boosted flows' quanta with it).
     pub fn on_congestion(&mut self, level: f64) {
         for band in Criticality::ALL {
-            self.queue.band_mut(band).policy_mut().on_congestion(level);
+            if let Some(policy) = self.queue.band_mut(band).policy_mut().as_congestion_mut() {
+                policy.on_congestion(level);
+            }
         }
     }
 
@@ -314,7 +316,7 @@ impl Scheduler {
         let q = &self.queue;
         shared::encode_counters(q.tenants().group(shard).flat_map(|(flow, name)| {
             Criticality::ALL.into_iter().filter_map(move |band| {
-                let v = q.band(band).policy().counter_of(flow)?;
+                let v = q.band(band).policy().as_counters()?.counter(flow);
                 (v > 0.0).then_some((band_code(band), name, v))
             })
         }))
@@ -332,7 +334,9 @@ impl Scheduler {
             for (code, name, v) in shared::decode_counters(&bytes) {
                 if (code as usize) < Criticality::ALL.len() {
                     let flow = self.queue.flow_id(name);
-                    self.queue.band_mut(band_of_code(code)).policy_mut().restore_counter(flow, v);
+                    if let Some(counters) = self.queue.band_mut(band_of_code(code)).policy_mut().as_counters_mut() {
+                        counters.restore(flow, v);
+                    }
                 }
             }
         }
@@ -509,10 +513,14 @@ mod tests {
         let mut out = Vec::new();
         s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
         let a = s.queue.tenants().get("a").unwrap();
-        let before = s.queue.band(Criticality::Standard).policy().counter_of(a);
+        let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
         s.pump(0, &mut |_, _| Slot::NoEndpoint, &mut out);
         assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint })]);
-        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(a), before, "no input charge");
+        assert_eq!(
+            s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a)),
+            before,
+            "no input charge"
+        );
         assert!(s.running.is_empty() && s.is_empty());
     }
 
@@ -525,7 +533,7 @@ mod tests {
         s.pump(0, &mut slots(1), &mut out);
         assert_eq!(dispatched(&out), vec![1]);
         let a = s.queue.tenants().get("a").unwrap();
-        let counter = |s: &Scheduler| s.queue.band(Criticality::Standard).policy().counter_of(a);
+        let counter = |s: &Scheduler| s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
         assert_eq!(counter(&s), Some(300.0));
         // The client left before the dispatch reached its stream: the worker
         // (as the stream ended, and again when the dispatch found it gone)
@@ -549,7 +557,7 @@ mod tests {
         // last tenant to leave the queue (Algorithm 2: it joined and left).
         s.on_message(charge(9, "a", 1000, 0, false), 0, &mut out);
         let a = s.queue.tenants().get("a").unwrap();
-        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(a), Some(1000.0));
+        assert_eq!(s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a)), Some(1000.0));
         // So "b", joining the empty queue, is lifted to a's 1000 and the two
         // then alternate: a's service while nothing waited is not held against it.
         s.on_message(enqueue(0, 1, "b", 0), 0, &mut out);
@@ -623,7 +631,7 @@ mod tests {
         let mut out = std::collections::BTreeMap::new();
         for (flow, name) in s.queue.tenants().iter() {
             for band in Criticality::ALL {
-                match s.queue.band(band).policy().counter_of(flow) {
+                match s.queue.band(band).policy().as_counters().map(|c| c.counter(flow)) {
                     Some(v) if v > 0.0 => out.insert((band_code(band), name.to_owned()), v),
                     _ => None,
                 };
@@ -767,7 +775,7 @@ mod tests {
         assert_eq!(save_all(&mut s, &store, 5), shared::COUNTER_SHARDS as usize);
         // One tenant charged: its shard alone is written, with its new counter.
         let t7 = s.queue.tenants().get("t7").unwrap();
-        let before = s.queue.band(Criticality::Standard).policy().counter_of(t7).unwrap();
+        let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(t7)).unwrap();
         s.on_message(charge(5000, "t7", 0, 4, false), 0, &mut out);
         let shards = s.dirty_snapshots(usize::MAX);
         assert_eq!(shards.len(), 1);
@@ -836,9 +844,12 @@ mod tests {
         assert_eq!(s.tenants(), 5);
         // Output still reaches each tenant's own counter.
         let flow = s.queue.tenants().get("r3").unwrap();
-        let before = s.queue.band(Criticality::Standard).policy().counter_of(flow).unwrap();
+        let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(flow)).unwrap();
         s.on_message(charge(3, "", 0, 5, false), 0, &mut out);
-        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(flow), Some(before + 10.0));
+        assert_eq!(
+            s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(flow)),
+            Some(before + 10.0)
+        );
         // Their workers vanished: dropping them completes and releases them.
         s.bound_running(0);
         assert!(s.running.is_empty());
@@ -864,7 +875,11 @@ mod tests {
         s.on_message(enqueue(0, 12, "low", 0), 0, &mut out);
         let low = s.queue.tenants().get("low").unwrap();
         let policy = s.queue.band(Criticality::Standard).policy();
-        assert_eq!(policy.counter_of(low), Some(1200.0), "lifted to the backlogged minimum, not 0");
+        assert_eq!(
+            policy.as_counters().map(|c| c.counter(low)),
+            Some(1200.0),
+            "lifted to the backlogged minimum, not 0"
+        );
         // So it waits its turn behind the older heads with the same counter
         // (at 0 it would go first).
         s.pump(0, &mut slots(usize::MAX), &mut out);

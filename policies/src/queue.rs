@@ -4,7 +4,7 @@
 //!
 //! Flow ids come from a [`Tenants`] table, which may cap how many flows are
 //! tracked ([`FairQueue::with_max_flows`]): past the cap, idle flows are
-//! forgotten, the policy drops their state ([`Allocation::forget`]) and their
+//! forgotten, the policy drops their state ([`crate::alloc::Accounting::forget`]) and their
 //! ids are handed out again. A flow is busy while it has queued requests and
 //! while the caller [`FairQueue::hold`]s it (for each dispatched request whose
 //! output and completion it will still charge, until [`FairQueue::release`]).
@@ -185,7 +185,9 @@ impl<A: Allocation> FairQueue<A> {
     /// re-ranks every flow (its heads may change).
     pub fn advance(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
-        self.alloc.advance(self.now_ms);
+        if let Some(clock) = self.alloc.as_paced_mut() {
+            clock.advance(self.now_ms);
+        }
         if !self.order.is_dynamic() {
             return;
         }
@@ -198,7 +200,7 @@ impl<A: Allocation> FairQueue<A> {
             q.make_contiguous().sort_by(|a, b| a.rank.total_cmp(&b.rank).then(a.seq.cmp(&b.seq)));
             let head = q.front().expect("non-empty");
             if Some(head.seq) != old_head {
-                self.alloc.set_head_request(flow, Some((head.seq, &head.req)));
+                self.alloc.set_head(flow, Some((head.seq, &head.req)));
             }
         }
     }
@@ -288,7 +290,7 @@ impl<A: Allocation> FairQueue<A> {
         let q = &self.flows[flow as usize];
         if pos == 0 {
             let head = &q[0];
-            self.alloc.set_head_request(flow, Some((seq, &head.req)));
+            self.alloc.set_head(flow, Some((seq, &head.req)));
         }
         Ok(())
     }
@@ -302,7 +304,7 @@ impl<A: Allocation> FairQueue<A> {
         self.flow_of.remove(&req.id);
         self.alloc.on_dispatch(&req);
         let q = &self.flows[flow as usize];
-        self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
+        self.alloc.set_head(flow, q.front().map(|e| (e.seq, &e.req)));
         self.compact();
         Some(req)
     }
@@ -316,7 +318,7 @@ impl<A: Allocation> FairQueue<A> {
         self.left(flow);
         if pos == 0 {
             let q = &self.flows[flow as usize];
-            self.alloc.set_head_request(flow, q.front().map(|e| (e.seq, &e.req)));
+            self.alloc.set_head(flow, q.front().map(|e| (e.seq, &e.req)));
         }
         self.compact();
         Some(req)

@@ -7,7 +7,7 @@ mod common;
 
 use common::{policy, POLICIES};
 use proptest::prelude::*;
-use sluice_policies::alloc::{Allocation, Vtc, VtcWeights};
+use sluice_policies::alloc::{Accounting, Allocation, Counters, Vtc, VtcWeights};
 use sluice_policies::bands::{BandLimits, BandedQueue, Criticality};
 use sluice_policies::order::{Edf, FeasibleSet, Fifo, FlowOrder, ShortestPredicted};
 use sluice_policies::queue::{FairQueue, QueueLimits};
@@ -85,7 +85,7 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
     let limits = QueueLimits { total_capacity: 12, flow_capacity: 5, ttl_ms: 30_000 };
     let mut q = FairQueue::with_order(limits, policy(p), order(o));
     let flows: Vec<u32> = (0..5).map(|i| q.flow_id(&format!("t{i}"))).collect();
-    let conserving = q.policy().is_work_conserving();
+    let conserving = q.policy_mut().as_paced_mut().is_none();
     let mut ledger = Ledger::default();
     let mut popped_per_flow: HashMap<u32, Vec<u64>> = HashMap::new();
     let (mut now, mut next_id) = (0u64, 1u64);
@@ -94,7 +94,7 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
         ledger.leave(r.id);
         popped_per_flow.entry(r.flow).or_default().push(r.id);
         // Close the request's accounting as the filter would.
-        q.policy_mut().on_output_for(r.flow, r.id, 3);
+        q.policy_mut().on_output(r.flow, r.id, 3);
         q.policy_mut().on_complete(r.flow, r.id);
         Some(r)
     };
@@ -132,7 +132,11 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
                     ledger.leave(r.id);
                 }
             }
-            Op::Congestion(c) => q.policy_mut().on_congestion(c as f64 / 10.0),
+            Op::Congestion(c) => {
+                if let Some(p) = q.policy_mut().as_congestion_mut() {
+                    p.on_congestion(c as f64 / 10.0);
+                }
+            }
         }
         if conserving {
             prop_assert_eq!(q.peek().is_some(), !q.is_empty(), "a policy must name a flow while requests wait");
@@ -409,7 +413,7 @@ impl Batch {
     /// One decode step: every running request generates a token; finished ones leave.
     fn decode(&mut self) -> Result<(), TestCaseError> {
         for r in self.running.iter_mut() {
-            self.q.policy_mut().on_output_for(r.0, r.1, 1);
+            self.q.policy_mut().on_output(r.0, r.1, 1);
             r.4 += 1;
         }
         let used = &mut self.used;

@@ -13,7 +13,7 @@
 //!   bound taken as its true length (exact in the simulator, whose backends
 //!   generate `max_tokens`).
 
-use super::{slot, Allocation, FlowWeights, VtcWeights};
+use super::{slot, Accounting, Allocation, Counters, FlowWeights, Head, Lead, Selection, VtcWeights};
 use crate::{FlowId, Request};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -23,18 +23,13 @@ use std::collections::{BTreeSet, VecDeque};
 pub trait Charge {
     /// Charge when `req` is dispatched.
     fn dispatch(&mut self, req: &Request) -> f64;
-    /// Charge for `tokens` output tokens of an unidentified request of `flow`.
-    fn output(&mut self, flow: FlowId, tokens: u32) -> f64;
-    /// Charge for `tokens` more output tokens of dispatched request `id`.
-    fn output_for(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64 {
-        let _ = id;
-        self.output(flow, tokens)
-    }
+    /// Charge for `tokens` more output tokens of dispatched request `id` of `flow`.
+    fn output(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64;
     /// Charge (possibly negative: a refund) when request `id` completes.
     fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
         0.0
     }
-    /// Drops per-flow pricing state of an idle flow (see [`Allocation::forget`]).
+    /// Drops per-flow pricing state of an idle flow (see [`Accounting::forget`]).
     fn forget(&mut self, _flow: FlowId) {}
     /// Length of the per-flow pricing tables.
     fn flow_slots(&self) -> usize {
@@ -50,7 +45,7 @@ impl Charge for Linear {
     fn dispatch(&mut self, req: &Request) -> f64 {
         self.0.input * req.input_tokens as f64
     }
-    fn output(&mut self, _flow: FlowId, tokens: u32) -> f64 {
+    fn output(&mut self, _flow: FlowId, _id: u64, tokens: u32) -> f64 {
         self.0.output * tokens as f64
     }
 }
@@ -198,15 +193,11 @@ impl Charge for Tracked {
         self.h.eval(np, predicted as f64)
     }
 
-    fn output(&mut self, _flow: FlowId, tokens: u32) -> f64 {
-        // Without the request we cannot place the tokens on its curve: charge
-        // the linear part only.
-        self.h.output * tokens as f64
-    }
-
-    fn output_for(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64 {
+    fn output(&mut self, _flow: FlowId, id: u64, tokens: u32) -> f64 {
         let Some(l) = self.live.get_mut(&id) else {
-            return self.output(flow, tokens);
+            // An unknown request (dispatched by an earlier scheduler): its
+            // place on the curve is unknown, so the linear part only.
+            return self.h.output * tokens as f64;
         };
         let old = l.nq.max(l.predicted) as f64;
         l.nq += tokens as u64;
@@ -311,17 +302,6 @@ impl<C: Charge> CounterPolicy<C> {
         &self.charge
     }
 
-    /// Current counter of `flow`.
-    pub fn counter(&self, flow: FlowId) -> f64 {
-        self.counters.get(flow as usize).copied().unwrap_or(0.0)
-    }
-
-    /// Restores a counter (from shared data after a scheduler takeover).
-    pub fn set_counter(&mut self, flow: FlowId, value: f64) {
-        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
-        self.update(flow, |c| *c = value);
-    }
-
     fn is_backlogged(&self, flow: FlowId) -> bool {
         matches!(self.key_of.get(flow as usize), Some(Some(_)))
     }
@@ -369,12 +349,12 @@ impl<C: Charge> CounterPolicy<C> {
     }
 }
 
-impl<C: Charge> Allocation for CounterPolicy<C> {
+impl<C: Charge> Selection for CounterPolicy<C> {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let was = slot(&mut self.key_of, flow).take();
         if let Some((bits, seq)) = was {
             self.backlog.remove(&(bits, seq, flow));
@@ -385,7 +365,7 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
                     self.last_left = Some(flow);
                 }
             }
-            Some(seq) => {
+            Some((seq, _)) => {
                 if was.is_none() {
                     self.lift_newcomer(flow);
                 }
@@ -398,6 +378,12 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
 
     fn next(&self) -> Option<FlowId> {
         self.backlog.first().map(|&(_, _, f)| f)
+    }
+}
+
+impl<C: Charge> Accounting for CounterPolicy<C> {
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
     }
 
     /// A request of a flow that is not backlogged went straight to a backend
@@ -417,31 +403,14 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
         }
     }
 
-    fn on_output(&mut self, flow: FlowId, tokens: u32) {
-        let s = self.charge.output(flow, tokens);
-        self.add(flow, s);
-    }
-
-    fn on_flow(&mut self, flow: FlowId, name: &str) {
-        self.weights.on_flow(flow, name);
-    }
-
-    fn on_output_for(&mut self, flow: FlowId, id: u64, tokens: u32) {
-        let s = self.charge.output_for(flow, id, tokens);
+    fn on_output(&mut self, flow: FlowId, id: u64, tokens: u32) {
+        let s = self.charge.output(flow, id, tokens);
         self.add(flow, s);
     }
 
     fn on_complete(&mut self, flow: FlowId, id: u64) {
         let s = self.charge.complete(flow, id);
         self.add(flow, s);
-    }
-
-    fn counter_of(&self, flow: FlowId) -> Option<f64> {
-        Some(self.counter(flow))
-    }
-
-    fn restore_counter(&mut self, flow: FlowId, value: f64) {
-        self.set_counter(flow, value);
     }
 
     /// Drops the flow's counter (and its weight, and its pricing history).
@@ -494,9 +463,42 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
     }
 }
 
+impl<C: Charge> Counters for CounterPolicy<C> {
+    fn counter(&self, flow: FlowId) -> f64 {
+        self.counters.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
+    fn restore(&mut self, flow: FlowId, value: f64) {
+        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
+        self.update(flow, |c| *c = value);
+    }
+}
+
+impl<C: Charge> Lead for CounterPolicy<C> {
+    /// The flow's counter above the smallest backlogged one (the flow
+    /// [`Selection::next`] serves).
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        let (bits, _) = self.key_of.get(flow as usize).copied().flatten()?;
+        Some(f64::from_bits(bits) - self.min_backlogged()?)
+    }
+}
+
+impl<C: Charge> Allocation for CounterPolicy<C> {
+    fn as_counters(&self) -> Option<&dyn Counters> {
+        Some(self)
+    }
+    fn as_counters_mut(&mut self) -> Option<&mut dyn Counters> {
+        Some(self)
+    }
+    fn as_lead(&self) -> Option<&dyn Lead> {
+        Some(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::testing::head;
     use crate::alloc::Vtc;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -508,19 +510,19 @@ mod tests {
     #[test]
     fn lcf_does_not_lift_a_newcomer() {
         let mut v = CounterPolicy::lcf(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.on_output(0, 50);
-        v.set_head(1, Some(1));
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50);
+        head(&mut v, 1, Some(1));
         assert_eq!(v.counter(1), 0.0, "LCF keeps the newcomer's deficit");
         assert_eq!(v.name(), "lcf");
         // So the newcomer is served until it catches up with 100.
         for _ in 0..9 {
             assert_eq!(v.next(), Some(1));
-            v.on_output(1, 5);
+            v.on_output(1, 0, 5);
         }
         assert_eq!(v.counter(1), 90.0);
         assert_eq!(v.next(), Some(1));
-        v.on_output(1, 6);
+        v.on_output(1, 0, 6);
         assert_eq!(v.next(), Some(0));
     }
 
@@ -530,10 +532,10 @@ mod tests {
         let mut v = Vtc::new(VtcWeights::default()).with_weights(w);
         v.on_flow(0, "gold");
         v.on_flow(1, "free");
-        v.set_head(0, Some(0));
-        v.set_head(1, Some(1));
-        v.on_output(0, 10);
-        v.on_output(1, 10);
+        head(&mut v, 0, Some(0));
+        head(&mut v, 1, Some(1));
+        v.on_output(0, 0, 10);
+        v.on_output(1, 0, 10);
         assert_eq!(v.counter(0), 10.0);
         assert_eq!(v.counter(1), 20.0);
         // Serving both until a fixed total shows the 2:1 split.
@@ -541,7 +543,7 @@ mod tests {
         for _ in 0..300 {
             let f = v.next().unwrap();
             served[f as usize] += 1;
-            v.on_output(f, 1);
+            v.on_output(f, 0, 1);
         }
         // Gold starts 10 counter units behind, i.e. 10 tokens of its own.
         assert!((served[0] as i64 - 2 * served[1] as i64 - 10).abs() <= 2, "served {served:?}");
@@ -559,19 +561,19 @@ mod tests {
     fn cost_vtc_charges_the_increment_of_h_per_request() {
         let h = CostFn::profiled();
         let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);
-        v.set_head(0, Some(0));
+        head(&mut v, 0, Some(0));
         v.on_dispatch(&req(7, 0, 100));
         let mut expect = h.eval(100.0, 0.0);
         assert!((v.counter(0) - expect).abs() < 1e-9);
         for nq in 1..=20 {
-            v.on_output_for(0, 7, 1);
+            v.on_output(0, 7, 1);
             expect += h.eval(100.0, nq as f64) - h.eval(100.0, (nq - 1) as f64);
         }
         assert!((v.counter(0) - h.eval(100.0, 20.0)).abs() < 1e-6);
         assert!((v.counter(0) - expect).abs() < 1e-6);
         // Chunks of tokens price the same as single tokens.
         v.on_dispatch(&req(8, 0, 100));
-        v.on_output_for(0, 8, 20);
+        v.on_output(0, 8, 20);
         assert!((v.counter(0) - 2.0 * h.eval(100.0, 20.0)).abs() < 1e-6);
         v.on_complete(0, 7);
         v.on_complete(0, 8);
@@ -585,29 +587,29 @@ mod tests {
         // No history: nothing predicted, plain VTC.
         v.on_dispatch(&req(1, 0, 10));
         assert_eq!(v.counter(0), 10.0);
-        v.on_output_for(0, 1, 4);
+        v.on_output(0, 1, 4);
         v.on_complete(0, 1);
         assert_eq!(v.counter(0), 18.0);
         // Outputs 4, then 6 x 5 more, then 100: the window keeps the last five.
         for (i, out) in [6u32, 6, 6, 6, 6, 100].iter().enumerate() {
             let id = 10 + i as u64;
             v.on_dispatch(&req(id, 0, 0));
-            v.on_output_for(0, id, *out);
+            v.on_output(0, id, *out);
             v.on_complete(0, id);
         }
         // Last five: 6, 6, 6, 6, 100 -> mean 24 (integer).
         let before = v.counter(0);
         v.on_dispatch(&req(50, 0, 0));
         assert_eq!(v.counter(0) - before, 48.0, "w_q x 24 charged at dispatch");
-        v.on_output_for(0, 50, 20);
+        v.on_output(0, 50, 20);
         assert_eq!(v.counter(0) - before, 48.0, "tokens under the prediction are already paid");
-        v.on_output_for(0, 50, 6);
+        v.on_output(0, 50, 6);
         assert_eq!(v.counter(0) - before, 52.0, "two tokens beyond it cost w_q each");
         v.on_complete(0, 50);
         assert_eq!(v.counter(0) - before, 52.0, "no refund when the prediction was exceeded");
         v.on_dispatch(&req(51, 0, 0));
         let mid = v.counter(0);
-        v.on_output_for(0, 51, 4);
+        v.on_output(0, 51, 4);
         v.on_complete(0, 51);
         // Predicted mean of (6,6,6,100,26) = 28, generated 4: refund 2 x 24.
         assert_eq!(mid - v.counter(0), 48.0);
@@ -618,7 +620,7 @@ mod tests {
         let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
         v.on_dispatch(&Request { max_output_tokens: 40, ..req(3, 0, 10) });
         assert_eq!(v.counter(0), 90.0);
-        v.on_output_for(0, 3, 40);
+        v.on_output(0, 3, 40);
         v.on_complete(0, 3);
         assert_eq!(v.counter(0), 90.0);
         // Without a bound it predicts from the tenant's history (40 so far).
@@ -630,7 +632,7 @@ mod tests {
     #[test]
     fn output_for_an_unknown_request_falls_back_to_the_linear_part() {
         let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(CostFn::profiled()), true);
-        v.on_output_for(2, 999, 10);
+        v.on_output(2, 999, 10);
         assert_eq!(v.counter(2), 10.0);
         v.on_complete(2, 999);
         assert_eq!(v.counter(2), 10.0);
@@ -640,7 +642,7 @@ mod tests {
     fn a_refund_never_drives_a_counter_negative() {
         let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
         v.on_dispatch(&Request { max_output_tokens: 50, ..req(1, 0, 0) });
-        v.set_counter(0, 10.0);
+        v.restore(0, 10.0);
         v.on_complete(0, 1);
         assert_eq!(v.counter(0), 0.0);
     }
@@ -648,15 +650,15 @@ mod tests {
     #[test]
     fn forgetting_clears_the_counter_but_keeps_the_floor_of_an_emptied_queue() {
         let mut v = Vtc::new(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.on_output(0, 30); // 60
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 30); // 60
         v.set_head(0, None); // the queue empties: 0 was the last to leave
         v.forget(0);
         assert_eq!(v.counter(0), 0.0);
         // The id is reused by a new tenant, which joins an empty queue: it is
         // lifted to what the forgotten flow had, as it would have been.
         v.on_flow(0, "new");
-        v.set_head(0, Some(1));
+        head(&mut v, 0, Some(1));
         assert_eq!(v.counter(0), 60.0);
         assert_eq!(v.flow_slots(), 1);
     }
@@ -664,25 +666,25 @@ mod tests {
     #[test]
     fn a_bypass_into_an_empty_queue_is_lifted_and_becomes_the_last_to_leave() {
         let mut v = Vtc::new(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.on_output(0, 50);
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50);
         // Flow 0 leaves an empty queue at 100.
         v.set_head(0, None);
         // Flow 1 (counter 0) sends past the empty queue: lifted to 100 first.
         v.on_dispatch(&req(1, 1, 10));
         assert_eq!(v.counter(1), 110.0);
         // It is now the last to have left: a newcomer joins at 110, not 100.
-        v.set_head(2, Some(1));
+        head(&mut v, 2, Some(1));
         assert_eq!(v.counter(2), 110.0);
     }
 
     #[test]
     fn a_bypass_beside_a_backlog_is_lifted_to_its_minimum_and_a_backlogged_flow_is_not() {
         let mut v = Vtc::new(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.set_head(1, Some(1));
-        v.on_output(0, 20); // 40
-        v.on_output(1, 30); // 60
+        head(&mut v, 0, Some(0));
+        head(&mut v, 1, Some(1));
+        v.on_output(0, 0, 20); // 40
+        v.on_output(1, 0, 30); // 60
         v.on_dispatch(&req(1, 2, 5));
         assert_eq!(v.counter(2), 45.0, "lifted to min(40, 60), then charged");
         // A request of a backlogged flow dispatched out of turn is only charged.
@@ -691,15 +693,15 @@ mod tests {
         // Flow 2 left last for a moment; the flows that leave after it take over.
         v.set_head(0, None);
         v.set_head(1, None);
-        v.set_head(3, Some(2));
+        head(&mut v, 3, Some(2));
         assert_eq!(v.counter(3), 65.0);
     }
 
     #[test]
     fn lcf_does_not_lift_a_bypass_either() {
         let mut v = CounterPolicy::lcf(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.on_output(0, 50);
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50);
         v.set_head(0, None);
         v.on_dispatch(&req(1, 1, 10));
         assert_eq!(v.counter(1), 10.0);
@@ -709,7 +711,7 @@ mod tests {
     fn forgetting_drops_a_predictors_history() {
         let mut v = CounterPolicy::with_charge("vtc-predict", Tracked::predict(VtcWeights::default(), 5), true);
         v.on_dispatch(&req(1, 0, 0));
-        v.on_output_for(0, 1, 10);
+        v.on_output(0, 1, 10);
         v.on_complete(0, 1);
         assert_eq!(v.charge().prediction(&req(2, 0, 0)), 10);
         v.forget(0);

@@ -4,7 +4,7 @@
 //! Each backlogged flow, on its turn, receives a quantum
 //! `quantum · weight_f · (1 + boost_f · congestion)` of deficit and sends its
 //! head while the deficit covers the head's estimated cost (tokens). Under
-//! congestion (reported through [`Allocation::on_congestion`]) flows with a
+//! congestion (reported through [`Congestion::on_congestion`]) flows with a
 //! boost, typically the short/interactive class, get a larger share. When a flow
 //! empties, its unused deficit goes to a shared pool (capped at `borrow_cap`)
 //! from which a backlogged peer may borrow what its head lacks, so quota left
@@ -17,7 +17,7 @@
 //! the flow has stayed backlogged since: a flow that empties restarts from a
 //! deficit of zero, so it owes nothing for what its past requests generate.
 
-use super::{size_tokens, slot, Allocation, Correction, FlowWeights};
+use super::{size_tokens, slot, Accounting, Allocation, Congestion, Correction, FlowWeights, Head, Selection};
 use crate::{FlowId, Request};
 use hashbrown::HashMap;
 use std::collections::VecDeque;
@@ -188,23 +188,25 @@ impl Drr {
     }
 }
 
-impl Allocation for Drr {
+impl Selection for Drr {
     fn name(&self) -> &'static str {
         "drr"
     }
 
-    /// Without the request, the head is costed as one token.
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
-        self.place(flow, head.map(|_| 1.0));
-    }
-
-    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let cost = head.map(|(_, r)| size_tokens(r, self.default_output));
         self.place(flow, cost);
     }
 
     fn next(&self) -> Option<FlowId> {
         self.current
+    }
+}
+
+impl Accounting for Drr {
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
+        self.boost.on_flow(flow, name);
     }
 
     fn on_dispatch(&mut self, req: &Request) {
@@ -215,10 +217,7 @@ impl Allocation for Drr {
         }
     }
 
-    /// Without the request the tokens cannot be set against its estimate.
-    fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
-
-    fn on_output_for(&mut self, _flow: FlowId, id: u64, tokens: u32) {
+    fn on_output(&mut self, _flow: FlowId, id: u64, tokens: u32) {
         if let Some((c, epoch)) = self.running.get_mut(&id) {
             let (flow, epoch, extra) = (c.flow, *epoch, c.generated(tokens));
             if extra > 0 {
@@ -261,14 +260,17 @@ impl Allocation for Drr {
     fn flow_slots(&self) -> usize {
         self.member.len().max(self.deficit.len()).max(self.weights.len()).max(self.boost.len())
     }
+}
 
-    fn on_flow(&mut self, flow: FlowId, name: &str) {
-        self.weights.on_flow(flow, name);
-        self.boost.on_flow(flow, name);
-    }
-
+impl Congestion for Drr {
     fn on_congestion(&mut self, level: f64) {
         self.congestion = if level.is_finite() { level.clamp(0.0, 1.0) } else { 0.0 };
+    }
+}
+
+impl Allocation for Drr {
+    fn as_congestion_mut(&mut self) -> Option<&mut dyn Congestion> {
+        Some(self)
     }
 }
 
@@ -289,7 +291,7 @@ mod tests {
     /// Serves `n` requests of fixed sizes from always-backlogged flows; returns tokens per flow.
     fn serve(d: &mut Drr, sizes: &[u32], n: usize) -> Vec<u64> {
         for (f, &s) in sizes.iter().enumerate() {
-            d.set_head_request(f as FlowId, Some((f as u64, &req(f as FlowId, s))));
+            d.set_head(f as FlowId, Some((f as u64, &req(f as FlowId, s))));
         }
         let mut tokens = vec![0u64; sizes.len()];
         for seq in 0..n as u64 {
@@ -297,7 +299,7 @@ mod tests {
             let r = req(f, sizes[f as usize]);
             d.on_dispatch(&r);
             tokens[f as usize] += sizes[f as usize] as u64;
-            d.set_head_request(f, Some((100 + seq, &r)));
+            d.set_head(f, Some((100 + seq, &r)));
         }
         tokens
     }
@@ -343,12 +345,12 @@ mod tests {
         let run = |cap: f64| {
             let mut d = Drr::new(100.0, table(&[("a", 3.0)], 1.0), table(&[], 0.0), cap, 0);
             named(&mut d, &["a", "b", "c"]);
-            d.set_head_request(0, Some((0, &req(0, 100))));
-            d.set_head_request(1, Some((1, &req(1, 250))));
-            d.set_head_request(2, Some((2, &req(2, 100))));
+            d.set_head(0, Some((0, &req(0, 100))));
+            d.set_head(1, Some((1, &req(1, 250))));
+            d.set_head(2, Some((2, &req(2, 100))));
             assert_eq!(d.next(), Some(0));
             d.on_dispatch(&req(0, 100));
-            d.set_head_request(0, None);
+            d.set_head(0, None);
             (d.next(), d.pool())
         };
         assert_eq!(run(0.0), (Some(2), 0.0), "without a pool b lacks 150 and c goes first");
@@ -359,16 +361,16 @@ mod tests {
     fn a_zero_weight_cannot_stall_selection() {
         let mut d = Drr::new(100.0, table(&[("z", 0.0)], 1.0), table(&[], 0.0), 0.0, 0);
         d.on_flow(0, "z");
-        d.set_head_request(0, Some((0, &req(0, 5000))));
+        d.set_head(0, Some((0, &req(0, 5000))));
         assert_eq!(d.next(), Some(0));
     }
 
     #[test]
     fn the_pool_is_capped_and_an_empty_ring_selects_nothing() {
         let mut d = Drr::new(500.0, table(&[], 1.0), table(&[], 0.0), 100.0, 0);
-        d.set_head_request(0, Some((0, &req(0, 10))));
+        d.set_head(0, Some((0, &req(0, 10))));
         d.on_dispatch(&req(0, 10));
-        d.set_head_request(0, None);
+        d.set_head(0, None);
         assert_eq!(d.pool(), 100.0);
         assert_eq!(d.next(), None);
     }
@@ -380,15 +382,15 @@ mod tests {
         let mut d = Drr::new(100.0, table(&[], 1.0), table(&[], 0.0), 0.0, 256);
         let outputs = [20u32, 500];
         for f in 0..2u32 {
-            d.set_head_request(f, Some((f as u64, &req(f, 100))));
+            d.set_head(f, Some((f as u64, &req(f, 100))));
         }
         let mut tokens = [0u64; 2];
         for id in 0..600u64 {
             let f = d.next().expect("backlogged");
             let r = Request { id, ..req(f, 100) };
             d.on_dispatch(&r);
-            d.set_head_request(f, Some((10 + id, &r)));
-            d.on_output_for(f, id, outputs[f as usize]);
+            d.set_head(f, Some((10 + id, &r)));
+            d.on_output(f, id, outputs[f as usize]);
             d.on_complete(f, id);
             tokens[f as usize] += 100 + outputs[f as usize] as u64;
         }
@@ -398,25 +400,25 @@ mod tests {
     #[test]
     fn corrections_reach_a_flow_only_while_it_stays_backlogged() {
         let mut d = Drr::new(1000.0, table(&[], 1.0), table(&[], 0.0), 0.0, 10);
-        d.set_head_request(0, Some((0, &req(0, 0))));
-        d.set_head_request(1, Some((1, &req(1, 0))));
+        d.set_head(0, Some((0, &req(0, 0))));
+        d.set_head(1, Some((1, &req(1, 0))));
         let r = Request { id: 7, ..req(0, 0) };
         d.on_dispatch(&r);
-        d.set_head_request(0, Some((2, &r)));
+        d.set_head(0, Some((2, &r)));
         assert_eq!(d.deficit(0), 990.0);
-        d.on_output_for(0, 7, 25);
+        d.on_output(0, 7, 25);
         assert_eq!(d.deficit(0), 975.0, "15 tokens over the estimate of 10");
         d.on_complete(0, 7);
         assert_eq!(d.deficit(0), 975.0);
         // Flow 1's request runs short, but flow 1 emptied before it completed:
         // it restarts from zero and owes or gains nothing from the past.
         assert_eq!(d.next(), Some(0));
-        d.set_head_request(0, None);
+        d.set_head(0, None);
         let r = Request { id: 8, ..req(1, 0) };
         d.on_dispatch(&r);
-        d.set_head_request(1, None);
-        d.set_head_request(1, Some((3, &r)));
-        d.on_output_for(1, 8, 2);
+        d.set_head(1, None);
+        d.set_head(1, Some((3, &r)));
+        d.on_output(1, 8, 2);
         d.on_complete(1, 8);
         assert_eq!(d.deficit(1), 1000.0, "its new turn's quantum, untouched by the refund");
     }
@@ -424,14 +426,14 @@ mod tests {
     #[test]
     fn a_recycled_id_does_not_revive_its_stale_ring_entry() {
         let mut d = Drr::new(100.0, table(&[], 1.0), table(&[], 0.0), 0.0, 0);
-        d.set_head_request(0, Some((0, &req(0, 50))));
-        d.set_head_request(1, Some((1, &req(1, 50))));
+        d.set_head(0, Some((0, &req(0, 50))));
+        d.set_head(1, Some((1, &req(1, 50))));
         // Flow 1 leaves: its ring entry is stale. Forgotten, its id is handed out again.
-        d.set_head_request(1, None);
+        d.set_head(1, None);
         d.forget(1);
         assert_eq!(d.deficit(1), 0.0);
         d.on_flow(1, "new");
-        d.set_head_request(1, Some((2, &req(1, 50))));
+        d.set_head(1, Some((2, &req(1, 50))));
         // Equal flows alternate two by two (quantum 100, cost 50): the new flow 1
         // gets one turn per round, not two (which the old entry would give it).
         let served = serve(&mut d, &[50, 50], 40);

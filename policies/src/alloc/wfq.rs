@@ -16,7 +16,7 @@
 //! the flow had fallen behind is never moved below `V`. `V` itself is not
 //! corrected: the other flows' tags were set against it.
 
-use super::{size_tokens, slot, Allocation, Correction, FlowWeights};
+use super::{size_tokens, slot, Accounting, Allocation, Correction, FlowWeights, Head, Lead, Selection};
 use crate::{FlowId, Request};
 use hashbrown::HashMap;
 use std::collections::BTreeSet;
@@ -113,23 +113,24 @@ impl Wfq {
     }
 }
 
-impl Allocation for Wfq {
+impl Selection for Wfq {
     fn name(&self) -> &'static str {
         "wfq"
     }
 
-    /// Without the request, the head is sized as one token.
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
-        self.place(flow, head.map(|seq| (seq, 1.0)));
-    }
-
-    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let size = |r: &Request| size_tokens(r, self.default_output);
         self.place(flow, head.map(|(seq, r)| (seq, size(r))));
     }
 
     fn next(&self) -> Option<FlowId> {
         self.backlog.first().map(|&(_, _, f)| f)
+    }
+}
+
+impl Accounting for Wfq {
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
     }
 
     /// Only a request dispatched from the backlog moves the clocks: one that
@@ -144,10 +145,7 @@ impl Allocation for Wfq {
         }
     }
 
-    /// Without the request the tokens cannot be set against its estimate.
-    fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
-
-    fn on_output_for(&mut self, _flow: FlowId, id: u64, tokens: u32) {
+    fn on_output(&mut self, _flow: FlowId, id: u64, tokens: u32) {
         if let Some(c) = self.running.get_mut(&id) {
             let (flow, extra) = (c.flow, c.generated(tokens));
             if extra > 0 {
@@ -185,9 +183,20 @@ impl Allocation for Wfq {
     fn flow_slots(&self) -> usize {
         self.last_finish.len().max(self.head_key.len()).max(self.weights.len())
     }
+}
 
-    fn on_flow(&mut self, flow: FlowId, name: &str) {
-        self.weights.on_flow(flow, name);
+impl Lead for Wfq {
+    /// The flow's head tag above the smallest head tag (the flow
+    /// [`Selection::next`] serves).
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        let &(min, _, _) = self.backlog.first()?;
+        Some(self.head_tag(flow)? - f64::from_bits(min))
+    }
+}
+
+impl Allocation for Wfq {
+    fn as_lead(&self) -> Option<&dyn Lead> {
+        Some(self)
     }
 }
 
@@ -206,7 +215,7 @@ mod tests {
         let mut seq = 0;
         let mut tokens = vec![0u64; sizes.len()];
         for (f, &s) in sizes.iter().enumerate() {
-            w.set_head_request(f as FlowId, Some((seq, &req(seq + 1, f as FlowId, s, 0))));
+            w.set_head(f as FlowId, Some((seq, &req(seq + 1, f as FlowId, s, 0))));
             seq += 1;
         }
         for _ in 0..n {
@@ -214,7 +223,7 @@ mod tests {
             let r = req(seq, f, sizes[f as usize], 0);
             w.on_dispatch(&r);
             tokens[f as usize] += sizes[f as usize] as u64;
-            w.set_head_request(f, Some((seq, &req(seq + 1, f, sizes[f as usize], 0))));
+            w.set_head(f, Some((seq, &req(seq + 1, f, sizes[f as usize], 0))));
             seq += 1;
         }
         tokens
@@ -246,16 +255,16 @@ mod tests {
         let v = w.virtual_time();
         assert!(v >= 1000.0);
         // Flow 1 arrives late: its tag starts at V, so it cannot claim 100 turns of credit.
-        w.set_head_request(1, Some((10_000, &req(5, 1, 10, 0))));
+        w.set_head(1, Some((10_000, &req(5, 1, 10, 0))));
         assert_eq!(w.head_tag(1), Some(v + 10.0));
     }
 
     #[test]
     fn default_output_sizes_requests_without_max_tokens() {
         let mut w = Wfq::new(FlowWeights::default(), 256);
-        w.set_head_request(0, Some((0, &req(1, 0, 44, 0))));
+        w.set_head(0, Some((0, &req(1, 0, 44, 0))));
         assert_eq!(w.head_tag(0), Some(300.0));
-        w.set_head_request(0, Some((0, &req(1, 0, 44, 6))));
+        w.set_head(0, Some((0, &req(1, 0, 44, 6))));
         assert_eq!(w.head_tag(0), Some(50.0));
         w.set_head(0, None);
         assert_eq!(w.next(), None);
@@ -268,16 +277,16 @@ mod tests {
         let mut tokens = [0u64; 2];
         let mut seq = 0;
         for f in 0..2u32 {
-            w.set_head_request(f, Some((seq, &req(seq, f, 100, 0))));
+            w.set_head(f, Some((seq, &req(seq, f, 100, 0))));
             seq += 1;
         }
         for _ in 0..n {
             let f = w.next().unwrap();
             let (id, i) = (seq, f as usize);
             w.on_dispatch(&req(id, f, 100, 0));
-            w.set_head_request(f, Some((seq + 1, &req(seq + 1, f, 100, 0))));
+            w.set_head(f, Some((seq + 1, &req(seq + 1, f, 100, 0))));
             seq += 2;
-            w.on_output_for(f, id, outputs[i]);
+            w.on_output(f, id, outputs[i]);
             w.on_complete(f, id);
             tokens[i] += 100 + outputs[i] as u64;
         }
@@ -295,25 +304,25 @@ mod tests {
     #[test]
     fn output_beyond_the_estimate_moves_the_head_at_once_and_a_shortfall_at_completion() {
         let mut w = Wfq::new(FlowWeights::default(), 10);
-        w.set_head_request(0, Some((0, &req(1, 0, 0, 0))));
+        w.set_head(0, Some((0, &req(1, 0, 0, 0))));
         w.on_dispatch(&req(1, 0, 0, 0));
-        w.set_head_request(0, Some((1, &req(2, 0, 0, 0))));
+        w.set_head(0, Some((1, &req(2, 0, 0, 0))));
         assert_eq!(w.head_tag(0), Some(20.0));
-        w.on_output_for(0, 1, 8);
+        w.on_output(0, 1, 8);
         assert_eq!(w.head_tag(0), Some(20.0), "within the estimate");
-        w.on_output_for(0, 1, 5);
+        w.on_output(0, 1, 5);
         assert_eq!((w.last_finish(0), w.head_tag(0)), (13.0, Some(23.0)), "three tokens over");
         w.on_complete(0, 1);
         assert_eq!(w.head_tag(0), Some(23.0), "nothing to refund");
         // The next one stops at 4 of its 10: refunded when it completes.
         w.on_dispatch(&req(2, 0, 0, 0));
-        w.set_head_request(0, Some((2, &req(3, 0, 0, 0))));
-        w.on_output_for(0, 2, 4);
+        w.set_head(0, Some((2, &req(3, 0, 0, 0))));
+        w.on_output(0, 2, 4);
         w.on_complete(0, 2);
         assert_eq!((w.last_finish(0), w.head_tag(0)), (17.0, Some(27.0)));
         // A bypassed request (its flow not backlogged) is not counted at all.
         w.on_dispatch(&req(9, 1, 0, 0));
-        w.on_output_for(1, 9, 50);
+        w.on_output(1, 9, 50);
         w.on_complete(1, 9);
         assert_eq!(w.last_finish(1), 0.0);
         assert_eq!(w.virtual_time(), 23.0, "V stays the largest dispatched tag");
@@ -329,8 +338,8 @@ mod tests {
         let v = w.virtual_time();
         w.forget(0);
         // Flow 0, forgotten, and flow 1, remembered, both restart at V.
-        w.set_head_request(0, Some((1_000, &req(1, 0, 10, 0))));
-        w.set_head_request(1, Some((1_001, &req(2, 1, 10, 0))));
+        w.set_head(0, Some((1_000, &req(1, 0, 10, 0))));
+        w.set_head(1, Some((1_001, &req(2, 1, 10, 0))));
         assert_eq!(w.head_tag(0), Some(v + 10.0));
         assert_eq!(w.head_tag(1), Some(v + 10.0));
     }
