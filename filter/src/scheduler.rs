@@ -199,10 +199,12 @@ impl Scheduler {
                 }
                 self.routes.remove(&req);
             }
+            // The caller pumps after every batch of messages.
+            ToScheduler::Wake => {}
             ToScheduler::Charge { req, band, input_tokens, max_tokens, output_tokens, done, tenant } => {
                 let (band, flow) = match self.running.get(&req) {
                     Some(&known) => known,
-                    None if tenant.is_empty() => return, // a wake-up, not a charge
+                    None if tenant.is_empty() => return, // no longer running, and no tenant to charge
                     None => (band_of_code(band), self.queue.flow_id(&tenant)),
                 };
                 if input_tokens > 0 {

@@ -1,6 +1,7 @@
 //! Messages between worker VMs and the scheduler VM, carried by proxy-wasm
 //! shared queues. A compact little-endian encoding: one tag byte, fixed
-//! fields, then the tenant name as the remaining bytes.
+//! fields, then the tenant name as the remaining bytes. Tags: 1 `Enqueue`,
+//! 2 `Cancel`, 3 `Charge`, 4 a batch of messages, 5 `Wake`.
 
 use crate::outcome::Outcome;
 
@@ -44,9 +45,12 @@ pub enum ToScheduler {
     Cancel { req: u64 },
     /// Service of request `req` of `tenant` in `band`: it bypassed the queue
     /// with `input_tokens`, or `output_tokens` more were generated; `done`
-    /// means it finished and released its stock. An empty tenant with
-    /// nothing charged is a bare wake-up (stock was freed).
+    /// means it finished and released its stock. A charge with an empty
+    /// tenant reaches only a request the scheduler knows to be running.
     Charge { req: u64, band: u8, input_tokens: u32, max_tokens: u32, output_tokens: u32, done: bool, tenant: String },
+    /// Stock was freed outside any request's accounting (a dispatch that
+    /// found its stream already running gave its slot back): dispatch again.
+    Wake,
 }
 
 /// The scheduler tells a worker.
@@ -150,6 +154,7 @@ impl ToScheduler {
                 b.push(*done as u8);
                 b.extend_from_slice(tenant.as_bytes());
             }
+            ToScheduler::Wake => b.push(5),
         }
         b
     }
@@ -181,6 +186,7 @@ impl ToScheduler {
                 done: r.u8()? != 0,
                 tenant: r.rest_str()?,
             }),
+            5 => r.0.is_empty().then_some(ToScheduler::Wake),
             _ => None,
         }
     }
@@ -276,6 +282,7 @@ mod tests {
                 tenant: String::new(),
             },
             ToScheduler::Cancel { req: 42 },
+            ToScheduler::Wake,
             ToScheduler::Charge {
                 req: 3 << 32 | 9,
                 band: 1,
@@ -324,6 +331,7 @@ mod tests {
         assert_eq!(ToScheduler::decode(&[]), None);
         assert_eq!(ToScheduler::decode(&[9, 1, 2]), None);
         assert_eq!(ToScheduler::decode(&[1, 0, 0]), None);
+        assert_eq!(ToScheduler::decode(&[5, 0]), None, "a wake-up carries nothing");
         assert_eq!(ToWorker::decode(&[1, 0]), None);
         assert_eq!(ToWorker::decode(&ToWorker::Reject { req: 1, outcome: Outcome::QueueFull }.encode()[..5]), None);
         let mut long = ToWorker::Dispatch { req: 1, endpoint: 0 }.encode();

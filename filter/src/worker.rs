@@ -670,15 +670,7 @@ impl<H: Host> Worker<H> {
         let msg = if self.streams.contains_key(&ctx) {
             // Still held here (already running, or paused and not resumable):
             // its own end will close its accounting.
-            ToScheduler::Charge {
-                req: 0,
-                band: 0,
-                input_tokens: 0,
-                max_tokens: 0,
-                output_tokens: 0,
-                done: true,
-                tenant: String::new(),
-            }
+            ToScheduler::Wake
         } else {
             // The client left between the decision and the delivery: the
             // request never ran, and the scheduler must close what it opened
@@ -1147,6 +1139,26 @@ mod tests {
         assert_eq!(running(&w), 0, "the scheduler's entry is released");
         // The next request gets the slot at once.
         assert_eq!(admit(&mut w, 20, 3, "c"), Admission::Bypass(0));
+    }
+
+    #[test]
+    fn a_second_dispatch_of_a_running_stream_gives_its_slot_back_with_a_bare_wake_up() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({})), 0);
+        let Admission::Bypass(first) = admit(&mut w, 0, 1, "a") else { panic!("an empty pool takes it at once") };
+        // A scheduler that did not know it bypassed (a takeover race) took a
+        // slot for it and dispatched it again.
+        let other = 1 - first;
+        let _second = shared::acquire(&p.store, 2, 1, |_| true, |_| Some(other as usize)).unwrap();
+        let twice = ToWorker::Dispatch { req: 1 << 32 | 1, endpoint: other };
+        Vm(p.clone(), 0).enqueue(queue_id(&p, "sluice.worker.1"), &twice.encode());
+        assert_eq!(shared::stock(&p.store, 2), 2);
+        w.on_queue_ready(1, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(shared::stock(&p.store, 2), 1, "the second slot is back");
+        let sent = Vm(p.clone(), 0).dequeue(queue_id(&p, SCHEDULER_QUEUE)).unwrap();
+        let msgs = decode_entry(&sent).unwrap();
+        assert_eq!(msgs.last(), Some(&ToScheduler::Wake), "{msgs:?}");
+        assert!(!msgs.iter().any(|m| matches!(m, ToScheduler::Cancel { .. })), "the running request is not cancelled");
     }
 
     #[test]
