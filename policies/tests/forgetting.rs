@@ -16,7 +16,8 @@ use std::collections::{HashMap, HashSet};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-/// Policies for which forgetting an idle flow changes no decision at all.
+/// Policies for which forgetting an idle flow changes no decision at all (for
+/// WFQ, while requests generate no more than their estimate, as they do here).
 const FREE_TO_FORGET: &[usize] = &[0, 7, 8];
 
 fn banded(p: usize, cap: usize) -> BandedQueue<Box<dyn Allocation>> {
@@ -300,8 +301,9 @@ proptest! {
         prop_assert_eq!(d.q.tenants().idle_len(), d.q.tenants().len(), "nothing holds a tenant any more");
     }
 
-    /// For FCFS, WFQ and DRR forgetting is free: with a cap of one or two
-    /// tenants (ids recycled constantly) every decision is the same as with no cap.
+    /// For FCFS, WFQ and DRR forgetting is free (WFQ's requests here stay
+    /// under their estimate): with a cap of one or two tenants (ids recycled
+    /// constantly) every decision is the same as with no cap.
     #[test]
     fn recycled_ids_change_no_decision_where_forgetting_is_free(
         i in 0..FREE_TO_FORGET.len(), cap in 1usize..3, ops in prop::collection::vec(op(), 1..200)
