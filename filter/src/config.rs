@@ -532,7 +532,7 @@ impl Config {
             return Err("field `max_tenants` must be at least 1, got 0".into());
         }
         let policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
-        let work_conserving = policy.build().map_err(|e| format!("field `policy`: {e}"))?.is_work_conserving();
+        let work_conserving = policy.build().map_err(|e| format!("field `policy`: {e}"))?.as_paced_mut().is_none();
         let order: OrderSpec = tagged("order", "order", raw.order)?;
         order.build().map_err(|e| format!("field `order`: {e}"))?;
         let may_be_critical = raw.criticality_header.is_some()

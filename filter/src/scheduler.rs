@@ -160,7 +160,7 @@ impl Scheduler {
         })
         .with_tenants(Tenants::new(cfg.max_tenants).with_groups(shared::COUNTER_SHARDS, shared::counter_shard))
         .with_min_shares(cfg.band_min_share);
-        let counters = queue.band(Criticality::Standard).policy().counter_of(0).is_some();
+        let counters = queue.band(Criticality::Standard).policy().as_counters().is_some();
         let slo = cfg.slo.as_ref().map(|s| SloState {
             order: s.order,
             hold_batch_slack_ms: s.hold_batch_slack_ms,
@@ -217,17 +217,22 @@ impl Scheduler {
         new
     }
 
-    /// A running request is done: its tenant may become idle, and idle
-    /// tenants past the cap may be forgotten. `complete`: it really finished
-    /// (its output length is a sample for the estimator).
-    fn finish(&mut self, req: u64, complete: bool) {
-        if let Some(r) = self.running.remove(&req) {
-            if let Some(slo) = self.slo.as_mut().filter(|_| complete) {
-                let tenant = self.queue.flow_name(r.flow).unwrap_or_default();
-                slo.est.on_complete(tenant, &r.model, r.output, (r.max_tokens > 0).then_some(r.max_tokens));
-            }
-            self.queue.release(r.flow);
+    /// A running request is done (finished, or never delivered): its policy
+    /// closes its accounting, then its tenant may become idle and idle
+    /// tenants past the cap may be forgotten. Only the first call for a
+    /// request does anything; false for a request not running. `complete`:
+    /// it really finished (its output length is a sample for the estimator).
+    fn finish(&mut self, req: u64, complete: bool) -> bool {
+        let Some(r) = self.running.remove(&req) else { return false };
+        if let Some(slo) = self.slo.as_mut().filter(|_| complete) {
+            let tenant = self.queue.flow_name(r.flow).unwrap_or_default();
+            slo.est.on_complete(tenant, &r.model, r.output, (r.max_tokens > 0).then_some(r.max_tokens));
         }
+        self.queue.band_mut(r.band).policy_mut().on_complete(r.flow, req);
+        self.mark(r.flow);
+        // Last: the tenant may be forgotten now.
+        self.queue.release(r.flow);
+        true
     }
 
     /// A queued request left the queue (any way): the estimator forgets it;
@@ -381,11 +386,6 @@ impl Scheduler {
                 let flow = self.queue.flow_id(&tenant);
                 let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
                 self.queue.advance(now_ms);
-                if max_tokens > 0 {
-                    // The oracle policy reads it as the true length: true in the
-                    // simulator, whose backends generate exactly max_tokens.
-                    self.queue.band_mut(band).policy_mut().hint_output(req, max_tokens);
-                }
                 match self.queue.push_with(band, r, meta) {
                     Ok(evicted) => {
                         // Joining the backlog may lift the counter.
@@ -408,10 +408,17 @@ impl Scheduler {
                 }
             }
             ToScheduler::Cancel { req } => {
-                self.queue.remove(req);
+                // Still queued: it leaves uncharged. Already dispatched: the
+                // stream went away before the dispatch reached it, so it never
+                // ran; it is done, once (a second Cancel finds nothing).
+                if self.queue.remove(req).is_none() {
+                    self.finish(req, false);
+                }
                 self.routes.remove(&req);
                 self.left_queue(req);
             }
+            // The caller pumps after every batch of messages.
+            ToScheduler::Wake => {}
             ToScheduler::Charge {
                 req,
                 band,
@@ -425,28 +432,21 @@ impl Scheduler {
             } => {
                 let (band, flow) = match self.running.get(&req) {
                     Some(known) => (known.band, known.flow),
-                    None if tenant.is_empty() => return, // a wake-up, not a charge
+                    None if tenant.is_empty() => return, // no longer running, and no tenant to charge
                     None => (band_of_code(band), self.queue.flow_id(&tenant)),
                 };
                 if input_tokens > 0 {
-                    // A request that bypassed the queue: charged as if dispatched from it.
-                    let policy = self.queue.band_mut(band).policy_mut();
-                    if max_tokens > 0 {
-                        policy.hint_output(req, max_tokens);
-                    }
+                    // A request that bypassed the queue: a dispatch of a tenant
+                    // that need not be backlogged (VTC lifts it as a newcomer).
                     let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
-                    policy.on_dispatch(&r);
+                    self.queue.band_mut(band).policy_mut().on_dispatch(&r);
                     if let Some(slo) = self.slo.as_mut() {
                         slo.est.on_arrival();
                     }
                     self.start(req, band, flow, (input_tokens, max_tokens), model);
                 }
-                let policy = self.queue.band_mut(band).policy_mut();
                 if output_tokens > 0 {
-                    policy.on_output_for(flow, req, output_tokens);
-                }
-                if done {
-                    policy.on_complete(flow, req);
+                    self.queue.band_mut(band).policy_mut().on_output(flow, req, output_tokens);
                 }
                 if let (Some(slo), Some(run)) = (self.slo.as_mut(), self.running.get_mut(&req)) {
                     slo.est.on_output(output_tokens);
@@ -455,12 +455,13 @@ impl Scheduler {
                         slo.est.on_first_token(run.input_tokens, ms);
                     }
                 }
-                if input_tokens > 0 || output_tokens > 0 || done {
+                if input_tokens > 0 || output_tokens > 0 {
                     self.mark(flow);
                 }
-                if done {
-                    // Last: the tenant may be forgotten now.
-                    self.finish(req, true);
+                if done && !self.finish(req, true) {
+                    // Not known to run here (dispatched by an earlier lease holder).
+                    self.queue.band_mut(band).policy_mut().on_complete(flow, req);
+                    self.mark(flow);
                 }
             }
         }
@@ -482,33 +483,36 @@ impl Scheduler {
                 self.demote(next);
                 continue;
             }
-            let msg = if drops < MAX_DROPS_PER_PUMP && drop_z.is_some_and(|z| self.unattainable_now(next, now_ms, z)) {
+            if drops < MAX_DROPS_PER_PUMP && drop_z.is_some_and(|z| self.unattainable_now(next, now_ms, z)) {
+                // Taken out without a dispatch: nothing is charged.
                 drops += 1;
-                ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }
-            } else {
-                match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE)) {
-                    Slot::Wait => break,
-                    Slot::Granted(endpoint) => ToWorker::Dispatch { req: next, endpoint, predicted_ttft_ms: None },
-                    Slot::NoEndpoint => ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint },
-                }
-            };
-            let (band, r) = self.queue.pop().expect("peeked a request");
-            debug_assert_eq!(r.id, next, "pop takes the request peek showed");
-            let route = self.routes.remove(&r.id).unwrap_or_default();
-            let predicted = self.left_queue(r.id);
-            let msg = match msg {
-                ToWorker::Dispatch { req, endpoint, .. } => {
-                    self.start(r.id, band, r.flow, (r.input_tokens, r.max_output_tokens), route.model);
+                self.queue.remove(next);
+                self.routes.remove(&next);
+                self.left_queue(next);
+                out.push((worker_of(next), ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }));
+                continue;
+            }
+            let msg = match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE)) {
+                Slot::Wait => break,
+                Slot::Granted(endpoint) => {
+                    let (band, r) = self.queue.pop().expect("peeked a request");
+                    debug_assert_eq!(r.id, next, "pop takes the request peek showed");
+                    let model = self.routes.get(&next).map(|route| route.model.clone()).unwrap_or_default();
+                    self.start(r.id, band, r.flow, (r.input_tokens, r.max_output_tokens), model);
+                    self.mark(r.flow);
+                    let predicted = self.left_queue(next);
                     let expose = self.slo.as_ref().is_some_and(|s| s.expose);
-                    ToWorker::Dispatch { req, endpoint, predicted_ttft_ms: predicted.filter(|_| expose) }
+                    ToWorker::Dispatch { req: next, endpoint, predicted_ttft_ms: predicted.filter(|_| expose) }
                 }
-                reject => {
-                    self.queue.band_mut(band).policy_mut().on_complete(r.flow, r.id);
-                    reject
+                Slot::NoEndpoint => {
+                    // Taken out without a dispatch: nothing is charged.
+                    self.queue.remove(next);
+                    self.left_queue(next);
+                    ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint }
                 }
             };
-            self.mark(r.flow);
-            out.push((worker_of(r.id), msg));
+            self.routes.remove(&next);
+            out.push((worker_of(next), msg));
         }
     }
 
@@ -525,7 +529,9 @@ impl Scheduler {
     /// its boosted flows' quanta with it).
     pub fn on_congestion(&mut self, level: f64) {
         for band in Criticality::ALL {
-            self.queue.band_mut(band).policy_mut().on_congestion(level);
+            if let Some(policy) = self.queue.band_mut(band).policy_mut().as_congestion_mut() {
+                policy.on_congestion(level);
+            }
         }
     }
 
@@ -534,14 +540,16 @@ impl Scheduler {
     /// one dropped is completed for its policy and releases its tenant.
     pub fn bound_running(&mut self, max: usize) {
         if self.running.len() > max {
-            let drop: Vec<(u64, Criticality, FlowId)> =
-                self.running.iter().take(self.running.len() - max).map(|(&id, r)| (id, r.band, r.flow)).collect();
-            for (id, band, flow) in drop {
-                self.queue.band_mut(band).policy_mut().on_complete(flow, id);
-                self.mark(flow);
+            let drop: Vec<u64> = self.running.keys().take(self.running.len() - max).copied().collect();
+            for id in drop {
                 self.finish(id, false);
             }
         }
+    }
+
+    /// Requests dispatched (or bypassed) and not yet done.
+    pub fn running(&self) -> usize {
+        self.running.len()
     }
 
     /// Up to `max_shards` counter shards that changed since they were last
@@ -573,7 +581,7 @@ impl Scheduler {
         let q = &self.queue;
         shared::encode_counters(q.tenants().group(shard).flat_map(|(flow, name)| {
             Criticality::ALL.into_iter().filter_map(move |band| {
-                let v = q.band(band).policy().counter_of(flow)?;
+                let v = q.band(band).policy().as_counters()?.counter(flow);
                 (v > 0.0).then_some((band_code(band), name, v))
             })
         }))
@@ -591,7 +599,9 @@ impl Scheduler {
             for (code, name, v) in shared::decode_counters(&bytes) {
                 if (code as usize) < Criticality::ALL.len() {
                     let flow = self.queue.flow_id(name);
-                    self.queue.band_mut(band_of_code(code)).policy_mut().restore_counter(flow, v);
+                    if let Some(counters) = self.queue.band_mut(band_of_code(code)).policy_mut().as_counters_mut() {
+                        counters.restore(flow, v);
+                    }
                 }
             }
         }
@@ -795,16 +805,63 @@ mod tests {
     }
 
     #[test]
-    fn bypassed_requests_are_charged_their_input() {
+    fn a_request_rejected_for_want_of_an_endpoint_is_not_charged() {
         let mut s = Scheduler::new(&cfg("vtc", ""));
         let mut out = Vec::new();
-        // "a" sent 1000 prompt tokens past the queue; "b" nothing.
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        let a = s.queue.tenants().get("a").unwrap();
+        let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
+        s.pump(0, &mut |_, _| Slot::NoEndpoint, &mut out);
+        assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint })]);
+        assert_eq!(
+            s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a)),
+            before,
+            "no input charge"
+        );
+        assert!(s.running.is_empty() && s.is_empty());
+    }
+
+    #[test]
+    fn a_dispatch_whose_stream_left_is_closed_once_and_its_prediction_refunded() {
+        // The oracle charges input and max_tokens at dispatch: 100 + 2 x 100.
+        let mut s = Scheduler::new(&cfg("vtc-oracle", r#","max_tenants":1"#));
+        let mut out = Vec::new();
+        s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
+        s.pump(0, &mut slots(1), &mut out);
+        assert_eq!(dispatched(&out), vec![1]);
+        let a = s.queue.tenants().get("a").unwrap();
+        let counter = |s: &Scheduler| s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
+        assert_eq!(counter(&s), Some(300.0));
+        // The client left before the dispatch reached its stream: the worker
+        // (as the stream ended, and again when the dispatch found it gone)
+        // says Cancel.
+        s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+        assert!(s.running.is_empty(), "the running entry is released");
+        assert_eq!(counter(&s), Some(100.0), "the predicted output is refunded; the input was charged at dispatch");
+        s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+        s.on_message(charge(1, "", 0, 0, true), 0, &mut out);
+        assert_eq!(counter(&s), Some(100.0), "closed once");
+        // Released: the idle tenant can make room for another under the cap.
+        s.on_message(charge(2, "b", 1, 0, true), 0, &mut out);
+        assert!(s.queue.tenants().get("a").is_none());
+    }
+
+    #[test]
+    fn a_bypassed_request_is_lifted_and_leaves_last_so_its_service_is_not_carried_over() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        // "a" sent 1000 prompt tokens past the empty queue: charged, and the
+        // last tenant to leave the queue (Algorithm 2: it joined and left).
         s.on_message(charge(9, "a", 1000, 0, false), 0, &mut out);
+        let a = s.queue.tenants().get("a").unwrap();
+        assert_eq!(s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a)), Some(1000.0));
+        // So "b", joining the empty queue, is lifted to a's 1000 and the two
+        // then alternate: a's service while nothing waited is not held against it.
         s.on_message(enqueue(0, 1, "b", 0), 0, &mut out);
         s.on_message(enqueue(0, 2, "b", 1), 0, &mut out);
         s.on_message(enqueue(0, 3, "a", 2), 0, &mut out);
         s.pump(0, &mut slots(usize::MAX), &mut out);
-        assert_eq!(dispatched(&out), vec![1, 2, 3]);
+        assert_eq!(dispatched(&out), vec![1, 3, 2]);
         s.on_message(charge(9, "a", 0, 0, true), 0, &mut out);
         assert!(!s.running.contains_key(&9), "done forgets the request");
     }
@@ -871,7 +928,7 @@ mod tests {
         let mut out = std::collections::BTreeMap::new();
         for (flow, name) in s.queue.tenants().iter() {
             for band in Criticality::ALL {
-                match s.queue.band(band).policy().counter_of(flow) {
+                match s.queue.band(band).policy().as_counters().map(|c| c.counter(flow)) {
                     Some(v) if v > 0.0 => out.insert((band_code(band), name.to_owned()), v),
                     _ => None,
                 };
@@ -1016,11 +1073,13 @@ mod tests {
         assert_eq!(s.dirty_shards(), shared::COUNTER_SHARDS as usize);
         assert_eq!(save_all(&mut s, &store, 5), shared::COUNTER_SHARDS as usize);
         // One tenant charged: its shard alone is written, with its new counter.
+        let t7 = s.queue.tenants().get("t7").unwrap();
+        let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(t7)).unwrap();
         s.on_message(charge(5000, "t7", 0, 4, false), 0, &mut out);
         let shards = s.dirty_snapshots(usize::MAX);
         assert_eq!(shards.len(), 1);
         assert_eq!(shards[0].0, shared::counters_key(shared::counter_shard("t7")));
-        assert!(shared::decode_counters(&shards[0].1).contains(&(1, "t7", 18.0)));
+        assert!(shared::decode_counters(&shards[0].1).contains(&(1, "t7", before + 8.0)));
         assert!(s.dirty_snapshots(usize::MAX).is_empty(), "clean until charged again");
         // Requests that wait change nothing saved until they are dispatched; a
         // dispatch dirties the shard of its tenant only.
@@ -1083,9 +1142,13 @@ mod tests {
         }
         assert_eq!(s.tenants(), 5);
         // Output still reaches each tenant's own counter.
-        s.on_message(charge(3, "", 0, 5, false), 0, &mut out);
         let flow = s.queue.tenants().get("r3").unwrap();
-        assert_eq!(s.queue.band(Criticality::Standard).policy().counter_of(flow), Some(20.0));
+        let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(flow)).unwrap();
+        s.on_message(charge(3, "", 0, 5, false), 0, &mut out);
+        assert_eq!(
+            s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(flow)),
+            Some(before + 10.0)
+        );
         // Their workers vanished: dropping them completes and releases them.
         s.bound_running(0);
         assert!(s.running.is_empty());
@@ -1111,7 +1174,11 @@ mod tests {
         s.on_message(enqueue(0, 12, "low", 0), 0, &mut out);
         let low = s.queue.tenants().get("low").unwrap();
         let policy = s.queue.band(Criticality::Standard).policy();
-        assert_eq!(policy.counter_of(low), Some(1200.0), "lifted to the backlogged minimum, not 0");
+        assert_eq!(
+            policy.as_counters().map(|c| c.counter(low)),
+            Some(1200.0),
+            "lifted to the backlogged minimum, not 0"
+        );
         // So it waits its turn behind the older heads with the same counter
         // (at 0 it would go first).
         s.pump(0, &mut slots(usize::MAX), &mut out);
@@ -1307,24 +1374,21 @@ mod tests {
 
     #[test]
     fn batch_work_waits_while_an_interactive_request_is_at_risk() {
-        let first = |hold: &str| {
+        let order = |hold: &str| {
             let extra = format!(r#","slo":{{"order":"slack","fairness_window":0{hold}}}"#);
             let mut s = Scheduler::new(&cfg("vtc", &extra));
             let now = warm_up(&mut s, 40);
             let mut out = Vec::new();
-            // b is far ahead in service (a bypassed request), so VTC prefers a.
-            let mut bypass = charge(7, "b", 100_000, 0, false);
-            if let ToScheduler::Charge { band, .. } = &mut bypass {
-                *band = band_code(Criticality::Standard);
-            }
-            s.on_message(bypass, now, &mut out);
             s.on_message(enqueue_slo(1, "a", now, 3_600_000, 100), now, &mut out);
             s.on_message(enqueue_slo(2, "b", now, 60, 100), now, &mut out);
+            s.on_message(enqueue_slo(3, "b", now, 60, 100), now, &mut out);
+            // Tied counters: the least slack (b) goes first and b runs ahead.
+            s.pump(now, &mut slots(1), &mut out);
             s.pump(now, &mut slots(1), &mut out);
             dispatched(&out)
         };
-        assert_eq!(first(""), vec![1], "without the hold, fairness serves the batch request");
-        assert_eq!(first(r#","hold_batch_slack_ms":60000"#), vec![2], "the at-risk one goes first");
+        assert_eq!(order(""), vec![2, 1], "without the hold, fairness serves the batch request next");
+        assert_eq!(order(r#","hold_batch_slack_ms":60000"#), vec![2, 3], "the at-risk one goes first");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Messages between worker VMs and the scheduler VM, carried by proxy-wasm
 //! shared queues. A compact little-endian encoding: one tag byte, fixed
-//! fields, then the tenant name as the remaining bytes.
+//! fields, then the tenant name as the remaining bytes. Tags: 1 `Enqueue`,
+//! 2 `Cancel`, 3 `Charge`, 4 a batch of messages, 5 `Wake`.
 
 use crate::outcome::Outcome;
 
@@ -48,12 +49,15 @@ pub enum ToScheduler {
         route: RouteInfo,
         tenant: String,
     },
-    /// The client went away while the request was queued.
+    /// The client went away while the request was queued, or before the
+    /// scheduler's dispatch reached its stream (the scheduler then closes
+    /// that dispatch; later `Cancel`s for the same request change nothing).
     Cancel { req: u64 },
     /// Service of request `req` of `tenant` in `band`: it bypassed the queue
     /// with `input_tokens`, or `output_tokens` more were generated; `done`
-    /// means it finished and released its stock. An empty tenant with
-    /// nothing charged is a bare wake-up (stock was freed). `first_token_ms`:
+    /// means it finished and released its stock. A charge with an empty
+    /// tenant reaches only a request the scheduler knows to be running.
+    /// `first_token_ms`:
     /// the first output came this long after the request was sent upstream
     /// (given once). `model` is given with a bypass charge.
     Charge {
@@ -67,6 +71,9 @@ pub enum ToScheduler {
         model: String,
         tenant: String,
     },
+    /// Stock was freed outside any request's accounting (a dispatch that
+    /// found its stream already running gave its slot back): dispatch again.
+    Wake,
 }
 
 /// The scheduler tells a worker.
@@ -196,6 +203,7 @@ impl ToScheduler {
                 put_str16(&mut b, model);
                 b.extend_from_slice(tenant.as_bytes());
             }
+            ToScheduler::Wake => b.push(5),
         }
         b
     }
@@ -233,6 +241,7 @@ impl ToScheduler {
                 model: r.str16()?,
                 tenant: r.rest_str()?,
             }),
+            5 => r.0.is_empty().then_some(ToScheduler::Wake),
             _ => None,
         }
     }
@@ -350,6 +359,7 @@ mod tests {
                 tenant: String::new(),
             },
             ToScheduler::Cancel { req: 42 },
+            ToScheduler::Wake,
             ToScheduler::Charge {
                 req: 3 << 32 | 9,
                 band: 1,
@@ -405,6 +415,7 @@ mod tests {
         assert_eq!(ToScheduler::decode(&[]), None);
         assert_eq!(ToScheduler::decode(&[9, 1, 2]), None);
         assert_eq!(ToScheduler::decode(&[1, 0, 0]), None);
+        assert_eq!(ToScheduler::decode(&[5, 0]), None, "a wake-up carries nothing");
         assert_eq!(ToWorker::decode(&[1, 0]), None);
         assert_eq!(ToWorker::decode(&ToWorker::Reject { req: 1, outcome: Outcome::QueueFull }.encode()[..5]), None);
         let mut long = ToWorker::Dispatch { req: 1, endpoint: 0, predicted_ttft_ms: None }.encode();

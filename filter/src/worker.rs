@@ -890,24 +890,23 @@ impl<H: Host> Worker<H> {
                 return;
             }
         }
-        {
-            // The stream is gone (or was dispatched twice after a takeover):
-            // give the slot back and let the scheduler use it.
-            let stock = permit.release(&self.host, self.endpoints());
-            self.publish_stock(stock);
-            let wake = ToScheduler::Charge {
-                req: 0,
-                band: 0,
-                input_tokens: 0,
-                max_tokens: 0,
-                output_tokens: 0,
-                done: true,
-                first_token_ms: None,
-                model: String::new(),
-                tenant: String::new(),
-            };
-            self.send_to_scheduler(&wake);
-        }
+        // The stream is gone (or was dispatched twice after a takeover): give
+        // the slot back and let the scheduler use it.
+        let stock = permit.release(&self.host, self.endpoints());
+        self.publish_stock(stock);
+        let msg = if self.streams.contains_key(&ctx) {
+            // Still held here (already running, or paused and not resumable):
+            // its own end will close its accounting.
+            ToScheduler::Wake
+        } else {
+            // The client left between the decision and the delivery: the
+            // request never ran, and the scheduler must close what it opened
+            // for it (its running entry, the policy's charges). A Cancel the
+            // stream sent as it left may have said so already; the scheduler
+            // acts on the first.
+            ToScheduler::Cancel { req: self.request_id(ctx) }
+        };
+        self.send_to_scheduler(&msg);
     }
 
     /// Answers stream `ctx` with an OpenAI-style error (one of the
@@ -1446,6 +1445,54 @@ mod tests {
         assert_eq!(queued(&p, SCHEDULER_QUEUE), 1, "delivered on the next tick");
         w.on_tick(100);
         assert_eq!(queued(&p, SCHEDULER_QUEUE), 1, "and only once");
+    }
+
+    #[test]
+    fn a_dispatch_that_finds_its_stream_gone_releases_the_slot_and_the_schedulers_entry() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({"endpoints": ["127.0.0.1:1"], "policy": "vtc-predict"})), 0);
+        assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Bypass(0));
+        assert_eq!(admit(&mut w, 0, 2, "b"), Admission::Queued, "the only slot is held");
+        w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
+        // Request 1 ends: the scheduler dispatches request 2 into its slot ...
+        w.at(10).finish(1, 3, false);
+        w.on_queue_ready(10, queue_id(&p, SCHEDULER_QUEUE));
+        assert_eq!(queued(&p, "sluice.worker.1"), 1, "the dispatch is on its way");
+        let running = |w: &Worker<Vm>| w.role.as_ref().unwrap().scheduler.running();
+        assert_eq!(running(&w), 1);
+        // ... but its client leaves first. The Cancel it sends is lost (say,
+        // the lease was changing hands), so only the dispatch, finding the
+        // stream gone, can tell the scheduler.
+        w.at(11).finish(2, 0, false);
+        assert_eq!(queued(&p, SCHEDULER_QUEUE), 1);
+        Vm(p.clone(), 0).dequeue(queue_id(&p, SCHEDULER_QUEUE));
+        w.on_queue_ready(12, queue_id(&p, "sluice.worker.1"));
+        w.on_queue_ready(12, queue_id(&p, SCHEDULER_QUEUE));
+        assert!(p.resumed.borrow().is_empty(), "never resumed");
+        assert_eq!(shared::stock(&p.store, 1), 0, "the slot is back");
+        assert_eq!(running(&w), 0, "the scheduler's entry is released");
+        // The next request gets the slot at once.
+        assert_eq!(admit(&mut w, 20, 3, "c"), Admission::Bypass(0));
+    }
+
+    #[test]
+    fn a_second_dispatch_of_a_running_stream_gives_its_slot_back_with_a_bare_wake_up() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({})), 0);
+        let Admission::Bypass(first) = admit(&mut w, 0, 1, "a") else { panic!("an empty pool takes it at once") };
+        // A scheduler that did not know it bypassed (a takeover race) took a
+        // slot for it and dispatched it again.
+        let other = 1 - first;
+        let _second = shared::acquire(&p.store, 2, 1, |_| true, |_| Some(other as usize)).unwrap();
+        let twice = ToWorker::Dispatch { req: 1 << 32 | 1, endpoint: other, predicted_ttft_ms: None };
+        Vm(p.clone(), 0).enqueue(queue_id(&p, "sluice.worker.1"), &twice.encode());
+        assert_eq!(shared::stock(&p.store, 2), 2);
+        w.on_queue_ready(1, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(shared::stock(&p.store, 2), 1, "the second slot is back");
+        let sent = Vm(p.clone(), 0).dequeue(queue_id(&p, SCHEDULER_QUEUE)).unwrap();
+        let msgs = decode_entry(&sent).unwrap();
+        assert_eq!(msgs.last(), Some(&ToScheduler::Wake), "{msgs:?}");
+        assert!(!msgs.iter().any(|m| matches!(m, ToScheduler::Cancel { .. })), "the running request is not cancelled");
     }
 
     #[test]

@@ -3,11 +3,11 @@
 //! that both measure exactly the same code path.
 //!
 //! 10,000 requests stay queued over 1,000 tenants. Each step pops the request
-//! the policy picks, closes its accounting (`on_output_for` + `on_complete`,
+//! the policy picks, closes its accounting (`on_output` + `on_complete`,
 //! as the filter does) and queues a new one for the same tenant: one enqueue
 //! and one dispatch, two operations.
 
-use crate::alloc::Allocation;
+use crate::alloc::{Accounting, Allocation};
 use crate::order::FlowOrder;
 use crate::queue::{FairQueue, QueueLimits};
 use crate::Request;
@@ -75,7 +75,7 @@ impl Workload {
     pub fn run(&mut self, steps: u64) {
         for _ in 0..steps {
             let r = self.queue.pop().expect("the queue stays full");
-            self.queue.policy_mut().on_output_for(r.flow, r.id, 64);
+            self.queue.policy_mut().on_output(r.flow, r.id, 64);
             self.queue.policy_mut().on_complete(r.flow, r.id);
             let next = self.request(r.flow);
             self.queue.push(next).expect("the slot just freed");

@@ -25,7 +25,7 @@ pub mod tenants;
 /// Dense index of a tenant or flow, handed out by [`queue::FairQueue::flow_id`]
 /// (or [`bands::BandedQueue::flow_id`]). The id of a forgotten idle tenant is
 /// handed out again, after every policy dropped its state for it
-/// ([`alloc::Allocation::forget`]).
+/// ([`alloc::Accounting::forget`]).
 pub type FlowId = u32;
 
 /// What the scheduler knows of a request before it runs.

@@ -4,7 +4,7 @@
 //!
 //! Flow ids come from a [`Tenants`] table, which may cap how many flows are
 //! tracked ([`FairQueue::with_max_flows`]): past the cap, idle flows are
-//! forgotten, the policy drops their state ([`Allocation::forget`]) and their
+//! forgotten, the policy drops their state ([`crate::alloc::Accounting::forget`]) and their
 //! ids are handed out again. A flow is busy while it has queued requests and
 //! while the caller [`FairQueue::hold`]s it (for each dispatched request whose
 //! output and completion it will still charge, until [`FairQueue::release`]).
@@ -78,7 +78,7 @@ pub struct FairQueue<A> {
 /// (Low Budget First) or, while [`FairQueue::set_high_budget_first`] is on, the
 /// largest (and each flow's head is then its largest-ranked request), unless
 /// the policy says that flow runs more than `window` service units ahead of
-/// its own choice ([`Allocation::lead`]); then the policy's choice. Every
+/// its own choice ([`crate::alloc::Lead::lead`]); then the policy's choice. Every
 /// flow served is thus within `window` (plus one request's cost) of the
 /// fairest one, and a policy without a notion of lead (FCFS) leaves the
 /// order to the ranks alone. Requests with an infinite rank (no objective)
@@ -182,7 +182,7 @@ impl<A: Allocation> FairQueue<A> {
     fn head_changed(&mut self, flow: FlowId) {
         let pos = self.head_pos(&self.flows[flow as usize]);
         let head = self.flows[flow as usize].get(pos);
-        self.alloc.set_head_request(flow, head.map(|e| (e.seq, &e.req)));
+        self.alloc.set_head(flow, head.map(|e| (e.seq, &e.req)));
         if let Some(slo) = self.slo.as_mut() {
             if let Some(old) = slo.head_of.remove(&flow) {
                 slo.heads.remove(&(old.0, old.1, flow));
@@ -204,7 +204,7 @@ impl<A: Allocation> FairQueue<A> {
             return Some(fair);
         }
         let &(bits, _, flow) = pick?;
-        if self.alloc.lead(flow).is_none_or(|lead| lead <= slo.window) {
+        if self.alloc.as_lead().and_then(|l| l.lead(flow)).is_none_or(|lead| lead <= slo.window) {
             return Some(flow);
         }
         let held = slo.urgency.is_some_and(|(risk, ample)| {
@@ -302,7 +302,9 @@ impl<A: Allocation> FairQueue<A> {
     /// re-ranks every flow (its heads may change).
     pub fn advance(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
-        self.alloc.advance(self.now_ms);
+        if let Some(clock) = self.alloc.as_paced_mut() {
+            clock.advance(self.now_ms);
+        }
         if !self.order.is_dynamic() {
             return;
         }
@@ -630,6 +632,7 @@ mod tests {
             let mut served = Vec::new();
             for _ in 0..20 {
                 let req = q.pop().unwrap();
+                use crate::alloc::Counters;
                 let (c_a, c_b) = (q.policy().counter(a), q.policy().counter(b));
                 assert!((c_a - c_b).abs() <= window + 20.0 + 1e-9, "window {window}: {c_a} vs {c_b}");
                 served.push(req.flow);

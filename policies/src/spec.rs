@@ -291,6 +291,7 @@ impl OrderSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::testing::head;
     use crate::Request;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -325,10 +326,10 @@ mod tests {
             parse(r#"{"policy":"vtc","tenant_weights":{"gold":4},"output_weight":1}"#).unwrap().build().unwrap();
         p.on_flow(0, "gold");
         p.on_flow(1, "free");
-        p.set_head(0, Some(0));
-        p.set_head(1, Some(1));
-        p.on_output(0, 7); // 7 / 4
-        p.on_output(1, 2); // 2 / 1
+        head(&mut p, 0, Some(0));
+        head(&mut p, 1, Some(1));
+        p.on_output(0, 0, 7); // 7 / 4
+        p.on_output(1, 0, 2); // 2 / 1
         assert_eq!(p.next(), Some(0));
         let r = Request { id: 1, flow: 0, input_tokens: 2, max_output_tokens: 0, arrival_ms: 0 };
         p.on_dispatch(&r); // + 2 / 4 = 2.25 > 2

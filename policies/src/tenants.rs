@@ -10,7 +10,7 @@
 //! When more than `max` tenants are tracked, the least recently active idle
 //! ones are forgotten: their id goes back to a free list and the owner drops
 //! every piece of state it keeps for that id (see
-//! [`crate::alloc::Allocation::forget`]), so that the id can be handed out
+//! [`crate::alloc::Accounting::forget`]), so that the id can be handed out
 //! again, to any name, as if it had never been seen. Busy tenants are never
 //! forgotten. The work is bounded per call: [`Tenants::intern`] forgets at
 //! most [`FORGET_PER_CALL`] tenants before it adds one, and

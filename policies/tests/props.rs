@@ -1,13 +1,14 @@
 //! Invariants of the queue and the policies, as property tests: no request is
 //! lost or duplicated, work conservation, FIFO inside a flow for equal sizes,
 //! strict priority between bands (and, with minimum shares, each band's share
-//! of the dispatches), and the VTC counter bound (Lemma 4.3).
+//! of the dispatches), and the VTC counter bound (Lemma 4.3), also when
+//! requests bypass an empty queue.
 
 mod common;
 
 use common::{policy, POLICIES};
 use proptest::prelude::*;
-use sluice_policies::alloc::{Allocation, Vtc, VtcWeights};
+use sluice_policies::alloc::{Accounting, Allocation, Counters, Vtc, VtcWeights};
 use sluice_policies::bands::{BandLimits, BandedQueue, Criticality, MinShares};
 use sluice_policies::order::{Edf, FeasibleSet, Fifo, FlowOrder, ShortestPredicted};
 use sluice_policies::queue::{FairQueue, QueueLimits};
@@ -97,7 +98,7 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
     let limits = QueueLimits { total_capacity: 12, flow_capacity: 5, ttl_ms: 30_000 };
     let mut q = FairQueue::with_order(limits, policy(p), order(o));
     let flows: Vec<u32> = (0..5).map(|i| q.flow_id(&format!("t{i}"))).collect();
-    let conserving = q.policy().is_work_conserving();
+    let conserving = q.policy_mut().as_paced_mut().is_none();
     let mut ledger = Ledger::default();
     let mut popped_per_flow: HashMap<u32, Vec<u64>> = HashMap::new();
     let (mut now, mut next_id) = (0u64, 1u64);
@@ -106,7 +107,7 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
         ledger.leave(r.id);
         popped_per_flow.entry(r.flow).or_default().push(r.id);
         // Close the request's accounting as the filter would.
-        q.policy_mut().on_output_for(r.flow, r.id, 3);
+        q.policy_mut().on_output(r.flow, r.id, 3);
         q.policy_mut().on_complete(r.flow, r.id);
         Some(r)
     };
@@ -115,7 +116,6 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
             Op::Push(f, s, _) => {
                 let id = next_id;
                 next_id += 1;
-                q.policy_mut().hint_output(id, 16);
                 let size = if equal_sizes { 0 } else { s };
                 if q.push(request(id, flows[f as usize], size, now)).is_ok() {
                     ledger.accepted.push(id);
@@ -145,7 +145,11 @@ fn run_fair_queue(p: usize, o: usize, ops: &[Op], equal_sizes: bool) -> Result<(
                     ledger.leave(r.id);
                 }
             }
-            Op::Congestion(c) => q.policy_mut().on_congestion(c as f64 / 10.0),
+            Op::Congestion(c) => {
+                if let Some(p) = q.policy_mut().as_congestion_mut() {
+                    p.on_congestion(c as f64 / 10.0);
+                }
+            }
         }
         if conserving {
             prop_assert_eq!(q.peek().is_some(), !q.is_empty(), "a policy must name a flow while requests wait");
@@ -269,7 +273,7 @@ proptest! {
     ) {
         let mut q = BandedQueue::new(BandLimits { total_capacity: 10_000, ..BandLimits::default() }, |_| policy(p))
             .with_min_shares(shares);
-        prop_assume!(q.band(Criticality::Critical).policy().is_work_conserving());
+        prop_assume!(q.band_mut(Criticality::Critical).policy_mut().as_paced_mut().is_none());
         let flows: Vec<u32> = (0..4).map(|i| q.flow_id(&format!("t{i}"))).collect();
         let mut rng = seed | 1;
         let mut next_id = 0u64;
@@ -302,9 +306,8 @@ proptest! {
     }
 
     /// Lemma 4.3: while requests wait, max − min counter among backlogged
-    /// tenants ≤ max(w_p · L_input, w_q · M), under a continuous-batching
-    /// server loop (Algorithm 2's execution stream) with memory of M tokens, each
-    /// request holding its prompt and its whole output in memory while it runs.
+    /// tenants ≤ max(w_p · L_input, w_q · M), tenants joining at different
+    /// times and staying backlogged.
     #[test]
     fn vtc_counters_of_backlogged_tenants_stay_within_the_lemma_bound(
         tenants in 2usize..7,
@@ -315,69 +318,175 @@ proptest! {
         start in prop::collection::vec(0u32..40, 7),
         wp in 1u32..3, extra in 0u32..3,
     ) {
+        let mut b = Batch::new(tenants, wp, extra, l_input, l_output, slack, seed);
+        for step in 0..300u32 {
+            // Tenants join at their start step and stay backlogged.
+            for (i, &from) in start.iter().enumerate().take(tenants) {
+                if step >= from && b.q.flow_len(b.flows[i]) < 2 {
+                    b.arrive(i, step, false)?;
+                }
+            }
+            b.admit()?;
+            b.decode()?;
+        }
+    }
+
+    /// The same bound when tenants come and go and a request that finds
+    /// nothing waiting and room in the batch goes straight in, as the
+    /// filter's bypass does (the policy sees only its dispatch): the lift and
+    /// last-leaver rule must apply to it, or a tenant served while the queue
+    /// was empty carries that service into the next backlog.
+    #[test]
+    fn vtc_bound_holds_when_requests_bypass_an_empty_queue(
+        tenants in 2usize..7,
+        l_input in 1u32..64,
+        l_output in 1u32..64,
+        slack in 1u32..4,
+        seed in any::<u64>(),
+        phase in 5u32..60,
+        wp in 1u32..3, extra in 0u32..3,
+    ) {
+        let mut b = Batch::new(tenants, wp, extra, l_input, l_output, slack, seed);
+        let mut rates = vec![0u32; tenants];
+        for step in 0..400u32 {
+            // Each tenant's arrival rate (percent per step) changes every phase:
+            // the queue fills and drains, and light tenants go idle.
+            if step % phase == 0 {
+                for r in rates.iter_mut() {
+                    *r = if b.rand(3) == 1 { 0 } else { b.rand(100) };
+                }
+            }
+            for (i, &rate) in rates.iter().enumerate() {
+                if b.rand(100) <= rate {
+                    b.arrive(i, step, true)?;
+                }
+            }
+            b.admit()?;
+            b.decode()?;
+        }
+    }
+}
+
+/// Algorithm 2's execution stream around a queue under VTC: a batch memory of
+/// `m` tokens, each running request holding its prompt and its whole output,
+/// admitted from the queue while the next one fits; Lemma 4.3's bound
+/// `max(w_p · L_input, w_q · M)` is checked after every event.
+struct Batch {
+    q: FairQueue<Vtc>,
+    flows: Vec<u32>,
+    l_input: u32,
+    l_output: u32,
+    m: u32,
+    bound: f64,
+    rng: u64,
+    used: u32,
+    true_out: HashMap<u64, u32>,
+    /// (flow, id, input, output, generated)
+    running: Vec<(u32, u64, u32, u32, u32)>,
+    next_id: u64,
+    bypassed: u32,
+}
+
+impl Batch {
+    fn new(tenants: usize, wp: u32, extra: u32, l_input: u32, l_output: u32, slack: u32, seed: u64) -> Batch {
         // The seed's setting: output tokens cost at least as much as input
         // tokens (w_p <= w_q). With w_p > w_q one request's input can outweigh
         // w_q · M and the bound does not hold (proptest finds such cases).
-        let wq = wp + extra;
-        let weights = VtcWeights { input: wp as f64, output: wq as f64 };
+        let weights = VtcWeights { input: wp as f64, output: (wp + extra) as f64 };
         let m = (l_input + l_output) * slack;
-        let bound = (weights.input * l_input as f64).max(weights.output * m as f64);
-        let mut q = FairQueue::new(QueueLimits { total_capacity: 10_000, flow_capacity: 1000, ttl_ms: u64::MAX / 4 }, Vtc::new(weights));
-        let flows: Vec<u32> = (0..tenants).map(|i| q.flow_id(&format!("t{i}"))).collect();
-        let mut rng = seed | 1;
-        let mut rand = |n: u32| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            1 + (rng % n as u64) as u32
-        };
-        let mut true_out = HashMap::new();
-        // (flow, id, input, output, generated)
-        let mut running: Vec<(u32, u64, u32, u32, u32)> = Vec::new();
-        let (mut used, mut next_id) = (0u32, 0u64);
-        let check = |q: &FairQueue<Vtc>| -> Result<(), TestCaseError> {
-            let cs: Vec<f64> = flows.iter().filter(|&&f| q.flow_len(f) > 0).map(|&f| q.policy().counter(f)).collect();
-            if let (Some(max), Some(min)) = (cs.iter().cloned().reduce(f64::max), cs.iter().cloned().reduce(f64::min)) {
-                prop_assert!(max - min <= bound + 1e-9, "spread {} > bound {}", max - min, bound);
-            }
-            Ok(())
-        };
-        for step in 0..300u32 {
-            // Tenants join at their start step and stay backlogged.
-            for (i, &f) in flows.iter().enumerate() {
-                if step >= start[i] && q.flow_len(f) < 2 {
-                    next_id += 1;
-                    let (input, output) = (rand(l_input), rand(l_output));
-                    true_out.insert(next_id, output);
-                    q.push(Request { id: next_id, flow: f, input_tokens: input, max_output_tokens: 0, arrival_ms: step as u64 }).unwrap();
-                }
-            }
-            check(&q)?;
-            // Admit while the next request fits in memory (Algorithm 2 stops at the first that does not).
-            while let Some(r) = q.peek() {
-                let need = r.input_tokens + true_out[&r.id];
-                if used + need > m {
-                    break;
-                }
-                let r = q.pop().unwrap();
-                used += need;
-                running.push((r.flow, r.id, r.input_tokens, true_out[&r.id], 0));
-                check(&q)?;
-            }
-            // One decode step: every running request generates a token.
-            for r in running.iter_mut() {
-                q.policy_mut().on_output_for(r.0, r.1, 1);
-                r.4 += 1;
-            }
-            running.retain(|r| {
-                if r.4 == r.3 {
-                    used -= r.2 + r.3;
-                    false
-                } else {
-                    true
-                }
-            });
-            check(&q)?;
+        let limits = QueueLimits { total_capacity: 100_000, flow_capacity: 100_000, ttl_ms: u64::MAX / 4 };
+        let mut q = FairQueue::new(limits, Vtc::new(weights));
+        let flows = (0..tenants).map(|i| q.flow_id(&format!("t{i}"))).collect();
+        Batch {
+            q,
+            flows,
+            l_input,
+            l_output,
+            m,
+            bound: (weights.input * l_input as f64).max(weights.output * m as f64),
+            rng: seed | 1,
+            used: 0,
+            true_out: HashMap::new(),
+            running: Vec::new(),
+            next_id: 0,
+            bypassed: 0,
         }
+    }
+
+    /// Uniform in `1..=n`.
+    fn rand(&mut self, n: u32) -> u32 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        1 + (self.rng % n as u64) as u32
+    }
+
+    fn check(&self) -> Result<(), TestCaseError> {
+        let q = &self.q;
+        let cs: Vec<f64> = self.flows.iter().filter(|&&f| q.flow_len(f) > 0).map(|&f| q.policy().counter(f)).collect();
+        if let (Some(max), Some(min)) = (cs.iter().cloned().reduce(f64::max), cs.iter().cloned().reduce(f64::min)) {
+            prop_assert!(max - min <= self.bound + 1e-9, "spread {} > bound {}", max - min, self.bound);
+        }
+        Ok(())
+    }
+
+    fn start(&mut self, r: &Request) {
+        let out = self.true_out[&r.id];
+        self.used += r.input_tokens + out;
+        self.running.push((r.flow, r.id, r.input_tokens, out, 0));
+    }
+
+    /// A request of tenant `i` arrives. With `may_bypass`, it goes straight
+    /// into the batch when nothing waits and it fits.
+    fn arrive(&mut self, i: usize, step: u32, may_bypass: bool) -> Result<(), TestCaseError> {
+        self.next_id += 1;
+        let (input, output) = (self.rand(self.l_input), self.rand(self.l_output));
+        self.true_out.insert(self.next_id, output);
+        let r = Request {
+            id: self.next_id,
+            flow: self.flows[i],
+            input_tokens: input,
+            max_output_tokens: 0,
+            arrival_ms: step as u64,
+        };
+        if may_bypass && self.q.is_empty() && self.used + input + output <= self.m {
+            self.q.policy_mut().on_dispatch(&r);
+            self.start(&r);
+            self.bypassed += 1;
+        } else {
+            self.q.push(r).unwrap();
+        }
+        self.check()
+    }
+
+    /// Admits while the next request fits in memory (Algorithm 2 stops at the first that does not).
+    fn admit(&mut self) -> Result<(), TestCaseError> {
+        while let Some(r) = self.q.peek() {
+            if self.used + r.input_tokens + self.true_out[&r.id] > self.m {
+                break;
+            }
+            let r = self.q.pop().unwrap();
+            self.start(&r);
+            self.check()?;
+        }
+        Ok(())
+    }
+
+    /// One decode step: every running request generates a token; finished ones leave.
+    fn decode(&mut self) -> Result<(), TestCaseError> {
+        for r in self.running.iter_mut() {
+            self.q.policy_mut().on_output(r.0, r.1, 1);
+            r.4 += 1;
+        }
+        let used = &mut self.used;
+        self.running.retain(|r| {
+            if r.4 == r.3 {
+                *used -= r.2 + r.3;
+                false
+            } else {
+                true
+            }
+        });
+        self.check()
     }
 }

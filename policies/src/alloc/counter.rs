@@ -9,10 +9,11 @@
 //!   charged as increments `h(np, nq_new) − h(np, nq_old)` per request.
 //! * Prediction ([`Tracked::predict`]) — Algorithm 3: the predicted output is charged at
 //!   dispatch, tokens beyond it as they arrive, and an over-prediction is refunded at completion.
-//! * Oracle ([`Tracked::oracle`]) — the prediction is the true length given by
-//!   [`Allocation::hint_output`] (simulator only).
+//! * Oracle ([`Tracked::oracle`]) — the prediction is the request's output
+//!   bound taken as its true length (exact in the simulator, whose backends
+//!   generate `max_tokens`).
 
-use super::{slot, Allocation, FlowWeights, VtcWeights};
+use super::{slot, Accounting, Allocation, Counters, FlowWeights, Head, Lead, Selection, VtcWeights};
 use crate::{FlowId, Request};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -22,20 +23,13 @@ use std::collections::{BTreeSet, VecDeque};
 pub trait Charge {
     /// Charge when `req` is dispatched.
     fn dispatch(&mut self, req: &Request) -> f64;
-    /// Charge for `tokens` output tokens of an unidentified request of `flow`.
-    fn output(&mut self, flow: FlowId, tokens: u32) -> f64;
-    /// Charge for `tokens` more output tokens of dispatched request `id`.
-    fn output_for(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64 {
-        let _ = id;
-        self.output(flow, tokens)
-    }
+    /// Charge for `tokens` more output tokens of dispatched request `id` of `flow`.
+    fn output(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64;
     /// Charge (possibly negative: a refund) when request `id` completes.
     fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
         0.0
     }
-    /// The true output length of request `id`, for an oracle.
-    fn hint(&mut self, _id: u64, _output_tokens: u32) {}
-    /// Drops per-flow pricing state of an idle flow (see [`Allocation::forget`]).
+    /// Drops per-flow pricing state of an idle flow (see [`Accounting::forget`]).
     fn forget(&mut self, _flow: FlowId) {}
     /// Length of the per-flow pricing tables.
     fn flow_slots(&self) -> usize {
@@ -51,7 +45,7 @@ impl Charge for Linear {
     fn dispatch(&mut self, req: &Request) -> f64 {
         self.0.input * req.input_tokens as f64
     }
-    fn output(&mut self, _flow: FlowId, tokens: u32) -> f64 {
+    fn output(&mut self, _flow: FlowId, _id: u64, tokens: u32) -> f64 {
         self.0.output * tokens as f64
     }
 }
@@ -118,9 +112,10 @@ pub enum Predictor {
         /// Completed requests remembered per tenant (the seed uses 5).
         window: usize,
     },
-    /// The length given by [`Allocation::hint_output`]; history when no hint came.
+    /// The request's `max_output_tokens`, trusted as its true length;
+    /// history for requests without one.
     Oracle {
-        /// Fallback window for requests without a hint.
+        /// Fallback window for requests without `max_output_tokens`.
         window: usize,
     },
 }
@@ -143,7 +138,6 @@ pub struct Tracked {
     h: CostFn,
     predictor: Predictor,
     live: HashMap<u64, Live>,
-    hints: HashMap<u64, u32>,
     history: Vec<VecDeque<u32>>,
 }
 
@@ -158,14 +152,14 @@ impl Tracked {
         Self::new(CostFn::linear(w), Predictor::History { window: window.max(1) })
     }
 
-    /// Linear cost with the true output length from [`Allocation::hint_output`].
+    /// Linear cost with the true output length: `max_output_tokens`.
     pub fn oracle(w: VtcWeights) -> Self {
         Self::new(CostFn::linear(w), Predictor::Oracle { window: 5 })
     }
 
     /// Any cost with any predictor.
     pub fn new(h: CostFn, predictor: Predictor) -> Self {
-        Tracked { h, predictor, live: HashMap::new(), hints: HashMap::new(), history: Vec::new() }
+        Tracked { h, predictor, live: HashMap::new(), history: Vec::new() }
     }
 
     /// Requests dispatched and not yet completed.
@@ -185,10 +179,8 @@ impl Tracked {
         match self.predictor {
             Predictor::None => 0,
             Predictor::History { .. } => self.history_mean(req.flow),
-            Predictor::Oracle { .. } => match self.hints.get(&req.id) {
-                Some(&n) => n as u64,
-                None => self.history_mean(req.flow),
-            },
+            Predictor::Oracle { .. } if req.max_output_tokens > 0 => req.max_output_tokens as u64,
+            Predictor::Oracle { .. } => self.history_mean(req.flow),
         }
     }
 }
@@ -196,21 +188,16 @@ impl Tracked {
 impl Charge for Tracked {
     fn dispatch(&mut self, req: &Request) -> f64 {
         let predicted = self.prediction(req);
-        self.hints.remove(&req.id);
         let np = req.input_tokens as f64;
         self.live.insert(req.id, Live { np, nq: 0, predicted });
         self.h.eval(np, predicted as f64)
     }
 
-    fn output(&mut self, _flow: FlowId, tokens: u32) -> f64 {
-        // Without the request we cannot place the tokens on its curve: charge
-        // the linear part only.
-        self.h.output * tokens as f64
-    }
-
-    fn output_for(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64 {
+    fn output(&mut self, _flow: FlowId, id: u64, tokens: u32) -> f64 {
         let Some(l) = self.live.get_mut(&id) else {
-            return self.output(flow, tokens);
+            // An unknown request (dispatched by an earlier scheduler): its
+            // place on the curve is unknown, so the linear part only.
+            return self.h.output * tokens as f64;
         };
         let old = l.nq.max(l.predicted) as f64;
         l.nq += tokens as u64;
@@ -235,12 +222,6 @@ impl Charge for Tracked {
             self.h.eval(l.np, l.nq as f64) - self.h.eval(l.np, l.predicted as f64)
         } else {
             0.0
-        }
-    }
-
-    fn hint(&mut self, id: u64, output_tokens: u32) {
-        if matches!(self.predictor, Predictor::Oracle { .. }) {
-            self.hints.insert(id, output_tokens);
         }
     }
 
@@ -321,15 +302,25 @@ impl<C: Charge> CounterPolicy<C> {
         &self.charge
     }
 
-    /// Current counter of `flow`.
-    pub fn counter(&self, flow: FlowId) -> f64 {
-        self.counters.get(flow as usize).copied().unwrap_or(0.0)
+    fn is_backlogged(&self, flow: FlowId) -> bool {
+        matches!(self.key_of.get(flow as usize), Some(Some(_)))
     }
 
-    /// Restores a counter (from shared data after a scheduler takeover).
-    pub fn set_counter(&mut self, flow: FlowId, value: f64) {
-        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
-        self.update(flow, |c| *c = value);
+    /// The counter lift of Algorithm 2 (lines 7-13) for a flow joining the
+    /// queue: up to the smallest backlogged counter, or, when nothing is
+    /// backlogged, to the counter of the last flow to leave. Nothing for LCF.
+    fn lift_newcomer(&mut self, flow: FlowId) {
+        if !self.lift {
+            return;
+        }
+        let floor = match self.min_backlogged() {
+            Some(min) => min,
+            None => self.last_left.map_or(self.left_floor, |l| self.counter(l)),
+        };
+        let c = slot(&mut self.counters, flow);
+        if *c < floor {
+            *c = floor;
+        }
     }
 
     fn min_backlogged(&self) -> Option<f64> {
@@ -358,12 +349,12 @@ impl<C: Charge> CounterPolicy<C> {
     }
 }
 
-impl<C: Charge> Allocation for CounterPolicy<C> {
+impl<C: Charge> Selection for CounterPolicy<C> {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let was = slot(&mut self.key_of, flow).take();
         if let Some((bits, seq)) = was {
             self.backlog.remove(&(bits, seq, flow));
@@ -374,17 +365,9 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
                     self.last_left = Some(flow);
                 }
             }
-            Some(seq) => {
-                if was.is_none() && self.lift {
-                    // Counter lift (Algorithm 2, lines 7-13).
-                    let floor = match self.min_backlogged() {
-                        Some(min) => min,
-                        None => self.last_left.map_or(self.left_floor, |l| self.counter(l)),
-                    };
-                    let c = slot(&mut self.counters, flow);
-                    if *c < floor {
-                        *c = floor;
-                    }
+            Some((seq, _)) => {
+                if was.is_none() {
+                    self.lift_newcomer(flow);
                 }
                 let bits = slot(&mut self.counters, flow).to_bits();
                 self.key_of[flow as usize] = Some((bits, seq));
@@ -396,23 +379,32 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
     fn next(&self) -> Option<FlowId> {
         self.backlog.first().map(|&(_, _, f)| f)
     }
+}
 
-    fn on_dispatch(&mut self, req: &Request) {
-        let s = self.charge.dispatch(req);
-        self.add(req.flow, s);
-    }
-
-    fn on_output(&mut self, flow: FlowId, tokens: u32) {
-        let s = self.charge.output(flow, tokens);
-        self.add(flow, s);
-    }
-
+impl<C: Charge> Accounting for CounterPolicy<C> {
     fn on_flow(&mut self, flow: FlowId, name: &str) {
         self.weights.on_flow(flow, name);
     }
 
-    fn on_output_for(&mut self, flow: FlowId, id: u64, tokens: u32) {
-        let s = self.charge.output_for(flow, id, tokens);
+    /// A request of a flow that is not backlogged went straight to a backend
+    /// (it bypassed the queue in the filter): in Algorithm 2's terms it joined
+    /// the queue and left it at once, so it is lifted as a newcomer first and
+    /// its flow is the last to have left. Service received while nothing was
+    /// queued is therefore not carried over, as the seed intends.
+    fn on_dispatch(&mut self, req: &Request) {
+        let bypass = !self.is_backlogged(req.flow);
+        if bypass {
+            self.lift_newcomer(req.flow);
+        }
+        let s = self.charge.dispatch(req);
+        self.add(req.flow, s);
+        if bypass {
+            self.last_left = Some(req.flow);
+        }
+    }
+
+    fn on_output(&mut self, flow: FlowId, id: u64, tokens: u32) {
+        let s = self.charge.output(flow, id, tokens);
         self.add(flow, s);
     }
 
@@ -421,47 +413,28 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
         self.add(flow, s);
     }
 
-    fn hint_output(&mut self, id: u64, output_tokens: u32) {
-        self.charge.hint(id, output_tokens);
-    }
-
-    fn counter_of(&self, flow: FlowId) -> Option<f64> {
-        Some(self.counter(flow))
-    }
-
-    fn lead(&self, flow: FlowId) -> Option<f64> {
-        Some((self.counter(flow) - self.min_backlogged()?).max(0.0))
-    }
-
-    fn restore_counter(&mut self, flow: FlowId, value: f64) {
-        self.set_counter(flow, value);
-    }
-
     /// Drops the flow's counter (and its weight, and its pricing history).
     ///
     /// **With the lift (VTC and its weighted, cost, prediction and oracle
     /// variants)** a flow joining the backlog is lifted to the floor `F`: the
-    /// smallest backlogged counter, or, when nothing is backlogged, the counter
-    /// of the last flow to leave (kept here even when that flow is forgotten).
-    /// A returning tenant gets `max(c_old, F)` if remembered and `F` if
-    /// forgotten: forgetting changes nothing unless the tenant's counter `c_old`
-    /// is above the floor it returns to, and then it gains exactly `c_old − F` of
-    /// service credit, once. `F` never decreases (a lift never lowers the
-    /// minimum, a flow leaving never lowers it, an emptied queue leaves the floor
-    /// at the last leaver's counter, which was the minimum). So, when every
-    /// request of the tenant went through the queue, the gain is at most what it
-    /// was above the minimum when it last left the backlog (at most Lemma 4.3's
-    /// spread `U = max(w_p·L_input, w_q·M)`; just `w_p·L_input` when it left by
-    /// being dispatched, as VTC serves the minimum) plus the output charged
+    /// smallest backlogged counter, or, when nothing is backlogged, the counter of
+    /// the last flow to leave (kept here even when that flow is forgotten). A
+    /// returning tenant gets `max(c_old, F)` if remembered and `F` if forgotten:
+    /// forgetting changes nothing unless the tenant's counter `c_old` is above the
+    /// floor it returns to, and then it gains exactly `c_old − F` of service
+    /// credit, once. `F` never decreases (a lift never lowers the minimum, a flow
+    /// leaving never lowers it, an emptied queue leaves the floor at the last
+    /// leaver's counter, which was the minimum; a request that bypassed the queue
+    /// counts as having joined and left it, lifted first). So the gain is at most
+    /// what it was above the minimum when it last left the backlog (at most Lemma
+    /// 4.3's spread `U = max(w_p·L_input, w_q·M)`; just `w_p·L_input` when it left
+    /// by being dispatched, as VTC serves the minimum) plus the output charged
     /// afterwards to its requests then running (`w_q` per token, at most `w_q·M`
-    /// with a batch memory of `M` tokens): about two batches' worth. Service
-    /// charged while the tenant was *not* backlogged (requests that bypassed
-    /// an empty queue in the filter) can lift `c_old` further above `F`; that
-    /// excess is forgiven too. In every case the returning tenant is treated
-    /// exactly as a new tenant name would be, and forgetting needs
-    /// `max_tenants` other tenants to be active after its last activity.
-    /// (With prediction, refunds at completion may lower counters, and the floor
-    /// with them, by the over-prediction refunded.)
+    /// with a batch memory of `M` tokens): about two batches' worth. In every case
+    /// the returning tenant is treated exactly as a new tenant name would be, and
+    /// forgetting needs `max_tenants` other tenants to be active after its last
+    /// activity. (With prediction, refunds at completion may lower counters, and
+    /// the floor with them, by the over-prediction refunded.)
     ///
     /// **Without the lift (LCF)** a returning forgotten tenant starts from 0
     /// like any newcomer: its whole history is lost, and LCF serves it until
@@ -490,9 +463,42 @@ impl<C: Charge> Allocation for CounterPolicy<C> {
     }
 }
 
+impl<C: Charge> Counters for CounterPolicy<C> {
+    fn counter(&self, flow: FlowId) -> f64 {
+        self.counters.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
+    fn restore(&mut self, flow: FlowId, value: f64) {
+        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
+        self.update(flow, |c| *c = value);
+    }
+}
+
+impl<C: Charge> Lead for CounterPolicy<C> {
+    /// The flow's counter above the smallest backlogged one (the flow
+    /// [`Selection::next`] serves).
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        let (bits, _) = self.key_of.get(flow as usize).copied().flatten()?;
+        Some(f64::from_bits(bits) - self.min_backlogged()?)
+    }
+}
+
+impl<C: Charge> Allocation for CounterPolicy<C> {
+    fn as_counters(&self) -> Option<&dyn Counters> {
+        Some(self)
+    }
+    fn as_counters_mut(&mut self) -> Option<&mut dyn Counters> {
+        Some(self)
+    }
+    fn as_lead(&self) -> Option<&dyn Lead> {
+        Some(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::testing::head;
     use crate::alloc::Vtc;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -504,19 +510,19 @@ mod tests {
     #[test]
     fn lcf_does_not_lift_a_newcomer() {
         let mut v = CounterPolicy::lcf(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.on_output(0, 50);
-        v.set_head(1, Some(1));
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50);
+        head(&mut v, 1, Some(1));
         assert_eq!(v.counter(1), 0.0, "LCF keeps the newcomer's deficit");
         assert_eq!(v.name(), "lcf");
         // So the newcomer is served until it catches up with 100.
         for _ in 0..9 {
             assert_eq!(v.next(), Some(1));
-            v.on_output(1, 5);
+            v.on_output(1, 0, 5);
         }
         assert_eq!(v.counter(1), 90.0);
         assert_eq!(v.next(), Some(1));
-        v.on_output(1, 6);
+        v.on_output(1, 0, 6);
         assert_eq!(v.next(), Some(0));
     }
 
@@ -526,10 +532,10 @@ mod tests {
         let mut v = Vtc::new(VtcWeights::default()).with_weights(w);
         v.on_flow(0, "gold");
         v.on_flow(1, "free");
-        v.set_head(0, Some(0));
-        v.set_head(1, Some(1));
-        v.on_output(0, 10);
-        v.on_output(1, 10);
+        head(&mut v, 0, Some(0));
+        head(&mut v, 1, Some(1));
+        v.on_output(0, 0, 10);
+        v.on_output(1, 0, 10);
         assert_eq!(v.counter(0), 10.0);
         assert_eq!(v.counter(1), 20.0);
         // Serving both until a fixed total shows the 2:1 split.
@@ -537,7 +543,7 @@ mod tests {
         for _ in 0..300 {
             let f = v.next().unwrap();
             served[f as usize] += 1;
-            v.on_output(f, 1);
+            v.on_output(f, 0, 1);
         }
         // Gold starts 10 counter units behind, i.e. 10 tokens of its own.
         assert!((served[0] as i64 - 2 * served[1] as i64 - 10).abs() <= 2, "served {served:?}");
@@ -555,19 +561,19 @@ mod tests {
     fn cost_vtc_charges_the_increment_of_h_per_request() {
         let h = CostFn::profiled();
         let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);
-        v.set_head(0, Some(0));
+        head(&mut v, 0, Some(0));
         v.on_dispatch(&req(7, 0, 100));
         let mut expect = h.eval(100.0, 0.0);
         assert!((v.counter(0) - expect).abs() < 1e-9);
         for nq in 1..=20 {
-            v.on_output_for(0, 7, 1);
+            v.on_output(0, 7, 1);
             expect += h.eval(100.0, nq as f64) - h.eval(100.0, (nq - 1) as f64);
         }
         assert!((v.counter(0) - h.eval(100.0, 20.0)).abs() < 1e-6);
         assert!((v.counter(0) - expect).abs() < 1e-6);
         // Chunks of tokens price the same as single tokens.
         v.on_dispatch(&req(8, 0, 100));
-        v.on_output_for(0, 8, 20);
+        v.on_output(0, 8, 20);
         assert!((v.counter(0) - 2.0 * h.eval(100.0, 20.0)).abs() < 1e-6);
         v.on_complete(0, 7);
         v.on_complete(0, 8);
@@ -581,29 +587,29 @@ mod tests {
         // No history: nothing predicted, plain VTC.
         v.on_dispatch(&req(1, 0, 10));
         assert_eq!(v.counter(0), 10.0);
-        v.on_output_for(0, 1, 4);
+        v.on_output(0, 1, 4);
         v.on_complete(0, 1);
         assert_eq!(v.counter(0), 18.0);
         // Outputs 4, then 6 x 5 more, then 100: the window keeps the last five.
         for (i, out) in [6u32, 6, 6, 6, 6, 100].iter().enumerate() {
             let id = 10 + i as u64;
             v.on_dispatch(&req(id, 0, 0));
-            v.on_output_for(0, id, *out);
+            v.on_output(0, id, *out);
             v.on_complete(0, id);
         }
         // Last five: 6, 6, 6, 6, 100 -> mean 24 (integer).
         let before = v.counter(0);
         v.on_dispatch(&req(50, 0, 0));
         assert_eq!(v.counter(0) - before, 48.0, "w_q x 24 charged at dispatch");
-        v.on_output_for(0, 50, 20);
+        v.on_output(0, 50, 20);
         assert_eq!(v.counter(0) - before, 48.0, "tokens under the prediction are already paid");
-        v.on_output_for(0, 50, 6);
+        v.on_output(0, 50, 6);
         assert_eq!(v.counter(0) - before, 52.0, "two tokens beyond it cost w_q each");
         v.on_complete(0, 50);
         assert_eq!(v.counter(0) - before, 52.0, "no refund when the prediction was exceeded");
         v.on_dispatch(&req(51, 0, 0));
         let mid = v.counter(0);
-        v.on_output_for(0, 51, 4);
+        v.on_output(0, 51, 4);
         v.on_complete(0, 51);
         // Predicted mean of (6,6,6,100,26) = 28, generated 4: refund 2 x 24.
         assert_eq!(mid - v.counter(0), 48.0);
@@ -612,18 +618,21 @@ mod tests {
     #[test]
     fn oracle_charges_the_true_length_up_front_and_never_corrects() {
         let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
-        v.hint_output(3, 40);
-        v.on_dispatch(&req(3, 0, 10));
+        v.on_dispatch(&Request { max_output_tokens: 40, ..req(3, 0, 10) });
         assert_eq!(v.counter(0), 90.0);
-        v.on_output_for(0, 3, 40);
+        v.on_output(0, 3, 40);
         v.on_complete(0, 3);
         assert_eq!(v.counter(0), 90.0);
+        // Without a bound it predicts from the tenant's history (40 so far).
+        v.on_dispatch(&req(4, 0, 0));
+        assert_eq!(v.counter(0), 170.0);
+        assert_eq!(v.charge().in_flight(), 1, "per-request state only for what was dispatched");
     }
 
     #[test]
     fn output_for_an_unknown_request_falls_back_to_the_linear_part() {
         let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(CostFn::profiled()), true);
-        v.on_output_for(2, 999, 10);
+        v.on_output(2, 999, 10);
         assert_eq!(v.counter(2), 10.0);
         v.on_complete(2, 999);
         assert_eq!(v.counter(2), 10.0);
@@ -632,9 +641,8 @@ mod tests {
     #[test]
     fn a_refund_never_drives_a_counter_negative() {
         let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
-        v.hint_output(1, 50);
-        v.on_dispatch(&req(1, 0, 0));
-        v.set_counter(0, 10.0);
+        v.on_dispatch(&Request { max_output_tokens: 50, ..req(1, 0, 0) });
+        v.restore(0, 10.0);
         v.on_complete(0, 1);
         assert_eq!(v.counter(0), 0.0);
     }
@@ -642,24 +650,68 @@ mod tests {
     #[test]
     fn forgetting_clears_the_counter_but_keeps_the_floor_of_an_emptied_queue() {
         let mut v = Vtc::new(VtcWeights::default());
-        v.set_head(0, Some(0));
-        v.on_output(0, 30); // 60
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 30); // 60
         v.set_head(0, None); // the queue empties: 0 was the last to leave
         v.forget(0);
         assert_eq!(v.counter(0), 0.0);
         // The id is reused by a new tenant, which joins an empty queue: it is
         // lifted to what the forgotten flow had, as it would have been.
         v.on_flow(0, "new");
-        v.set_head(0, Some(1));
+        head(&mut v, 0, Some(1));
         assert_eq!(v.counter(0), 60.0);
         assert_eq!(v.flow_slots(), 1);
+    }
+
+    #[test]
+    fn a_bypass_into_an_empty_queue_is_lifted_and_becomes_the_last_to_leave() {
+        let mut v = Vtc::new(VtcWeights::default());
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50);
+        // Flow 0 leaves an empty queue at 100.
+        v.set_head(0, None);
+        // Flow 1 (counter 0) sends past the empty queue: lifted to 100 first.
+        v.on_dispatch(&req(1, 1, 10));
+        assert_eq!(v.counter(1), 110.0);
+        // It is now the last to have left: a newcomer joins at 110, not 100.
+        head(&mut v, 2, Some(1));
+        assert_eq!(v.counter(2), 110.0);
+    }
+
+    #[test]
+    fn a_bypass_beside_a_backlog_is_lifted_to_its_minimum_and_a_backlogged_flow_is_not() {
+        let mut v = Vtc::new(VtcWeights::default());
+        head(&mut v, 0, Some(0));
+        head(&mut v, 1, Some(1));
+        v.on_output(0, 0, 20); // 40
+        v.on_output(1, 0, 30); // 60
+        v.on_dispatch(&req(1, 2, 5));
+        assert_eq!(v.counter(2), 45.0, "lifted to min(40, 60), then charged");
+        // A request of a backlogged flow dispatched out of turn is only charged.
+        v.on_dispatch(&req(2, 1, 5));
+        assert_eq!(v.counter(1), 65.0);
+        // Flow 2 left last for a moment; the flows that leave after it take over.
+        v.set_head(0, None);
+        v.set_head(1, None);
+        head(&mut v, 3, Some(2));
+        assert_eq!(v.counter(3), 65.0);
+    }
+
+    #[test]
+    fn lcf_does_not_lift_a_bypass_either() {
+        let mut v = CounterPolicy::lcf(VtcWeights::default());
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50);
+        v.set_head(0, None);
+        v.on_dispatch(&req(1, 1, 10));
+        assert_eq!(v.counter(1), 10.0);
     }
 
     #[test]
     fn forgetting_drops_a_predictors_history() {
         let mut v = CounterPolicy::with_charge("vtc-predict", Tracked::predict(VtcWeights::default(), 5), true);
         v.on_dispatch(&req(1, 0, 0));
-        v.on_output_for(0, 1, 10);
+        v.on_output(0, 1, 10);
         v.on_complete(0, 1);
         assert_eq!(v.charge().prediction(&req(2, 0, 0)), 10);
         v.forget(0);

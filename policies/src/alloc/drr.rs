@@ -4,15 +4,22 @@
 //! Each backlogged flow, on its turn, receives a quantum
 //! `quantum · weight_f · (1 + boost_f · congestion)` of deficit and sends its
 //! head while the deficit covers the head's estimated cost (tokens). Under
-//! congestion (reported through [`Allocation::on_congestion`]) flows with a
+//! congestion (reported through [`Congestion::on_congestion`]) flows with a
 //! boost, typically the short/interactive class, get a larger share. When a flow
 //! empties, its unused deficit goes to a shared pool (capped at `borrow_cap`)
 //! from which a backlogged peer may borrow what its head lacks, so quota left
 //! by an idle class is not lost. The seed gives the rules in prose only; the
 //! pool and its cap are this implementation's reading of "borrowing".
+//!
+//! A head's cost counts `max_tokens`, or `default_output` tokens when the
+//! client gave no bound, for its output; once the real output is known the
+//! difference is charged to (or refunded from) the flow's deficit, as long as
+//! the flow has stayed backlogged since: a flow that empties restarts from a
+//! deficit of zero, so it owes nothing for what its past requests generate.
 
-use super::{size_tokens, slot, Allocation, FlowWeights};
+use super::{size_tokens, slot, Accounting, Allocation, Congestion, Correction, FlowWeights, Head, Selection};
 use crate::{FlowId, Request};
+use hashbrown::HashMap;
 use std::collections::VecDeque;
 
 /// Deficit round robin with congestion-aware quanta and borrowing.
@@ -34,6 +41,9 @@ pub struct Drr {
     granted: bool,
     pool: f64,
     current: Option<FlowId>,
+    /// Requests dispatched from the ring whose output is still to be
+    /// counted, with the membership epoch of their flow at dispatch.
+    running: HashMap<u64, (Correction, u32)>,
 }
 
 impl Drr {
@@ -55,6 +65,7 @@ impl Drr {
             granted: false,
             pool: 0.0,
             current: None,
+            running: HashMap::new(),
         }
     }
 
@@ -135,6 +146,19 @@ impl Drr {
         }
     }
 
+    /// Charges `tokens` (or refunds, negative) to the deficit of the flow of
+    /// a request dispatched in membership `epoch`, if it is still a member.
+    fn correct(&mut self, flow: FlowId, epoch: u32, tokens: f64) {
+        if !self.valid(flow, epoch) {
+            return;
+        }
+        self.deficit[flow as usize] -= tokens;
+        if self.current == Some(flow) {
+            // Its turn lasts only while the deficit covers its head.
+            self.select();
+        }
+    }
+
     fn place(&mut self, flow: FlowId, head: Option<f64>) {
         let i = flow as usize;
         slot(&mut self.member, flow);
@@ -164,17 +188,12 @@ impl Drr {
     }
 }
 
-impl Allocation for Drr {
+impl Selection for Drr {
     fn name(&self) -> &'static str {
         "drr"
     }
 
-    /// Without the request, the head is costed as one token.
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
-        self.place(flow, head.map(|_| 1.0));
-    }
-
-    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let cost = head.map(|(_, r)| size_tokens(r, self.default_output));
         self.place(flow, cost);
     }
@@ -182,13 +201,38 @@ impl Allocation for Drr {
     fn next(&self) -> Option<FlowId> {
         self.current
     }
+}
+
+impl Accounting for Drr {
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
+        self.boost.on_flow(flow, name);
+    }
 
     fn on_dispatch(&mut self, req: &Request) {
         let cost = size_tokens(req, self.default_output);
         *slot(&mut self.deficit, req.flow) -= cost;
+        if let Some(Some(epoch)) = self.member.get(req.flow as usize).copied() {
+            self.running.insert(req.id, (Correction::new(req, self.default_output), epoch));
+        }
     }
 
-    fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
+    fn on_output(&mut self, _flow: FlowId, id: u64, tokens: u32) {
+        if let Some((c, epoch)) = self.running.get_mut(&id) {
+            let (flow, epoch, extra) = (c.flow, *epoch, c.generated(tokens));
+            if extra > 0 {
+                self.correct(flow, epoch, extra as f64);
+            }
+        }
+    }
+
+    fn on_complete(&mut self, _flow: FlowId, id: u64) {
+        if let Some((c, epoch)) = self.running.remove(&id) {
+            if c.unused() > 0 {
+                self.correct(c.flow, epoch, -(c.unused() as f64));
+            }
+        }
+    }
 
     /// Free: a flow that leaves the ring gives its unused deficit to the pool
     /// at once and rejoins with a deficit of 0 (and its head's cost), so an
@@ -216,14 +260,17 @@ impl Allocation for Drr {
     fn flow_slots(&self) -> usize {
         self.member.len().max(self.deficit.len()).max(self.weights.len()).max(self.boost.len())
     }
+}
 
-    fn on_flow(&mut self, flow: FlowId, name: &str) {
-        self.weights.on_flow(flow, name);
-        self.boost.on_flow(flow, name);
-    }
-
+impl Congestion for Drr {
     fn on_congestion(&mut self, level: f64) {
         self.congestion = if level.is_finite() { level.clamp(0.0, 1.0) } else { 0.0 };
+    }
+}
+
+impl Allocation for Drr {
+    fn as_congestion_mut(&mut self) -> Option<&mut dyn Congestion> {
+        Some(self)
     }
 }
 
@@ -244,7 +291,7 @@ mod tests {
     /// Serves `n` requests of fixed sizes from always-backlogged flows; returns tokens per flow.
     fn serve(d: &mut Drr, sizes: &[u32], n: usize) -> Vec<u64> {
         for (f, &s) in sizes.iter().enumerate() {
-            d.set_head_request(f as FlowId, Some((f as u64, &req(f as FlowId, s))));
+            d.set_head(f as FlowId, Some((f as u64, &req(f as FlowId, s))));
         }
         let mut tokens = vec![0u64; sizes.len()];
         for seq in 0..n as u64 {
@@ -252,7 +299,7 @@ mod tests {
             let r = req(f, sizes[f as usize]);
             d.on_dispatch(&r);
             tokens[f as usize] += sizes[f as usize] as u64;
-            d.set_head_request(f, Some((100 + seq, &r)));
+            d.set_head(f, Some((100 + seq, &r)));
         }
         tokens
     }
@@ -298,12 +345,12 @@ mod tests {
         let run = |cap: f64| {
             let mut d = Drr::new(100.0, table(&[("a", 3.0)], 1.0), table(&[], 0.0), cap, 0);
             named(&mut d, &["a", "b", "c"]);
-            d.set_head_request(0, Some((0, &req(0, 100))));
-            d.set_head_request(1, Some((1, &req(1, 250))));
-            d.set_head_request(2, Some((2, &req(2, 100))));
+            d.set_head(0, Some((0, &req(0, 100))));
+            d.set_head(1, Some((1, &req(1, 250))));
+            d.set_head(2, Some((2, &req(2, 100))));
             assert_eq!(d.next(), Some(0));
             d.on_dispatch(&req(0, 100));
-            d.set_head_request(0, None);
+            d.set_head(0, None);
             (d.next(), d.pool())
         };
         assert_eq!(run(0.0), (Some(2), 0.0), "without a pool b lacks 150 and c goes first");
@@ -314,31 +361,79 @@ mod tests {
     fn a_zero_weight_cannot_stall_selection() {
         let mut d = Drr::new(100.0, table(&[("z", 0.0)], 1.0), table(&[], 0.0), 0.0, 0);
         d.on_flow(0, "z");
-        d.set_head_request(0, Some((0, &req(0, 5000))));
+        d.set_head(0, Some((0, &req(0, 5000))));
         assert_eq!(d.next(), Some(0));
     }
 
     #[test]
     fn the_pool_is_capped_and_an_empty_ring_selects_nothing() {
         let mut d = Drr::new(500.0, table(&[], 1.0), table(&[], 0.0), 100.0, 0);
-        d.set_head_request(0, Some((0, &req(0, 10))));
+        d.set_head(0, Some((0, &req(0, 10))));
         d.on_dispatch(&req(0, 10));
-        d.set_head_request(0, None);
+        d.set_head(0, None);
         assert_eq!(d.pool(), 100.0);
         assert_eq!(d.next(), None);
     }
 
     #[test]
+    fn the_real_output_replaces_the_default_in_the_share() {
+        // Both estimated at 100 + 256; really 20 and 500 output tokens. Each
+        // request completes right after its dispatch.
+        let mut d = Drr::new(100.0, table(&[], 1.0), table(&[], 0.0), 0.0, 256);
+        let outputs = [20u32, 500];
+        for f in 0..2u32 {
+            d.set_head(f, Some((f as u64, &req(f, 100))));
+        }
+        let mut tokens = [0u64; 2];
+        for id in 0..600u64 {
+            let f = d.next().expect("backlogged");
+            let r = Request { id, ..req(f, 100) };
+            d.on_dispatch(&r);
+            d.set_head(f, Some((10 + id, &r)));
+            d.on_output(f, id, outputs[f as usize]);
+            d.on_complete(f, id);
+            tokens[f as usize] += 100 + outputs[f as usize] as u64;
+        }
+        assert!((tokens[0] as f64 / tokens[1] as f64 - 1.0).abs() < 0.05, "tokens {tokens:?}");
+    }
+
+    #[test]
+    fn corrections_reach_a_flow_only_while_it_stays_backlogged() {
+        let mut d = Drr::new(1000.0, table(&[], 1.0), table(&[], 0.0), 0.0, 10);
+        d.set_head(0, Some((0, &req(0, 0))));
+        d.set_head(1, Some((1, &req(1, 0))));
+        let r = Request { id: 7, ..req(0, 0) };
+        d.on_dispatch(&r);
+        d.set_head(0, Some((2, &r)));
+        assert_eq!(d.deficit(0), 990.0);
+        d.on_output(0, 7, 25);
+        assert_eq!(d.deficit(0), 975.0, "15 tokens over the estimate of 10");
+        d.on_complete(0, 7);
+        assert_eq!(d.deficit(0), 975.0);
+        // Flow 1's request runs short, but flow 1 emptied before it completed:
+        // it restarts from zero and owes or gains nothing from the past.
+        assert_eq!(d.next(), Some(0));
+        d.set_head(0, None);
+        let r = Request { id: 8, ..req(1, 0) };
+        d.on_dispatch(&r);
+        d.set_head(1, None);
+        d.set_head(1, Some((3, &r)));
+        d.on_output(1, 8, 2);
+        d.on_complete(1, 8);
+        assert_eq!(d.deficit(1), 1000.0, "its new turn's quantum, untouched by the refund");
+    }
+
+    #[test]
     fn a_recycled_id_does_not_revive_its_stale_ring_entry() {
         let mut d = Drr::new(100.0, table(&[], 1.0), table(&[], 0.0), 0.0, 0);
-        d.set_head_request(0, Some((0, &req(0, 50))));
-        d.set_head_request(1, Some((1, &req(1, 50))));
+        d.set_head(0, Some((0, &req(0, 50))));
+        d.set_head(1, Some((1, &req(1, 50))));
         // Flow 1 leaves: its ring entry is stale. Forgotten, its id is handed out again.
-        d.set_head_request(1, None);
+        d.set_head(1, None);
         d.forget(1);
         assert_eq!(d.deficit(1), 0.0);
         d.on_flow(1, "new");
-        d.set_head_request(1, Some((2, &req(1, 50))));
+        d.set_head(1, Some((2, &req(1, 50))));
         // Equal flows alternate two by two (quantum 100, cost 50): the new flow 1
         // gets one turn per round, not two (which the old entry would give it).
         let served = serve(&mut d, &[50, 50], 40);

@@ -4,9 +4,9 @@
 //! had `limit` requests dispatched in the current minute waits until the next
 //! fixed one-minute window starts ("blocked until the limit resets at the start
 //! of the next minute"). It is not work conserving: requests wait while capacity
-//! is free. Call [`Allocation::advance`] with the clock before asking `next`.
+//! is free. Call [`Paced::advance`] with the clock before asking `next`.
 
-use super::{slot, Allocation};
+use super::{slot, Accounting, Allocation, Head, Paced, Selection};
 use crate::{FlowId, Request};
 use std::collections::BTreeSet;
 
@@ -48,22 +48,26 @@ impl RpmLimit {
     }
 }
 
-impl Allocation for RpmLimit {
+impl Selection for RpmLimit {
     fn name(&self) -> &'static str {
         "rpm"
     }
 
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         if let Some(old) = slot(&mut self.head_of, flow).take() {
             self.eligible.remove(&(old, flow));
         }
-        self.head_of[flow as usize] = head;
+        self.head_of[flow as usize] = head.map(|(seq, _)| seq);
         self.refresh(flow);
     }
 
     fn next(&self) -> Option<FlowId> {
         self.eligible.first().map(|&(_, f)| f)
     }
+}
+
+impl Accounting for RpmLimit {
+    fn on_flow(&mut self, _flow: FlowId, _name: &str) {}
 
     fn on_dispatch(&mut self, req: &Request) {
         let window = self.window;
@@ -75,7 +79,9 @@ impl Allocation for RpmLimit {
         self.refresh(req.flow);
     }
 
-    fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
+    fn on_output(&mut self, _flow: FlowId, _id: u64, _tokens: u32) {}
+
+    fn on_complete(&mut self, _flow: FlowId, _id: u64) {}
 
     /// Loses the flow's count of dispatches in the current minute: a tenant
     /// forgotten in the minute it used part of its limit may send up to a full
@@ -95,7 +101,9 @@ impl Allocation for RpmLimit {
     fn flow_slots(&self) -> usize {
         self.head_of.len().max(self.used.len())
     }
+}
 
+impl Paced for RpmLimit {
     fn advance(&mut self, now_ms: u64) {
         let w = now_ms / WINDOW_MS;
         if w > self.window {
@@ -111,15 +119,18 @@ impl Allocation for RpmLimit {
             }
         }
     }
+}
 
-    fn is_work_conserving(&self) -> bool {
-        false
+impl Allocation for RpmLimit {
+    fn as_paced_mut(&mut self) -> Option<&mut dyn Paced> {
+        Some(self)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::testing::head;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -131,12 +142,12 @@ mod tests {
     fn a_flow_over_its_limit_waits_for_the_next_minute_while_others_go() {
         let mut r = RpmLimit::new(2);
         r.advance(1_000);
-        r.set_head(0, Some(0));
-        r.set_head(1, Some(5));
+        head(&mut r, 0, Some(0));
+        head(&mut r, 1, Some(5));
         for seq in 1..=2 {
             assert_eq!(r.next(), Some(0));
             r.on_dispatch(&req(0));
-            r.set_head(0, Some(seq));
+            head(&mut r, 0, Some(seq));
         }
         assert_eq!(r.next(), Some(1), "flow 0 used its 2 requests this minute");
         r.on_dispatch(&req(1));
@@ -151,7 +162,7 @@ mod tests {
     #[test]
     fn zero_limit_serves_nothing() {
         let mut r = RpmLimit::new(0);
-        r.set_head(0, Some(0));
+        head(&mut r, 0, Some(0));
         assert_eq!(r.next(), None);
         r.advance(120_000);
         assert_eq!(r.next(), None);
@@ -160,12 +171,12 @@ mod tests {
     #[test]
     fn forgetting_loses_the_minutes_count() {
         let mut r = RpmLimit::new(1);
-        r.set_head(0, Some(0));
+        head(&mut r, 0, Some(0));
         assert_eq!(r.next(), Some(0));
         r.on_dispatch(&req(0));
         r.set_head(0, None);
         r.forget(0);
-        r.set_head(0, Some(1));
+        head(&mut r, 0, Some(1));
         assert_eq!(r.next(), Some(0), "the documented cost: a fresh count in the same minute");
     }
 }

@@ -7,10 +7,33 @@
 //! (EDF, shortest first) change which request is the head. `V`, the queue's
 //! virtual time, is the tag of the last dispatched request (self-clocked), so
 //! a flow that was idle restarts at the present instead of claiming the past.
+//!
+//! A request's size counts `max_tokens`, or `default_output` tokens when the
+//! client gave no bound, for its output. Once the real output is known (tokens
+//! beyond the estimate as they stream, a shortfall at completion) the flow's
+//! finish time `last_f` is corrected, and its head's tag with it when the head
+//! continues the flow's own chain of tags; a head that started at `V` because
+//! the flow had fallen behind is never moved below `V`. `V` itself is not
+//! corrected: the other flows' tags were set against it.
 
-use super::{size_tokens, slot, Allocation, FlowWeights};
+use super::{size_tokens, slot, Accounting, Allocation, Correction, FlowWeights, Head, Lead, Selection};
 use crate::{FlowId, Request};
+use hashbrown::HashMap;
 use std::collections::BTreeSet;
+
+/// A backlogged flow's head: its tag in the index, and what the tag was
+/// computed from, so that a correction of the flow's finish time can move it.
+#[derive(Clone, Copy, Debug)]
+struct Tagged {
+    bits: u64,
+    seq: u64,
+    /// `V` when the head was tagged, if the flow had fallen behind it (its
+    /// head then starts at `V`, and a refund cannot take it below); 0 when the
+    /// head continues the flow's own chain of tags.
+    floor: f64,
+    /// Size over weight.
+    cost: f64,
+}
 
 /// WFQ over flows with per-flow weights.
 #[derive(Debug)]
@@ -18,11 +41,14 @@ pub struct Wfq {
     weights: FlowWeights,
     default_output: u32,
     virtual_time: f64,
-    /// Tag of the last dispatched request of each flow.
+    /// Tag of the last dispatched request of each flow, corrected by the
+    /// real output of the requests dispatched before it.
     last_finish: Vec<f64>,
-    /// (tag bits, head seq) of each backlogged flow.
-    head_key: Vec<Option<(u64, u64)>>,
+    /// The head of each backlogged flow.
+    head_key: Vec<Option<Tagged>>,
     backlog: BTreeSet<(u64, u64, FlowId)>,
+    /// Requests dispatched from the backlog whose output is still to be counted.
+    running: HashMap<u64, Correction>,
 }
 
 impl Wfq {
@@ -35,6 +61,7 @@ impl Wfq {
             last_finish: Vec::new(),
             head_key: Vec::new(),
             backlog: BTreeSet::new(),
+            running: HashMap::new(),
         }
     }
 
@@ -45,67 +72,107 @@ impl Wfq {
 
     /// Finish tag of `flow`'s head, if it is backlogged.
     pub fn head_tag(&self, flow: FlowId) -> Option<f64> {
-        self.head_key.get(flow as usize).copied().flatten().map(|(bits, _)| f64::from_bits(bits))
+        self.head_key.get(flow as usize).copied().flatten().map(|h| f64::from_bits(h.bits))
+    }
+
+    /// Finish time of `flow`'s last dispatched request.
+    pub fn last_finish(&self, flow: FlowId) -> f64 {
+        self.last_finish.get(flow as usize).copied().unwrap_or(0.0)
     }
 
     /// Tags `flow`'s new head `(seq, size)`, or takes the flow out of the backlog.
     fn place(&mut self, flow: FlowId, head: Option<(u64, f64)>) {
-        if let Some((bits, seq)) = slot(&mut self.head_key, flow).take() {
-            self.backlog.remove(&(bits, seq, flow));
+        if let Some(h) = slot(&mut self.head_key, flow).take() {
+            self.backlog.remove(&(h.bits, h.seq, flow));
         }
         if let Some((seq, size)) = head {
-            let start = self.virtual_time.max(*slot(&mut self.last_finish, flow));
-            let tag = start + size / self.weights.get(flow);
-            self.head_key[flow as usize] = Some((tag.to_bits(), seq));
-            self.backlog.insert((tag.to_bits(), seq, flow));
+            let behind = self.virtual_time > *slot(&mut self.last_finish, flow);
+            let floor = if behind { self.virtual_time } else { 0.0 };
+            self.index(flow, Tagged { bits: 0, seq, floor, cost: size / self.weights.get(flow) });
+        }
+    }
+
+    /// Tags a head from its flow's finish time and indexes it.
+    fn index(&mut self, flow: FlowId, mut h: Tagged) {
+        let tag = h.floor.max(self.last_finish[flow as usize]) + h.cost;
+        h.bits = tag.to_bits();
+        self.head_key[flow as usize] = Some(h);
+        self.backlog.insert((h.bits, h.seq, flow));
+    }
+
+    /// `tokens` more (or, negative, fewer) output tokens than assumed for a
+    /// request of `flow`: its finish time moves, and its head's tag with it.
+    /// `V` does not move: the other flows' tags were set against it.
+    fn correct(&mut self, flow: FlowId, tokens: f64) {
+        let f = slot(&mut self.last_finish, flow);
+        *f = (*f + tokens / self.weights.get(flow)).max(0.0);
+        if let Some(h) = slot(&mut self.head_key, flow).take() {
+            self.backlog.remove(&(h.bits, h.seq, flow));
+            self.index(flow, h);
         }
     }
 }
 
-impl Allocation for Wfq {
+impl Selection for Wfq {
     fn name(&self) -> &'static str {
         "wfq"
     }
 
-    /// Without the request, the head is sized as one token.
-    fn set_head(&mut self, flow: FlowId, head: Option<u64>) {
-        self.place(flow, head.map(|seq| (seq, 1.0)));
-    }
-
-    fn set_head_request(&mut self, flow: FlowId, head: Option<(u64, &Request)>) {
+    fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let size = |r: &Request| size_tokens(r, self.default_output);
         self.place(flow, head.map(|(seq, r)| (seq, size(r))));
-    }
-
-    fn lead(&self, flow: FlowId) -> Option<f64> {
-        let min = f64::from_bits(self.backlog.first()?.0);
-        Some((self.head_tag(flow)? - min).max(0.0))
     }
 
     fn next(&self) -> Option<FlowId> {
         self.backlog.first().map(|&(_, _, f)| f)
     }
+}
 
+impl Accounting for Wfq {
+    fn on_flow(&mut self, flow: FlowId, name: &str) {
+        self.weights.on_flow(flow, name);
+    }
+
+    /// Only a request dispatched from the backlog moves the clocks: one that
+    /// bypassed an empty queue belongs to the past an idle flow does not claim.
     fn on_dispatch(&mut self, req: &Request) {
         if let Some(tag) = self.head_tag(req.flow) {
             *slot(&mut self.last_finish, req.flow) = tag;
             if tag > self.virtual_time {
                 self.virtual_time = tag;
             }
+            self.running.insert(req.id, Correction::new(req, self.default_output));
         }
     }
 
-    fn on_output(&mut self, _flow: FlowId, _tokens: u32) {}
+    fn on_output(&mut self, _flow: FlowId, id: u64, tokens: u32) {
+        if let Some(c) = self.running.get_mut(&id) {
+            let (flow, extra) = (c.flow, c.generated(tokens));
+            if extra > 0 {
+                self.correct(flow, extra as f64);
+            }
+        }
+    }
 
-    /// Free: a returning flow's first tag starts at `max(V, last_f)`, and an
-    /// idle flow's `last_f` (the tag of its last dispatched request) is never
-    /// above `V` (the largest dispatched tag), so it restarts at `V` whether
-    /// remembered or not. Its weight is resolved again from its name.
+    fn on_complete(&mut self, _flow: FlowId, id: u64) {
+        if let Some(c) = self.running.remove(&id) {
+            if c.unused() > 0 {
+                self.correct(c.flow, -(c.unused() as f64));
+            }
+        }
+    }
+
+    /// A returning flow's first tag starts at `max(V, last_f)`. An idle
+    /// flow's `last_f` (the tag of its last dispatched request) is not above
+    /// `V` (the largest dispatched tag) unless its requests generated more
+    /// than their estimate: so forgetting costs nothing but that excess, which
+    /// a returning flow would otherwise still owe until `V` passes it. Its
+    /// weight is resolved again from its name.
     fn forget(&mut self, flow: FlowId) {
         let i = flow as usize;
-        if let Some((bits, seq)) = self.head_key.get_mut(i).and_then(Option::take) {
+        if let Some(h) = self.head_key.get_mut(i).and_then(Option::take) {
             debug_assert!(false, "flow {flow} forgotten while backlogged");
-            self.backlog.remove(&(bits, seq, flow));
+            self.backlog.remove(&(h.bits, h.seq, flow));
         }
         if let Some(l) = self.last_finish.get_mut(i) {
             *l = 0.0;
@@ -116,9 +183,20 @@ impl Allocation for Wfq {
     fn flow_slots(&self) -> usize {
         self.last_finish.len().max(self.head_key.len()).max(self.weights.len())
     }
+}
 
-    fn on_flow(&mut self, flow: FlowId, name: &str) {
-        self.weights.on_flow(flow, name);
+impl Lead for Wfq {
+    /// The flow's head tag above the smallest head tag (the flow
+    /// [`Selection::next`] serves).
+    fn lead(&self, flow: FlowId) -> Option<f64> {
+        let &(min, _, _) = self.backlog.first()?;
+        Some(self.head_tag(flow)? - f64::from_bits(min))
+    }
+}
+
+impl Allocation for Wfq {
+    fn as_lead(&self) -> Option<&dyn Lead> {
+        Some(self)
     }
 }
 
@@ -137,7 +215,7 @@ mod tests {
         let mut seq = 0;
         let mut tokens = vec![0u64; sizes.len()];
         for (f, &s) in sizes.iter().enumerate() {
-            w.set_head_request(f as FlowId, Some((seq, &req(seq + 1, f as FlowId, s, 0))));
+            w.set_head(f as FlowId, Some((seq, &req(seq + 1, f as FlowId, s, 0))));
             seq += 1;
         }
         for _ in 0..n {
@@ -145,7 +223,7 @@ mod tests {
             let r = req(seq, f, sizes[f as usize], 0);
             w.on_dispatch(&r);
             tokens[f as usize] += sizes[f as usize] as u64;
-            w.set_head_request(f, Some((seq, &req(seq + 1, f, sizes[f as usize], 0))));
+            w.set_head(f, Some((seq, &req(seq + 1, f, sizes[f as usize], 0))));
             seq += 1;
         }
         tokens
@@ -177,19 +255,77 @@ mod tests {
         let v = w.virtual_time();
         assert!(v >= 1000.0);
         // Flow 1 arrives late: its tag starts at V, so it cannot claim 100 turns of credit.
-        w.set_head_request(1, Some((10_000, &req(5, 1, 10, 0))));
+        w.set_head(1, Some((10_000, &req(5, 1, 10, 0))));
         assert_eq!(w.head_tag(1), Some(v + 10.0));
     }
 
     #[test]
     fn default_output_sizes_requests_without_max_tokens() {
         let mut w = Wfq::new(FlowWeights::default(), 256);
-        w.set_head_request(0, Some((0, &req(1, 0, 44, 0))));
+        w.set_head(0, Some((0, &req(1, 0, 44, 0))));
         assert_eq!(w.head_tag(0), Some(300.0));
-        w.set_head_request(0, Some((0, &req(1, 0, 44, 6))));
+        w.set_head(0, Some((0, &req(1, 0, 44, 6))));
         assert_eq!(w.head_tag(0), Some(50.0));
         w.set_head(0, None);
         assert_eq!(w.next(), None);
+    }
+
+    /// Two always-backlogged flows of the same estimated size (no
+    /// `max_tokens`) whose requests really generate `outputs`; each request
+    /// completes right after its dispatch. Returns real tokens per flow.
+    fn serve_real(w: &mut Wfq, outputs: [u32; 2], n: usize) -> [u64; 2] {
+        let mut tokens = [0u64; 2];
+        let mut seq = 0;
+        for f in 0..2u32 {
+            w.set_head(f, Some((seq, &req(seq, f, 100, 0))));
+            seq += 1;
+        }
+        for _ in 0..n {
+            let f = w.next().unwrap();
+            let (id, i) = (seq, f as usize);
+            w.on_dispatch(&req(id, f, 100, 0));
+            w.set_head(f, Some((seq + 1, &req(seq + 1, f, 100, 0))));
+            seq += 2;
+            w.on_output(f, id, outputs[i]);
+            w.on_complete(f, id);
+            tokens[i] += 100 + outputs[i] as u64;
+        }
+        tokens
+    }
+
+    #[test]
+    fn the_real_output_replaces_the_default_in_the_share() {
+        // Assumed 256 each; really 20 and 500: served in proportion to real
+        // tokens, flow 0 gets about five requests for each of flow 1's.
+        let t = serve_real(&mut Wfq::new(FlowWeights::default(), 256), [20, 500], 600);
+        assert!((t[0] as f64 / t[1] as f64 - 1.0).abs() < 0.05, "tokens {t:?}");
+    }
+
+    #[test]
+    fn output_beyond_the_estimate_moves_the_head_at_once_and_a_shortfall_at_completion() {
+        let mut w = Wfq::new(FlowWeights::default(), 10);
+        w.set_head(0, Some((0, &req(1, 0, 0, 0))));
+        w.on_dispatch(&req(1, 0, 0, 0));
+        w.set_head(0, Some((1, &req(2, 0, 0, 0))));
+        assert_eq!(w.head_tag(0), Some(20.0));
+        w.on_output(0, 1, 8);
+        assert_eq!(w.head_tag(0), Some(20.0), "within the estimate");
+        w.on_output(0, 1, 5);
+        assert_eq!((w.last_finish(0), w.head_tag(0)), (13.0, Some(23.0)), "three tokens over");
+        w.on_complete(0, 1);
+        assert_eq!(w.head_tag(0), Some(23.0), "nothing to refund");
+        // The next one stops at 4 of its 10: refunded when it completes.
+        w.on_dispatch(&req(2, 0, 0, 0));
+        w.set_head(0, Some((2, &req(3, 0, 0, 0))));
+        w.on_output(0, 2, 4);
+        w.on_complete(0, 2);
+        assert_eq!((w.last_finish(0), w.head_tag(0)), (17.0, Some(27.0)));
+        // A bypassed request (its flow not backlogged) is not counted at all.
+        w.on_dispatch(&req(9, 1, 0, 0));
+        w.on_output(1, 9, 50);
+        w.on_complete(1, 9);
+        assert_eq!(w.last_finish(1), 0.0);
+        assert_eq!(w.virtual_time(), 23.0, "V stays the largest dispatched tag");
     }
 
     #[test]
@@ -202,8 +338,8 @@ mod tests {
         let v = w.virtual_time();
         w.forget(0);
         // Flow 0, forgotten, and flow 1, remembered, both restart at V.
-        w.set_head_request(0, Some((1_000, &req(1, 0, 10, 0))));
-        w.set_head_request(1, Some((1_001, &req(2, 1, 10, 0))));
+        w.set_head(0, Some((1_000, &req(1, 0, 10, 0))));
+        w.set_head(1, Some((1_001, &req(2, 1, 10, 0))));
         assert_eq!(w.head_tag(0), Some(v + 10.0));
         assert_eq!(w.head_tag(1), Some(v + 10.0));
     }
