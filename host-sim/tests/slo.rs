@@ -151,7 +151,7 @@ mod claims {
     }
 
     /// PARD-style bursts: proactive dropping raises goodput well over no dropping (+32 %
-    /// measured) and is not worse than reactive TTL dropping (+1 % with `--quick`, +7.5 % on
+    /// measured) and is not worse than reactive TTL dropping (+0.7 % with `--quick`, +7.5 % on
     /// the full run; the issue's +16 % over reactive is not met, see the README).
     #[test]
     fn proactive_dropping_raises_goodput_over_no_dropping_and_matches_reactive() {
