@@ -132,7 +132,7 @@ mod claims {
     #[test]
     fn the_slo_order_gains_attainment_over_fcfs_at_overload() {
         for (trace, slo_gain, drop_gain) in
-            [(SloTrace::Arena, 0.08, 0.05), (SloTrace::AzureConv, 0.25, 0.35), (SloTrace::AzureCode, 0.15, 0.15)]
+            [(SloTrace::Arena, 0.08, 0.03), (SloTrace::AzureConv, 0.25, 0.35), (SloTrace::AzureCode, 0.15, 0.15)]
         {
             let rows = qlm_at(trace, 1.5);
             let (fcfs, slo, drop) = (get(&rows, "FCFS"), get(&rows, "SLO"), get(&rows, "SLO+drop"));
