@@ -99,6 +99,8 @@ struct Running {
 struct QueuedSlo {
     deadline: Option<Deadline>,
     input_tokens: u32,
+    /// Its band index and model group: where its work is indexed.
+    at: (usize, usize),
     /// The TTFT predicted when it was queued (expected value).
     predicted_ms: Option<u32>,
 }
@@ -111,8 +113,9 @@ struct SloState {
     drop_z: Option<f64>,
     expose: bool,
     est: Estimator,
-    /// Predicted work of queued requests by dispatch key, per band.
-    work: [WorkIndex; 3],
+    /// Predicted work of queued requests by dispatch key, per (band, model
+    /// group): QLM's request groups, each drained at its own rate.
+    work: HashMap<(usize, usize), WorkIndex>,
     queued: HashMap<u64, QueuedSlo>,
 }
 
@@ -171,7 +174,7 @@ impl Scheduler {
                 input_cost: s.input_token_cost,
                 ..EstimatorConfig::default()
             }),
-            work: Default::default(),
+            work: HashMap::new(),
             queued: HashMap::new(),
         });
         Scheduler { queue, routes: HashMap::new(), running: HashMap::new(), counters, slo, by_deadline }
@@ -209,7 +212,8 @@ impl Scheduler {
         if new {
             let (input_tokens, max_tokens) = r;
             if let Some(slo) = self.slo.as_mut() {
-                slo.est.on_dispatch(input_tokens);
+                let group = slo.est.group(&model);
+                slo.est.on_dispatch(input_tokens, group);
             }
             self.running.insert(req, Running { band, flow, input_tokens, max_tokens, output: 0, model });
             self.queue.hold(flow);
@@ -239,12 +243,14 @@ impl Scheduler {
     /// its prediction, if any, is returned.
     fn left_queue(&mut self, req: u64) -> Option<u32> {
         let slo = self.slo.as_mut()?;
-        for w in &mut slo.work {
-            if w.remove(req).is_some() {
-                break;
+        let q = slo.queued.remove(&req)?;
+        if let Some(w) = slo.work.get_mut(&q.at) {
+            w.remove(req);
+            if w.is_empty() {
+                slo.work.remove(&q.at);
             }
         }
-        slo.queued.remove(&req)?.predicted_ms
+        q.predicted_ms
     }
 
     /// Time moved: the estimator closes its windows and, under `"pard"`, the
@@ -261,7 +267,7 @@ impl Scheduler {
         }
         if let Some(ample) = slo.hold_batch_slack_ms {
             // At risk: its dispatch key falls before the next slot is expected to free.
-            let next_slot = slo.est.predict_ttft(0.0, Work::default(), true, 0, 0.0);
+            let next_slot = slo.est.predict_ttft(0.0, Work::default(), true, 0, 0.0, 0);
             let urgency = next_slot.map(|wait| (now_ms as f64 + wait, now_ms as f64 + ample as f64));
             for band in Criticality::ALL {
                 self.queue.band_mut(band).set_urgency(urgency);
@@ -275,21 +281,22 @@ impl Scheduler {
     fn predict(
         &self,
         req: u64,
-        band: Criticality,
+        (i, group): (usize, usize),
         key: f64,
         d: Deadline,
         input_tokens: u32,
         now_ms: u64,
     ) -> (Option<f64>, Option<f64>) {
         let Some(slo) = &self.slo else { return (None, None) };
-        let i = band_index(band);
-        // Higher bands are served first: all their work is ahead.
-        let above = slo.work[..i].iter().fold(Work::default(), |w, x| w + x.total());
-        let hbf = self.queue.band(band).is_high_budget_first();
-        let ahead = above + slo.work[i].ahead(key, req, hbf, MAX_AHEAD_SCAN);
+        // Higher bands of its model group are served first: all their work is ahead.
+        let index = |b: usize| slo.work.get(&(b, group));
+        let above = (0..i).filter_map(index).fold(Work::default(), |w, x| w + x.total());
+        let hbf = self.queue.band(Criticality::ALL[i]).is_high_budget_first();
+        let own = index(i).map_or(Work::default(), |w| w.ahead(key, req, hbf, MAX_AHEAD_SCAN));
+        let ahead = above + own;
         let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
-        let mean = slo.est.predict_ttft(elapsed, ahead, true, input_tokens, 0.0);
-        let hi = slo.drop_z.and_then(|z| slo.est.predict_ttft(elapsed, ahead, true, input_tokens, z));
+        let mean = slo.est.predict_ttft(elapsed, ahead, true, input_tokens, 0.0, group);
+        let hi = slo.drop_z.and_then(|z| slo.est.predict_ttft(elapsed, ahead, true, input_tokens, z, group));
         (mean, hi)
     }
 
@@ -301,7 +308,9 @@ impl Scheduler {
         let Some(q) = slo.queued.get(&req) else { return false };
         let Some(d) = q.deadline else { return false };
         let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
-        slo.est.predict_ttft(elapsed, Work::default(), false, q.input_tokens, z).is_some_and(|t| t > d.ttft_ms as f64)
+        slo.est
+            .predict_ttft(elapsed, Work::default(), false, q.input_tokens, z, q.at.1)
+            .is_some_and(|t| t > d.ttft_ms as f64)
     }
 
     /// A queued request that can no longer meet its objective, under an SLO
@@ -325,10 +334,11 @@ impl Scheduler {
             if let Some(slo) = self.slo.as_mut() {
                 if let Some(q) = slo.queued.get_mut(&req) {
                     q.deadline = None;
-                }
-                let i = band_index(band);
-                if let Some(w) = slo.work[i].remove(req) {
-                    slo.work[i].insert(req, f64::INFINITY, w);
+                    if let Some(index) = slo.work.get_mut(&q.at) {
+                        if let Some(w) = index.remove(req) {
+                            index.insert(req, f64::INFINITY, w);
+                        }
+                    }
                 }
             }
         }
@@ -360,6 +370,7 @@ impl Scheduler {
                 if let Some(slo) = self.slo.as_mut() {
                     slo.est.on_arrival();
                     let work = slo.est.work(&tenant, &route.model, input_tokens, max);
+                    let at = (band_index(band), slo.est.group(&route.model));
                     let service = slo.est.prefill_ms(input_tokens).0;
                     meta.service_ms = Some(service.min(u32::MAX as f64) as u32);
                     // The key this request is served by in its band: its rank
@@ -371,7 +382,7 @@ impl Scheduler {
                         _ => arrival_ms as f64,
                     };
                     let (mean, hi) = match deadline {
-                        Some(d) => self.predict(req, band, key, d, input_tokens, now_ms),
+                        Some(d) => self.predict(req, at, key, d, input_tokens, now_ms),
                         None => (None, None),
                     };
                     if let (Some(hi), Some(d)) = (hi, deadline) {
@@ -381,7 +392,7 @@ impl Scheduler {
                         }
                     }
                     let predicted_ms = mean.map(|m| m.min(u32::MAX as f64) as u32);
-                    slo_entry = Some((key, work, QueuedSlo { deadline, input_tokens, predicted_ms }));
+                    slo_entry = Some((key, work, QueuedSlo { deadline, input_tokens, at, predicted_ms }));
                 }
                 let flow = self.queue.flow_id(&tenant);
                 let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
@@ -392,7 +403,7 @@ impl Scheduler {
                         self.mark(flow);
                         self.routes.insert(req, route);
                         if let (Some(slo), Some((key, work, q))) = (self.slo.as_mut(), slo_entry) {
-                            slo.work[band_index(band)].insert(req, key, work);
+                            slo.work.entry(q.at).or_default().insert(req, key, work);
                             slo.queued.insert(req, q);
                         }
                         if let Some(victim) = evicted {
@@ -449,7 +460,8 @@ impl Scheduler {
                     self.queue.band_mut(band).policy_mut().on_output(flow, req, output_tokens);
                 }
                 if let (Some(slo), Some(run)) = (self.slo.as_mut(), self.running.get_mut(&req)) {
-                    slo.est.on_output(output_tokens);
+                    let group = slo.est.group(&run.model);
+                    slo.est.on_output(output_tokens, group);
                     run.output = run.output.saturating_add(output_tokens);
                     if let Some(ms) = first_token_ms {
                         slo.est.on_first_token(run.input_tokens, ms);
@@ -1402,5 +1414,42 @@ mod tests {
         s.pump(2_000, &mut slots(3), &mut out);
         assert_eq!(dispatched(&out), vec![2, 3, 1]);
         assert!(out.iter().all(|(_, m)| matches!(m, ToWorker::Dispatch { .. })), "nothing refused: {out:?}");
+    }
+
+    #[test]
+    fn model_groups_queue_apart_each_drained_at_its_own_rate() {
+        let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"drop":{"quantile":0.5}}"#));
+        let with_model = |ctx: u32, model: &str, now: u64, ttft_ms: u32| {
+            let mut m = enqueue_slo(ctx, "t", now, ttft_ms, 100);
+            if let ToScheduler::Enqueue { route, .. } = &mut m {
+                route.model = model.into();
+            }
+            m
+        };
+        // Both models served, saturated, one request of each completing every 100 ms.
+        let mut out = Vec::new();
+        let mut now = 0;
+        for i in 0..80u32 {
+            let model = if i % 2 == 0 { "a" } else { "b" };
+            s.on_message(with_model(10_000 + i, model, now, 3_600_000), now, &mut out);
+        }
+        for i in 0..80u32 {
+            s.pump(now, &mut slots(1), &mut out);
+            now += 50;
+            s.on_message(charge(10_000 + i as u64, "t", 0, 100, true), now, &mut out);
+        }
+        s.pump(now, &mut slots(0), &mut out);
+        out.clear();
+        // Forty of model a wait (~6 s of a's work); nothing of b.
+        for ctx in 0..40 {
+            s.on_message(with_model(ctx, "a", now, 60_000), now, &mut out);
+        }
+        s.on_message(with_model(100, "a", now, 1_000), now, &mut out);
+        s.on_message(with_model(101, "b", now, 1_000), now, &mut out);
+        assert_eq!(
+            out,
+            vec![(0, ToWorker::Reject { req: 100, outcome: Outcome::SloUnattainable })],
+            "b's group is empty"
+        );
     }
 }

@@ -4,8 +4,9 @@
 //! A gateway cannot evict from a GPU; it can estimate, order, hold and drop.
 //! [`Estimator`] learns, from what the filter already sees (output tokens
 //! charged on responses, completions, the time from dispatch to the first
-//! token), three things: the pool's output-token throughput while it is
-//! saturated, the output length of each (tenant, model) with its spread, and
+//! token), three things: the pool's throughput while it is saturated (as a
+//! whole and per model group), the output length of each (tenant, model)
+//! with its spread, and
 //! the time from dispatch to the first token as a linear function of the
 //! prompt. A queued request's time to first token is then predicted as
 //!
@@ -214,6 +215,11 @@ pub struct Estimator {
     prefill: Fit,
     /// Saturated output-token throughput, tokens per second.
     tput: Moments,
+    /// Model groups (QLM's request groups): the group of each model name,
+    /// at most [`MAX_MODEL_KEYS`] (later names share the last group).
+    groups: HashMap<String, usize>,
+    /// Per group: work in the current window, and its saturated throughput.
+    group_rate: Vec<(f64, Moments)>,
     /// Throughput of the busiest window seen, used until a saturated one is.
     tput_floor: f64,
     window_start: u64,
@@ -236,6 +242,8 @@ impl Estimator {
             all: Keyed::default(),
             prefill: Fit::default(),
             tput: Moments::default(),
+            groups: HashMap::new(),
+            group_rate: Vec::new(),
             tput_floor: 0.0,
             window_start: 0,
             window_work: 0.0,
@@ -259,6 +267,11 @@ impl Estimator {
         let rate = self.window_work / secs;
         if self.window_saturated && self.window_work > 0.0 {
             self.tput.observe(rate, 0.1);
+            for (work, rate) in &mut self.group_rate {
+                if *work > 0.0 {
+                    rate.observe(*work / secs, 0.1);
+                }
+            }
             // T_m: completions per second while saturated.
             self.load.service(self.window_done as f64 / secs);
         }
@@ -266,6 +279,7 @@ impl Estimator {
         self.load.arrivals(self.window_arrivals as f64 / secs);
         self.window_start = now_ms;
         self.window_work = 0.0;
+        self.group_rate.iter_mut().for_each(|(w, _)| *w = 0.0);
         self.window_done = 0;
         self.window_arrivals = 0;
         self.window_saturated = saturated;
@@ -276,14 +290,48 @@ impl Estimator {
         self.window_arrivals += 1;
     }
 
-    /// `tokens` output tokens were generated (any request).
-    pub fn on_output(&mut self, tokens: u32) {
-        self.window_work += tokens as f64;
+    /// The group of `model`'s requests, allocated on first sight (model
+    /// names come from clients: past [`MAX_MODEL_KEYS`] groups they share the last).
+    pub fn group(&mut self, model: &str) -> usize {
+        if let Some(&g) = self.groups.get(model) {
+            return g;
+        }
+        if self.group_rate.len() >= MAX_MODEL_KEYS {
+            return MAX_MODEL_KEYS - 1;
+        }
+        let g = self.group_rate.len();
+        self.group_rate.push((0.0, Moments::default()));
+        self.groups.insert(model.to_owned(), g);
+        g
     }
 
-    /// A request with `input_tokens` was dispatched: its prefill is work done.
-    pub fn on_dispatch(&mut self, input_tokens: u32) {
-        self.window_work += self.cfg.input_cost * input_tokens as f64;
+    /// `tokens` output tokens were generated for a request of model group `group`.
+    pub fn on_output(&mut self, tokens: u32, group: usize) {
+        self.add_work(tokens as f64, group);
+    }
+
+    /// A request of model group `group` with `input_tokens` was dispatched:
+    /// its prefill is work done.
+    pub fn on_dispatch(&mut self, input_tokens: u32, group: usize) {
+        self.add_work(self.cfg.input_cost * input_tokens as f64, group);
+    }
+
+    fn add_work(&mut self, work: f64, group: usize) {
+        self.window_work += work;
+        if let Some((w, _)) = self.group_rate.get_mut(group) {
+            *w += work;
+        }
+    }
+
+    /// The rate at which the pool serves model group `group`: its own
+    /// saturated throughput once the pool has served more than one group
+    /// (each group's queued work drains at its own rate), else the pool's.
+    pub fn throughput_of(&self, group: usize) -> Option<f64> {
+        let served = self.group_rate.iter().filter(|(_, r)| r.n > 0).count();
+        match self.group_rate.get(group) {
+            Some((_, r)) if served > 1 && r.n > 0 && r.mean > 0.0 => Some(r.mean),
+            _ => self.throughput(),
+        }
     }
 
     /// The work of a request: `input_cost · prompt` plus its predicted output.
@@ -377,13 +425,21 @@ impl Estimator {
     /// Predicted time to first token, `z` standard deviations above the mean
     /// (0 for the expected value; [`normal_quantile`]`(λ)` for PARD's
     /// conservative estimate): `elapsed_ms` already spent, `ahead` the work
-    /// dispatched before it, `queued` whether it must wait for a slot at all.
-    /// `None` while the throughput is unknown.
-    pub fn predict_ttft(&self, elapsed_ms: f64, ahead: Work, queued: bool, input_tokens: u32, z: f64) -> Option<f64> {
+    /// dispatched before it in its model group `group`, `queued` whether it
+    /// must wait for a slot at all. `None` while the throughput is unknown.
+    pub fn predict_ttft(
+        &self,
+        elapsed_ms: f64,
+        ahead: Work,
+        queued: bool,
+        input_tokens: u32,
+        z: f64,
+        group: usize,
+    ) -> Option<f64> {
         let (pre, pre_var) = self.prefill_ms(input_tokens);
         let mut ms = elapsed_ms + pre + z * pre_var.sqrt();
         if queued {
-            let tput = self.throughput()?;
+            let tput = self.throughput_of(group)?;
             let slot = Work { mean: self.all.m.mean.max(1.0), var: self.all.m.var };
             let slot = if self.all.m.n == 0 { self.output("", "", None) } else { slot };
             let w = ahead + slot;
@@ -643,22 +699,46 @@ mod tests {
     #[test]
     fn throughput_is_learned_only_from_saturated_windows_and_prediction_waits_for_it() {
         let mut e = Estimator::new(EstimatorConfig::default());
-        assert_eq!(e.predict_ttft(0.0, Work::default(), true, 100, 0.0), None, "no data: no guess");
+        assert_eq!(e.predict_ttft(0.0, Work::default(), true, 100, 0.0, 0), None, "no data: no guess");
         // One unsaturated second at 500 tok/s, then saturated seconds at 2000 tok/s.
-        e.on_output(500);
+        e.on_output(500, 0);
         e.advance(1000, false);
         assert_eq!(e.throughput(), Some(500.0), "the floor until a saturated window");
         for s in 2..10 {
-            e.on_output(2000);
+            e.on_output(2000, 0);
             e.advance(s * 1000, true);
         }
         assert!((e.throughput().unwrap() - 2000.0).abs() < 1.0);
         // 4000 tokens ahead + one slot of the prior (256) at 2000 tok/s.
-        let t = e.predict_ttft(100.0, Work { mean: 4000.0, var: 0.0 }, true, 0, 0.0).unwrap();
+        let t = e.predict_ttft(100.0, Work { mean: 4000.0, var: 0.0 }, true, 0, 0.0, 0).unwrap();
         assert!((t - (100.0 + 4256.0 / 2.0)).abs() < 1.0, "{t}");
-        let hi = e.predict_ttft(100.0, Work { mean: 4000.0, var: 1e6 }, true, 0, normal_quantile(0.9)).unwrap();
+        let hi = e.predict_ttft(100.0, Work { mean: 4000.0, var: 1e6 }, true, 0, normal_quantile(0.9), 0).unwrap();
         assert!(hi > t + 500.0, "the λ-quantile is more conservative: {hi} vs {t}");
-        assert_eq!(e.predict_ttft(100.0, Work::default(), false, 0, 0.0), Some(100.0), "not queued: no wait");
+        assert_eq!(e.predict_ttft(100.0, Work::default(), false, 0, 0.0, 0), Some(100.0), "not queued: no wait");
+    }
+
+    #[test]
+    fn each_model_group_drains_at_its_own_rate_once_several_are_served() {
+        let mut e = Estimator::new(EstimatorConfig::default());
+        let (a, b) = (e.group("big"), e.group("small"));
+        assert_eq!((a, b, e.group("big")), (0, 1, 0));
+        for s in 1..10 {
+            e.on_output(3000, a);
+            e.advance(s * 1000, true);
+        }
+        assert_eq!(e.throughput_of(b), e.throughput(), "one group served: the pool's rate");
+        for s in 10..40 {
+            e.on_output(3000, a);
+            e.on_output(1000, b);
+            e.advance(s * 1000, true);
+        }
+        assert!((e.throughput_of(a).unwrap() - 3000.0).abs() < 50.0, "{:?}", e.throughput_of(a));
+        assert!((e.throughput_of(b).unwrap() - 1000.0).abs() < 50.0, "{:?}", e.throughput_of(b));
+        for i in 0..200 {
+            e.group(&format!("m{i}"));
+        }
+        assert_eq!(e.group("another"), MAX_MODEL_KEYS - 1, "hostile names share the last group");
+        assert!(e.group_rate.len() <= MAX_MODEL_KEYS);
     }
 
     #[test]
