@@ -1,12 +1,13 @@
 //! The plugin configuration: a JSON object, validated once in `on_configure`.
 
+use crate::openai::PrefixHashing;
 use crate::slo::{SloConfig, SloOrder};
 use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
 use sluice_policies::bands::{BandLimits, Criticality, MinShares};
 use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
-use sluice_policies::routing::{ModelServer, Picker, Router, SaturationThresholds, ScorerWeights};
+use sluice_policies::routing::{LoadGuard, ModelServer, Picker, Router, SaturationThresholds, Weights};
 use sluice_policies::spec::{OrderSpec, PolicySpec};
 use std::collections::BTreeMap;
 
@@ -136,14 +137,22 @@ struct RawRouting {
     model_server: ModelServer,
     #[serde(default)]
     saturation: SaturationThresholds,
+    /// Scorer name → weight, over each scorer's default.
     #[serde(default)]
-    weights: ScorerWeights,
+    weights: BTreeMap<String, f64>,
     #[serde(default)]
     picker: Picker,
     #[serde(default)]
     session_header: Option<String>,
     #[serde(default = "default_prefix_block_tokens")]
     prefix_block_tokens: usize,
+    #[serde(default = "default_prefix_max_blocks")]
+    prefix_max_blocks: usize,
+    /// `null` turns the guard off.
+    #[serde(default = "default_affinity_guard")]
+    affinity_guard: Option<LoadGuard>,
+    #[serde(default = "default_speculative_ttl_ms")]
+    speculative_ttl_ms: u64,
     #[serde(default)]
     on_no_endpoint: NoEndpoint,
     #[serde(default = "default_quarantine_ms")]
@@ -171,6 +180,18 @@ const MAX_PREFIX_BLOCK_TOKENS: usize = 1 << 16;
 fn default_prefix_block_tokens() -> usize {
     16
 }
+/// Most prefix blocks hashed per prompt, at most: each is 8 bytes in the
+/// `Enqueue` message and an entry of the affinity index.
+pub const MAX_PREFIX_MAX_BLOCKS: usize = 4096;
+fn default_prefix_max_blocks() -> usize {
+    128
+}
+fn default_affinity_guard() -> Option<LoadGuard> {
+    Some(LoadGuard::default())
+}
+fn default_speculative_ttl_ms() -> u64 {
+    2000
+}
 fn default_quarantine_ms() -> u64 {
     1000
 }
@@ -197,10 +218,27 @@ pub struct Routing {
     pub session_header: Option<String>,
     /// Prompt bytes per prefix block (4 bytes per token).
     pub prefix_block_bytes: usize,
+    /// Most prefix blocks hashed per prompt (bounds the cost of long prompts).
+    pub prefix_max_blocks: usize,
+    /// How long an affinity entry written at dispatch counts before the
+    /// request's first token confirms it.
+    pub speculative_ttl_ms: u64,
     /// What to do when no endpoint is healthy.
     pub on_no_endpoint: NoEndpoint,
     /// How long an endpoint that reset a connection is avoided.
     pub quarantine_ms: u64,
+}
+
+impl Routing {
+    /// How prompts are hashed for prefix affinity: not at all when no
+    /// scorer reads the hashes.
+    pub fn prefix_hashing(&self) -> PrefixHashing {
+        if self.router.weights.get("prefix") > 0.0 {
+            PrefixHashing { block_bytes: self.prefix_block_bytes, max_blocks: self.prefix_max_blocks }
+        } else {
+            PrefixHashing::OFF
+        }
+    }
 }
 
 /// Reads a tagged spec written either as its bare name or as an object.
@@ -453,38 +491,41 @@ impl Config {
                 s.queue_depth, s.kv_cache_util
             ));
         }
-        let w = r.weights;
-        for (name, v) in [
-            ("queue", w.queue),
-            ("kv_cache", w.kv_cache),
-            ("prefix", w.prefix),
-            ("running", w.running),
-            ("in_flight", w.in_flight),
-            ("session", w.session),
-            ("lora", w.lora),
-        ] {
-            if !(v >= 0.0 && v.is_finite()) {
-                return Err(format!("field `routing.weights.{name}` must be a non-negative number, got {v}"));
+        let mut weights = Weights::default();
+        for (name, &v) in &r.weights {
+            weights.set(name, v).map_err(|e| format!("field `routing.weights.{name}`: {e}"))?;
+        }
+        if let Some(g) = r.affinity_guard {
+            if !(g.max_extra >= 0.0 && g.max_extra.is_finite()) {
+                return Err(format!(
+                    "field `routing.affinity_guard.max_extra` must be a non-negative number, got {}",
+                    g.max_extra
+                ));
             }
+            if !(g.max_ratio >= 1.0 && g.max_ratio.is_finite()) {
+                return Err(format!(
+                    "field `routing.affinity_guard.max_ratio` must be a number of at least 1, got {}",
+                    g.max_ratio
+                ));
+            }
+        }
+        if !(1..=MAX_PREFIX_MAX_BLOCKS).contains(&r.prefix_max_blocks) {
+            return Err(format!(
+                "field `routing.prefix_max_blocks` must be in 1..={MAX_PREFIX_MAX_BLOCKS}, got {}",
+                r.prefix_max_blocks
+            ));
         }
         let scraping = r.scrape_cluster.is_some();
         let routing = Routing {
             // Without metrics only the gateway's own counts are real: least-request.
             router: if scraping {
-                Router { weights: w, picker: r.picker, saturation: Some(s) }
+                Router { weights, picker: r.picker, saturation: Some(s), guard: r.affinity_guard }
             } else {
                 Router {
-                    weights: ScorerWeights {
-                        queue: 0.0,
-                        kv_cache: 0.0,
-                        prefix: 0.0,
-                        running: 0.0,
-                        in_flight: 1.0,
-                        session: 0.0,
-                        lora: 0.0,
-                    },
+                    weights: Weights::only("in_flight", 1.0)?,
                     picker: Picker::MaxScore,
                     saturation: None,
+                    guard: None,
                 }
             },
             scrape_cluster: r.scrape_cluster,
@@ -495,6 +536,8 @@ impl Config {
             saturation: s,
             session_header: r.session_header.map(|h| h.to_ascii_lowercase()),
             prefix_block_bytes: r.prefix_block_tokens * 4,
+            prefix_max_blocks: r.prefix_max_blocks,
+            speculative_ttl_ms: r.speculative_ttl_ms,
             on_no_endpoint: r.on_no_endpoint,
             quarantine_ms: r.quarantine_ms,
         };
@@ -714,6 +757,21 @@ mod tests {
             (r#"{"endpoints":[{"address":"127.0.0.1:1","model_server":"tgi"}]}"#, "endpoints[0]"),
             (r#"{"endpoints":["127.0.0.1:1",7]}"#, "endpoints[1]"),
             (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"kv_cache":-2}}}"#, "routing.weights.kv_cache"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"kv":1}}}"#, "routing.weights.kv"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"queue":"x"}}}"#, "routing.weights.queue"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":[1]}}"#, "routing.weights"),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"routing":{"affinity_guard":{"max_ratio":0.5}}}"#,
+                "routing.affinity_guard.max_ratio",
+            ),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"routing":{"affinity_guard":{"max_extra":-1}}}"#,
+                "routing.affinity_guard.max_extra",
+            ),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"affinity_guard":{"abs":1}}}"#, "abs"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"prefix_max_blocks":0}}"#, "routing.prefix_max_blocks"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"prefix_max_blocks":5000}}"#, "routing.prefix_max_blocks"),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"speculative_ttl_ms":-1}}"#, "routing.speculative_ttl_ms"),
             (r#"{"endpoints":["127.0.0.1:1"],"routing":{"metrics_path":"metrics"}}"#, "routing.metrics_path"),
             (r#"{"endpoints":["127.0.0.1:1"],"routing":{"picker":"best"}}"#, "best"),
             (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_every":5}}"#, "scrape_every"),
@@ -734,15 +792,28 @@ mod tests {
         let r = &c.routing;
         assert_eq!(r.model_servers, vec![ModelServer::Trtllm, ModelServer::Sglang]);
         assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (50, "/metrics", 64));
-        assert_eq!(r.router.weights, ScorerWeights::default());
+        assert_eq!(r.router.weights, Weights::default());
+        assert_eq!(r.router.guard, Some(LoadGuard::default()));
+        assert_eq!((r.prefix_max_blocks, r.speculative_ttl_ms), (128, 2000));
+        assert_eq!(r.prefix_hashing(), PrefixHashing { block_bytes: 64, max_blocks: 128 });
         assert_eq!(r.saturation, SaturationThresholds::default());
         assert_eq!(r.session_header.as_deref(), Some("x-session"));
         assert_eq!(r.on_no_endpoint, NoEndpoint::FailOpen);
         // Not scraping: least-request only.
         let c = Config::from_json(br#"{"endpoints":["127.0.0.1:1"]}"#).unwrap();
         assert!(c.routing.scrape_cluster.is_none());
-        assert_eq!(c.routing.router.weights.in_flight, 1.0);
-        assert_eq!(c.routing.router.weights.prefix, 0.0);
+        assert_eq!(c.routing.router.weights, Weights::only("in_flight", 1.0).unwrap());
+        assert_eq!(c.routing.prefix_hashing(), PrefixHashing::OFF, "no prefix scorer, no hashing");
+        // A partial weights map overrides the defaults it names; `null` turns the guard off.
+        let c = Config::from_json(
+            br#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_cluster":"c","weights":{"prefix":0,"session":2},
+                 "affinity_guard":null,"prefix_max_blocks":16}}"#,
+        )
+        .unwrap();
+        let w = &c.routing.router.weights;
+        assert_eq!((w.get("prefix"), w.get("session"), w.get("queue")), (0.0, 2.0, 2.0));
+        assert_eq!(c.routing.router.guard, None);
+        assert_eq!(c.routing.prefix_max_blocks, 16);
     }
 
     #[test]

@@ -9,17 +9,18 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 use crate::config::Config;
-use crate::openai::{
-    is_scheduled_path, normalize_path, parse_request, set_top_level_int, TokenCounter, MAX_PREFIX_BLOCKS,
-};
+use crate::openai::{is_scheduled_path, normalize_path, parse_request, set_top_level_int, PrefixHashing, TokenCounter};
 use crate::scheduler::Scheduler;
 use crate::wire::{decode_entry, encode_batch, ToScheduler, ToWorker};
 use sluice_policies::bands::Criticality;
 use sluice_policies::prom;
 use sluice_policies::routing::{
-    AffinityIndex, EndpointMetrics, EndpointView, ModelServer, Picker, RouteRequest, Router, SaturationThresholds,
-    ScorerWeights,
+    AffinityIndex, EndpointMetrics, EndpointView, LoadGuard, ModelServer, Picker, RouteContext, RouteRequest, Router,
+    SaturationThresholds, Scratch, Weights,
 };
+
+/// The hashing the default routing configuration does.
+const HASHING: PrefixHashing = PrefixHashing { block_bytes: 64, max_blocks: 128 };
 
 /// A check: panics when the bytes break the parser or its properties.
 pub type Check = fn(&[u8]);
@@ -40,8 +41,8 @@ pub const TARGETS: &[(&str, Check)] = &[
 /// is read must be self-consistent. A body it accepts takes the engine
 /// priority rewrite ([`check_priority_edit`]).
 pub fn check_openai_request(data: &[u8]) {
-    let plain = parse_request(data, 0);
-    let hashed = parse_request(data, 64);
+    let plain = parse_request(data, PrefixHashing::OFF);
+    let hashed = parse_request(data, HASHING);
     match (&plain, &hashed) {
         (Ok(p), Ok(h)) => {
             assert!(!p.model.is_empty(), "a request without a model must be refused");
@@ -50,7 +51,7 @@ pub fn check_openai_request(data: &[u8]) {
                 (&p.model, p.stream, p.max_tokens, p.prompt_tokens),
                 (&h.model, h.stream, h.max_tokens, h.prompt_tokens)
             );
-            assert!(h.prefix.len() <= MAX_PREFIX_BLOCKS);
+            assert!(h.prefix.len() <= HASHING.max_blocks);
             // Whole 64-byte blocks of a prompt estimated at 4 bytes per token.
             assert!(
                 h.prefix.len() as u64 * 16 <= h.prompt_tokens as u64,
@@ -58,7 +59,7 @@ pub fn check_openai_request(data: &[u8]) {
                 h.prefix.len(),
                 h.prompt_tokens
             );
-            assert_eq!(parse_request(data, 64).as_ref(), Ok(h), "hashing is deterministic");
+            assert_eq!(parse_request(data, HASHING).as_ref(), Ok(h), "hashing is deterministic");
             check_priority_edit(data);
         }
         (Err(p), Err(h)) => assert_eq!(p, h),
@@ -79,9 +80,9 @@ fn check_priority_edit(data: &[u8]) {
         after.as_object_mut().expect("an object").remove("priority");
         assert_eq!(before, after, "only the top-level priority changed");
     }
-    let again = parse_request(&out, 64).expect("the rewritten body still parses");
+    let again = parse_request(&out, HASHING).expect("the rewritten body still parses");
     assert_eq!(
-        parse_request(data, 64).map(|r| (r.model, r.max_tokens, r.prompt_tokens)),
+        parse_request(data, HASHING).map(|r| (r.model, r.max_tokens, r.prompt_tokens)),
         Ok((again.model, again.max_tokens, again.prompt_tokens))
     );
 }
@@ -203,22 +204,40 @@ pub fn check_prometheus(data: &[u8]) {
     }
 }
 
-/// Every picker, with and without the saturation filter, picks one of two
-/// healthy endpoints, one of them described by `m`.
+/// Every picker, with and without the saturation filter and the load
+/// guard, picks one of two healthy endpoints, one of them described by `m`,
+/// whatever was sent there since the scrape.
 fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
     let lora = m.loras.first().map_or("model", String::as_str);
-    let req = RouteRequest { prefix: &[1, 2, 3], session: Some(7), model: lora };
-    let mut index = AffinityIndex::new(16);
-    index.record(&req, 0);
-    let weights = ScorerWeights { running: 1.0, session: 1.0, lora: 1.0, ..ScorerWeights::default() };
-    let view = |m, in_flight| EndpointView { in_flight, metrics: Some(m), age_ms: 10, healthy: true };
-    for pool in [vec![view(m, 0), view(m, 3)], vec![view(m, 1), view(other, 0)], vec![view(m, 2)]] {
+    let request = RouteRequest { prefix: &[1, 2, 3], session: Some(7), model: lora };
+    let mut index = AffinityIndex::new(16, 100);
+    index.record(1, &request, 0, 0);
+    let weights = Weights::with([("running", 1.0), ("session", 1.0), ("lora", 1.0)]).expect("known scorers");
+    let view = |m, in_flight, in_flight_at_scrape| EndpointView {
+        in_flight,
+        in_flight_at_scrape,
+        metrics: Some(m),
+        age_ms: 10,
+        healthy: true,
+    };
+    let mut scratch = Scratch::default();
+    for pool in
+        [vec![view(m, 0, 0), view(m, 3, 0)], vec![view(m, 1, u32::MAX), view(other, 0, 0)], vec![view(m, u32::MAX, 0)]]
+    {
+        for e in &pool {
+            let p = e.predicted();
+            assert!(p.load().is_finite() && p.waiting >= 0.0 && p.running >= 0.0, "{e:?}: {p:?}");
+            assert!((0.0..=1.0).contains(&p.kv_usage), "{e:?}: {p:?}");
+        }
         for picker in [Picker::MaxScore, Picker::WeightedRandom, Picker::Random, Picker::RoundRobin] {
             for saturation in [None, Some(SaturationThresholds::default())] {
-                let router = Router { weights, picker, saturation };
-                for random in [0.0, 0.5, 0.999] {
-                    let got = router.pick(&req, &pool, &index, random);
-                    assert!(got.is_some_and(|i| i < pool.len()), "{router:?} picked {got:?} of {pool:?}");
+                for guard in [None, Some(LoadGuard::default())] {
+                    let router = Router { weights: weights.clone(), picker, saturation, guard };
+                    for random in [0.0, 0.5, 0.999] {
+                        let cx = RouteContext { request, pool: &pool, index: &index, now_ms: 50 };
+                        let got = router.pick(&cx, random, &mut scratch);
+                        assert!(got.is_some_and(|i| i < pool.len()), "{router:?} picked {got:?} of {pool:?}");
+                    }
                 }
             }
         }
@@ -259,6 +278,10 @@ pub fn check_config(data: &[u8]) {
     assert!(!c.endpoints.is_empty());
     assert_eq!(c.routing.model_servers.len(), c.endpoints.len());
     assert!(c.routing.prefix_block_bytes >= 1, "prefix_block_bytes = {}", c.routing.prefix_block_bytes);
+    assert!((1..=crate::config::MAX_PREFIX_MAX_BLOCKS).contains(&c.routing.prefix_max_blocks));
+    if let Some(g) = c.routing.router.guard {
+        assert!(g.max_extra >= 0.0 && g.max_ratio >= 1.0 && g.max_extra.is_finite() && g.max_ratio.is_finite());
+    }
     assert!(c.routing.scrape_interval_ms >= 1 && c.routing.scrape_timeout_ms >= 1);
     assert!((1..=10_000).contains(&c.tick_ms));
     assert!(!c.tenant_header.is_empty());

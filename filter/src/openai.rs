@@ -5,8 +5,25 @@ use serde::Deserialize;
 use serde_json::Value;
 use sluice_policies::routing::prefix_hashes;
 
-/// Most prefix blocks hashed per prompt (bounds the work and the message size).
-pub const MAX_PREFIX_BLOCKS: usize = 128;
+/// How a prompt is hashed for prefix affinity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixHashing {
+    /// Prompt bytes per block; 0: no hashing.
+    pub block_bytes: usize,
+    /// Most blocks hashed: the prompt's first `block_bytes · max_blocks`
+    /// bytes are all that is copied and hashed, however long it is.
+    pub max_blocks: usize,
+}
+
+impl PrefixHashing {
+    /// No hashing (no scorer reads the hashes).
+    pub const OFF: PrefixHashing = PrefixHashing { block_bytes: 0, max_blocks: 0 };
+
+    /// Prompt bytes hashed at most.
+    fn max_bytes(self) -> usize {
+        self.block_bytes.saturating_mul(self.max_blocks)
+    }
+}
 
 /// Paths whose requests are scheduled, as [`normalize_path`] writes them.
 const SCHEDULED_PATHS: [&[u8]; 2] = [b"/v1/chat/completions", b"/v1/completions"];
@@ -97,20 +114,33 @@ struct Body {
     prompt: Option<Value>,
 }
 
-/// Appends the text of a prompt or message content, whatever its shape
-/// (string, list of strings, list of content parts).
-fn collect_text(v: &Value, out: &mut Vec<u8>) {
-    match v {
-        Value::String(s) => out.extend_from_slice(s.as_bytes()),
-        Value::Array(items) => items.iter().for_each(|i| collect_text(i, out)),
-        Value::Object(map) => ["content", "text"].iter().filter_map(|k| map.get(*k)).for_each(|v| collect_text(v, out)),
-        _ => {}
+/// The text of a prompt or message content, whatever its shape (string,
+/// list of strings, list of content parts): its length in bytes, and its
+/// first `keep` bytes (the part that is hashed).
+struct PromptText {
+    len: usize,
+    keep: usize,
+    head: Vec<u8>,
+}
+
+impl PromptText {
+    fn collect(&mut self, v: &Value) {
+        match v {
+            Value::String(s) => {
+                self.len = self.len.saturating_add(s.len());
+                let room = self.keep - self.head.len();
+                self.head.extend_from_slice(&s.as_bytes()[..s.len().min(room)]);
+            }
+            Value::Array(items) => items.iter().for_each(|i| self.collect(i)),
+            Value::Object(map) => ["content", "text"].iter().filter_map(|k| map.get(*k)).for_each(|v| self.collect(v)),
+            _ => {}
+        }
     }
 }
 
-/// Parses a completion request body, hashing the prompt in blocks of
-/// `block_bytes` (0: no hashing); the error is the message for a 400.
-pub fn parse_request(body: &[u8], block_bytes: usize) -> Result<CompletionRequest, String> {
+/// Parses a completion request body, hashing the prompt's leading blocks as
+/// `hashing` says; the error is the message for a 400.
+pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {
     let b: Body = serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
     // serde also reads a struct from an array; the engines (and the priority rewrite) need an object.
     if body.trim_ascii_start().first() != Some(&b'{') {
@@ -122,19 +152,19 @@ pub fn parse_request(body: &[u8], block_bytes: usize) -> Result<CompletionReques
         None => return Err("field `model` is required".into()),
     };
     let max = b.max_completion_tokens.or(b.max_tokens).unwrap_or(0);
-    let mut text = Vec::new();
+    let mut text = PromptText { len: 0, keep: hashing.max_bytes(), head: Vec::new() };
     for part in [&b.messages, &b.prompt].into_iter().flatten() {
-        collect_text(part, &mut text);
+        text.collect(part);
     }
     let mut prefix = Vec::new();
-    if block_bytes > 0 {
-        prefix_hashes(&text, block_bytes, MAX_PREFIX_BLOCKS, &mut prefix);
+    if hashing.block_bytes > 0 {
+        prefix_hashes(&text.head, hashing.block_bytes, hashing.max_blocks, &mut prefix);
     }
     Ok(CompletionRequest {
         model,
         stream: b.stream.unwrap_or(false),
         max_tokens: max.min(u32::MAX as u64) as u32,
-        prompt_tokens: text.len().div_ceil(4).min(u32::MAX as usize) as u32,
+        prompt_tokens: text.len.div_ceil(4).min(u32::MAX as usize) as u32,
         prefix,
     })
 }
@@ -473,27 +503,54 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 mod tests {
     use super::*;
 
+    const HASH_64: PrefixHashing = PrefixHashing { block_bytes: 64, max_blocks: 128 };
+
+    #[test]
+    fn long_prompts_are_hashed_up_to_the_cap_and_counted_whole() {
+        let prompt = "ab".repeat(50_000);
+        let body =
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{prompt}"}},{{"content":"tail"}}]}}"#);
+        let capped = PrefixHashing { block_bytes: 64, max_blocks: 10 };
+        let r = parse_request(body.as_bytes(), capped).unwrap();
+        assert_eq!(r.prompt_tokens, 25_001, "every byte counts for the size");
+        let mut want = Vec::new();
+        prefix_hashes(&prompt.as_bytes()[..640], 64, 10, &mut want);
+        assert_eq!(r.prefix, want);
+        // A cap that falls inside a message, across messages.
+        let r = parse_request(
+            br#"{"model":"m","messages":[{"content":"abcdef"},{"content":"ghij"}]}"#,
+            PrefixHashing { block_bytes: 4, max_blocks: 2 },
+        )
+        .unwrap();
+        let mut want = Vec::new();
+        prefix_hashes(b"abcdefgh", 4, 2, &mut want);
+        assert_eq!((r.prefix, r.prompt_tokens), (want, 3));
+    }
+
     #[test]
     fn chat_and_completion_bodies_are_read() {
         let r = parse_request(
             br#"{"model":"m","stream":true,"max_tokens":7,"messages":[{"role":"user","content":"12345678"},{"role":"user","content":[{"type":"text","text":"abcd"}]}]}"#,
-            4,
+            PrefixHashing { block_bytes: 4, max_blocks: 128 },
         )
         .unwrap();
         assert_eq!((r.model.as_str(), r.stream, r.max_tokens, r.prompt_tokens), ("m", true, 7, 3));
         assert_eq!(r.prefix.len(), 3, "12 bytes of text in 4-byte blocks");
-        let r =
-            parse_request(br#"{"model":"m","prompt":"hello","max_completion_tokens":9,"max_tokens":1}"#, 0).unwrap();
+        let r = parse_request(
+            br#"{"model":"m","prompt":"hello","max_completion_tokens":9,"max_tokens":1}"#,
+            PrefixHashing::OFF,
+        )
+        .unwrap();
         assert!(r.prefix.is_empty());
         assert_eq!((r.stream, r.max_tokens, r.prompt_tokens), (false, 9, 2));
     }
 
     #[test]
     fn bad_bodies_say_what_is_wrong() {
-        assert!(parse_request(b"{not json", 64).unwrap_err().contains("not valid JSON"));
-        assert!(parse_request(br#"{"messages":[]}"#, 64).unwrap_err().contains("`model` is required"));
-        assert!(parse_request(br#"{"model":3}"#, 64).unwrap_err().contains("`model` must be"));
-        assert!(parse_request(br#"{"model":"m","max_tokens":"many"}"#, 64).is_err());
+        assert!(parse_request(b"{not json", HASH_64).unwrap_err().contains("not valid JSON"));
+        assert!(parse_request(br#"{"messages":[]}"#, HASH_64).unwrap_err().contains("`model` is required"));
+        assert!(parse_request(br#"{"model":3}"#, HASH_64).unwrap_err().contains("`model` must be"));
+        assert!(parse_request(br#"{"model":"m","max_tokens":"many"}"#, HASH_64).is_err());
     }
 
     /// The body after setting `priority` to `v`, checked to be one JSON object.
@@ -542,7 +599,7 @@ mod tests {
         for bad in ["[1]", "\"s\"", "{\"a\":1", "{\"a\":1} x", "{\"a\"}", "{\"a\":}", "{\"a\\q\":1}", "", "{,}"] {
             assert_eq!(set_top_level_int(bad.as_bytes(), "priority", 1), None, "{bad}");
         }
-        assert!(parse_request(br#"["m"]"#, 0).unwrap_err().contains("JSON object"));
+        assert!(parse_request(br#"["m"]"#, PrefixHashing::OFF).unwrap_err().contains("JSON object"));
     }
 
     #[test]

@@ -288,6 +288,9 @@ pub struct EndpointRecord {
     pub failures: u32,
     /// Avoid the endpoint until then (it reset a connection).
     pub quarantined_until_ms: u64,
+    /// This gateway's requests in flight there when that scrape was sent:
+    /// the baseline of what was sent since ([`EndpointView::predicted`]).
+    pub in_flight_at_scrape: u32,
 }
 
 impl EndpointRecord {
@@ -300,6 +303,7 @@ impl EndpointRecord {
     pub fn view(&self, in_flight: u32, now_ms: u64) -> EndpointView<'_> {
         EndpointView {
             in_flight,
+            in_flight_at_scrape: self.in_flight_at_scrape,
             metrics: self.metrics.as_ref(),
             age_ms: now_ms.saturating_sub(self.scraped_ms),
             healthy: self.healthy(now_ms),
@@ -332,6 +336,7 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
         b.extend_from_slice(&r.scraped_ms.to_le_bytes());
         b.extend_from_slice(&r.failures.to_le_bytes());
         b.extend_from_slice(&r.quarantined_until_ms.to_le_bytes());
+        b.extend_from_slice(&r.in_flight_at_scrape.to_le_bytes());
     }
     b
 }
@@ -365,7 +370,8 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
         let scraped_ms = u64_(b)?;
         let failures = u32::from_le_bytes(take(b, 4)?.try_into().ok()?);
         let quarantined_until_ms = u64_(b)?;
-        Some(EndpointRecord { metrics, scraped_ms, failures, quarantined_until_ms })
+        let in_flight_at_scrape = u32::from_le_bytes(take(b, 4)?.try_into().ok()?);
+        Some(EndpointRecord { metrics, scraped_ms, failures, quarantined_until_ms, in_flight_at_scrape })
     };
     let mut out: Vec<EndpointRecord> = (0..endpoints).map_while(|_| one(&mut b)).collect();
     out.resize(endpoints, EndpointRecord::default());
@@ -590,11 +596,14 @@ pub(crate) mod tests {
         update_record(&s, 2, 1, |r| {
             r.metrics = Some(m.clone());
             r.scraped_ms = 100;
+            r.in_flight_at_scrape = 7;
         });
         update_record(&s, 2, 0, |r| r.failures += 1);
         let recs = records(&s, 2);
         assert_eq!(recs[1].metrics.as_ref(), Some(&m));
-        assert_eq!((recs[0].failures, recs[1].scraped_ms), (1, 100));
+        assert_eq!((recs[0].failures, recs[1].scraped_ms, recs[1].in_flight_at_scrape), (1, 100, 7));
+        let view = recs[1].view(9, 130);
+        assert_eq!((view.since_scrape(), view.age_ms), (2.0, 30), "two sent since the scrape");
         assert!(!recs[0].healthy(0) && recs[1].healthy(100));
         update_record(&s, 2, 1, |r| r.quarantined_until_ms = 500);
         assert!(!records(&s, 2)[1].healthy(499) && records(&s, 2)[1].healthy(500));

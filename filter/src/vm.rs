@@ -355,9 +355,8 @@ impl HttpContext for Http {
         if !end_of_stream {
             return Action::Pause;
         }
-        let block_bytes = if cfg.routing.router.weights.prefix > 0.0 { cfg.routing.prefix_block_bytes } else { 0 };
         let body = self.get_http_request_body(0, size).unwrap_or_default();
-        let mut req = match openai::parse_request(&body, block_bytes) {
+        let mut req = match openai::parse_request(&body, cfg.routing.prefix_hashing()) {
             Ok(r) => r,
             Err(msg) => return self.answer(Outcome::BadRequest, &msg),
         };

@@ -20,7 +20,7 @@ use crate::wire::{decode_entry, encode_batch, Deadline, RouteInfo, ToScheduler, 
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::overload::{LadderDecision, LoadSignals, OverloadLadder, SizeClass, TailWindow};
-use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView};
+use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView, RouteContext, Scratch};
 use std::rc::Rc;
 
 /// Header that carries the chosen backend to the ORIGINAL_DST cluster.
@@ -256,10 +256,13 @@ pub struct Worker<H: Host> {
     queue_ids: HashMap<u32, u32>,
     /// Which endpoint served which prefix blocks and sessions.
     affinity: AffinityIndex,
+    /// The router's buffers, reused from one request to the next.
+    route_scratch: Scratch,
     /// xorshift state for the weighted-random picker.
     rng: u64,
-    /// Scrapes in flight: call token → endpoint.
-    scrapes: HashMap<u32, usize>,
+    /// Scrapes in flight: call token → (endpoint, this gateway's requests
+    /// in flight there when the scrape was sent).
+    scrapes: HashMap<u32, (usize, u32)>,
     /// When each endpoint's last scrape was sent. Scrapes are paced per
     /// endpoint, so that one hung server cannot delay the others' metrics.
     scrape_sent_ms: Vec<u64>,
@@ -405,7 +408,7 @@ impl<H: Host> Worker<H> {
         let req_id = self.request_id(ctx);
         let band = band_code(band);
         if may_bypass {
-            match self.take_slot(self.worker, &route, false) {
+            match self.take_slot(self.worker, req_id, &route, false) {
                 Slot::Granted(permit) => {
                     let endpoint = permit.endpoint();
                     self.host.add(Metric::Bypassed, 1);
@@ -564,10 +567,13 @@ impl<H: Host> Worker<H> {
         }
     }
 
-    /// Takes one unit of stock for a request held by worker `owner`, if the
-    /// band (for a pop from the queue, or for a bypass) and the pool's
-    /// saturation allow, on the endpoint the router picks.
-    fn take_slot(&mut self, owner: u32, route: &RouteInfo, from_queue: bool) -> Slot<Permit> {
+    /// Takes one unit of stock for request `req`, held by worker `owner`, if
+    /// the band (for a pop from the queue, or for a bypass) and the pool's
+    /// saturation allow, on the endpoint the router picks. Both read the
+    /// in-flight counts of this very attempt, so each decision sees the ones
+    /// before it (the predicted load, and a pool that fills up between two
+    /// scrapes).
+    fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, from_queue: bool) -> Slot<Permit> {
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
         let now = self.now;
@@ -575,42 +581,42 @@ impl<H: Host> Worker<H> {
         let scraping = routing.scrape_cluster.is_some();
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&self.host, n);
-        // Full GPUs hold requests back; but never all of them, or nothing
-        // would finish to trigger the next attempt.
-        let saturated = scraping && {
-            let views: Vec<EndpointView<'_>> = records.iter().map(|r| r.view(0, now)).collect();
-            routing.saturation.pool_saturated(&views)
+        let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
+            (0..n)
+                .map(|i| match &records[i] {
+                    r if scraping => r.view(load[i], now),
+                    r => EndpointView { in_flight: load[i], healthy: r.healthy(now), ..Default::default() },
+                })
+                .collect()
         };
         let bounds = cfg.bounds;
         let allowed = |load: &[u32]| {
             // The band scales with the endpoints that can take work: a hung
-            // server's requests must not hold the healthy ones back.
+            // server's requests must not hold the others back.
             let (ready, stock) = shared::ready_stock(load, |i| records[i].healthy(now));
             let band = if from_queue { bounds.may_pop(stock, ready) } else { bounds.may_bypass(stock, 0, ready) };
-            band && !(saturated && stock > 0)
+            // Full GPUs hold requests back; but never all of them, or nothing
+            // would finish to trigger the next attempt.
+            band && !(stock > 0 && scraping && routing.saturation.pool_saturated(&views(load)))
         };
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
         let random = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
         let request = route.as_request();
-        let affinity = &self.affinity;
+        let (index, scratch) = (&self.affinity, &mut self.route_scratch);
         let mut no_endpoint = false;
         let pick = |load: &[u32]| {
-            let views: Vec<EndpointView<'_>> = (0..n)
-                .map(|i| match &records[i] {
-                    r if scraping => r.view(load[i], now),
-                    r => EndpointView { in_flight: load[i], metrics: None, age_ms: 0, healthy: r.healthy(now) },
-                })
-                .collect();
-            let chosen = routing.router.pick(&request, &views, affinity, random);
+            let pool = views(load);
+            let cx = RouteContext { request, pool: &pool, index, now_ms: now };
+            let chosen = routing.router.pick(&cx, random, scratch);
             no_endpoint = chosen.is_none() && routing.on_no_endpoint == NoEndpoint::Reject;
             chosen.or_else(|| if no_endpoint { None } else { shared::least_loaded(load) })
         };
         match shared::acquire(&self.host, n, owner, allowed, pick) {
             Some((permit, stock)) => {
                 self.publish_stock(stock);
-                self.affinity.record(&request, permit.endpoint() as usize);
+                self.affinity.record(req, &request, permit.endpoint() as usize, now);
                 Slot::Granted(permit)
             }
             None if no_endpoint => Slot::NoEndpoint,
@@ -661,6 +667,12 @@ impl<H: Host> Worker<H> {
                 let stock = permit.release(&self.host, self.endpoints());
                 self.publish_stock(stock);
                 self.host.add(Metric::Completed, 1);
+                // A response that was not streamed: its first token came with the rest.
+                let first_token_ms = (!first_seen && uncharged_tokens > 0 && !upstream_failed)
+                    .then(|| self.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32);
+                if first_token_ms.is_some() {
+                    self.affinity.confirm(self.request_id(ctx), self.now);
+                }
                 let done = ToScheduler::Charge {
                     req: self.request_id(ctx),
                     band,
@@ -668,9 +680,7 @@ impl<H: Host> Worker<H> {
                     max_tokens: 0,
                     output_tokens: uncharged_tokens,
                     done: true,
-                    // A response that was not streamed: its first token came with the rest.
-                    first_token_ms: (!first_seen && uncharged_tokens > 0 && !upstream_failed)
-                        .then(|| self.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32),
+                    first_token_ms,
                     model: String::new(),
                     tenant,
                 };
@@ -695,6 +705,10 @@ impl<H: Host> Worker<H> {
         if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, .. }) = self.streams.get_mut(&ctx) {
             let first = !*first_seen && tokens > 0;
             *first_seen |= first;
+            if first {
+                // The prefill ran: where this VM routed it, the prefix is cached.
+                self.affinity.confirm(req, now);
+            }
             let msg = ToScheduler::Charge {
                 req,
                 band: *band,
@@ -785,7 +799,16 @@ impl<H: Host> Worker<H> {
         for _ in 0..MAX_MESSAGES_PER_CALLBACK {
             let Some(bytes) = self.host.dequeue(id) else { break };
             match decode_entry(&bytes) {
-                Some(msgs) => msgs.into_iter().for_each(|m| role.scheduler.on_message(m, now, &mut out)),
+                Some(msgs) => {
+                    for m in msgs {
+                        // A first token confirms the prefix of a request this
+                        // VM routed from the queue (other workers hold the streams).
+                        if let ToScheduler::Charge { req, first_token_ms: Some(_), .. } = m {
+                            self.affinity.confirm(req, now);
+                        }
+                        role.scheduler.on_message(m, now, &mut out);
+                    }
+                }
                 None => log::warn!("ignoring a malformed scheduler message"),
             }
         }
@@ -800,7 +823,9 @@ impl<H: Host> Worker<H> {
         role.scheduler.pump(
             self.now,
             // The Dispatch message carries the permit to the stream's worker.
-            &mut |req, route| self.take_slot(crate::scheduler::worker_of(req), route, true).map(Permit::into_message),
+            &mut |req, route| {
+                self.take_slot(crate::scheduler::worker_of(req), req, route, true).map(Permit::into_message)
+            },
             &mut out,
         );
         let len = role.scheduler.len();
@@ -936,7 +961,7 @@ impl<H: Host> Worker<H> {
             return Vec::new();
         }
         let interval = routing.scrape_interval_ms;
-        let out: Vec<usize> = self.scrapes.values().copied().collect();
+        let out: Vec<usize> = self.scrapes.values().map(|&(e, _)| e).collect();
         let mut due = Vec::new();
         for (i, sent) in self.scrape_sent_ms.iter_mut().enumerate() {
             if !out.contains(&i) && now.saturating_sub(*sent) >= interval {
@@ -950,7 +975,7 @@ impl<H: Host> Worker<H> {
     /// A scrape answered (`page`), or failed (`None`): update the shared
     /// record, then dispatch in case the pool is no longer saturated.
     fn scraped(&mut self, token: u32, page: Option<&[u8]>) {
-        let Some(endpoint) = self.scrapes.remove(&token) else { return };
+        let Some((endpoint, in_flight_at_scrape)) = self.scrapes.remove(&token) else { return };
         let n = self.endpoints();
         let now = self.now;
         let parsed = page.map(|p| {
@@ -970,6 +995,7 @@ impl<H: Host> Worker<H> {
                     }
                     r.metrics = Some(m.clone());
                     r.scraped_ms = now;
+                    r.in_flight_at_scrape = in_flight_at_scrape;
                     r.failures = 0;
                 });
             }
@@ -1072,6 +1098,7 @@ impl<H: Host> Worker<H> {
         let n = cfg.endpoints.len();
         let lease_ms = (20 * cfg.tick_ms).max(1000);
         let tail = TailWindow::new(&cfg.overload.unwrap_or_default());
+        let speculative_ttl_ms = cfg.routing.speculative_ttl_ms;
         Ok(Worker {
             host,
             now,
@@ -1082,7 +1109,8 @@ impl<H: Host> Worker<H> {
             epoch: 0,
             lease_ms,
             queue_ids: HashMap::from_iter([(worker, queue)]),
-            affinity: AffinityIndex::new(AFFINITY_CAPACITY),
+            affinity: AffinityIndex::new(AFFINITY_CAPACITY, speculative_ttl_ms),
+            route_scratch: Scratch::default(),
             rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | queue as u64),
             scrapes: HashMap::new(),
             scrape_sent_ms: vec![0; n],
@@ -1146,9 +1174,15 @@ impl<H: Host> Worker<H> {
     /// Sends one scrape per due endpoint.
     fn send_scrapes(&mut self) {
         let due = self.due_scrapes(self.now);
+        if due.is_empty() {
+            return;
+        }
         let cfg = self.cfg.clone();
         let routing = &cfg.routing;
         let cluster = routing.scrape_cluster.as_deref().unwrap_or_default();
+        // What is in flight now is in the page the server will render (or on
+        // its way there): the baseline of what is sent after it.
+        let load = shared::load(&self.host, self.endpoints());
         for endpoint in due {
             let address = cfg.endpoints[endpoint].as_str();
             let headers = [
@@ -1159,7 +1193,7 @@ impl<H: Host> Worker<H> {
             ];
             match self.host.http_call(cluster, &headers, routing.scrape_timeout_ms) {
                 Some(token) => {
-                    self.scrapes.insert(token, endpoint);
+                    self.scrapes.insert(token, (endpoint, load[endpoint]));
                 }
                 None => {
                     log::warn!("cannot scrape {address} through cluster {cluster:?}");
@@ -1196,6 +1230,8 @@ mod tests {
         retry_after: RefCell<HashMap<u32, u32>>,
         /// Histogram values, by metric name.
         recorded: RefCell<HashMap<&'static str, Vec<u64>>>,
+        /// Metrics scrapes sent: (VM, destination), the token being the position + 1.
+        scrapes: RefCell<Vec<(u32, String)>>,
     }
 
     /// One VM's view of the process.
@@ -1252,8 +1288,11 @@ mod tests {
             *body = e.apply(body);
             true
         }
-        fn http_call(&self, _cluster: &str, _headers: &[(&str, &str)], _timeout_ms: u64) -> Option<u32> {
-            None
+        fn http_call(&self, _cluster: &str, headers: &[(&str, &str)], _timeout_ms: u64) -> Option<u32> {
+            let to = headers.iter().find(|(k, _)| *k == DESTINATION).map(|(_, v)| v.to_string())?;
+            let mut scrapes = self.0.scrapes.borrow_mut();
+            scrapes.push((self.1, to));
+            Some(scrapes.len() as u32)
         }
         fn add(&self, metric: Metric, n: u64) {
             *self.0.metrics.borrow_mut().entry(metric.name()).or_default() += n;
@@ -1295,7 +1334,7 @@ mod tests {
             Some(n) => format!(r#"{{"model":"m","prompt":"hi","max_tokens":{n}}}"#),
             None => r#"{"model":"m","prompt":"hi"}"#.to_string(),
         };
-        openai::parse_request(body.as_bytes(), 0).unwrap()
+        openai::parse_request(body.as_bytes(), openai::PrefixHashing::OFF).unwrap()
     }
 
     /// Admits a request of tenant `a` in `band` asking for `max_tokens`.
@@ -1317,7 +1356,7 @@ mod tests {
     /// Admits stream `ctx` of VM `w` (tag `vm`) in `band` with this body, which the host buffers.
     fn admit_body(w: &mut Worker<Vm>, vm: u32, ctx: u32, band: Criticality, body: &[u8]) -> Admission {
         w.host().0.bodies.borrow_mut().insert((vm, ctx), body.to_vec());
-        let req = openai::parse_request(body, 0).unwrap();
+        let req = openai::parse_request(body, openai::PrefixHashing::OFF).unwrap();
         let who = Admit { tenant: "a".into(), band, route: RouteInfo::default(), slo: SloHeaders::default() };
         w.admit(ctx, who, &req)
     }
@@ -1530,7 +1569,7 @@ mod tests {
         // A huge prompt with a medium output is medium: buckets are by output.
         let prompt = "x".repeat(40_000);
         let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":100}}"#);
-        let req = openai::parse_request(body.as_bytes(), 0).unwrap();
+        let req = openai::parse_request(body.as_bytes(), openai::PrefixHashing::OFF).unwrap();
         let who = Admit { tenant: "a".into(), band: STANDARD, route: RouteInfo::default(), slo: SloHeaders::default() };
         assert_eq!(w.at(0).admit(9, who, &req), Admission::Queued);
         assert_eq!(metric(&p, "sluice_requests_deferred"), 0, "nothing short or medium is deferred");
@@ -1719,5 +1758,132 @@ mod tests {
         w.at(2600).first_response_bytes(1);
         w.on_tick(2600);
         assert!((w.tail_ratio - 0.1).abs() < 1e-9, "100 ms after its release, not 2.6 s: {}", w.tail_ratio);
+    }
+
+    /// A scraping configuration over four endpoints whose band never binds.
+    fn scraping(extra: serde_json::Value) -> Config {
+        let mut c = serde_json::json!({
+            "endpoints": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"],
+            "lower_bound_per_backend": 100, "upper_bound_per_backend": 100,
+            "routing": {"scrape_cluster": "model_servers", "scrape_interval_ms": 50},
+        });
+        c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        config(c)
+    }
+
+    /// Sends the due scrapes at `now` and answers each with `page(endpoint)`.
+    fn scrape(w: &mut Worker<Vm>, now: u64, page: impl Fn(usize) -> String) {
+        let first = w.host().0.scrapes.borrow().len();
+        w.on_tick(now);
+        let sent: Vec<(u32, usize)> = w.host().0.scrapes.borrow()[first..]
+            .iter()
+            .enumerate()
+            .map(|(k, (_, to))| ((first + k + 1) as u32, to[to.len() - 1..].parse::<usize>().unwrap() - 1))
+            .collect();
+        for (token, endpoint) in sent {
+            w.on_scrape(now, token, Some(page(endpoint).as_bytes()));
+        }
+    }
+
+    fn vllm(waiting: u32, running: u32, kv: f64) -> String {
+        format!(
+            "vllm:num_requests_waiting {waiting}\nvllm:num_requests_running {running}\nvllm:kv_cache_usage_perc {kv}\n"
+        )
+    }
+
+    fn admit_route(w: &mut Worker<Vm>, now: u64, ctx: u32, prefix: &[u64]) -> Admission {
+        let route = RouteInfo { prefix: prefix.to_vec(), ..RouteInfo::default() };
+        let who = Admit { tenant: "a".into(), band: Criticality::Standard, route, slo: SloHeaders::default() };
+        w.at(now).admit(ctx, who, &request(Some(4)))
+    }
+
+    fn endpoint_of(a: Admission) -> usize {
+        match a {
+            Admission::Bypass(e) => e as usize,
+            other => panic!("not a bypass: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bypasses_between_two_scrapes_spread_instead_of_herding() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, scraping(serde_json::json!({})), 0);
+        // Endpoint 0 looked best at the scrape.
+        scrape(&mut w, 50, |e| if e == 0 { vllm(0, 4, 0.1) } else { vllm(1, 4, 0.3) });
+        let mut got = [0; 4];
+        for ctx in 1..=12 {
+            got[endpoint_of(admit_route(&mut w, 60, ctx, &[]))] += 1;
+        }
+        assert!(got.iter().all(|&n| n >= 2), "the burst spreads: {got:?}");
+        // The next scrape takes what is in flight as its baseline: what the
+        // servers now report replaces the correction.
+        scrape(&mut w, 100, |_| vllm(0, 7, 0.3));
+        let records = shared::records(&p.store, 4);
+        assert_eq!(records.iter().map(|r| r.in_flight_at_scrape).collect::<Vec<_>>(), got);
+        assert!(records.iter().zip(got).all(|(r, n)| r.view(n, 100).since_scrape() == 0.0));
+    }
+
+    #[test]
+    fn a_queued_request_is_routed_when_it_is_dispatched_not_when_it_is_queued() {
+        let p = Rc::new(Process::default());
+        let cfg = scraping(serde_json::json!({
+            "endpoints": ["127.0.0.1:1", "127.0.0.1:2"],
+            "lower_bound_per_backend": 1, "upper_bound_per_backend": 1,
+        }));
+        let mut w = vm(&p, 1, cfg, 0);
+        scrape(&mut w, 50, |e| if e == 0 { vllm(0, 1, 0.1) } else { vllm(3, 8, 0.5) });
+        assert_eq!(endpoint_of(admit_route(&mut w, 60, 1, &[])), 0);
+        assert_eq!(endpoint_of(admit_route(&mut w, 60, 2, &[])), 0);
+        assert_eq!(admit_route(&mut w, 60, 3, &[]), Admission::Queued, "the band is full");
+        w.on_queue_ready(60, queue_id(&p, SCHEDULER_QUEUE));
+        // When it enqueued, endpoint 0 looked best; by the time a slot frees up, endpoint 1 does.
+        scrape(&mut w, 100, |e| if e == 0 { vllm(4, 8, 0.7) } else { vllm(0, 0, 0.0) });
+        w.at(110).finish(1, 0, false);
+        w.on_queue_ready(110, queue_id(&p, SCHEDULER_QUEUE));
+        w.on_queue_ready(110, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(*p.resumed.borrow(), vec![(1, 3, "127.0.0.1:2".to_string())]);
+    }
+
+    #[test]
+    fn prefix_entries_are_speculative_until_the_first_token_confirms_them() {
+        let p = Rc::new(Process::default());
+        let cfg = || scraping(serde_json::json!({"routing": {"scrape_cluster": "c", "speculative_ttl_ms": 100}}));
+        let mut w = vm(&p, 1, cfg(), 0);
+        scrape(&mut w, 0, |_| vllm(0, 0, 0.0));
+        let held = |w: &Worker<Vm>, now: u64| {
+            let mut out = vec![0.0; 4];
+            w.affinity.match_lengths(&[7, 8, 9], now, &mut out);
+            out
+        };
+        let e = endpoint_of(admit_route(&mut w, 10, 1, &[7, 8, 9]));
+        assert_eq!(held(&w, 109)[e], 3.0, "speculative, within its TTL");
+        assert_eq!(held(&w, 110), [0.0; 4], "expired: no first token yet");
+        w.at(150).charge(1, 1);
+        assert_eq!(held(&w, 10_000)[e], 3.0, "confirmed by the first token");
+        // From the queue: the scheduler VM routed it, the stream's VM sees the
+        // first token, and the charge it sends confirms it at the scheduler.
+        let p = Rc::new(Process::default());
+        let cfg = || {
+            scraping(serde_json::json!({
+                "lower_bound_per_backend": 0.25, "upper_bound_per_backend": 0.25,
+                "routing": {"scrape_cluster": "c", "speculative_ttl_ms": 100},
+            }))
+        };
+        let mut scheduler = vm(&p, 1, cfg(), 0);
+        let mut worker = vm(&p, 2, cfg(), 0);
+        scrape(&mut scheduler, 0, |_| vllm(0, 0, 0.0));
+        assert!(matches!(admit_route(&mut worker, 10, 1, &[]), Admission::Bypass(_)));
+        assert_eq!(admit_route(&mut worker, 10, 2, &[7, 8, 9]), Admission::Queued);
+        scheduler.on_queue_ready(10, queue_id(&p, SCHEDULER_QUEUE));
+        worker.at(20).finish(1, 0, false);
+        scheduler.on_queue_ready(20, queue_id(&p, SCHEDULER_QUEUE));
+        worker.on_queue_ready(20, queue_id(&p, "sluice.worker.2"));
+        let e = p.resumed.borrow().last().map(|r| r.2[r.2.len() - 1..].parse::<usize>().unwrap() - 1).unwrap();
+        assert_eq!(held(&scheduler, 20)[e], 3.0, "the scheduler VM recorded where it sent the prefix");
+        worker.at(300).charge(2, 1);
+        worker.on_tick(300);
+        assert_eq!(held(&scheduler, 300), [0.0; 4], "expired before the charge is read");
+        scheduler.on_queue_ready(300, queue_id(&p, SCHEDULER_QUEUE));
+        assert_eq!(held(&scheduler, 300)[e], 3.0, "confirmed by the worker's charge");
     }
 }

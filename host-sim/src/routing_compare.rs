@@ -77,7 +77,7 @@ impl PickerKind {
             PickerKind::RoundRobin => r["picker"] = "round_robin".into(),
             PickerKind::LeastRequest => {
                 r["weights"] = serde_json::json!({"queue": 0, "kv_cache": 0, "prefix": 0,
-                    "running": 0, "in_flight": 1, "session": 0, "lora": 0})
+                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 0})
             }
             PickerKind::KvAware => {}
         }

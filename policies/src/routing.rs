@@ -1,108 +1,90 @@
 //! Choosing the backend for a request: filter → score → pick over endpoints,
 //! as the Gateway API Inference Extension's scheduler does, from scraped
-//! model-server metrics and the gateway's own in-flight counts.
+//! model-server metrics corrected by the gateway's own dispatches since the
+//! scrape ([`EndpointView::predicted`]).
+//!
+//! The scorers are plugins (`scorers/`, one file each, listed in
+//! [`scorers::SCORERS`]); the [`Picker`] is apart; affinity scorers are
+//! load-guarded ([`LoadGuard`]).
 
-use crate::prom;
-use hashbrown::HashMap;
+mod affinity;
+mod metrics;
+mod picker;
+pub mod scorers;
+
+pub use affinity::{prefix_hashes, AffinityIndex};
+pub use metrics::{EndpointMetrics, ModelServer};
+pub use picker::Picker;
+pub use scorers::{Category, Scorer, Weights};
+
 use serde::Deserialize;
-
-/// Which model server exposes the metrics, and so which names to read.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ModelServer {
-    /// vLLM (`vllm:*`, with the older `gpu_cache_usage_perc` as a fallback).
-    #[default]
-    Vllm,
-    /// SGLang (`sglang:*`).
-    Sglang,
-    /// TensorRT-LLM's `trtllm-serve` (`trtllm_*`).
-    Trtllm,
-}
-
-impl ModelServer {
-    /// Names of (waiting, running, KV usage 0..1, fallback KV usage).
-    fn names(self) -> [&'static str; 4] {
-        match self {
-            ModelServer::Vllm => [
-                "vllm:num_requests_waiting",
-                "vllm:num_requests_running",
-                "vllm:kv_cache_usage_perc",
-                "vllm:gpu_cache_usage_perc",
-            ],
-            ModelServer::Sglang => ["sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", ""],
-            ModelServer::Trtllm => {
-                ["trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization", ""]
-            }
-        }
-    }
-}
-
-/// What a scrape says of one endpoint.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct EndpointMetrics {
-    /// Requests waiting in the server's own queue.
-    pub waiting: f64,
-    /// Requests in the running batch.
-    pub running: f64,
-    /// Fraction of the KV cache in use, 0..1.
-    pub kv_usage: f64,
-    /// LoRA adapters running (vLLM's `lora_requests_info`).
-    pub loras: Vec<String>,
-}
-
-impl EndpointMetrics {
-    /// Reads a `/metrics` page. Series of the same metric (one per model) are
-    /// summed (the sum stops at `f64::MAX`, so it stays finite), KV usage takes
-    /// the largest; NaN, infinite or negative values are ignored. Returns `None`
-    /// when none of the three signals is present, and the number of malformed
-    /// lines.
-    pub fn from_prometheus(text: &str, server: ModelServer) -> (Option<EndpointMetrics>, usize) {
-        let [waiting, running, kv, kv_old] = server.names();
-        let mut m = EndpointMetrics::default();
-        let (mut seen, mut kv_seen) = (false, false);
-        let mut kv_fallback = None;
-        let bad = prom::parse(text, |s| {
-            let ok = s.value.is_finite() && s.value >= 0.0;
-            // Two finite values can sum to infinity, which the router's
-            // min-max normalisation turns into NaN scores.
-            if s.name == waiting && ok {
-                m.waiting = (m.waiting + s.value).min(f64::MAX);
-                seen = true;
-            } else if s.name == running && ok {
-                m.running = (m.running + s.value).min(f64::MAX);
-                seen = true;
-            } else if s.name == kv && ok {
-                m.kv_usage = m.kv_usage.max(s.value.min(1.0));
-                kv_seen = true;
-            } else if !kv_old.is_empty() && s.name == kv_old && ok {
-                kv_fallback = Some(kv_fallback.unwrap_or(0.0f64).max(s.value.min(1.0)));
-            } else if s.name == "vllm:lora_requests_info" {
-                if let Some(list) = s.label("running_lora_adapters") {
-                    m.loras = list.split(',').filter(|a| !a.is_empty()).map(str::to_owned).collect();
-                }
-            }
-        });
-        if !kv_seen {
-            if let Some(k) = kv_fallback {
-                m.kv_usage = k;
-                kv_seen = true;
-            }
-        }
-        ((seen || kv_seen).then_some(m), bad)
-    }
-}
 
 /// What the router knows of one endpoint at decision time.
 #[derive(Clone, Debug, Default)]
 pub struct EndpointView<'a> {
     /// Requests this gateway has in flight there (fresh, unlike metrics).
     pub in_flight: u32,
+    /// Requests this gateway had in flight there when the last scrape was
+    /// sent: `in_flight` minus this is what it sent there, net of what
+    /// finished, since the scrape ([`EndpointView::predicted`]).
+    pub in_flight_at_scrape: u32,
     /// Last scrape, if any.
     pub metrics: Option<&'a EndpointMetrics>,
     /// Age of that scrape in milliseconds.
     pub age_ms: u64,
     /// False after failed scrapes or connection resets, until a scrape succeeds.
     pub healthy: bool,
+}
+
+/// An endpoint's load as predicted at decision time.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Predicted {
+    /// Requests waiting in the server's queue.
+    pub waiting: f64,
+    /// Requests in its running batch.
+    pub running: f64,
+    /// Fraction of its KV cache in use, 0..=1.
+    pub kv_usage: f64,
+}
+
+impl Predicted {
+    /// Requests at the server, waiting or running: the load the
+    /// `predicted_load` scorer and the load guard compare.
+    pub fn load(&self) -> f64 {
+        (self.waiting + self.running).min(f64::MAX)
+    }
+}
+
+impl EndpointView<'_> {
+    /// Requests this gateway sent there since the last scrape was sent, net
+    /// of those that finished (negative when more finished).
+    pub fn since_scrape(&self) -> f64 {
+        self.in_flight as f64 - self.in_flight_at_scrape as f64
+    }
+
+    /// The last scrape corrected by [`EndpointView::since_scrape`], so that
+    /// decisions between two scrapes see each other. A request sent since
+    /// the scrape had no first token in it: it counts as waiting (for its
+    /// prefill, at least) until the next scrape shows where it is. A request
+    /// that finished left the running batch and let a waiting one in; KV
+    /// usage shrinks with the running batch at the scrape's usage per running
+    /// request. Never scraped: the gateway's own in-flight count, waiting.
+    pub fn predicted(&self) -> Predicted {
+        let m = self.metrics.map_or((0.0, 0.0, 0.0), |m| (m.waiting, m.running, m.kv_usage.clamp(0.0, 1.0)));
+        let (mut waiting, mut running, mut kv_usage) = m;
+        let d = self.since_scrape();
+        if d >= 0.0 {
+            waiting = (waiting + d).min(f64::MAX);
+        } else {
+            let admitted = waiting.min(-d);
+            waiting -= admitted;
+            running = (running + d + admitted).max(0.0);
+            if m.1 > 0.0 {
+                kv_usage = (kv_usage * running / m.1).clamp(0.0, 1.0);
+            }
+        }
+        Predicted { waiting, running, kv_usage }
+    }
 }
 
 /// When an endpoint counts as saturated (the inference extension's defaults).
@@ -124,12 +106,16 @@ impl Default for SaturationThresholds {
 }
 
 impl SaturationThresholds {
-    /// Is this endpoint full (or unknown)?
+    /// Is this endpoint full (by its predicted load), or unknown (never
+    /// scraped, or metrics stale)?
     pub fn saturated(&self, e: &EndpointView<'_>) -> bool {
         match e.metrics {
             None => true,
             Some(_) if e.age_ms > self.staleness_ms => true,
-            Some(m) => m.waiting / self.queue_depth >= 1.0 || m.kv_usage / self.kv_cache_util >= 1.0,
+            Some(_) => {
+                let p = e.predicted();
+                p.waiting / self.queue_depth >= 1.0 || p.kv_usage / self.kv_cache_util >= 1.0
+            }
         }
     }
 
@@ -139,46 +125,31 @@ impl SaturationThresholds {
     }
 }
 
-/// Weights of the scorers; a zero weight turns a scorer off.
+/// How far an endpoint's predicted load may exceed the least-loaded
+/// candidate's before affinity to it stops counting (the SGLang router's
+/// balance thresholds, per endpoint): the affinity scorers score it only
+/// while `load ≤ least + max_extra` or `load ≤ least · max_ratio`.
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct ScorerWeights {
-    /// Shorter server queue is better (min-max normalised over candidates).
-    pub queue: f64,
-    /// Lower KV-cache utilisation is better.
-    pub kv_cache: f64,
-    /// Longer cached prompt prefix is better.
-    pub prefix: f64,
-    /// Fewer running requests is better (min-max normalised).
-    pub running: f64,
-    /// Fewer requests in flight from this gateway is better: the only signal
-    /// fresher than the last scrape, it spreads bursts between scrapes.
-    pub in_flight: f64,
-    /// The endpoint this session used before.
-    pub session: f64,
-    /// An endpoint already running the requested LoRA adapter.
-    pub lora: f64,
+pub struct LoadGuard {
+    /// Requests (waiting + running) above the least-loaded candidate.
+    pub max_extra: f64,
+    /// Ratio to the least-loaded candidate's load.
+    pub max_ratio: f64,
 }
 
-impl Default for ScorerWeights {
+impl Default for LoadGuard {
     fn default() -> Self {
-        ScorerWeights { queue: 2.0, kv_cache: 2.0, prefix: 3.0, running: 0.0, in_flight: 1.0, session: 0.0, lora: 0.0 }
+        LoadGuard { max_extra: 4.0, max_ratio: 1.5 }
     }
 }
 
-/// How a winner is drawn from the scores.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Picker {
-    /// Highest score; ties go to the fewest in flight, then the lowest index.
-    #[default]
-    MaxScore,
-    /// Probability proportional to score.
-    WeightedRandom,
-    /// Uniform over healthy endpoints, scores ignored (a baseline).
-    Random,
-    /// Healthy endpoints in turn, scores ignored (a baseline).
-    RoundRobin,
+impl LoadGuard {
+    /// Does affinity to an endpoint at `load` still count, `least` being the
+    /// least-loaded candidate's load?
+    pub fn holds(&self, load: f64, least: f64) -> bool {
+        load <= least + self.max_extra || load <= least * self.max_ratio
+    }
 }
 
 /// What the router needs of a request.
@@ -192,178 +163,80 @@ pub struct RouteRequest<'a> {
     pub model: &'a str,
 }
 
-/// Chained hashes of `block_bytes`-byte blocks of a prompt (a whole block
-/// each; the tail is not hashed), at most `max_blocks` of them. Equal
-/// prefixes give equal leading hashes, as a server's prefix cache keys them.
-pub fn prefix_hashes(prompt: &[u8], block_bytes: usize, max_blocks: usize, out: &mut Vec<u64>) {
-    out.clear();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for block in prompt.chunks_exact(block_bytes.max(1)).take(max_blocks) {
-        for &b in block {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        out.push(h);
-    }
+/// Everything one routing decision reads, as the scorers see it.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteContext<'a> {
+    /// The request.
+    pub request: RouteRequest<'a>,
+    /// Every configured endpoint, by index.
+    pub pool: &'a [EndpointView<'a>],
+    /// Where prefixes and sessions are believed to be.
+    pub index: &'a AffinityIndex,
+    /// Now, for the index's speculative entries.
+    pub now_ms: u64,
 }
 
-/// Remembers which endpoint last served each prefix block and session,
-/// bounded in size: the router's approximation of the servers' caches.
+/// Buffers a router reuses from one decision to the next, so that routing a
+/// request allocates nothing once they have grown to the pool's size. Keep
+/// one per VM.
 #[derive(Debug, Default)]
-pub struct AffinityIndex {
-    blocks: HashMap<u64, (u32, u64)>,
-    sessions: HashMap<u64, (u32, u64)>,
-    clock: u64,
-    capacity: usize,
+pub struct Scratch {
+    candidates: Vec<usize>,
+    scores: Vec<f64>,
+    totals: Vec<f64>,
 }
 
-impl AffinityIndex {
-    /// An index holding at most `capacity` blocks and as many sessions.
-    pub fn new(capacity: usize) -> Self {
-        AffinityIndex { capacity: capacity.max(16), ..Default::default() }
-    }
-
-    /// Records that `endpoint` now serves this request's prefix and session.
-    pub fn record(&mut self, req: &RouteRequest<'_>, endpoint: usize) {
-        self.clock += 1;
-        let stamp = (endpoint as u32, self.clock);
-        for &h in req.prefix {
-            self.blocks.insert(h, stamp);
-        }
-        if let Some(s) = req.session {
-            self.sessions.insert(s, stamp);
-        }
-        let clock = self.clock;
-        let cap = self.capacity as u64;
-        for map in [&mut self.blocks, &mut self.sessions] {
-            if map.len() > self.capacity {
-                // Drop the older half: O(n) once per capacity/2 inserts.
-                map.retain(|_, &mut (_, t)| t + cap / 2 > clock);
-            }
-        }
-    }
-
-    /// Requests recorded so far (the turn counter of the round-robin picker).
-    pub fn routed(&self) -> u64 {
-        self.clock
-    }
-
-    /// Length of the longest prefix of `prefix` last served by `endpoint`.
-    /// Hashes are chained, so block `i` served there means blocks `0..=i`
-    /// were too, even if a shared first block (a system prompt) was last
-    /// seen on another endpoint.
-    fn matched_blocks(&self, prefix: &[u64], endpoint: usize) -> usize {
-        prefix
-            .iter()
-            .rposition(|h| self.blocks.get(h).is_some_and(|&(e, _)| e as usize == endpoint))
-            .map_or(0, |i| i + 1)
-    }
-
-    fn session_endpoint(&self, session: Option<u64>) -> Option<usize> {
-        session.and_then(|s| self.sessions.get(&s)).map(|&(e, _)| e as usize)
-    }
-}
-
-/// Min-max normalisation where lower is better: 1 for the smallest value.
-fn lower_is_better(v: f64, min: f64, max: f64) -> f64 {
-    if max > min {
-        (max - v) / (max - min)
-    } else {
-        1.0
-    }
-}
-
-/// The router: filters, scorers and a picker.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// The router: filters, weighted scorers and a picker.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Router {
-    /// Scorer weights.
-    pub weights: ScorerWeights,
+    /// Scorers and their weights.
+    pub weights: Weights,
     /// How the winner is drawn.
     pub picker: Picker,
     /// When set, the scoring pickers consider only endpoints that are not
     /// saturated, if there are any (the inference extension's filter).
     pub saturation: Option<SaturationThresholds>,
+    /// When set, affinity scorers count only on endpoints within its margin.
+    pub guard: Option<LoadGuard>,
 }
 
 impl Router {
     /// Picks an endpoint, or `None` when none is healthy. `random` is a
-    /// uniform value in [0, 1) for the weighted-random picker.
-    pub fn pick(
-        &self,
-        req: &RouteRequest<'_>,
-        pool: &[EndpointView<'_>],
-        index: &AffinityIndex,
-        random: f64,
-    ) -> Option<usize> {
-        // Filters: healthy endpoints; for the scoring pickers, the unsaturated
-        // ones among them when there are any.
-        let healthy = || pool.iter().enumerate().filter(|(_, e)| e.healthy);
-        healthy().next()?;
-        let scoring = !matches!(self.picker, Picker::Random | Picker::RoundRobin);
-        let unsaturated = |e: &EndpointView<'_>| self.saturation.is_none_or(|t| !t.saturated(e));
-        let narrow = scoring && self.saturation.is_some() && healthy().any(|(_, e)| unsaturated(e));
-        let candidates = || healthy().filter(move |(_, e)| !narrow || unsaturated(e));
-        let range = |f: &dyn Fn(&EndpointView<'_>) -> f64| {
-            candidates()
-                .map(|(_, e)| f(e))
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)))
-        };
-        let waiting = |e: &EndpointView<'_>| e.metrics.map_or(0.0, |m| m.waiting);
-        let running = |e: &EndpointView<'_>| e.metrics.map_or(0.0, |m| m.running);
-        let in_flight = |e: &EndpointView<'_>| e.in_flight as f64;
-        let (wq_lo, wq_hi) = range(&waiting);
-        let (run_lo, run_hi) = range(&running);
-        let (fl_lo, fl_hi) = range(&in_flight);
-        let session = index.session_endpoint(req.session);
-        let w = &self.weights;
-        let score = |i: usize, e: &EndpointView<'_>| {
-            let mut s = w.queue * lower_is_better(waiting(e), wq_lo, wq_hi)
-                + w.running * lower_is_better(running(e), run_lo, run_hi)
-                + w.in_flight * lower_is_better(in_flight(e), fl_lo, fl_hi);
-            if let Some(m) = e.metrics {
-                s += w.kv_cache * (1.0 - m.kv_usage.clamp(0.0, 1.0));
-                if w.lora > 0.0 && m.loras.iter().any(|l| l == req.model) {
-                    s += w.lora;
+    /// uniform value in [0, 1) for the random draws.
+    pub fn pick(&self, cx: &RouteContext<'_>, random: f64, scratch: &mut Scratch) -> Option<usize> {
+        let pool = cx.pool;
+        let Scratch { candidates, scores, totals } = scratch;
+        // Filters: healthy endpoints; for the scoring pickers, the
+        // unsaturated ones among them when there are any.
+        candidates.clear();
+        candidates.extend((0..pool.len()).filter(|&i| pool[i].healthy));
+        if self.picker.scores() {
+            if let Some(t) = self.saturation {
+                if candidates.iter().any(|&i| !t.saturated(&pool[i])) {
+                    candidates.retain(|&i| !t.saturated(&pool[i]));
                 }
             }
-            if w.prefix > 0.0 && !req.prefix.is_empty() {
-                s += w.prefix * index.matched_blocks(req.prefix, i) as f64 / req.prefix.len() as f64;
-            }
-            if session == Some(i) {
-                s += w.session;
-            }
-            s
-        };
-        let nth = |n: usize| candidates().nth(n).map(|(i, _)| i);
-        let count = candidates().count();
-        let draw = |n: usize| ((random.clamp(0.0, 1.0) * n as f64) as usize).min(n - 1);
-        match self.picker {
-            Picker::Random => nth(draw(count)),
-            Picker::RoundRobin => nth((index.routed() % count as u64) as usize),
-            Picker::MaxScore => {
-                // Ties are drawn at random, so equal endpoints share the load
-                // instead of filling up in index order.
-                let scores: Vec<(usize, f64)> = candidates().map(|(i, e)| (i, score(i, e))).collect();
-                let best = scores.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
-                let tied = || scores.iter().filter(|s| s.1 >= best - 1e-9).map(|s| s.0);
-                tied().nth(draw(tied().count()))
-            }
-            Picker::WeightedRandom => {
-                let scores: Vec<(usize, f64)> = candidates().map(|(i, e)| (i, score(i, e).max(0.0))).collect();
-                let total: f64 = scores.iter().map(|s| s.1).sum();
-                if total <= 0.0 {
-                    return scores.get((random * scores.len() as f64) as usize).map(|s| s.0);
+            scores.clear();
+            scores.resize(pool.len(), 0.0);
+            totals.clear();
+            totals.resize(pool.len(), 0.0);
+            let least = candidates.iter().map(|&i| pool[i].predicted().load()).fold(f64::INFINITY, f64::min);
+            for (scorer, weight) in self.weights.active() {
+                if candidates.is_empty() {
+                    break;
                 }
-                let mut target = random.clamp(0.0, 1.0) * total;
-                for &(i, s) in &scores {
-                    if target < s {
-                        return Some(i);
+                scorer.score(cx, candidates, scores);
+                let guard = self.guard.filter(|_| scorer.category() == Category::Affinity);
+                for &i in candidates.iter() {
+                    // NaN and out-of-range scores are clamped, not trusted.
+                    let s = if scores[i] >= 0.0 { scores[i].min(1.0) } else { 0.0 };
+                    if s > 0.0 && guard.is_none_or(|g| g.holds(pool[i].predicted().load(), least)) {
+                        totals[i] += weight * s;
                     }
-                    target -= s;
                 }
-                scores.last().map(|s| s.0)
             }
         }
+        self.picker.pick(candidates, totals, random, cx.index.routed())
     }
 }
 
@@ -378,30 +251,22 @@ mod tests {
     }
 
     fn view(metrics: &EndpointMetrics, in_flight: u32) -> EndpointView<'_> {
-        EndpointView { in_flight, metrics: Some(metrics), age_ms: 10, healthy: true }
+        EndpointView { in_flight, in_flight_at_scrape: in_flight, metrics: Some(metrics), age_ms: 10, healthy: true }
     }
 
-    #[test]
-    fn reads_each_model_server_flavour() {
-        let vllm = "vllm:num_requests_waiting{model_name=\"a\"} 2\nvllm:num_requests_waiting{model_name=\"b\"} 1\n\
-vllm:num_requests_running 4\nvllm:kv_cache_usage_perc 0.5\n\
-vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waiting_lora_adapters=\"\"} 1\n";
-        let (got, bad) = EndpointMetrics::from_prometheus(vllm, ModelServer::Vllm);
-        let got = got.unwrap();
-        assert_eq!((got.waiting, got.running, got.kv_usage, bad), (3.0, 4.0, 0.5, 0));
-        assert_eq!(got.loras, vec!["sql", "chat"]);
-        let old = "vllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.7\n";
-        assert_eq!(EndpointMetrics::from_prometheus(old, ModelServer::Vllm).0.unwrap().kv_usage, 0.7);
-        let sg = "sglang:num_queue_reqs 6\nsglang:num_running_reqs 2\nsglang:token_usage 0.9\n";
-        assert_eq!(
-            EndpointMetrics::from_prometheus(sg, ModelServer::Sglang).0.unwrap(),
-            EndpointMetrics { waiting: 6.0, running: 2.0, kv_usage: 0.9, loras: vec![] }
-        );
-        let trt = "trtllm_num_requests_waiting 1\ntrtllm_kv_cache_utilization 0.1\n";
-        assert_eq!(EndpointMetrics::from_prometheus(trt, ModelServer::Trtllm).0.unwrap().kv_usage, 0.1);
-        assert_eq!(EndpointMetrics::from_prometheus("other 1\n", ModelServer::Vllm).0, None);
-        let weird = "vllm:num_requests_waiting NaN\nvllm:num_requests_running -1\nvllm:kv_cache_usage_perc +Inf\n";
-        assert_eq!(EndpointMetrics::from_prometheus(weird, ModelServer::Vllm).0, None, "nonsense values are ignored");
+    /// Picks with a fresh scratch at time 0.
+    fn pick(
+        r: &Router,
+        req: RouteRequest<'_>,
+        pool: &[EndpointView<'_>],
+        index: &AffinityIndex,
+        x: f64,
+    ) -> Option<usize> {
+        r.pick(&RouteContext { request: req, pool, index, now_ms: 0 }, x, &mut Scratch::default())
+    }
+
+    fn weights(w: &[(&str, f64)]) -> Weights {
+        Weights::with(w.iter().copied()).unwrap()
     }
 
     #[test]
@@ -415,17 +280,38 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         let got = EndpointMetrics::from_prometheus(page, ModelServer::Vllm).0.unwrap();
         assert_eq!((got.waiting, got.running), (f64::MAX, f64::MAX));
         let idle = m(0.0, 0.0);
-        let index = AffinityIndex::new(16);
+        let index = AffinityIndex::new(16, 0);
         for picker in [Picker::MaxScore, Picker::WeightedRandom] {
-            let weights = ScorerWeights { running: 1.0, ..ScorerWeights::default() };
-            let router = Router { weights, picker, saturation: None };
-            let pool = [view(&got, 0), view(&idle, 0)];
-            assert_eq!(router.pick(&RouteRequest::default(), &pool, &index, 0.5), Some(1), "{picker:?}");
+            let router = Router { weights: weights(&[("running", 1.0)]), picker, ..Default::default() };
+            let pool = [EndpointView { in_flight: 3, ..view(&got, 0) }, view(&idle, 0)];
+            assert_eq!(pick(&router, RouteRequest::default(), &pool, &index, 0.5), Some(1), "{picker:?}");
+            let p = pool[0].predicted();
+            assert!(p.load().is_finite() && p.kv_usage.is_finite(), "{p:?}");
         }
     }
 
     #[test]
-    fn saturation_follows_queue_kv_and_staleness() {
+    fn predicted_load_follows_dispatches_and_completions() {
+        let busy = EndpointMetrics { waiting: 2.0, running: 10.0, kv_usage: 0.5, loras: vec![] };
+        let at = |in_flight: u32| EndpointView { in_flight, in_flight_at_scrape: 5, ..view(&busy, 0) }.predicted();
+        assert_eq!(at(5), Predicted { waiting: 2.0, running: 10.0, kv_usage: 0.5 }, "nothing since the scrape");
+        assert_eq!(at(8), Predicted { waiting: 5.0, running: 10.0, kv_usage: 0.5 }, "sent since: waiting");
+        // Three finished: two waiting ones got in, one slot is free.
+        let p = at(2);
+        assert_eq!((p.waiting, p.running), (0.0, 9.0));
+        assert!((p.kv_usage - 0.45).abs() < 1e-12, "{p:?}");
+        assert_eq!((at(0).waiting, at(0).running), (0.0, 7.0));
+        let free = EndpointMetrics { waiting: 0.0, running: 4.0, kv_usage: 0.2, loras: vec![] };
+        let p = EndpointView { in_flight: 3, in_flight_at_scrape: 1, ..view(&free, 0) }.predicted();
+        assert_eq!(p, Predicted { waiting: 2.0, running: 4.0, kv_usage: 0.2 }, "no first token yet: waiting");
+        assert_eq!(p.load(), 6.0);
+        // Never scraped: the gateway's own count.
+        let blind = EndpointView { in_flight: 3, in_flight_at_scrape: 0, metrics: None, ..Default::default() };
+        assert_eq!(blind.predicted(), Predicted { waiting: 3.0, running: 0.0, kv_usage: 0.0 });
+    }
+
+    #[test]
+    fn saturation_follows_queue_kv_staleness_and_what_was_sent_since() {
         let t = SaturationThresholds::default();
         let (idle, queued, full) = (m(0.0, 0.1), m(5.0, 0.1), m(0.0, 0.8));
         assert!(!t.saturated(&view(&idle, 0)));
@@ -437,156 +323,150 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert!(t.pool_saturated(&[view(&queued, 0), view(&full, 0)]));
         // An unhealthy idle endpoint does not make the pool unsaturated.
         assert!(t.pool_saturated(&[view(&queued, 0), EndpointView { healthy: false, ..view(&idle, 0) }]));
+        // A server that was queueing fills up with what was sent since the scrape...
+        let short = m(1.0, 0.1);
+        assert!(!t.saturated(&view(&short, 0)));
+        assert!(t.saturated(&EndpointView { in_flight: 4, ..view(&short, 0) }));
+        // ...and empties with what finished.
+        assert!(!t.saturated(&EndpointView { in_flight_at_scrape: 3, ..view(&queued, 0) }));
     }
 
     #[test]
     fn max_score_prefers_short_queues_and_free_kv() {
         let r = Router::default();
-        let idx = AffinityIndex::new(100);
+        let idx = AffinityIndex::new(100, 0);
         let req = RouteRequest::default();
         let (a, b, c) = (m(4.0, 0.7), m(0.0, 0.2), m(1.0, 0.1));
-        assert_eq!(r.pick(&req, &[view(&a, 0), view(&b, 0), view(&c, 0)], &idx, 0.0), Some(1));
+        assert_eq!(pick(&r, req, &[view(&a, 0), view(&b, 0), view(&c, 0)], &idx, 0.0), Some(1));
         // Between equal metrics, the gateway's own in-flight count decides.
-        assert_eq!(r.pick(&req, &[view(&b, 3), view(&b, 1)], &idx, 0.0), Some(1));
+        assert_eq!(pick(&r, req, &[view(&b, 3), view(&b, 1)], &idx, 0.0), Some(1));
         // Unhealthy endpoints are filtered out; none healthy: no pick.
         let sick = EndpointView { healthy: false, ..view(&b, 0) };
-        assert_eq!(r.pick(&req, &[view(&a, 0), sick.clone()], &idx, 0.0), Some(0));
-        assert_eq!(r.pick(&req, &[sick], &idx, 0.0), None);
-    }
-
-    #[test]
-    fn prefix_affinity_follows_the_longest_cached_prefix() {
-        let r = Router::default();
-        let mut idx = AffinityIndex::new(1000);
-        let prompt = vec![7u8; 64 * 8];
-        let mut h = Vec::new();
-        prefix_hashes(&prompt, 64, 100, &mut h);
-        assert_eq!(h.len(), 8);
-        let same = m(0.0, 0.3);
-        let pool = [view(&same, 0), view(&same, 0), view(&same, 0)];
-        let req = RouteRequest { prefix: &h, ..Default::default() };
-        idx.record(&req, 2);
-        assert_eq!(r.pick(&req, &pool, &idx, 0.0), Some(2));
-        // A different prompt sharing the first half still prefers endpoint 2.
-        let mut other = prompt.clone();
-        other[64 * 4..].fill(9);
-        let mut h2 = Vec::new();
-        prefix_hashes(&other, 64, 100, &mut h2);
-        assert_eq!(h2[..4], h[..4]);
-        assert_ne!(h2[4], h[4]);
-        assert_eq!(r.pick(&RouteRequest { prefix: &h2, ..Default::default() }, &pool, &idx, 0.0), Some(2));
-    }
-
-    #[test]
-    fn a_shared_first_block_does_not_hide_a_longer_match_elsewhere() {
-        // Every conversation starts with the same system prompt (block 0). Endpoint 1
-        // served this conversation's earlier turn; endpoint 0 served another
-        // conversation later, so it holds the newest copy of block 0 only.
-        let mut idx = AffinityIndex::new(1000);
-        let mut turn = Vec::new();
-        prefix_hashes(&[[1u8; 64], [2u8; 64], [3u8; 64]].concat(), 64, 100, &mut turn);
-        let mut other = Vec::new();
-        prefix_hashes(&[[1u8; 64], [9u8; 64]].concat(), 64, 100, &mut other);
-        idx.record(&RouteRequest { prefix: &turn, ..Default::default() }, 1);
-        idx.record(&RouteRequest { prefix: &other, ..Default::default() }, 0);
-        assert_eq!(idx.matched_blocks(&turn, 1), 3);
-        assert_eq!(idx.matched_blocks(&turn, 0), 1);
-        let same = m(0.0, 0.3);
-        let pool = [view(&same, 0), view(&same, 0)];
-        assert_eq!(
-            Router::default().pick(&RouteRequest { prefix: &turn, ..Default::default() }, &pool, &idx, 0.0),
-            Some(1)
-        );
-    }
-
-    #[test]
-    fn session_and_lora_affinity() {
-        let w = ScorerWeights { session: 5.0, lora: 5.0, ..Default::default() };
-        let r = Router { weights: w, picker: Picker::MaxScore, saturation: None };
-        let mut idx = AffinityIndex::new(100);
-        let plain = m(0.0, 0.0);
-        let lora = EndpointMetrics { loras: vec!["sql".into()], ..m(0.0, 0.0) };
-        let req = RouteRequest { model: "sql", ..Default::default() };
-        assert_eq!(r.pick(&req, &[view(&plain, 0), view(&lora, 0)], &idx, 0.0), Some(1));
-        let sess = RouteRequest { session: Some(42), ..Default::default() };
-        idx.record(&sess, 0);
-        assert_eq!(r.pick(&sess, &[view(&plain, 0), view(&plain, 0), view(&plain, 0)], &idx, 0.0), Some(0));
-    }
-
-    #[test]
-    fn weighted_random_draws_in_proportion() {
-        let r = Router {
-            picker: Picker::WeightedRandom,
-            weights: ScorerWeights { in_flight: 0.0, ..Default::default() },
-            saturation: None,
-        };
-        let idx = AffinityIndex::new(10);
-        let (good, bad) = (m(0.0, 0.0), m(10.0, 1.0));
-        let pool = [view(&good, 0), view(&bad, 0)];
-        let wins =
-            (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
-        assert_eq!(wins, 1000, "the bad endpoint scores 0 and is never drawn");
-        let pool = [view(&good, 0), view(&good, 0)];
-        let wins =
-            (0..1000).filter(|i| r.pick(&RouteRequest::default(), &pool, &idx, *i as f64 / 1000.0) == Some(0)).count();
-        assert_eq!(wins, 500);
+        assert_eq!(pick(&r, req, &[view(&a, 0), sick.clone()], &idx, 0.0), Some(0));
+        assert_eq!(pick(&r, req, &[sick], &idx, 0.0), None);
+        assert_eq!(pick(&r, req, &[], &idx, 0.0), None);
     }
 
     #[test]
     fn saturated_endpoints_are_avoided_while_others_are_not() {
         let r = Router { saturation: Some(SaturationThresholds::default()), ..Default::default() };
-        let idx = AffinityIndex::new(10);
+        let idx = AffinityIndex::new(10, 0);
         let (fresh_idle, stale) = (m(0.0, 0.1), m(0.0, 0.0));
         // The stale endpoint looks better on paper (empty KV) but its metrics are old.
         let pool = [EndpointView { age_ms: 5_000, ..view(&stale, 0) }, view(&fresh_idle, 3)];
-        assert_eq!(r.pick(&RouteRequest::default(), &pool, &idx, 0.0), Some(1));
+        assert_eq!(pick(&r, RouteRequest::default(), &pool, &idx, 0.0), Some(1));
         // All saturated: fall back to scoring them all.
         let full = m(9.0, 0.9);
         let pool = [view(&full, 0), view(&full, 5)];
-        assert_eq!(r.pick(&RouteRequest::default(), &pool, &idx, 0.0), Some(0));
+        assert_eq!(pick(&r, RouteRequest::default(), &pool, &idx, 0.0), Some(0));
     }
 
     #[test]
-    fn max_score_draws_ties_at_random() {
-        let r = Router::default();
-        let idx = AffinityIndex::new(10);
-        let same = m(1.0, 0.5);
-        let pool = [view(&same, 2), view(&same, 2), view(&same, 2)];
-        let picks: Vec<usize> =
-            [0.0, 0.5, 0.99].iter().map(|&x| r.pick(&RouteRequest::default(), &pool, &idx, x).unwrap()).collect();
-        assert_eq!(picks, vec![0, 1, 2]);
-    }
-
-    #[test]
-    fn baseline_pickers_ignore_scores() {
+    fn baseline_pickers_ignore_scores_and_saturation() {
         let idle = m(0.0, 0.0);
         let busy = m(50.0, 0.99);
         let sick = EndpointView { healthy: false, ..view(&idle, 0) };
         let pool = [view(&busy, 9), sick, view(&idle, 0), view(&busy, 9)];
-        let rr = Router { picker: Picker::RoundRobin, ..Default::default() };
-        let mut idx = AffinityIndex::new(100);
+        let saturation = Some(SaturationThresholds::default());
+        let rr = Router { picker: Picker::RoundRobin, saturation, ..Default::default() };
+        let mut idx = AffinityIndex::new(100, 0);
         let mut turns = Vec::new();
-        for _ in 0..6 {
-            let e = rr.pick(&RouteRequest::default(), &pool, &idx, 0.0).unwrap();
-            idx.record(&RouteRequest::default(), e);
+        for id in 0..6 {
+            let e = pick(&rr, RouteRequest::default(), &pool, &idx, 0.0).unwrap();
+            idx.record(id, &RouteRequest::default(), e, 0);
             turns.push(e);
         }
         assert_eq!(turns, vec![0, 2, 3, 0, 2, 3], "in turn over the healthy ones, loaded or not");
-        let random = Router { picker: Picker::Random, ..Default::default() };
-        let draws: Vec<usize> = [0.0, 0.34, 0.67, 0.999, 1.0]
+        let random = Router { picker: Picker::Random, saturation, ..Default::default() };
+        let draws: Vec<usize> = [0.0, 0.34, 0.67, 0.999]
             .iter()
-            .map(|&r| random.pick(&RouteRequest::default(), &pool, &idx, r).unwrap())
+            .map(|&x| pick(&random, RouteRequest::default(), &pool, &idx, x).unwrap())
             .collect();
-        assert_eq!(draws, vec![0, 2, 3, 3, 3]);
+        assert_eq!(draws, vec![0, 2, 3, 3]);
     }
 
     #[test]
-    fn the_affinity_index_stays_bounded() {
-        let mut idx = AffinityIndex::new(100);
-        for i in 0..10_000u64 {
-            idx.record(&RouteRequest { prefix: &[i], session: Some(i), model: "" }, 0);
+    fn prefix_affinity_follows_the_longest_cached_prefix() {
+        let r = Router::default();
+        let mut idx = AffinityIndex::new(1000, 0);
+        let prompt = vec![7u8; 64 * 8];
+        let mut h = Vec::new();
+        prefix_hashes(&prompt, 64, 100, &mut h);
+        let same = m(0.0, 0.3);
+        let pool = [view(&same, 0), view(&same, 0), view(&same, 0)];
+        let req = RouteRequest { prefix: &h, ..Default::default() };
+        idx.record(1, &req, 2, 0);
+        idx.confirm(1, 0);
+        assert_eq!(pick(&r, req, &pool, &idx, 0.0), Some(2));
+        // A different prompt sharing the first half still prefers endpoint 2.
+        let mut other = prompt.clone();
+        other[64 * 4..].fill(9);
+        let mut h2 = Vec::new();
+        prefix_hashes(&other, 64, 100, &mut h2);
+        assert_eq!(pick(&r, RouteRequest { prefix: &h2, ..Default::default() }, &pool, &idx, 0.0), Some(2));
+    }
+
+    #[test]
+    fn session_and_lora_affinity() {
+        let r = Router { weights: weights(&[("session", 5.0), ("lora", 5.0)]), ..Default::default() };
+        let mut idx = AffinityIndex::new(100, 0);
+        let plain = m(0.0, 0.0);
+        let lora = EndpointMetrics { loras: vec!["sql".into()], ..m(0.0, 0.0) };
+        let req = RouteRequest { model: "sql", ..Default::default() };
+        assert_eq!(pick(&r, req, &[view(&plain, 0), view(&lora, 0)], &idx, 0.0), Some(1));
+        let sess = RouteRequest { session: Some(42), ..Default::default() };
+        idx.record(1, &sess, 0, 0);
+        assert_eq!(pick(&r, sess, &[view(&plain, 0), view(&plain, 0), view(&plain, 0)], &idx, 0.9), Some(0));
+    }
+
+    /// Endpoint 0 holds the request's whole prefix; the others nothing. Their
+    /// loads are `loads` (running, scraped, nothing sent since).
+    fn affinity_pick(guard: Option<LoadGuard>, loads: &[f64]) -> usize {
+        let r = Router { guard, weights: weights(&[("predicted_load", 2.0)]), ..Default::default() };
+        let mut idx = AffinityIndex::new(1000, 0);
+        let prefix = [11, 12, 13, 14];
+        let req = RouteRequest { prefix: &prefix, ..Default::default() };
+        idx.record(1, &req, 0, 0);
+        idx.confirm(1, 0);
+        let metrics: Vec<EndpointMetrics> =
+            loads.iter().map(|&running| EndpointMetrics { running, kv_usage: 0.3, ..Default::default() }).collect();
+        let pool: Vec<EndpointView<'_>> = metrics.iter().map(|m| view(m, 0)).collect();
+        pick(&r, req, &pool, &idx, 0.5).unwrap()
+    }
+
+    #[test]
+    fn affinity_holds_within_the_guard_and_yields_beyond_it() {
+        let guard = Some(LoadGuard { max_extra: 4.0, max_ratio: 1.5 });
+        // Within the absolute margin: the cached prefix wins over a lighter endpoint.
+        assert_eq!(affinity_pick(guard, &[4.0, 0.0, 2.0]), 0);
+        // Beyond both margins: affinity stops counting, the least loaded wins.
+        assert_eq!(affinity_pick(guard, &[5.0, 0.0, 2.0]), 1);
+        // The relative margin keeps affinity on a busy pool: 30 vs 20 is 1.5×.
+        assert_eq!(affinity_pick(guard, &[30.0, 20.0, 25.0]), 0);
+        assert_eq!(affinity_pick(guard, &[31.0, 20.0, 25.0]), 1);
+        // Without a guard, affinity outweighs any load difference it can.
+        assert_eq!(affinity_pick(None, &[31.0, 20.0, 25.0]), 0);
+        assert!(LoadGuard::default().holds(4.0, 0.0) && !LoadGuard::default().holds(4.1, 0.0));
+    }
+
+    #[test]
+    fn routing_allocates_nothing_once_the_scratch_has_grown() {
+        let r = Router { weights: weights(&[("session", 1.0), ("lora", 1.0), ("running", 1.0)]), ..Default::default() };
+        let mut idx = AffinityIndex::new(100, 1000);
+        let metrics = m(1.0, 0.3);
+        let pool = [view(&metrics, 1), view(&metrics, 2), view(&metrics, 0)];
+        let prefix = [1, 2, 3];
+        let req = RouteRequest { prefix: &prefix, session: Some(1), model: "a" };
+        idx.record(1, &req, 1, 0);
+        let mut scratch = Scratch::default();
+        let cx = RouteContext { request: req, pool: &pool, index: &idx, now_ms: 0 };
+        r.pick(&cx, 0.5, &mut scratch);
+        let capacity = (scratch.candidates.capacity(), scratch.scores.capacity(), scratch.totals.capacity());
+        let ptr = scratch.totals.as_ptr();
+        for x in 0..100 {
+            assert!(r.pick(&cx, x as f64 / 100.0, &mut scratch).is_some());
         }
-        assert!(idx.blocks.len() <= 101 && idx.sessions.len() <= 101);
-        assert_eq!(idx.matched_blocks(&[9_999], 0), 1, "the newest entries are kept");
+        assert_eq!((scratch.candidates.capacity(), scratch.scores.capacity(), scratch.totals.capacity()), capacity);
+        assert_eq!(scratch.totals.as_ptr(), ptr);
     }
 }

@@ -1,0 +1,320 @@
+//! The router's approximation of the servers' caches: which endpoint holds
+//! which prefix block, and which endpoint each session used.
+//!
+//! An entry the gateway writes when it sends a prefix somewhere is
+//! *speculative*: the server has not run the prefill yet, and may never (the
+//! request can fail or be cancelled). It counts for `speculative_ttl_ms`, long
+//! enough that the next requests of a burst follow it, and is *confirmed*
+//! when the request's first token comes back (the prefill ran, so the blocks
+//! are in that server's cache); unconfirmed, it expires. A block remembers
+//! one confirmed and one speculative endpoint, so a request sent elsewhere
+//! does not erase where the block is known to be cached.
+
+use super::RouteRequest;
+use hashbrown::HashMap;
+
+/// No endpoint (an unused slot of an [`Entry`]).
+const NONE: u32 = u32::MAX;
+
+/// Chained hashes of `block_bytes`-byte blocks of a prompt (a whole block
+/// each; the tail is not hashed), at most `max_blocks` of them, so that the
+/// cost of a very long prompt is bounded by `max_blocks · block_bytes` bytes.
+/// Equal prefixes give equal leading hashes, as a server's prefix cache keys
+/// them. Eight bytes per step (`cargo bench -p sluice-policies --bench
+/// prefix_hash` measures the cost per KB).
+pub fn prefix_hashes(prompt: &[u8], block_bytes: usize, max_blocks: usize, out: &mut Vec<u64>) {
+    out.clear();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for block in prompt.chunks_exact(block_bytes.max(1)).take(max_blocks) {
+        let mut words = block.chunks_exact(8);
+        for w in &mut words {
+            h = mix(h, u64::from_le_bytes(w.try_into().expect("chunks of 8")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut last = [0u8; 8];
+            last[..rest.len()].copy_from_slice(rest);
+            // The length keeps "a" and "a\0" apart.
+            h = mix(h, u64::from_le_bytes(last) ^ (rest.len() as u64) << 56);
+        }
+        out.push(finish(h));
+    }
+}
+
+/// One step of the chain: a bijection of the state for each word.
+fn mix(h: u64, word: u64) -> u64 {
+    (h ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29)
+}
+
+/// Spreads the chain state over all 64 bits (MurmurHash3's finaliser).
+fn finish(mut h: u64) -> u64 {
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+/// Where one prefix block is believed to be cached.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    /// The endpoint that returned a first token for a request with this block.
+    confirmed: u32,
+    /// The endpoint it was last sent to, counted until `expires_ms`.
+    speculative: u32,
+    expires_ms: u64,
+    /// When it was last written, on the block clock (for eviction).
+    stamp: u64,
+}
+
+impl Entry {
+    const EMPTY: Entry = Entry { confirmed: NONE, speculative: NONE, expires_ms: 0, stamp: 0 };
+
+    /// The endpoints believed to hold the block at `now_ms` (`NONE` for none).
+    fn holders(&self, now_ms: u64) -> [u32; 2] {
+        [self.confirmed, if now_ms < self.expires_ms { self.speculative } else { NONE }]
+    }
+}
+
+/// A dispatched request whose first token has not come back yet.
+#[derive(Debug)]
+struct Pending {
+    endpoint: u32,
+    blocks: Box<[u64]>,
+    /// When it was recorded, on the request clock (for eviction).
+    stamp: u64,
+}
+
+/// Remembers which endpoint holds each prefix block and served each session,
+/// bounded in size.
+#[derive(Debug, Default)]
+pub struct AffinityIndex {
+    blocks: HashMap<u64, Entry>,
+    sessions: HashMap<u64, (u32, u64)>,
+    pending: HashMap<u64, Pending>,
+    /// Blocks held by `pending`, bounded by `capacity` like `blocks`.
+    pending_blocks: usize,
+    /// Block writes so far: the stamps of `blocks`.
+    block_clock: u64,
+    /// Requests recorded so far: the stamps of `sessions` and `pending`.
+    routed: u64,
+    capacity: usize,
+    speculative_ttl_ms: u64,
+}
+
+impl AffinityIndex {
+    /// An index holding at most `capacity` blocks and as many sessions, whose
+    /// speculative entries count for `speculative_ttl_ms` (0: only confirmed
+    /// entries count).
+    pub fn new(capacity: usize, speculative_ttl_ms: u64) -> Self {
+        AffinityIndex { capacity: capacity.max(16), speculative_ttl_ms, ..Default::default() }
+    }
+
+    /// Requests awaiting confirmation at most: one in flight each.
+    fn pending_capacity(&self) -> usize {
+        (self.capacity / 16).max(16)
+    }
+
+    /// Over capacity (in requests or in blocks): drops the older half of the
+    /// requests awaiting confirmation, those that never got a first token
+    /// (failed, or their confirmation went to another VM). O(n), once per
+    /// n/2 insertions at most.
+    fn evict_pending(&mut self) {
+        if self.pending.len() <= self.pending_capacity() && self.pending_blocks <= self.capacity {
+            return;
+        }
+        let mut stamps: Vec<u64> = self.pending.values().map(|p| p.stamp).collect();
+        let half = stamps.len() / 2;
+        let (_, &mut median, _) = stamps.select_nth_unstable(half);
+        self.pending.retain(|_, p| p.stamp >= median);
+        self.pending_blocks = self.pending.values().map(|p| p.blocks.len()).sum();
+    }
+
+    /// Records that request `id` was sent to `endpoint` at `now_ms`: its
+    /// blocks become speculative entries there until it is confirmed, and its
+    /// session follows it at once.
+    pub fn record(&mut self, id: u64, req: &RouteRequest<'_>, endpoint: usize, now_ms: u64) {
+        self.routed += 1;
+        let endpoint = endpoint.min(NONE as usize - 1) as u32;
+        if let Some(s) = req.session {
+            self.sessions.insert(s, (endpoint, self.routed));
+            if self.sessions.len() > self.capacity {
+                // The older half goes: O(n) once per capacity/2 sessions.
+                let (clock, half) = (self.routed, self.capacity as u64 / 2);
+                self.sessions.retain(|_, &mut (_, t)| t + half > clock);
+            }
+        }
+        if req.prefix.is_empty() {
+            return;
+        }
+        if self.speculative_ttl_ms > 0 {
+            let expires_ms = now_ms.saturating_add(self.speculative_ttl_ms);
+            for &h in req.prefix {
+                self.block_clock += 1;
+                let e = self.blocks.entry(h).or_insert(Entry::EMPTY);
+                (e.speculative, e.expires_ms, e.stamp) = (endpoint, expires_ms, self.block_clock);
+            }
+            self.evict_blocks(now_ms);
+        }
+        let pending = Pending { endpoint, blocks: req.prefix.into(), stamp: self.routed };
+        self.pending_blocks += pending.blocks.len();
+        if let Some(old) = self.pending.insert(id, pending) {
+            self.pending_blocks -= old.blocks.len();
+        }
+        self.evict_pending();
+    }
+
+    /// Request `id`'s first token came back: its blocks are cached where it
+    /// went. Returns whether this index was waiting for it.
+    pub fn confirm(&mut self, id: u64, now_ms: u64) -> bool {
+        let Some(p) = self.pending.remove(&id) else { return false };
+        self.pending_blocks -= p.blocks.len();
+        for &h in p.blocks.iter() {
+            self.block_clock += 1;
+            let e = self.blocks.entry(h).or_insert(Entry::EMPTY);
+            e.confirmed = p.endpoint;
+            e.stamp = self.block_clock;
+            if e.speculative == p.endpoint {
+                e.speculative = NONE;
+            }
+        }
+        self.evict_blocks(now_ms);
+        true
+    }
+
+    /// Over capacity: drops the blocks written longest ago (the older half)
+    /// and expired speculation. O(n) once per capacity/2 writes.
+    fn evict_blocks(&mut self, now_ms: u64) {
+        if self.blocks.len() > self.capacity {
+            let (clock, half) = (self.block_clock, self.capacity as u64 / 2);
+            self.blocks.retain(|_, e| e.stamp + half > clock && e.holders(now_ms) != [NONE; 2]);
+        }
+    }
+
+    /// Requests recorded so far (the turn counter of the round-robin picker).
+    pub fn routed(&self) -> u64 {
+        self.routed
+    }
+
+    /// Writes into `out[e]` the number of leading blocks of `prefix` endpoint
+    /// `e` is believed to hold at `now_ms` (0 for the others), in one pass
+    /// over the prefix. Hashes are chained, so block `i` held there means
+    /// blocks `0..=i` are too, even if a shared first block (a system prompt)
+    /// was last seen on another endpoint.
+    pub fn match_lengths(&self, prefix: &[u64], now_ms: u64, out: &mut [f64]) {
+        out.fill(0.0);
+        for (i, h) in prefix.iter().enumerate() {
+            let Some(e) = self.blocks.get(h) else { continue };
+            for holder in e.holders(now_ms) {
+                if let Some(o) = out.get_mut(holder as usize) {
+                    *o = (i + 1) as f64;
+                }
+            }
+        }
+    }
+
+    /// The endpoint this session was last sent to.
+    pub fn session_endpoint(&self, session: Option<u64>) -> Option<usize> {
+        session.and_then(|s| self.sessions.get(&s)).map(|&(e, _)| e as usize)
+    }
+
+    /// Entries held: (blocks, sessions, requests awaiting confirmation).
+    pub fn len(&self) -> (usize, usize, usize) {
+        (self.blocks.len(), self.sessions.len(), self.pending.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn hashes(prompt: &[u8], block: usize) -> Vec<u64> {
+        let mut h = Vec::new();
+        prefix_hashes(prompt, block, 1000, &mut h);
+        h
+    }
+
+    fn lengths(idx: &AffinityIndex, prefix: &[u64], now: u64, n: usize) -> Vec<f64> {
+        let mut out = vec![0.0; n];
+        idx.match_lengths(prefix, now, &mut out);
+        out
+    }
+
+    #[test]
+    fn equal_prefixes_give_equal_leading_hashes() {
+        let a = hashes(&[[1u8; 64], [2u8; 64], [3u8; 64]].concat(), 64);
+        let b = hashes(&[[1u8; 64], [2u8; 64], [4u8; 64], [5u8; 64]].concat(), 64);
+        assert_eq!((a.len(), b.len()), (3, 4));
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        // Chained: the same block after a different one hashes differently.
+        let c = hashes(&[[9u8; 64], [2u8; 64]].concat(), 64);
+        assert_ne!(c[1], a[1]);
+        // Blocks that are not a multiple of 8 bytes still see every byte.
+        assert_ne!(hashes(b"abcdefghij", 10), hashes(b"abcdefghik", 10));
+        assert_ne!(hashes(b"ab\0", 3), hashes(b"ab\x01", 3));
+        // The tail is not hashed and the cap holds.
+        assert_eq!(hashes(&[7u8; 100], 64).len(), 1);
+        let mut capped = Vec::new();
+        prefix_hashes(&[7u8; 6400], 64, 10, &mut capped);
+        assert_eq!(capped, hashes(&[7u8; 6400], 64)[..10]);
+    }
+
+    #[test]
+    fn a_shared_first_block_does_not_hide_a_longer_match_elsewhere() {
+        // Every conversation starts with the same system prompt (block 0).
+        // Endpoint 1 served this conversation's earlier turn; endpoint 0
+        // served another conversation later, so it holds block 0 only.
+        let mut idx = AffinityIndex::new(1000, 0);
+        let turn = hashes(&[[1u8; 64], [2u8; 64], [3u8; 64]].concat(), 64);
+        let other = hashes(&[[1u8; 64], [9u8; 64]].concat(), 64);
+        idx.record(1, &RouteRequest { prefix: &turn, ..Default::default() }, 1, 0);
+        idx.record(2, &RouteRequest { prefix: &other, ..Default::default() }, 0, 0);
+        assert_eq!(lengths(&idx, &turn, 0, 2), [0.0, 0.0], "nothing confirmed, no speculation");
+        assert!(idx.confirm(1, 5) && idx.confirm(2, 5));
+        assert_eq!(lengths(&idx, &turn, 5, 2), [1.0, 3.0]);
+    }
+
+    #[test]
+    fn speculative_entries_count_until_their_ttl_unless_confirmed() {
+        let mut idx = AffinityIndex::new(1000, 100);
+        let p = hashes(&[5u8; 64 * 4], 64);
+        let req = RouteRequest { prefix: &p, ..Default::default() };
+        idx.record(7, &req, 2, 1_000);
+        assert_eq!(lengths(&idx, &p, 1_000, 3), [0.0, 0.0, 4.0], "counted at once");
+        assert_eq!(lengths(&idx, &p, 1_099, 3), [0.0, 0.0, 4.0]);
+        assert_eq!(lengths(&idx, &p, 1_100, 3), [0.0; 3], "expired, never confirmed");
+        // Confirmed (even late), it stays.
+        assert!(idx.confirm(7, 1_200));
+        assert!(!idx.confirm(7, 1_200), "once");
+        assert_eq!(lengths(&idx, &p, 1_000_000, 3), [0.0, 0.0, 4.0]);
+        // A speculative send elsewhere adds a holder without erasing the confirmed one...
+        idx.record(8, &req, 0, 2_000);
+        assert_eq!(lengths(&idx, &p, 2_050, 3), [4.0, 0.0, 4.0]);
+        // ...and, if never confirmed, leaves only it.
+        assert_eq!(lengths(&idx, &p, 2_100, 3), [0.0, 0.0, 4.0]);
+        assert_eq!(idx.len().2, 1, "request 8 still awaits its first token");
+    }
+
+    #[test]
+    fn the_index_stays_bounded_whatever_the_prompt_lengths() {
+        let mut idx = AffinityIndex::new(1000, 50);
+        for i in 0..5_000u64 {
+            // 100 unique blocks per request: the clock counts blocks, not requests.
+            let prefix: Vec<u64> = (0..100).map(|k| i * 1000 + k).collect();
+            idx.record(i, &RouteRequest { prefix: &prefix, session: Some(i), model: "" }, 0, i);
+            if i % 2 == 0 {
+                idx.confirm(i, i);
+            }
+        }
+        let (blocks, sessions, pending) = idx.len();
+        assert!(blocks <= 1001 && sessions <= 1001 && pending <= idx.pending_capacity() + 1, "{:?}", idx.len());
+        assert!(idx.pending_blocks <= 1000 + 100, "{}", idx.pending_blocks);
+        assert_eq!(idx.pending_blocks, idx.pending.values().map(|p| p.blocks.len()).sum::<usize>());
+        let newest: Vec<u64> = (0..100).map(|k| 4_998 * 1000 + k).collect();
+        assert_eq!(lengths(&idx, &newest, 5_000, 1), [100.0], "the newest entries are kept");
+        assert_eq!(idx.session_endpoint(Some(4_999)), Some(0));
+    }
+}

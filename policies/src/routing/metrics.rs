@@ -1,0 +1,120 @@
+//! What a model server's `/metrics` page says of its load.
+
+use crate::prom;
+use serde::Deserialize;
+
+/// Which model server exposes the metrics, and so which names to read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelServer {
+    /// vLLM (`vllm:*`, with the older `gpu_cache_usage_perc` as a fallback).
+    #[default]
+    Vllm,
+    /// SGLang (`sglang:*`).
+    Sglang,
+    /// TensorRT-LLM's `trtllm-serve` (`trtllm_*`).
+    Trtllm,
+}
+
+impl ModelServer {
+    /// Names of (waiting, running, KV usage 0..1, fallback KV usage).
+    fn names(self) -> [&'static str; 4] {
+        match self {
+            ModelServer::Vllm => [
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_running",
+                "vllm:kv_cache_usage_perc",
+                "vllm:gpu_cache_usage_perc",
+            ],
+            ModelServer::Sglang => ["sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", ""],
+            ModelServer::Trtllm => {
+                ["trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization", ""]
+            }
+        }
+    }
+}
+
+/// What a scrape says of one endpoint.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EndpointMetrics {
+    /// Requests waiting in the server's own queue.
+    pub waiting: f64,
+    /// Requests in the running batch.
+    pub running: f64,
+    /// Fraction of the KV cache in use, 0..1.
+    pub kv_usage: f64,
+    /// LoRA adapters running (vLLM's `lora_requests_info`).
+    pub loras: Vec<String>,
+}
+
+impl EndpointMetrics {
+    /// Reads a `/metrics` page. Series of the same metric (one per model) are
+    /// summed (the sum stops at `f64::MAX`, so it stays finite), KV usage takes
+    /// the largest; NaN, infinite or negative values are ignored. Returns `None`
+    /// when none of the three signals is present, and the number of malformed
+    /// lines.
+    pub fn from_prometheus(text: &str, server: ModelServer) -> (Option<EndpointMetrics>, usize) {
+        let [waiting, running, kv, kv_old] = server.names();
+        let mut m = EndpointMetrics::default();
+        let (mut seen, mut kv_seen) = (false, false);
+        let mut kv_fallback = None;
+        let bad = prom::parse(text, |s| {
+            let ok = s.value.is_finite() && s.value >= 0.0;
+            // Two finite values can sum to infinity, which the router's
+            // min-max normalisation turns into NaN scores.
+            if s.name == waiting && ok {
+                m.waiting = (m.waiting + s.value).min(f64::MAX);
+                seen = true;
+            } else if s.name == running && ok {
+                m.running = (m.running + s.value).min(f64::MAX);
+                seen = true;
+            } else if s.name == kv && ok {
+                m.kv_usage = m.kv_usage.max(s.value.min(1.0));
+                kv_seen = true;
+            } else if !kv_old.is_empty() && s.name == kv_old && ok {
+                kv_fallback = Some(kv_fallback.unwrap_or(0.0f64).max(s.value.min(1.0)));
+            } else if s.name == "vllm:lora_requests_info" {
+                if let Some(list) = s.label("running_lora_adapters") {
+                    m.loras = list.split(',').filter(|a| !a.is_empty()).map(str::to_owned).collect();
+                }
+            }
+        });
+        if !kv_seen {
+            if let Some(k) = kv_fallback {
+                m.kv_usage = k;
+                kv_seen = true;
+            }
+        }
+        ((seen || kv_seen).then_some(m), bad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn reads_each_model_server_flavour() {
+        let vllm = "vllm:num_requests_waiting{model_name=\"a\"} 2\nvllm:num_requests_waiting{model_name=\"b\"} 1\n\
+vllm:num_requests_running 4\nvllm:kv_cache_usage_perc 0.5\n\
+vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waiting_lora_adapters=\"\"} 1\n";
+        let (got, bad) = EndpointMetrics::from_prometheus(vllm, ModelServer::Vllm);
+        let got = got.unwrap();
+        assert_eq!((got.waiting, got.running, got.kv_usage, bad), (3.0, 4.0, 0.5, 0));
+        assert_eq!(got.loras, vec!["sql", "chat"]);
+        let old = "vllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.7\n";
+        assert_eq!(EndpointMetrics::from_prometheus(old, ModelServer::Vllm).0.unwrap().kv_usage, 0.7);
+        let sg = "sglang:num_queue_reqs 6\nsglang:num_running_reqs 2\nsglang:token_usage 0.9\n";
+        assert_eq!(
+            EndpointMetrics::from_prometheus(sg, ModelServer::Sglang).0.unwrap(),
+            EndpointMetrics { waiting: 6.0, running: 2.0, kv_usage: 0.9, loras: vec![] }
+        );
+        let trt = "trtllm_num_requests_waiting 1\ntrtllm_kv_cache_utilization 0.1\n";
+        assert_eq!(EndpointMetrics::from_prometheus(trt, ModelServer::Trtllm).0.unwrap().kv_usage, 0.1);
+        assert_eq!(EndpointMetrics::from_prometheus("other 1\n", ModelServer::Vllm).0, None);
+        let weird = "vllm:num_requests_waiting NaN\nvllm:num_requests_running -1\nvllm:kv_cache_usage_perc +Inf\n";
+        assert_eq!(EndpointMetrics::from_prometheus(weird, ModelServer::Vllm).0, None, "nonsense values are ignored");
+    }
+}
