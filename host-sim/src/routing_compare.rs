@@ -315,68 +315,12 @@ fn gpu_of(up: &dyn Upstream) -> Option<&GpuUpstream> {
     any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner))
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// Appends `n` lowercase letters drawn from a stream seeded by `seed`.
-fn letters(seed: u64, n: usize, out: &mut String) {
-    let mut s = seed;
-    let mut left = n;
-    while left > 0 {
-        s = splitmix(s);
-        for k in 0..8.min(left) {
-            out.push((b'a' + ((s >> (k * 8)) as u8 % 26)) as char);
-        }
-        left -= 8.min(left);
-    }
-}
-
-/// The prompt text of a request: `4 × prompt_tokens` bytes; block `j` of `4 × hash_block_tokens`
-/// bytes comes from `prefix_hashes[j]` when there is one, else from (`id`, `j`), unique.
-pub fn prompt_text(item: &WorkItem, id: u64, hash_block_tokens: u32) -> String {
-    let block = (hash_block_tokens.max(1) * 4) as usize;
-    let total = item.prompt_tokens as usize * 4;
-    let mut text = String::with_capacity(total);
-    let mut j = 0usize;
-    while text.len() < total {
-        let n = block.min(total - text.len());
-        let seed = match item.prefix_hashes.get(j) {
-            Some(&h) => splitmix(h ^ 0x5eed_0000_0000_0001),
-            None => splitmix(id.wrapping_mul(0x1_0000_0001) ^ (j as u64) << 40 ^ 0xa2a2),
-        };
-        letters(seed, n, &mut text);
-        j += 1;
-    }
-    text
-}
+pub use crate::workload::prompt_text;
 
 /// The streaming chat request a trace row becomes (`hash_block_tokens`: tokens per entry of its
 /// `prefix_hashes`, the GPU profile's `prefix_hash_tokens`).
 pub fn client_request(id: u64, item: &WorkItem, hash_block_tokens: u32) -> ClientRequest {
-    let mut r = ClientRequest::chat(id, item.arrival_us, TENANT_HEADER, &item.client, MODEL, 1, item.output_tokens);
-    let body = serde_json::json!({
-        "model": MODEL,
-        "messages": [{"role": "user", "content": prompt_text(item, id, hash_block_tokens)}],
-        "max_tokens": item.output_tokens,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    r.body = serde_json::to_vec(&body).expect("json");
-    for (k, v) in &mut r.headers {
-        if k == "content-length" {
-            *v = r.body.len().to_string().into_bytes();
-        }
-    }
-    r.prompt_tokens = item.prompt_tokens;
-    r.prefix_hashes = item.prefix_hashes.clone();
-    for (k, v) in &item.headers {
-        r.add_header(k, v);
-    }
-    r
+    workload::chat_request(id, item, TENANT_HEADER, MODEL, hash_block_tokens)
 }
 
 /// Settings of one run.

@@ -1,6 +1,7 @@
 //! Workloads: seeded synthetic arrivals and replay of the trace formats in `host-sim/traces`.
 //! Every generator is a pure function of its inputs and seed.
 
+use crate::engine::ClientRequest;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
@@ -462,6 +463,163 @@ fn parse_mooncake(line: &str) -> Result<WorkItem, String> {
     })
 }
 
+/// How rows that carry no prefix information (Azure, Arena, synthetic clients) share prompt
+/// prefixes, as real traffic does: every row belongs to one of `applications`, drawn uniformly
+/// by a seeded draw; each application has its own system prompt of `system_prompt_tokens`; a row
+/// may continue an earlier conversation of its application, resending that conversation's
+/// prompt as its prefix; the rest of every prompt is text unique to the row. The sharing is
+/// written into [`WorkItem::prefix_hashes`] (one id per full block of the backends'
+/// `prefix_hash_tokens`), which both the GPU model's prefix cache and [`prompt_text`] read, so
+/// the filter's prefix hashing sees the same sharing as the GPUs.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixSharing {
+    /// Applications, each with its own system prompt.
+    pub applications: u32,
+    /// Tokens of each application's system prompt: a multiple of the backends'
+    /// `prefix_hash_tokens` (0 = no system prompt).
+    pub system_prompt_tokens: u32,
+    /// Add the system prompt to each row's prompt (for traces whose rows count only the user's
+    /// turn, such as Arena) instead of carving it out of the row's prompt (Azure's
+    /// `ContextTokens` is the whole context). Default false.
+    #[serde(default)]
+    pub prepend: bool,
+    /// Probability in `[0, 1]` that a row continues an earlier conversation of its application
+    /// whose prompt fits in its own (default 0).
+    #[serde(default)]
+    pub follow_up: f64,
+}
+
+/// Conversations remembered per application for follow-ups (bounds the search per row).
+const CONVERSATIONS_KEPT: usize = 32;
+
+impl PrefixSharing {
+    /// Checks the values against the backends' `prefix_hash_tokens`; errors name the field
+    /// under `field` (`prefix_sharing.applications`).
+    pub fn validate(&self, field: &str, block_tokens: u32) -> Result<(), String> {
+        if self.applications == 0 || self.applications > 1_000_000 {
+            return Err(format!("{field}.applications must be in 1..=1000000, got {}", self.applications));
+        }
+        if block_tokens == 0 || !self.system_prompt_tokens.is_multiple_of(block_tokens) {
+            return Err(format!(
+                "{field}.system_prompt_tokens must be a multiple of the backends' prefix_hash_tokens ({block_tokens}), got {}",
+                self.system_prompt_tokens
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.follow_up) {
+            return Err(format!("{field}.follow_up must be in [0, 1], got {}", self.follow_up));
+        }
+        Ok(())
+    }
+
+    /// Writes the sharing into the `prefix_hashes` of every row that has none (rows that carry
+    /// their own, like Mooncake's, are left as they are) and, with `prepend`, lengthens their
+    /// prompts by the system prompt. `block_tokens` is the backends' `prefix_hash_tokens`.
+    /// A pure function of the rows, the settings and `seed`.
+    pub fn apply(&self, items: &mut [WorkItem], block_tokens: u32, seed: u64) -> Result<(), String> {
+        self.validate("prefix_sharing", block_tokens)?;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x51a7_e0d5_c0de_b10c);
+        let salt = splitmix(seed ^ 0x0a99_1ca7_1095_0000);
+        let system_blocks = (self.system_prompt_tokens / block_tokens) as usize;
+        let mut conversations: Vec<std::collections::VecDeque<Vec<u64>>> =
+            vec![Default::default(); self.applications as usize];
+        for (row, w) in items.iter_mut().enumerate() {
+            // Two draws per row whatever the settings, so changing one leaves the other as it was.
+            let app = rng.random_range(0..self.applications) as usize;
+            let follows = rng.random::<f64>() < self.follow_up;
+            if !w.prefix_hashes.is_empty() {
+                continue;
+            }
+            if self.prepend {
+                w.prompt_tokens = w.prompt_tokens.saturating_add(self.system_prompt_tokens);
+            }
+            let full = (w.prompt_tokens / block_tokens) as usize;
+            let convs = &mut conversations[app];
+            let earlier = if follows { convs.iter().position(|c| c.len() <= full) } else { None };
+            let mut hashes = match earlier.and_then(|i| convs.remove(i)) {
+                Some(history) => history,
+                None => (0..system_blocks.min(full))
+                    .map(|j| splitmix(salt ^ splitmix((app as u64) << 24 ^ j as u64 ^ 0x5a5)))
+                    .collect(),
+            };
+            let unique = (hashes.len()..full).map(|j| splitmix(salt ^ splitmix((row as u64) << 24 ^ j as u64) ^ 0x0b1));
+            hashes.extend(unique);
+            convs.push_front(hashes.clone());
+            convs.truncate(CONVERSATIONS_KEPT);
+            w.prefix_hashes = hashes;
+        }
+        Ok(())
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Appends `n` lowercase letters drawn from a stream seeded by `seed`.
+fn letters(seed: u64, n: usize, out: &mut String) {
+    let mut s = seed;
+    let mut left = n;
+    while left > 0 {
+        s = splitmix(s);
+        for k in 0..8.min(left) {
+            out.push((b'a' + ((s >> (k * 8)) as u8 % 26)) as char);
+        }
+        left -= 8.min(left);
+    }
+}
+
+/// The prompt text of row `id`: `4 × prompt_tokens` bytes (4 bytes per token, as both the filter
+/// and the GPU model count). Block `j` of `4 × block_tokens` bytes is a fixed text derived from
+/// `prefix_hashes[j]` alone when there is one (so rows sharing leading ids share that leading
+/// text), else text unique to (`id`, `j`).
+pub fn prompt_text(item: &WorkItem, id: u64, block_tokens: u32) -> String {
+    let block = (block_tokens.max(1) * 4) as usize;
+    let total = item.prompt_tokens as usize * 4;
+    let mut text = String::with_capacity(total);
+    let mut j = 0usize;
+    while text.len() < total {
+        let n = block.min(total - text.len());
+        let seed = match item.prefix_hashes.get(j) {
+            Some(&h) => splitmix(h ^ 0x5eed_0000_0000_0001),
+            None => splitmix(id.wrapping_mul(0x1_0000_0001) ^ (j as u64) << 40 ^ 0xa2a2),
+        };
+        letters(seed, n, &mut text);
+        j += 1;
+    }
+    text
+}
+
+/// The streaming chat request row `id` becomes: [`prompt_text`] as its one message, asking for
+/// exactly `output_tokens` with usage in the last chunk, the row's headers added, and its
+/// `prefix_hashes` passed to the GPU model. `model` is used when the row names none.
+pub fn chat_request(id: u64, item: &WorkItem, tenant_header: &str, model: &str, block_tokens: u32) -> ClientRequest {
+    let model = item.model.as_deref().unwrap_or(model);
+    let mut r = ClientRequest::chat(id, item.arrival_us, tenant_header, &item.client, model, 1, item.output_tokens);
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": prompt_text(item, id, block_tokens)}],
+        "max_tokens": item.output_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    r.body = serde_json::to_vec(&body).expect("json");
+    for (k, v) in &mut r.headers {
+        if k == "content-length" {
+            *v = r.body.len().to_string().into_bytes();
+        }
+    }
+    r.prompt_tokens = item.prompt_tokens;
+    r.prefix_hashes = item.prefix_hashes.clone();
+    for (k, v) in &item.headers {
+        r.add_header(k, v);
+    }
+    r
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -583,5 +741,122 @@ mod tests {
         assert_eq!((w[1].arrival_us, w[0].prefix_hashes.clone()), (3_053_000, vec![46, 47]));
         let e = parse_trace(TraceFormat::MooncakeJsonl, "{\"timestamp\": 1}\n").unwrap_err();
         assert!(e[0].message.contains("input_length"));
+    }
+
+    fn rows(prompts: &[u32]) -> Vec<WorkItem> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| WorkItem {
+                arrival_us: i as u64,
+                client: "c".into(),
+                prompt_tokens: p,
+                output_tokens: 1,
+                prefix_hashes: Vec::new(),
+                model: None,
+                headers: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Bytes of `block_tokens`-token block `j` of a text.
+    fn block(text: &str, j: usize, block_tokens: usize) -> &str {
+        &text[j * 4 * block_tokens..((j + 1) * 4 * block_tokens).min(text.len())]
+    }
+
+    #[test]
+    fn rows_of_one_application_share_exactly_its_system_prompt_and_others_share_nothing() {
+        // Two applications with 3-block system prompts; 200 rows of 5 blocks and a bit.
+        let sharing = PrefixSharing { applications: 2, system_prompt_tokens: 96, prepend: false, follow_up: 0.0 };
+        let mut w = rows(&[170; 200]);
+        sharing.apply(&mut w, 32, 9).unwrap();
+        let text: Vec<String> = w.iter().enumerate().map(|(i, x)| prompt_text(x, i as u64, 32)).collect();
+        assert!(w.iter().all(|x| x.prefix_hashes.len() == 5 && x.prompt_tokens == 170));
+        let (mut same, mut other) = (0, 0);
+        for i in 1..w.len() {
+            let (a, b) = (&w[0], &w[i]);
+            if a.prefix_hashes[0] == b.prefix_hashes[0] {
+                same += 1;
+                assert_eq!(a.prefix_hashes[..3], b.prefix_hashes[..3]);
+                assert_eq!(text[0][..96 * 4], text[i][..96 * 4], "row {i} shares the system prompt's text");
+                for j in 3..6 {
+                    assert_ne!(block(&text[0], j, 32), block(&text[i], j, 32), "row {i} block {j} is its own");
+                }
+                assert!(a.prefix_hashes[3..].iter().all(|h| !b.prefix_hashes.contains(h)));
+            } else {
+                other += 1;
+                assert!(a.prefix_hashes.iter().all(|h| !b.prefix_hashes.contains(h)), "row {i}");
+                assert_ne!(block(&text[0], 0, 32), block(&text[i], 0, 32), "row {i} shares no text");
+            }
+        }
+        // A seeded uniform draw over two applications.
+        assert!(same > 60 && other > 60, "{same} {other}");
+        let mut again = rows(&[170; 200]);
+        sharing.apply(&mut again, 32, 9).unwrap();
+        assert_eq!(again, w, "deterministic");
+        let mut other_seed = rows(&[170; 200]);
+        sharing.apply(&mut other_seed, 32, 10).unwrap();
+        assert_ne!(other_seed, w);
+    }
+
+    #[test]
+    fn prepended_system_prompts_lengthen_rows_and_short_rows_get_what_fits() {
+        let sharing = PrefixSharing { applications: 1, system_prompt_tokens: 64, prepend: true, follow_up: 0.0 };
+        let mut w = rows(&[10, 40]);
+        sharing.apply(&mut w, 32, 1).unwrap();
+        assert_eq!((w[0].prompt_tokens, w[1].prompt_tokens), (74, 104));
+        assert_eq!(w[0].prefix_hashes, w[1].prefix_hashes[..2]);
+        let carved = PrefixSharing { prepend: false, ..sharing };
+        let mut w = rows(&[40, 200]);
+        carved.apply(&mut w, 32, 1).unwrap();
+        assert_eq!(w[0].prompt_tokens, 40);
+        assert_eq!(w[0].prefix_hashes[..], w[1].prefix_hashes[..1], "one block of the system prompt fits");
+    }
+
+    #[test]
+    fn follow_ups_resend_their_conversation_and_trace_hashes_are_kept() {
+        let sharing = PrefixSharing { applications: 1, system_prompt_tokens: 32, prepend: false, follow_up: 1.0 };
+        let mut w = rows(&[100, 200, 300, 90]);
+        w[3].prefix_hashes = vec![7, 8];
+        sharing.apply(&mut w, 32, 4).unwrap();
+        // Each turn resends the whole previous prompt (its full blocks) and adds its own.
+        assert_eq!(w[1].prefix_hashes[..3], w[0].prefix_hashes[..]);
+        assert_eq!(w[2].prefix_hashes[..6], w[1].prefix_hashes[..]);
+        assert_eq!(w[2].prefix_hashes.len(), 9);
+        assert_eq!(w[3].prefix_hashes, vec![7, 8], "a row with its own hash ids keeps them");
+        let t1 = prompt_text(&w[1], 1, 32);
+        let t2 = prompt_text(&w[2], 2, 32);
+        assert_eq!(t1[..6 * 128], t2[..6 * 128]);
+    }
+
+    #[test]
+    fn rows_sharing_trace_hash_ids_share_those_blocks_of_text() {
+        let mut w = rows(&[96, 96, 80]);
+        w[0].prefix_hashes = vec![1, 2, 3];
+        w[1].prefix_hashes = vec![1, 2, 4];
+        let (a, b) = (prompt_text(&w[0], 0, 32), prompt_text(&w[1], 1, 32));
+        assert_eq!((a.len(), b.len()), (384, 384));
+        assert_eq!(a[..256], b[..256]);
+        assert_ne!(block(&a, 2, 32), block(&b, 2, 32));
+        // Rows without hash ids are unique text, even at the same length.
+        let (c, d) = (prompt_text(&w[2], 2, 32), prompt_text(&w[2], 3, 32));
+        assert_ne!(block(&c, 0, 32), block(&d, 0, 32));
+        assert_ne!(block(&a, 0, 32), block(&c, 0, 32));
+    }
+
+    #[test]
+    fn bad_prefix_sharing_names_the_field() {
+        let ok = PrefixSharing { applications: 4, system_prompt_tokens: 512, prepend: false, follow_up: 0.5 };
+        assert!(ok.validate("prefix_sharing", 512).is_ok());
+        let cases = [
+            (PrefixSharing { applications: 0, ..ok.clone() }, "prefix_sharing.applications"),
+            (PrefixSharing { system_prompt_tokens: 500, ..ok.clone() }, "prefix_sharing.system_prompt_tokens"),
+            (PrefixSharing { follow_up: 1.5, ..ok.clone() }, "prefix_sharing.follow_up"),
+            (PrefixSharing { follow_up: f64::NAN, ..ok.clone() }, "prefix_sharing.follow_up"),
+        ];
+        for (bad, field) in cases {
+            let e = bad.apply(&mut rows(&[10]), 512, 1).unwrap_err();
+            assert!(e.contains(field), "{e}");
+        }
     }
 }
