@@ -2,7 +2,7 @@
 //! from JSON with errors that name the field, and turned into a [`Sim`] run and a [`Report`].
 
 use crate::abi::LogLevel;
-use crate::engine::{ClientRequest, GatewayConfig, Sim};
+use crate::engine::{GatewayConfig, Sim};
 use crate::host::PluginSpec;
 use crate::report::Report;
 use crate::state::Cluster;
@@ -27,8 +27,9 @@ pub struct Scenario {
     /// backends' addresses when absent.
     #[serde(default = "empty_object")]
     pub filter_config: serde_json::Value,
-    /// GPU backends.
-    pub backends: Backends,
+    /// GPU backends: one group of identical backends (an object) or a heterogeneous pool (a
+    /// list of groups, each with its count, profile and overrides).
+    pub backends: BackendPool,
     /// Requests to send.
     pub workload: Workload,
     /// `model` field of the generated requests.
@@ -56,15 +57,107 @@ pub struct Scenario {
     /// Round trip of a `dispatch_http_call` (metrics scrape), ms.
     #[serde(default = "default_call_ms")]
     pub call_latency_ms: f64,
+    /// How rows without prefix information share prompt prefixes (system prompts per
+    /// application, follow-up turns); without it every such prompt is text unique to its row.
+    #[serde(default)]
+    pub prefix_sharing: Option<workload::PrefixSharing>,
 }
 
-/// Identical GPU backends at `10.0.0.<1..=count>:<port>`.
+/// The backends of a scenario, group after group, at `10.0.0.<1..>:<port of the group>`.
+#[derive(Clone, Debug)]
+pub struct BackendPool {
+    /// The groups, in address order.
+    pub groups: Vec<Backends>,
+    /// Whether the file gave a list (errors then name `backends[i]`) or one object (`backends`).
+    pub listed: bool,
+}
+
+impl<'de> Deserialize<'de> for BackendPool {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::Array(a) => a
+                .into_iter()
+                .enumerate()
+                .map(|(i, g)| serde_json::from_value(g).map_err(|e| D::Error::custom(format!("backends[{i}]: {e}"))))
+                .collect::<std::result::Result<_, _>>()
+                .map(|groups| BackendPool { groups, listed: true }),
+            v => serde_json::from_value(v)
+                .map(|g| BackendPool { groups: vec![g], listed: false })
+                .map_err(|e| D::Error::custom(format!("backends: {e}"))),
+        }
+    }
+}
+
+impl BackendPool {
+    /// Name of group `i` in errors.
+    fn field(&self, i: usize) -> String {
+        if self.listed {
+            format!("backends[{i}]")
+        } else {
+            "backends".into()
+        }
+    }
+
+    /// Backends in all.
+    pub fn count(&self) -> usize {
+        self.groups.iter().map(|g| g.count).sum()
+    }
+
+    /// Checks every group (counts, profiles, overrides), the pool's size (1..=250) and that
+    /// every profile hashes prefixes in blocks of the same size; errors name the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.groups.is_empty() {
+            bail!("scenario: backends must name at least one group");
+        }
+        let mut block = None;
+        for (i, g) in self.groups.iter().enumerate() {
+            let f = self.field(i);
+            if g.count == 0 || g.count > 250 {
+                bail!("scenario: {f}.count must be 1..=250");
+            }
+            let p = g.profile_named(&f)?;
+            match block {
+                Some(b) if b != p.prefix_hash_tokens => bail!(
+                    "scenario: {f}.profile hashes prefixes in blocks of {} tokens, the first group in blocks of {b}: every group must use the same",
+                    p.prefix_hash_tokens
+                ),
+                _ => block = Some(p.prefix_hash_tokens),
+            }
+        }
+        if self.count() > 250 {
+            bail!("scenario: backends: {} backends in all, at most 250", self.count());
+        }
+        Ok(())
+    }
+
+    /// Every backend's address and profile, in pool order.
+    pub fn backends(&self) -> Result<Vec<(String, GpuProfile)>> {
+        let mut out = Vec::new();
+        for (i, g) in self.groups.iter().enumerate() {
+            let p = g.profile_named(&self.field(i))?;
+            for _ in 0..g.count {
+                out.push((format!("10.0.0.{}:{}", out.len() + 1, g.port), p.clone()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Tokens per prefix-hash block of the pool's profiles (validated to be equal).
+    pub fn prefix_hash_tokens(&self) -> Result<u32> {
+        let g = self.groups.first().context("scenario: backends must name at least one group")?;
+        Ok(g.profile_named(&self.field(0))?.prefix_hash_tokens)
+    }
+}
+
+/// A group of identical GPU backends.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Backends {
     /// How many.
     pub count: usize,
-    /// GPU profile name (`llama2-7b-a10g`, `llama3-8b-h100`, `fast`).
+    /// GPU profile name (`llama2-7b-a10g`, `llama3-8b-h100`, `fast`, and the routing
+    /// comparison's `llama3-8b-a100` and `llama3-8b-a10g`).
     pub profile: String,
     /// Port of every backend.
     #[serde(default = "default_port")]
@@ -101,9 +194,13 @@ pub struct ProfileOverrides {
 impl Backends {
     /// The named profile with the overrides applied and validated.
     pub fn profile(&self) -> Result<GpuProfile> {
-        let Some(mut p) = GpuProfile::by_name(&self.profile) else {
-            bail!("scenario: backends.profile `{}` is unknown (known: {})", self.profile, GpuProfile::NAMES.join(", "));
-        };
+        self.profile_named("backends")
+    }
+
+    /// [`Backends::profile`], with errors naming the group as `field`.
+    fn profile_named(&self, field: &str) -> Result<GpuProfile> {
+        let mut p = crate::routing_compare::profile_by_name(&self.profile)
+            .map_err(|e| anyhow::anyhow!("scenario: {field}.profile: {e}"))?;
         let o = &self.overrides;
         macro_rules! set {
             ($($f:ident),*) => { $(if let Some(v) = o.$f { p.$f = v; })* };
@@ -119,7 +216,7 @@ impl Backends {
             max_loaded_models,
             swap_us
         );
-        p.validate().map_err(|e| anyhow::anyhow!("scenario: backends.overrides: {e}"))?;
+        p.validate().map_err(|e| anyhow::anyhow!("scenario: {field}.overrides: {e}"))?;
         Ok(p)
     }
 }
@@ -184,10 +281,11 @@ impl Scenario {
         if self.workers == 0 {
             bail!("scenario: workers must be >= 1");
         }
-        if self.backends.count == 0 || self.backends.count > 250 {
-            bail!("scenario: backends.count must be 1..=250");
+        self.backends.validate()?;
+        if let Some(ps) = &self.prefix_sharing {
+            ps.validate("prefix_sharing", self.backends.prefix_hash_tokens()?)
+                .map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
         }
-        self.backends.profile()?;
         if !self.filter_config.is_object() {
             bail!("scenario: filter_config must be a JSON object");
         }
@@ -208,9 +306,9 @@ impl Scenario {
         Ok(())
     }
 
-    /// Backend addresses.
+    /// Backend addresses, group after group.
     pub fn backend_addresses(&self) -> Vec<String> {
-        (1..=self.backends.count).map(|i| format!("10.0.0.{i}:{}", self.backends.port)).collect()
+        self.backends.backends().map(|b| b.into_iter().map(|(a, _)| a).collect()).unwrap_or_default()
     }
 
     /// The plugin configuration as sent to the filter.
@@ -231,8 +329,18 @@ impl Scenario {
             .to_string()
     }
 
-    /// The workload's items (trace paths resolved against `base_dir`).
+    /// The workload's items (trace paths resolved against `base_dir`), with `prefix_sharing`
+    /// applied.
     pub fn work_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
+        let mut items = self.raw_items(base_dir)?;
+        if let Some(ps) = &self.prefix_sharing {
+            ps.apply(&mut items, self.backends.prefix_hash_tokens()?, self.seed)
+                .map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
+        }
+        Ok(items)
+    }
+
+    fn raw_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
         match &self.workload {
             Workload::Synthetic { clients, duration_s } => workload::synthetic(clients, *duration_s, self.seed)
                 .map_err(|e| anyhow::anyhow!("scenario: workload.{e}")),
@@ -285,9 +393,8 @@ impl Scenario {
         };
         adjust(&mut plugin, &mut gw);
         let mut sim = Sim::new(wasm, &plugin, gw)?;
-        let profile = self.backends.profile()?;
-        for addr in self.backend_addresses() {
-            sim.add_upstream(&addr, Box::new(GpuUpstream::new(profile.clone(), 256)?));
+        for (addr, profile) in self.backends.backends()? {
+            sim.add_upstream(&addr, Box::new(GpuUpstream::new(profile, 256)?));
         }
         // As envoy/envoy.yaml: `model_servers` is ORIGINAL_DST on the destination header, and
         // serves both the data path and the filter's metric scrapes.
@@ -297,20 +404,9 @@ impl Scenario {
             sim.add_cluster(c, dst());
         }
         let th = self.tenant_header();
+        let block = self.backends.prefix_hash_tokens()?;
         for (i, w) in items.iter().enumerate() {
-            let mut r = ClientRequest::chat(
-                i as u64,
-                w.arrival_us,
-                &th,
-                &w.client,
-                w.model.as_deref().unwrap_or(&self.model),
-                w.prompt_tokens,
-                w.output_tokens,
-            );
-            r.prefix_hashes = w.prefix_hashes.clone();
-            for (k, v) in &w.headers {
-                r.add_header(k, v);
-            }
+            let mut r = workload::chat_request(i as u64, w, &th, &self.model, block);
             r.cancel_after_us = self.client_timeout_s.map(|s| (s * 1e6) as u64);
             sim.add_request(r);
         }
@@ -346,4 +442,72 @@ fn parse_level(s: &str) -> Result<LogLevel> {
         "critical" => LogLevel::Critical,
         _ => bail!("scenario: log_level must be one of trace, debug, info, warn, error, critical; got `{s}`"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenario(backends: &str, extra: &str) -> Result<Scenario> {
+        Scenario::from_json(&format!(
+            r#"{{"backends": {backends}, {extra} "workload": {{"kind": "synthetic", "duration_s": 2,
+                "clients": [{{"name": "a", "rate": 50, "prompt_tokens": 1100, "output_tokens": 4}}]}}}}"#
+        ))
+    }
+
+    fn err(backends: &str, extra: &str) -> String {
+        format!("{:#}", scenario(backends, extra).unwrap_err())
+    }
+
+    #[test]
+    fn pool_groups_give_each_backend_its_profile_in_address_order() {
+        let s = scenario(
+            r#"[{"count": 2, "profile": "llama3-8b-h100"},
+                {"count": 1, "profile": "llama3-8b-a100", "port": 9000, "overrides": {"max_num_seqs": 8}}]"#,
+            "",
+        )
+        .unwrap();
+        let b = s.backends.backends().unwrap();
+        let addrs: Vec<&str> = b.iter().map(|(a, _)| a.as_str()).collect();
+        assert_eq!(addrs, ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:9000"]);
+        assert_eq!(s.backend_addresses(), addrs);
+        assert_eq!((b[0].1.name.as_str(), b[0].1.max_num_seqs), ("llama3-8b-h100", 256));
+        assert_eq!((b[2].1.name.as_str(), b[2].1.max_num_seqs), ("llama3-8b-a100", 8));
+        // The single-object form is one group.
+        let one = scenario(r#"{"count": 3, "profile": "fast"}"#, "").unwrap();
+        assert_eq!(one.backend_addresses().len(), 3);
+        assert!(!one.backends.listed);
+    }
+
+    #[test]
+    fn bad_pool_groups_name_the_group_and_field() {
+        let h100 = r#"{"count": 1, "profile": "llama3-8b-h100"}"#;
+        for (backends, field) in [
+            (format!(r#"[{h100}, {{"count": 1, "profile": "h200"}}]"#), "backends[1].profile"),
+            (format!(r#"[{{"count": 0, "profile": "fast"}}, {h100}]"#), "backends[0].count"),
+            (format!(r#"[{h100}, {{"count": 1, "profile": "fast", "cuont": 2}}]"#), "backends[1]: unknown field `cuont`"),
+            (format!(r#"[{h100}, {{"count": 1, "profile": "fast"}}]"#), "backends[1].profile hashes prefixes"),
+            (format!(r#"[{h100}, {{"count": 1, "profile": "fast", "overrides": {{"block_size": 0}}}}]"#), "backends[1].overrides"),
+            (format!(r#"[{{"count": 200, "profile": "fast"}}, {{"count": 51, "profile": "fast"}}]"#), "at most 250"),
+            ("[]".to_string(), "at least one group"),
+            (r#"{"count": 0, "profile": "fast"}"#.to_string(), "backends.count"),
+        ] {
+            let e = err(&backends, "");
+            assert!(e.contains(field), "{backends}: {e}");
+        }
+    }
+
+    #[test]
+    fn prefix_sharing_applies_to_generated_rows_and_is_checked_against_the_pool() {
+        let pool = r#"{"count": 2, "profile": "llama3-8b-h100"}"#;
+        let s = scenario(pool, r#""prefix_sharing": {"applications": 1, "system_prompt_tokens": 1024},"#).unwrap();
+        let items = s.work_items(Path::new(".")).unwrap();
+        assert!(items.len() > 50);
+        // One application: every row starts with the same two 512-token blocks, then its own.
+        assert!(items.iter().all(|w| w.prefix_hashes.len() == 2 && w.prefix_hashes == items[0].prefix_hashes));
+        let none = scenario(pool, "").unwrap().work_items(Path::new(".")).unwrap();
+        assert!(none.iter().all(|w| w.prefix_hashes.is_empty()));
+        let e = err(pool, r#""prefix_sharing": {"applications": 1, "system_prompt_tokens": 1000},"#);
+        assert!(e.contains("prefix_sharing.system_prompt_tokens") && e.contains("512"), "{e}");
+    }
 }
