@@ -23,7 +23,7 @@ use crate::host::PluginSpec;
 use crate::report::Stats;
 use crate::state::Cluster;
 use crate::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
-use crate::workload::{self, TraceFormat, WorkItem};
+use crate::workload::{self, PrefixSharing, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use sluice_gpu::{GpuProfile, TimeModel};
@@ -90,9 +90,14 @@ impl PickerKind {
 #[serde(rename_all = "kebab-case")]
 pub enum TraceKind {
     /// Azure LLM inference trace 2023, conversation (`azure-llm-2023-conv.csv`).
+    #[value(alias = "azure-conv")]
     Azure,
+    /// Azure LLM inference trace 2023, code (`azure-llm-2023-code.csv`).
+    AzureCode,
     /// Mooncake conversation trace (`mooncake-conversation.jsonl`), with prefix `hash_ids`.
     Mooncake,
+    /// The VTC artifact's Chatbot Arena workload (`chatbot-arena-27-clients.csv`).
+    Arena,
 }
 
 impl TraceKind {
@@ -100,17 +105,102 @@ impl TraceKind {
     pub fn name(self) -> &'static str {
         match self {
             TraceKind::Azure => "azure-conv",
+            TraceKind::AzureCode => "azure-code",
             TraceKind::Mooncake => "mooncake",
+            TraceKind::Arena => "arena",
         }
     }
 
     /// File format.
     pub fn format(self) -> TraceFormat {
         match self {
-            TraceKind::Azure => TraceFormat::AzureCsv,
+            TraceKind::Azure | TraceKind::AzureCode => TraceFormat::AzureCsv,
             TraceKind::Mooncake => TraceFormat::MooncakeJsonl,
+            TraceKind::Arena => TraceFormat::VtcCsv,
         }
     }
+
+    /// The prefix-sharing model of the comparison for this trace (Mooncake brings its own
+    /// `hash_ids`). Assumed shapes, not measured: code assistants behind few applications with
+    /// long system prompts (Azure code: 8 applications, 1,024 tokens, carved out of the
+    /// row's context); chat front-ends with shorter ones and follow-up turns (Azure
+    /// conversation: 16 applications, 512 tokens, 30 % follow-ups); Arena rows count only the
+    /// user's turn, so the system prompt is added to them (8 applications, 512 tokens, 30 %
+    /// follow-ups).
+    pub fn prefix_sharing(self) -> Option<PrefixSharing> {
+        let s = |applications, system_prompt_tokens, prepend, follow_up| {
+            Some(PrefixSharing { applications, system_prompt_tokens, prepend, follow_up })
+        };
+        match self {
+            TraceKind::Azure => s(16, 512, false, 0.3),
+            TraceKind::AzureCode => s(8, 1024, false, 0.0),
+            TraceKind::Mooncake => None,
+            TraceKind::Arena => s(8, 512, true, 0.3),
+        }
+    }
+}
+
+/// Rows `[window·n, (window+1)·n)` of a parsed trace (the windows wrap around when the trace
+/// has fewer), rebased to start at 0, with the trace's prefix-sharing model applied with
+/// `seed`. Distinct windows make the seeds of the comparison distinct traffic, not only
+/// distinct random choices.
+pub fn trace_window(
+    kind: TraceKind,
+    all: &[WorkItem],
+    n: usize,
+    window: usize,
+    block_tokens: u32,
+    seed: u64,
+) -> Result<Vec<WorkItem>> {
+    let n = n.clamp(1, all.len().max(1));
+    let windows = (all.len() / n).max(1);
+    let start = (window % windows) * n;
+    let mut items: Vec<WorkItem> = all.iter().skip(start).take(n).cloned().collect();
+    let t0 = items.first().map_or(0, |w| w.arrival_us);
+    for w in &mut items {
+        w.arrival_us -= t0;
+    }
+    if let Some(ps) = kind.prefix_sharing() {
+        ps.apply(&mut items, block_tokens, seed).map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
+    }
+    Ok(items)
+}
+
+/// Mean requests per second of `items` (over their arrival window).
+pub fn arrival_rate(items: &[WorkItem]) -> f64 {
+    let span = items.last().map_or(0, |w| w.arrival_us) as f64 / 1e6;
+    items.len().saturating_sub(1) as f64 / span.max(1e-9)
+}
+
+/// Scales arrival times so that `items` arrive at `rps` requests per second on average.
+pub fn scale_to_rate(items: &mut [WorkItem], rps: f64) {
+    let k = arrival_rate(items) / rps.max(1e-9);
+    for w in items {
+        w.arrival_us = (w.arrival_us as f64 * k).round() as u64;
+    }
+}
+
+/// Requests per second a pool serves at most on rows like `items`, estimated from each
+/// profile's time model: a request costs its prompt at the prefill rate plus its output at the
+/// per-token decode cost of a full batch (the batch bounded by `max_num_seqs` and by how many
+/// such requests the KV pool holds), and backends add up. Prefix-cache hits are ignored, so
+/// traffic that shares prefixes can take more than this; a load of 1.0 is this rate.
+pub fn capacity_rps(profiles: &[GpuProfile], items: &[WorkItem]) -> f64 {
+    let n = items.len().max(1) as f64;
+    let prompt = items.iter().map(|w| w.prompt_tokens as f64).sum::<f64>() / n;
+    let output = items.iter().map(|w| w.output_tokens as f64).sum::<f64>() / n;
+    profiles
+        .iter()
+        .map(|p| {
+            let t = &p.time;
+            let kv_tokens = p.num_blocks as f64 * p.block_size as f64;
+            let ctx = prompt + output / 2.0;
+            let batch = (p.max_num_seqs as f64).min(kv_tokens / (prompt + output).max(1.0)).max(1.0);
+            let per_output = t.base_us / batch + t.per_decode_seq_us + ctx * t.per_kv_token_us;
+            let cost_us = prompt * t.per_prefill_token_us + output * per_output;
+            1e6 / cost_us.max(1e-9)
+        })
+        .sum()
 }
 
 /// Reads a trace, keeps its first `limit` rows and divides every arrival time by `speedup`
@@ -208,6 +298,14 @@ impl PoolSpec {
             .chain(std::iter::repeat_n(slow.clone(), slow_count))
             .collect();
         PoolSpec { name: name.into(), profiles, death: None }
+    }
+
+    /// The pool a scenario's `backends` describe (groups in order), so that every pool
+    /// compared here can be written as a scenario file.
+    pub fn from_groups(name: &str, pool: &crate::scenario::BackendPool) -> Result<PoolSpec> {
+        pool.validate()?;
+        let profiles = pool.backends()?.into_iter().map(|(_, p)| p).collect();
+        Ok(PoolSpec { name: name.into(), profiles, death: None })
     }
 
     /// Backend addresses, in pool order.
@@ -328,6 +426,9 @@ pub fn client_request(id: u64, item: &WorkItem, hash_block_tokens: u32) -> Clien
 pub struct RunConfig {
     /// Trace name (tables only).
     pub trace: String,
+    /// Offered load as a fraction of the pool's [`capacity_rps`] (tables only; 0 when not
+    /// set by load).
+    pub load: f64,
     /// Picker under test.
     pub picker: PickerKind,
     /// Backends.
@@ -376,6 +477,10 @@ impl RunConfig {
 pub struct RunResult {
     /// Trace.
     pub trace: String,
+    /// Offered load (fraction of the pool's estimated capacity).
+    pub load: f64,
+    /// Seed of the run.
+    pub seed: u64,
     /// Pool name.
     pub pool: String,
     /// Picker.
@@ -405,6 +510,9 @@ pub struct RunResult {
     pub preempted: usize,
     /// Requests dispatched to each backend, in pool order.
     pub per_backend: Vec<usize>,
+    /// Imbalance: the busiest backend's prompt-plus-output tokens over the mean backend's
+    /// (1 = even; on a heterogeneous pool good routing is uneven on purpose).
+    pub imbalance: f64,
     /// With a death: requests dispatched to the dead backend after it died.
     pub sent_to_dead: usize,
     /// With a death: the last dispatch to the dead backend, ms after its death (0 if none).
@@ -469,6 +577,14 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
             queries += m.prefix_queries_tokens;
         }
     }
+    let mut work = vec![0u64; addrs.len()];
+    for r in recs {
+        if let Some(i) = r.endpoint.as_deref().and_then(|e| addrs.iter().position(|a| a == e)) {
+            work[i] += r.prompt_tokens as u64 + r.tokens_received as u64;
+        }
+    }
+    let mean_work = work.iter().sum::<u64>() as f64 / work.len().max(1) as f64;
+    let imbalance = if mean_work > 0.0 { work.iter().copied().max().unwrap_or(0) as f64 / mean_work } else { 1.0 };
     let per_backend = addrs.iter().map(|a| recs.iter().filter(|r| r.endpoint.as_deref() == Some(a)).count()).collect();
     let (mut sent_to_dead, mut last_to_dead_ms) = (0, 0.0f64);
     if let Some(d) = cfg.pool.death {
@@ -487,6 +603,8 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
     let final_stock = sim.host().metric("sluice_stock").map_or(0, |m| m.value);
     RunResult {
         trace: cfg.trace.clone(),
+        load: cfg.load,
+        seed: cfg.seed,
         pool: cfg.pool.name.clone(),
         picker: cfg.picker.name(),
         requests: recs.len(),
@@ -501,6 +619,7 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
         prefix_hit_rate: if queries > 0 { hits as f64 / queries as f64 } else { 0.0 },
         preempted: recs.iter().filter(|r| r.preemptions > 0).count(),
         per_backend,
+        imbalance,
         sent_to_dead,
         last_to_dead_ms,
         final_stock,
@@ -511,8 +630,8 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
 /// The comparison table in Markdown.
 pub fn markdown_table(results: &[RunResult]) -> String {
     let mut s = String::from(
-        "| trace | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | out tok/s | prefix hit | preempted | per backend | to dead after death |\n\
-         |---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n",
+        "| trace | load | seed | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | out tok/s | prefix hit | preempted | per backend | to dead after death |\n\
+         |---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n",
     );
     for r in results {
         let dead = if r.pool.contains("dies") {
@@ -522,8 +641,10 @@ pub fn markdown_table(results: &[RunResult]) -> String {
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {}/{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} | {} |",
+            "| {} | {:.1} | {} | {} | {} | {}/{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} | {} |",
             r.trace,
+            r.load,
+            r.seed,
             r.pool,
             r.picker,
             r.ok,
@@ -545,13 +666,15 @@ pub fn markdown_table(results: &[RunResult]) -> String {
 /// The comparison table as CSV (one row per run).
 pub fn csv(results: &[RunResult]) -> String {
     let mut s = String::from(
-        "trace,pool,picker,requests,ok,failed,unfinished,ttft_p50_ms,ttft_p99_ms,tpot_p50_ms,tpot_p99_ms,output_tokens_per_s,requests_per_s,prefix_hit_rate,preempted,per_backend,sent_to_dead,last_to_dead_ms,final_stock,wall_s\n",
+        "trace,load,seed,pool,picker,requests,ok,failed,unfinished,ttft_p50_ms,ttft_p99_ms,tpot_p50_ms,tpot_p99_ms,output_tokens_per_s,requests_per_s,prefix_hit_rate,preempted,per_backend,imbalance,sent_to_dead,last_to_dead_ms,final_stock,wall_s\n",
     );
     for r in results {
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{},{},{},{},{},{:.2}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{},{},{:.3},{},{},{},{:.2}",
             r.trace,
+            r.load,
+            r.seed,
             r.pool,
             r.picker,
             r.requests,
@@ -567,6 +690,7 @@ pub fn csv(results: &[RunResult]) -> String {
             r.prefix_hit_rate,
             r.preempted,
             r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
+            r.imbalance,
             r.sent_to_dead,
             r.last_to_dead_ms,
             r.final_stock,
@@ -576,75 +700,260 @@ pub fn csv(results: &[RunResult]) -> String {
     s
 }
 
-/// A panel of the figure: its label and the value of a run.
-type Panel = (&'static str, fn(&RunResult) -> f64);
+/// One row of the comparison: a picker on a trace, load and pool, over the seeds run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Trace.
+    pub trace: String,
+    /// Offered load (fraction of the pool's estimated capacity).
+    pub load: f64,
+    /// Pool name.
+    pub pool: String,
+    /// Picker.
+    pub picker: &'static str,
+    /// Seeds (runs) summarized.
+    pub seeds: usize,
+    /// Requests sent, over all seeds.
+    pub requests: usize,
+    /// Completed with 2xx, over all seeds.
+    pub ok: usize,
+    /// Median TTFT, ms, mean over seeds.
+    pub ttft_p50_ms: f64,
+    /// p99 TTFT, ms, mean over seeds.
+    pub ttft_p99_ms: f64,
+    /// Lowest p99 TTFT of a seed, ms.
+    pub ttft_p99_min_ms: f64,
+    /// Highest p99 TTFT of a seed, ms.
+    pub ttft_p99_max_ms: f64,
+    /// Output tokens per second, mean over seeds.
+    pub output_tokens_per_s: f64,
+    /// Prefix-cache hit rate, mean over seeds.
+    pub prefix_hit_rate: f64,
+    /// Imbalance ([`RunResult::imbalance`]), mean over seeds.
+    pub imbalance: f64,
+    /// Round-robin's p99 TTFT over this row's (mean over seeds; > 1: better than round-robin).
+    pub rr_over_p99: Option<f64>,
+}
 
-const PANELS: [Panel; 2] =
-    [("TTFT p99 (s)", |r| r.ttft_ms.p99 / 1000.0), ("prefix-cache hit rate (%)", |r| r.prefix_hit_rate * 100.0)];
+/// Rows of the comparison: runs grouped by (trace, load, pool, picker) in first-seen order,
+/// each with its spread over seeds and its ratio to round-robin on the same traffic.
+pub fn rows(results: &[RunResult]) -> Vec<Row> {
+    let mut keys: Vec<(String, u64, String, &'static str)> = Vec::new();
+    for r in results {
+        let k = (r.trace.clone(), r.load.to_bits(), r.pool.clone(), r.picker);
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let mut out: Vec<Row> = keys
+        .iter()
+        .map(|(trace, load, pool, picker)| {
+            let runs: Vec<&RunResult> = results
+                .iter()
+                .filter(|r| &r.trace == trace && r.load.to_bits() == *load && &r.pool == pool && r.picker == *picker)
+                .collect();
+            let mean = |f: fn(&RunResult) -> f64| runs.iter().map(|r| f(r)).sum::<f64>() / runs.len().max(1) as f64;
+            let p99s = runs.iter().map(|r| r.ttft_ms.p99);
+            Row {
+                trace: trace.clone(),
+                load: f64::from_bits(*load),
+                pool: pool.clone(),
+                picker,
+                seeds: runs.len(),
+                requests: runs.iter().map(|r| r.requests).sum(),
+                ok: runs.iter().map(|r| r.ok).sum(),
+                ttft_p50_ms: mean(|r| r.ttft_ms.p50),
+                ttft_p99_ms: mean(|r| r.ttft_ms.p99),
+                ttft_p99_min_ms: p99s.clone().fold(f64::INFINITY, f64::min),
+                ttft_p99_max_ms: p99s.fold(0.0, f64::max),
+                output_tokens_per_s: mean(|r| r.output_tokens_per_s),
+                prefix_hit_rate: mean(|r| r.prefix_hit_rate),
+                imbalance: mean(|r| r.imbalance),
+                rr_over_p99: None,
+            }
+        })
+        .collect();
+    let rr: Vec<(String, f64, String, f64)> = out
+        .iter()
+        .filter(|r| r.picker == PickerKind::RoundRobin.name())
+        .map(|r| (r.trace.clone(), r.load, r.pool.clone(), r.ttft_p99_ms))
+        .collect();
+    for row in &mut out {
+        row.rr_over_p99 = rr
+            .iter()
+            .find(|(t, l, p, _)| *t == row.trace && *l == row.load && *p == row.pool)
+            .map(|(_, _, _, p99)| p99 / row.ttft_p99_ms.max(1e-9));
+    }
+    out
+}
+
+/// The rows in Markdown: p50 and p99 TTFT (p99's min–max over seeds), throughput, prefix hit
+/// rate, imbalance and the ratio to round-robin.
+pub fn rows_table(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| trace | load | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms (min–max over seeds) | round-robin p99 ÷ this | out tok/s | prefix hit | imbalance |\n\
+         |---|---:|---|---|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} | {} | {} | {}/{} | {:.0} | {:.0} ({:.0}–{:.0}) | {} | {:.0} | {:.1}% | {:.2} |",
+            r.trace,
+            r.load,
+            r.pool,
+            r.picker,
+            r.ok,
+            r.requests,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.ttft_p99_min_ms,
+            r.ttft_p99_max_ms,
+            r.rr_over_p99.map_or("-".into(), |x| format!("{x:.2}×")),
+            r.output_tokens_per_s,
+            r.prefix_hit_rate * 100.0,
+            r.imbalance
+        );
+    }
+    s
+}
+
+/// The rows as CSV.
+pub fn rows_csv(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "trace,load,pool,picker,seeds,requests,ok,ttft_p50_ms,ttft_p99_ms,ttft_p99_min_ms,ttft_p99_max_ms,rr_over_p99,output_tokens_per_s,prefix_hit_rate,imbalance\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{:.1},{:.1},{:.1},{:.1},{},{:.1},{:.4},{:.3}",
+            r.trace,
+            r.load,
+            r.pool,
+            r.picker,
+            r.seeds,
+            r.requests,
+            r.ok,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.ttft_p99_min_ms,
+            r.ttft_p99_max_ms,
+            r.rr_over_p99.map_or(String::new(), |x| format!("{x:.3}")),
+            r.output_tokens_per_s,
+            r.prefix_hit_rate,
+            r.imbalance
+        );
+    }
+    s
+}
+
+/// The issue's goal checked on the rows: the default (`kv-aware`) routing's p99 TTFT is never
+/// above least-request's, and at the highest load of each trace and pool it is at least 1.5×
+/// better than round-robin's. Returns one line per check that fails (empty: the goal holds)
+/// and the number of checks made.
+pub fn goal_failures(rows: &[Row]) -> (Vec<String>, usize) {
+    let (mut fails, mut checks) = (Vec::new(), 0);
+    let kv = PickerKind::KvAware.name();
+    for r in rows.iter().filter(|r| r.picker == kv) {
+        let same = |p: PickerKind| {
+            rows.iter().find(|x| x.trace == r.trace && x.load == r.load && x.pool == r.pool && x.picker == p.name())
+        };
+        if let Some(lr) = same(PickerKind::LeastRequest) {
+            checks += 1;
+            if r.ttft_p99_ms > lr.ttft_p99_ms {
+                fails.push(format!(
+                    "{} at load {:.1} on {}: kv-aware p99 {:.0} ms > least-request {:.0} ms ({:.2}×)",
+                    r.trace,
+                    r.load,
+                    r.pool,
+                    r.ttft_p99_ms,
+                    lr.ttft_p99_ms,
+                    r.ttft_p99_ms / lr.ttft_p99_ms.max(1e-9)
+                ));
+            }
+        }
+        let top = rows
+            .iter()
+            .filter(|x| x.trace == r.trace && x.pool == r.pool)
+            .map(|x| x.load)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if let (true, Some(ratio)) = (r.load == top, r.rr_over_p99) {
+            checks += 1;
+            if ratio < 1.5 {
+                fails.push(format!(
+                    "{} at load {:.1} on {}: round-robin p99 ÷ kv-aware p99 = {ratio:.2}× < 1.5×",
+                    r.trace, r.load, r.pool
+                ));
+            }
+        }
+    }
+    (fails, checks)
+}
 
 const COLORS: [&str; 4] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f"];
 
-/// A figure: for each (trace, pool), bars of TTFT p99 and of the prefix hit rate per picker.
-pub fn svg(results: &[RunResult]) -> String {
-    let mut groups: Vec<(String, String)> = Vec::new();
-    for r in results {
-        let g = (r.trace.clone(), r.pool.clone());
+/// A figure: one panel per (trace, load, pool) with each picker's p99 TTFT (mean over seeds,
+/// a whisker from the lowest to the highest seed), two panels a line.
+pub fn svg(rows: &[Row]) -> String {
+    let mut groups: Vec<(String, u64, String)> = Vec::new();
+    for r in rows {
+        let g = (r.trace.clone(), r.load.to_bits(), r.pool.clone());
         if !groups.contains(&g) {
             groups.push(g);
         }
     }
     let pickers: Vec<&str> = PickerKind::ALL.iter().map(|p| p.name()).collect();
-    let (panel_w, panel_h, top) = (300.0, 170.0, 50.0);
+    let (panel_w, panel_h, top) = (320.0, 150.0, 40.0);
     let width = 40.0 + 2.0 * (panel_w + 40.0);
-    let height = top + groups.len() as f64 * (panel_h + 50.0) + 10.0;
+    let height = top + groups.len().div_ceil(2) as f64 * (panel_h + 40.0) + 10.0;
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"40\" y=\"32\">p99 TTFT (s), mean over seeds, whisker: min–max</text>\n"
     );
     for (k, p) in pickers.iter().enumerate() {
         let x = 40.0 + k as f64 * 120.0;
         let _ = writeln!(
             s,
-            "<rect x=\"{x}\" y=\"12\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"22\">{p}</text>",
+            "<rect x=\"{x}\" y=\"8\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"18\">{p}</text>",
             COLORS[k],
             x + 16.0
         );
     }
-    for (gi, (trace, pool)) in groups.iter().enumerate() {
-        let y0 = top + gi as f64 * (panel_h + 50.0);
-        let rows: Vec<&RunResult> = results.iter().filter(|r| &r.trace == trace && &r.pool == pool).collect();
-        for (mi, (label, f)) in PANELS.iter().enumerate() {
-            let x0 = 40.0 + mi as f64 * (panel_w + 40.0);
-            let max = rows.iter().map(|r| f(r)).fold(0.0f64, f64::max).max(1e-9);
-            if mi == 0 {
-                let _ = writeln!(s, "<text x=\"{x0}\" y=\"{}\" font-weight=\"bold\">{trace}, {pool}</text>", y0 + 2.0);
-            }
+    for (gi, (trace, load, pool)) in groups.iter().enumerate() {
+        let x0 = 40.0 + (gi % 2) as f64 * (panel_w + 40.0);
+        let y0 = top + (gi / 2) as f64 * (panel_h + 40.0);
+        let here: Vec<&Row> =
+            rows.iter().filter(|r| &r.trace == trace && r.load.to_bits() == *load && &r.pool == pool).collect();
+        let max = here.iter().map(|r| r.ttft_p99_max_ms).fold(0.0f64, f64::max).max(1e-9);
+        let _ = writeln!(
+            s,
+            "<text x=\"{x0}\" y=\"{}\" font-weight=\"bold\">{trace}, load {:.1}, {pool}</text>\n<line x1=\"{x0}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+            y0 + 14.0,
+            f64::from_bits(*load),
+            y0 + panel_h,
+            x0 + panel_w,
+            y0 + panel_h
+        );
+        let bw = panel_w / (pickers.len() as f64 * 1.5);
+        let scale = |v: f64| (v / max) * (panel_h - 40.0);
+        for r in &here {
+            let Some(k) = pickers.iter().position(|p| *p == r.picker) else {
+                continue;
+            };
+            let (h, lo, hi) = (scale(r.ttft_p99_ms), scale(r.ttft_p99_min_ms), scale(r.ttft_p99_max_ms));
+            let x = x0 + 10.0 + k as f64 * bw * 1.5;
+            let cx = x + bw / 2.0;
             let _ = writeln!(
                 s,
-                "<text x=\"{x0}\" y=\"{}\">{label}</text>\n<line x1=\"{x0}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-                y0 + 18.0,
-                y0 + panel_h,
-                x0 + panel_w,
-                y0 + panel_h
+                "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{bw:.1}\" height=\"{h:.1}\" fill=\"{}\"/>\
+                 <line x1=\"{cx:.1}\" y1=\"{:.1}\" x2=\"{cx:.1}\" y2=\"{:.1}\" stroke=\"black\"/>\
+                 <text x=\"{cx:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{:.1}</text>",
+                y0 + panel_h - h,
+                COLORS[k],
+                y0 + panel_h - lo,
+                y0 + panel_h - hi,
+                y0 + panel_h - hi - 3.0,
+                r.ttft_p99_ms / 1000.0
             );
-            let bw = panel_w / (pickers.len() as f64 * 1.5);
-            for r in &rows {
-                let Some(k) = pickers.iter().position(|p| *p == r.picker) else {
-                    continue;
-                };
-                let v = f(r);
-                let h = (v / max) * (panel_h - 40.0);
-                let x = x0 + 10.0 + k as f64 * bw * 1.5;
-                let _ = writeln!(
-                    s,
-                    "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{bw:.1}\" height=\"{h:.1}\" fill=\"{}\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
-                    y0 + panel_h - h,
-                    COLORS[k],
-                    x + bw / 2.0,
-                    y0 + panel_h - h - 3.0,
-                    if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.1}") }
-                );
-            }
         }
     }
     s.push_str("</svg>\n");

@@ -21,6 +21,7 @@ fn slow_fast() -> GpuProfile {
 fn config(picker: PickerKind, pool: PoolSpec) -> RunConfig {
     RunConfig {
         trace: "synthetic".into(),
+        load: 0.0,
         picker,
         pool,
         workers: 2,

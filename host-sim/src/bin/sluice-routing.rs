@@ -1,16 +1,21 @@
 //! `sluice-routing`: compares the filter's endpoint pickers (random, round-robin, least-request,
-//! KV-aware) in virtual time on a heterogeneous GPU pool and on the same pool with a backend that
-//! dies mid-run, replaying the Azure conversation and Mooncake traces. Writes `table.md`,
-//! `table.csv`, `results.json` and `routing.svg` to `--out`, and prints the table.
+//! and the default metrics routing, `kv-aware`) in virtual time, on the Azure conversation and
+//! code traces, Mooncake and Arena, each at several loads (fractions of the pool's estimated
+//! capacity) and seeds (distinct windows of the trace), on a homogeneous and a heterogeneous
+//! pool (and optionally one whose backend dies mid-run). Writes `table.md` and `table.csv` (one
+//! row per trace, load, pool and picker, with the spread over seeds and the ratio to
+//! round-robin), `runs.md`, `runs.csv`, `results.json` (every run) and `routing.svg` to
+//! `--out`, prints the table and checks the goal.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use host_sim::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind};
+use host_sim::scenario::{BackendPool, Backends};
+use host_sim::workload::WorkItem;
 use std::path::PathBuf;
 
-/// Compare random, round-robin, least-request and KV-aware routing of the sluice filter in
-/// virtual time, on a pool of two fast and two slow GPUs (and the same pool with one fast GPU
-/// dying mid-run), on the Azure conversation trace and the Mooncake trace.
+/// Compare random, round-robin, least-request and the default (kv-aware) routing of the sluice
+/// filter in virtual time over traces, loads, seeds and pools.
 #[derive(Parser, Debug)]
 #[command(name = "sluice-routing")]
 struct Cli {
@@ -18,47 +23,58 @@ struct Cli {
     /// --release`).
     #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
     wasm: PathBuf,
-    /// Directory for table.md, table.csv, results.json and routing.svg.
+    /// Directory for the tables, results.json and routing.svg.
     #[arg(long, default_value = "out/routing")]
     out: PathBuf,
-    /// Short runs (a quarter of the requests of each trace), for a quick look.
+    /// Short runs (a quarter of the rows, one seed), for a quick look.
     #[arg(long)]
     quick: bool,
     /// Traces to replay.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "azure,mooncake")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "azure,azure-code,mooncake,arena")]
     traces: Vec<TraceKind>,
     /// Pickers to compare.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "random,round-robin,least-request,kv-aware")]
     pickers: Vec<PickerKind>,
-    /// Pools: `hetero` (2 fast + 2 slow) and/or `dies` (the same, one fast backend dies).
-    #[arg(long, value_delimiter = ',', default_value = "hetero,dies")]
+    /// Pools: `homo` (4 fast), `hetero` (2 fast + 2 slow), `dies` (hetero, one fast backend
+    /// dies at --die-at of the arrival window).
+    #[arg(long, value_delimiter = ',', default_value = "homo,hetero")]
     pools: Vec<String>,
+    /// Offered loads, as fractions of the pool's capacity estimated from its profiles' time
+    /// models (prefix-cache hits ignored).
+    #[arg(long, value_delimiter = ',', default_value = "0.7,1.2")]
+    loads: Vec<f64>,
+    /// Seeds: seed k replays the k-th window of each trace's rows, draws its prefix sharing
+    /// with seed k and seeds the filter's random choices with k.
+    #[arg(long, default_value_t = 3)]
+    seeds: u64,
     /// The Azure LLM inference trace 2023 (conversation) CSV.
     #[arg(long, default_value = "host-sim/traces/azure-llm-2023-conv.csv")]
     azure: PathBuf,
+    /// The Azure LLM inference trace 2023 (code) CSV.
+    #[arg(long, default_value = "host-sim/traces/azure-llm-2023-code.csv")]
+    azure_code: PathBuf,
     /// The Mooncake conversation trace (JSON lines with hash_ids).
     #[arg(long, default_value = "host-sim/traces/mooncake-conversation.jsonl")]
     mooncake: PathBuf,
-    /// First N requests of the Azure trace.
-    #[arg(long, default_value_t = 4000)]
+    /// The Chatbot Arena workload of the VTC artifact (vtc-csv).
+    #[arg(long, default_value = "host-sim/traces/chatbot-arena-27-clients.csv")]
+    arena: PathBuf,
+    /// Rows per run of the Azure conversation trace.
+    #[arg(long, default_value_t = 400)]
     azure_requests: usize,
-    /// First N requests of the Mooncake trace.
-    #[arg(long, default_value_t = 1200)]
+    /// Rows per run of the Azure code trace.
+    #[arg(long, default_value_t = 300)]
+    azure_code_requests: usize,
+    /// Rows per run of the Mooncake trace (~12 k-token prompts).
+    #[arg(long, default_value_t = 150)]
     mooncake_requests: usize,
-    /// Azure arrivals are replayed this many times faster than recorded (load scaling: the
-    /// recorded ~5 req/s would leave this pool nearly idle; x8 gives ~39 req/s on the first
-    /// 4000 rows).
-    #[arg(long, default_value_t = 8.0)]
-    azure_speedup: f64,
-    /// Mooncake arrivals are replayed this many times faster than recorded (its ~3 req/s of
-    /// ~14 k-token prompts already loads this pool heavily; x1.5 overloads it).
-    #[arg(long, default_value_t = 1.0)]
-    mooncake_speedup: f64,
-    /// Profile of the two fast backends.
+    /// Rows per run of the Arena trace.
+    #[arg(long, default_value_t = 400)]
+    arena_requests: usize,
+    /// Profile of the fast backends.
     #[arg(long, default_value = "llama3-8b-h100")]
     fast_profile: String,
-    /// Profile of the two slow backends (`llama3-8b-a100` is the H100 profile at A100 speed;
-    /// `llama2-7b-a10g` cannot serve Mooncake's long prompts).
+    /// Profile of the slow half of the heterogeneous pool.
     #[arg(long, default_value = "llama3-8b-a100")]
     slow_profile: String,
     /// In the `dies` pool, backend 0 (fast) dies at this fraction of the arrival window.
@@ -77,10 +93,7 @@ struct Cli {
     /// Round trip of a metrics scrape, µs.
     #[arg(long, default_value_t = 500)]
     call_latency_us: u64,
-    /// Seed of the filter's random choices.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Scorer weights of the KV-aware picker instead of the filter's defaults, as a JSON
+    /// Scorer weights of the kv-aware picker instead of the filter's defaults, as a JSON
     /// `routing.weights` object (for ablations, e.g. '{"prefix":0}').
     #[arg(long)]
     kv_aware_weights: Option<String>,
@@ -97,17 +110,32 @@ fn main() {
     }
 }
 
+/// A pool as scenario `backends` groups, so the same pool can be written in a scenario file.
+fn pool(cli: &Cli, name: &str) -> Result<PoolSpec> {
+    let group = |count, profile: &str| Backends {
+        count,
+        profile: profile.into(),
+        port: 8000,
+        overrides: Default::default(),
+    };
+    let groups = match name {
+        "homo" => vec![group(4, &cli.fast_profile)],
+        "hetero" | "dies" => vec![group(2, &cli.fast_profile), group(2, &cli.slow_profile)],
+        _ => bail!("--pools: unknown pool `{name}` (known: homo, hetero, dies)"),
+    };
+    let label = groups.iter().map(|g| format!("{}x{}", g.count, g.profile)).collect::<Vec<_>>().join("+");
+    PoolSpec::from_groups(&label, &BackendPool { groups, listed: true }).with_context(|| format!("pool `{name}`"))
+}
+
 fn run(cli: Cli) -> Result<()> {
-    for p in &cli.pools {
-        if p != "hetero" && p != "dies" {
-            bail!("--pools: unknown pool `{p}` (known: hetero, dies)");
-        }
-    }
     if !(cli.die_at > 0.0 && cli.die_at < 1.0) {
         bail!("--die-at must be between 0 and 1, got {}", cli.die_at);
     }
-    if cli.workers == 0 || cli.jobs == 0 {
-        bail!("--workers and --jobs must be at least 1");
+    if cli.workers == 0 || cli.jobs == 0 || cli.seeds == 0 {
+        bail!("--workers, --jobs and --seeds must be at least 1");
+    }
+    if cli.loads.is_empty() || cli.loads.iter().any(|l| !(*l > 0.0 && l.is_finite())) {
+        bail!("--loads must be positive numbers, got {:?}", cli.loads);
     }
     let kv_weights = match &cli.kv_aware_weights {
         Some(w) => {
@@ -120,54 +148,65 @@ fn run(cli: Cli) -> Result<()> {
         None => None,
     };
     let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading --wasm {}", cli.wasm.display()))?;
-    let fast = rc::profile_by_name(&cli.fast_profile).context("--fast-profile")?;
-    let slow = rc::profile_by_name(&cli.slow_profile).context("--slow-profile")?;
-    let div = if cli.quick { 4 } else { 1 };
+    let pools: Vec<(String, PoolSpec)> =
+        cli.pools.iter().map(|p| Ok((p.clone(), pool(&cli, p)?))).collect::<Result<_>>()?;
+    let (div, seeds) = if cli.quick { (4, 1) } else { (1, cli.seeds) };
     let mut jobs: Vec<(RunConfig, usize)> = Vec::new();
-    let mut traces = Vec::new();
+    let mut workloads: Vec<Vec<WorkItem>> = Vec::new();
     for &t in &cli.traces {
-        let (path, n, speedup) = match t {
-            TraceKind::Azure => (&cli.azure, cli.azure_requests / div, cli.azure_speedup),
-            TraceKind::Mooncake => (&cli.mooncake, cli.mooncake_requests / div, cli.mooncake_speedup),
+        let (path, n) = match t {
+            TraceKind::Azure => (&cli.azure, cli.azure_requests),
+            TraceKind::AzureCode => (&cli.azure_code, cli.azure_code_requests),
+            TraceKind::Mooncake => (&cli.mooncake, cli.mooncake_requests),
+            TraceKind::Arena => (&cli.arena, cli.arena_requests),
         };
-        let items = rc::load_trace(t, path, n.max(1), speedup)?;
-        let window = items.last().map_or(0, |w| w.arrival_us);
-        let mean = |f: fn(&host_sim::workload::WorkItem) -> u32| {
-            items.iter().map(|w| f(w) as f64).sum::<f64>() / items.len() as f64
-        };
-        println!(
-            "{}: {} requests over {:.0} s ({:.2} req/s, x{speedup} of the recorded rate), mean {:.0} prompt / {:.0} output tokens",
-            t.name(),
-            items.len(),
-            window as f64 / 1e6,
-            items.len() as f64 / (window as f64 / 1e6).max(1e-9),
-            mean(|w| w.prompt_tokens),
-            mean(|w| w.output_tokens)
-        );
-        for pool in &cli.pools {
-            let mut spec = PoolSpec::mixed(&format!("2x{}+2x{}", fast.name, slow.name), &fast, 2, &slow, 2);
-            if pool == "dies" {
-                let at_us = (window as f64 * cli.die_at) as u64;
-                spec.death = Some(Death { backend: 0, at_us });
-                spec.name = format!("{} (10.0.0.1 dies at {:.0} s)", spec.name, at_us as f64 / 1e6);
-            }
-            for &picker in &cli.pickers {
-                let cfg = RunConfig {
-                    trace: t.name().into(),
-                    picker,
-                    pool: spec.clone(),
-                    workers: cli.workers,
-                    watermark_per_backend: cli.watermark_per_backend,
-                    scrape_interval_ms: cli.scrape_interval_ms,
-                    seed: cli.seed,
-                    call_latency_us: cli.call_latency_us,
-                    kv_weights: kv_weights.clone(),
-                };
-                jobs.push((cfg, traces.len()));
+        let n = (n / div).max(2);
+        let all = rc::load_trace(t, path, usize::MAX, 1.0)?;
+        for (pool_name, spec) in &pools {
+            let block = spec.profiles.first().map_or(512, |p| p.prefix_hash_tokens);
+            for seed in 0..seeds {
+                let base = rc::trace_window(t, &all, n, seed as usize, block, seed)?;
+                let cap = rc::capacity_rps(&spec.profiles, &base);
+                let mean = |f: fn(&WorkItem) -> u32| base.iter().map(|w| f(w) as f64).sum::<f64>() / base.len() as f64;
+                println!(
+                    "{} seed {seed} on {pool_name}: {} rows, recorded {:.2} req/s, mean {:.0} prompt / {:.0} output tokens, estimated capacity {:.2} req/s",
+                    t.name(),
+                    base.len(),
+                    rc::arrival_rate(&base),
+                    mean(|w| w.prompt_tokens),
+                    mean(|w| w.output_tokens),
+                    cap
+                );
+                for &load in &cli.loads {
+                    let mut items = base.clone();
+                    rc::scale_to_rate(&mut items, load * cap);
+                    let mut spec = spec.clone();
+                    if pool_name == "dies" {
+                        let at_us = (items.last().map_or(0, |w| w.arrival_us) as f64 * cli.die_at) as u64;
+                        spec.death = Some(Death { backend: 0, at_us });
+                        spec.name = format!("{} (10.0.0.1 dies at {:.0} s)", spec.name, at_us as f64 / 1e6);
+                    }
+                    for &picker in &cli.pickers {
+                        let cfg = RunConfig {
+                            trace: t.name().into(),
+                            load,
+                            picker,
+                            pool: spec.clone(),
+                            workers: cli.workers,
+                            watermark_per_backend: cli.watermark_per_backend,
+                            scrape_interval_ms: cli.scrape_interval_ms,
+                            seed,
+                            call_latency_us: cli.call_latency_us,
+                            kv_weights: kv_weights.clone(),
+                        };
+                        jobs.push((cfg, workloads.len()));
+                    }
+                    workloads.push(items);
+                }
             }
         }
-        traces.push(items);
     }
+    let started = std::time::Instant::now();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results: std::sync::Mutex<Vec<Option<Result<RunResult>>>> =
         std::sync::Mutex::new((0..jobs.len()).map(|_| None).collect());
@@ -175,10 +214,20 @@ fn run(cli: Cli) -> Result<()> {
         for _ in 0..cli.jobs.min(jobs.len()) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some((cfg, t)) = jobs.get(i) else { break };
-                let r = rc::run(&wasm, cfg, &traces[*t]).map(|(_, r)| r);
+                let Some((cfg, w)) = jobs.get(i) else { break };
+                let r = rc::run(&wasm, cfg, &workloads[*w]).map(|(_, r)| r);
                 if let Ok(r) = &r {
-                    eprintln!("  {} | {} | {}: {:.1} s", r.trace, r.pool, r.picker, r.wall_s);
+                    eprintln!(
+                        "  [{}/{}] {} load {} seed {} | {} | {}: {:.1} s",
+                        i + 1,
+                        jobs.len(),
+                        r.trace,
+                        r.load,
+                        r.seed,
+                        r.pool,
+                        r.picker,
+                        r.wall_s
+                    );
                 }
                 results.lock().expect("no panics")[i] = Some(r);
             });
@@ -190,35 +239,30 @@ fn run(cli: Cli) -> Result<()> {
         .into_iter()
         .map(|r| r.expect("every job ran"))
         .collect::<Result<_>>()?;
-    let table = rc::markdown_table(&results);
+    let rows = rc::rows(&results);
+    let table = rc::rows_table(&rows);
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating --out {}", cli.out.display()))?;
     std::fs::write(cli.out.join("table.md"), &table)?;
-    std::fs::write(cli.out.join("table.csv"), rc::csv(&results))?;
+    std::fs::write(cli.out.join("table.csv"), rc::rows_csv(&rows))?;
+    std::fs::write(cli.out.join("runs.md"), rc::markdown_table(&results))?;
+    std::fs::write(cli.out.join("runs.csv"), rc::csv(&results))?;
     std::fs::write(cli.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
-    std::fs::write(cli.out.join("routing.svg"), rc::svg(&results))?;
+    std::fs::write(cli.out.join("routing.svg"), rc::svg(&rows))?;
     println!("\n{table}");
-    for (trace, pool) in groups(&results) {
-        let get = |p: &str| results.iter().find(|r| r.trace == trace && r.pool == pool && r.picker == p);
-        if let (Some(kv), Some(rr), Some(lr)) = (get("kv-aware"), get("round-robin"), get("least-request")) {
-            println!(
-                "{trace}, {pool}: TTFT p99 round-robin / kv-aware = {:.2}x (goal >= 2); prefix hit kv-aware {:.1}% vs least-request {:.1}% (goal: higher)",
-                rr.ttft_ms.p99 / kv.ttft_ms.p99.max(1e-9),
-                kv.prefix_hit_rate * 100.0,
-                lr.prefix_hit_rate * 100.0
-            );
+    let (fails, checks) = rc::goal_failures(&rows);
+    if fails.is_empty() {
+        println!("goal holds on all {checks} checks (kv-aware p99 <= least-request's on every row; >= 1.5x better than round-robin at the highest load)");
+    } else {
+        println!("goal fails {} of {checks} checks:", fails.len());
+        for f in &fails {
+            println!("  {f}");
         }
     }
-    println!("wrote {}/table.md, table.csv, results.json, routing.svg", cli.out.display());
+    println!(
+        "{} runs in {:.0} s; wrote {}/table.md, table.csv, runs.md, runs.csv, results.json, routing.svg",
+        results.len(),
+        started.elapsed().as_secs_f64(),
+        cli.out.display()
+    );
     Ok(())
-}
-
-fn groups(results: &[RunResult]) -> Vec<(String, String)> {
-    let mut g: Vec<(String, String)> = Vec::new();
-    for r in results {
-        let k = (r.trace.clone(), r.pool.clone());
-        if !g.contains(&k) {
-            g.push(k);
-        }
-    }
-    g
 }
