@@ -1,14 +1,14 @@
 //! Comparison of the filter's endpoint pickers in virtual time: the real filter `.wasm` in front
-//! of a heterogeneous GPU pool (optionally with a backend that dies mid-run), replaying the Azure
-//! conversation trace or the Mooncake trace, one run per picker. The `sluice-routing` binary
-//! wraps it; `tests/routing.rs` checks its claims on short runs.
+//! of a GPU pool (homogeneous, heterogeneous, optionally with a backend that dies mid-run),
+//! replaying windows of the Azure conversation and code traces, Mooncake and Arena at loads set
+//! as fractions of the pool's estimated capacity ([`capacity_rps`]), one run per picker. The
+//! `sluice-routing` binary wraps it; `tests/routing.rs` checks its claims on short runs.
 //!
-//! Prompts are synthetic text of exactly `4 × prompt_tokens` bytes (4 bytes per token, as both
-//! the filter and the GPU model count). For Mooncake rows, block `j` of 512 tokens (2048 bytes;
-//! in general the GPU profile's `prefix_hash_tokens`) is derived from `hash_ids[j]` alone, so rows that share leading `hash_ids` share identical
-//! leading text: the filter's prefix hashing (64-byte blocks) sees the same sharing as the GPU
-//! model's prefix cache, which gets the `hash_ids` themselves. Azure rows carry no prefix
-//! information, so each prompt is text unique to its request (no prefix sharing at all).
+//! Prompts are [`workload::prompt_text`]: block `j` of `prefix_hash_tokens` tokens comes from
+//! the row's `prefix_hashes[j]`, so rows that share leading ids share identical leading text
+//! and the filter's prefix hashing (64-byte blocks) sees the same sharing as the GPU model's
+//! prefix cache. Mooncake rows bring their `hash_ids`; the other traces get theirs from
+//! [`TraceKind::prefix_sharing`] (system prompts per application, follow-up turns).
 //!
 //! Every picker is judged on the same requests: the filter runs FCFS with queues that never
 //! refuse (capacities of a million, a day of TTL, no critical reserve), so latency shows up as
@@ -958,4 +958,105 @@ pub fn svg(rows: &[Row]) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(trace: &str, load: f64, seed: u64, picker: PickerKind, p99: f64) -> RunResult {
+        RunResult {
+            trace: trace.into(),
+            load,
+            seed,
+            pool: "p".into(),
+            picker: picker.name(),
+            requests: 10,
+            ok: 10,
+            failed: 0,
+            unfinished: 0,
+            failures: Default::default(),
+            ttft_ms: Stats { p99, ..Stats::of(vec![1.0]) },
+            tpot_ms: Stats::of(vec![1.0]),
+            output_tokens_per_s: 1.0,
+            requests_per_s: 1.0,
+            prefix_hit_rate: 0.0,
+            preempted: 0,
+            per_backend: vec![5, 5],
+            imbalance: 1.0,
+            sent_to_dead: 0,
+            last_to_dead_ms: 0.0,
+            final_stock: 0,
+            wall_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn rows_summarize_seeds_and_the_goal_is_checked_per_row() {
+        use PickerKind::*;
+        let mut runs = Vec::new();
+        for (seed, (rr, lr, kv)) in [(300.0, 100.0, 90.0), (500.0, 140.0, 150.0)].into_iter().enumerate() {
+            for (load, k) in [(0.7, 0.5), (1.2, 1.0)] {
+                runs.push(result("t", load, seed as u64, RoundRobin, rr * k));
+                runs.push(result("t", load, seed as u64, LeastRequest, lr * k));
+                runs.push(result("t", load, seed as u64, KvAware, kv * k));
+            }
+        }
+        let rows = rows(&runs);
+        assert_eq!(rows.len(), 6);
+        let kv = rows.iter().find(|r| r.picker == "kv-aware" && r.load == 1.2).unwrap();
+        assert_eq!((kv.seeds, kv.requests), (2, 20));
+        assert_eq!((kv.ttft_p99_ms, kv.ttft_p99_min_ms, kv.ttft_p99_max_ms), (120.0, 90.0, 150.0));
+        assert_eq!(kv.rr_over_p99, Some(400.0 / 120.0));
+        let (fails, checks) = goal_failures(&rows);
+        assert_eq!((fails.len(), checks), (0, 3), "{fails:?}");
+        // A seed where kv-aware is clearly worse than least-request fails both loads' checks.
+        runs.push(result("t", 0.7, 2, KvAware, 1000.0));
+        runs.push(result("t", 1.2, 2, KvAware, 10000.0));
+        let (fails, _) = goal_failures(&super::rows(&runs));
+        assert_eq!(fails.len(), 3, "{fails:?}");
+        assert!(fails.iter().any(|f| f.contains("< 1.5×")));
+    }
+
+    #[test]
+    fn capacity_scales_with_the_pool_and_falls_with_longer_prompts() {
+        let h100 = GpuProfile::llama3_8b_h100();
+        let row = |p| WorkItem {
+            arrival_us: 0,
+            client: "c".into(),
+            prompt_tokens: p,
+            output_tokens: 100,
+            prefix_hashes: vec![],
+            model: None,
+            headers: vec![],
+        };
+        let short = capacity_rps(&[h100.clone()], &[row(500)]);
+        assert!((capacity_rps(&[h100.clone(), h100.clone()], &[row(500)]) - 2.0 * short).abs() < 1e-9);
+        assert!(capacity_rps(&[h100.clone()], &[row(5000)]) < short / 2.0);
+        assert!(capacity_rps(&[a100_profile()], &[row(500)]) < short);
+    }
+
+    #[test]
+    fn trace_windows_are_distinct_rebased_and_scaled_to_a_rate() {
+        let all: Vec<WorkItem> = (0..10u64)
+            .map(|i| WorkItem {
+                arrival_us: i * 1_000_000,
+                client: "c".into(),
+                prompt_tokens: 600,
+                output_tokens: 1,
+                prefix_hashes: vec![],
+                model: None,
+                headers: vec![],
+            })
+            .collect();
+        let w1 = trace_window(TraceKind::Mooncake, &all, 4, 1, 512, 0).unwrap();
+        assert_eq!(w1.iter().map(|w| w.arrival_us).collect::<Vec<_>>(), [0, 1_000_000, 2_000_000, 3_000_000]);
+        // Two whole windows of 4 fit in 10 rows; window 2 wraps to window 0.
+        let w2 = trace_window(TraceKind::Mooncake, &all, 4, 2, 512, 0).unwrap();
+        assert_eq!(w2, trace_window(TraceKind::Mooncake, &all, 4, 0, 512, 0).unwrap());
+        let mut az = trace_window(TraceKind::Azure, &all, 4, 0, 512, 0).unwrap();
+        assert!(az.iter().all(|w| w.prefix_hashes.len() == 1), "azure rows get one 512-token block");
+        scale_to_rate(&mut az, 3.0);
+        assert!((arrival_rate(&az) - 3.0).abs() < 1e-3);
+    }
 }
