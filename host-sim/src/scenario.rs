@@ -485,9 +485,15 @@ mod tests {
         for (backends, field) in [
             (format!(r#"[{h100}, {{"count": 1, "profile": "h200"}}]"#), "backends[1].profile"),
             (format!(r#"[{{"count": 0, "profile": "fast"}}, {h100}]"#), "backends[0].count"),
-            (format!(r#"[{h100}, {{"count": 1, "profile": "fast", "cuont": 2}}]"#), "backends[1]: unknown field `cuont`"),
+            (
+                format!(r#"[{h100}, {{"count": 1, "profile": "fast", "cuont": 2}}]"#),
+                "backends[1]: unknown field `cuont`",
+            ),
             (format!(r#"[{h100}, {{"count": 1, "profile": "fast"}}]"#), "backends[1].profile hashes prefixes"),
-            (format!(r#"[{h100}, {{"count": 1, "profile": "fast", "overrides": {{"block_size": 0}}}}]"#), "backends[1].overrides"),
+            (
+                format!(r#"[{h100}, {{"count": 1, "profile": "fast", "overrides": {{"block_size": 0}}}}]"#),
+                "backends[1].overrides",
+            ),
             (format!(r#"[{{"count": 200, "profile": "fast"}}, {{"count": 51, "profile": "fast"}}]"#), "at most 250"),
             ("[]".to_string(), "at least one group"),
             (r#"{"count": 0, "profile": "fast"}"#.to_string(), "backends.count"),

@@ -112,12 +112,8 @@ fn main() {
 
 /// A pool as scenario `backends` groups, so the same pool can be written in a scenario file.
 fn pool(cli: &Cli, name: &str) -> Result<PoolSpec> {
-    let group = |count, profile: &str| Backends {
-        count,
-        profile: profile.into(),
-        port: 8000,
-        overrides: Default::default(),
-    };
+    let group =
+        |count, profile: &str| Backends { count, profile: profile.into(), port: 8000, overrides: Default::default() };
     let groups = match name {
         "homo" => vec![group(4, &cli.fast_profile)],
         "hetero" | "dies" => vec![group(2, &cli.fast_profile), group(2, &cli.slow_profile)],
