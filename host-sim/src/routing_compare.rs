@@ -1,7 +1,8 @@
 //! Comparison of the filter's endpoint pickers in virtual time: the real filter `.wasm` in front
 //! of a GPU pool (homogeneous, heterogeneous, optionally with a backend that dies mid-run),
 //! replaying windows of the Azure conversation and code traces, Mooncake and Arena at loads set
-//! as fractions of the pool's estimated capacity ([`capacity_rps`]), one run per picker. The
+//! as fractions of the pool's capacity measured by a saturation run on the same trace
+//! ([`measure_capacity`]), one run per picker. The
 //! `sluice-routing` binary wraps it; `tests/routing.rs` checks its claims on short runs.
 //!
 //! Prompts are [`workload::prompt_text`]: block `j` of `prefix_hash_tokens` tokens comes from
@@ -184,7 +185,8 @@ pub fn scale_to_rate(items: &mut [WorkItem], rps: f64) {
 /// profile's time model: a request costs its prompt at the prefill rate plus its output at the
 /// per-token decode cost of a full batch (the batch bounded by `max_num_seqs` and by how many
 /// such requests the KV pool holds), and backends add up. Prefix-cache hits are ignored, so
-/// traffic that shares prefixes can take more than this; a load of 1.0 is this rate.
+/// traffic that shares prefixes can take more than this. Printed beside the measured
+/// capacity ([`measure_capacity`]), which sets the loads.
 pub fn capacity_rps(profiles: &[GpuProfile], items: &[WorkItem]) -> f64 {
     let n = items.len().max(1) as f64;
     let prompt = items.iter().map(|w| w.prompt_tokens as f64).sum::<f64>() / n;
@@ -201,6 +203,73 @@ pub fn capacity_rps(profiles: &[GpuProfile], items: &[WorkItem]) -> f64 {
             1e6 / cost_us.max(1e-9)
         })
         .sum()
+}
+
+/// Requests a pool holds in its batches at once on rows like `items`: per backend the batch
+/// limit or as many mean requests (prompt plus output) as its KV pool holds, whichever is less.
+/// A saturation run needs several times this many rows to reach a steady state.
+pub fn pool_slots(profiles: &[GpuProfile], items: &[WorkItem]) -> usize {
+    let n = items.len().max(1) as f64;
+    let mean = items.iter().map(|w| (w.prompt_tokens + w.output_tokens) as f64).sum::<f64>() / n;
+    profiles
+        .iter()
+        .map(|p| {
+            let kv_tokens = p.num_blocks as f64 * p.block_size as f64;
+            (p.max_num_seqs as f64).min(kv_tokens / mean.max(1.0)).max(1.0) as usize
+        })
+        .sum()
+}
+
+/// A pool's capacity measured by a saturation run of a picker on a trace's rows, with what was
+/// measured, so that a load printed as a fraction of it says what it is a fraction of.
+#[derive(Clone, Debug, Serialize)]
+pub struct MeasuredCapacity {
+    /// Trace the rows come from.
+    pub trace: String,
+    /// Pool name.
+    pub pool: String,
+    /// Picker of the saturation run.
+    pub picker: &'static str,
+    /// Completion rate while saturated, rows in the run, output tokens per second.
+    pub capacity: crate::slo_repro::Capacity,
+    /// Prefix-cache hit rate of the saturation run (hits count toward capacity).
+    pub prefix_hit_rate: f64,
+}
+
+impl MeasuredCapacity {
+    /// One line for logs and tables.
+    pub fn describe(&self) -> String {
+        format!(
+            "measured capacity of {} on {} ({} rows at once, {} picker): {:.2} req/s, {:.0} output tok/s, prefix hit {:.1}%",
+            self.pool,
+            self.trace,
+            self.capacity.requests,
+            self.picker,
+            self.capacity.rps,
+            self.capacity.output_tok_s,
+            self.prefix_hit_rate * 100.0
+        )
+    }
+}
+
+/// The capacity of `cfg`'s pool on rows like `items`, measured as `sluice-slo` measures it
+/// ([`crate::slo_repro::saturation_burst`], [`crate::slo_repro::Capacity::from_saturation_run`])
+/// but through this comparison's run, so prompts share their prefixes and the prefix cache's
+/// hits count. `cfg`'s picker routes the run; `cfg.pool` must not die.
+pub fn measure_capacity(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<MeasuredCapacity> {
+    if cfg.pool.death.is_some() {
+        bail!("a capacity run needs a pool whose backends all live");
+    }
+    let (_, r, recs) = run_records(wasm, cfg, &crate::slo_repro::saturation_burst(items))?;
+    let capacity = crate::slo_repro::Capacity::from_saturation_run(&recs)
+        .with_context(|| format!("{} on {}", cfg.trace, cfg.pool.name))?;
+    Ok(MeasuredCapacity {
+        trace: cfg.trace.clone(),
+        pool: cfg.pool.name.clone(),
+        picker: cfg.picker.name(),
+        capacity,
+        prefix_hit_rate: r.prefix_hit_rate,
+    })
 }
 
 /// Reads a trace, keeps its first `limit` rows and divides every arrival time by `speedup`
@@ -426,8 +495,8 @@ pub fn client_request(id: u64, item: &WorkItem, hash_block_tokens: u32) -> Clien
 pub struct RunConfig {
     /// Trace name (tables only).
     pub trace: String,
-    /// Offered load as a fraction of the pool's [`capacity_rps`] (tables only; 0 when not
-    /// set by load).
+    /// Offered load as a fraction of the pool's measured capacity ([`measure_capacity`];
+    /// tables only; 0 when not set by load).
     pub load: f64,
     /// Picker under test.
     pub picker: PickerKind,
@@ -477,7 +546,7 @@ impl RunConfig {
 pub struct RunResult {
     /// Trace.
     pub trace: String,
-    /// Offered load (fraction of the pool's estimated capacity).
+    /// Offered load (fraction of the pool's measured capacity).
     pub load: f64,
     /// Seed of the run.
     pub seed: u64,
@@ -553,12 +622,17 @@ pub fn build(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<Sim> {
 
 /// Runs one picker on one pool and trace to completion.
 pub fn run(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<(Sim, RunResult)> {
+    run_records(wasm, cfg, items).map(|(sim, res, _)| (sim, res))
+}
+
+/// [`run`], keeping every request's record.
+pub fn run_records(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<(Sim, RunResult, Vec<RequestRecord>)> {
     let start = std::time::Instant::now();
     let mut sim = build(wasm, cfg, items)?;
     let recs = sim.run();
     let wall_s = start.elapsed().as_secs_f64();
     let res = summarize(&sim, cfg, &recs, wall_s);
-    Ok((sim, res))
+    Ok((sim, res, recs))
 }
 
 /// The figures of a finished run.
@@ -705,7 +779,7 @@ pub fn csv(results: &[RunResult]) -> String {
 pub struct Row {
     /// Trace.
     pub trace: String,
-    /// Offered load (fraction of the pool's estimated capacity).
+    /// Offered load (fraction of the pool's measured capacity).
     pub load: f64,
     /// Pool name.
     pub pool: String,

@@ -384,12 +384,10 @@ pub struct Capacity {
     pub requests: usize,
 }
 
-/// Capacity by a saturation run: every row arrives at once (in order, 1 µs apart) through the
-/// filter under the plan's `base` with FCFS, and the completion rate is measured between the
-/// 10th and the 90th percentile of completion times (leaving out the start, while the batch
-/// fills, and the tail, while it empties).
-pub fn measure_capacity(wasm: &[u8], pool: &Pool, plan: &SloPlan, items: &[WorkItem]) -> Result<Capacity> {
-    let burst: Vec<WorkItem> = items
+/// Rows of a saturation run: every row at once (in order, 1 µs apart), without its headers,
+/// so the pool works through a standing queue from start to end.
+pub fn saturation_burst(items: &[WorkItem]) -> Vec<WorkItem> {
+    items
         .iter()
         .enumerate()
         .map(|(i, w)| {
@@ -398,23 +396,37 @@ pub fn measure_capacity(wasm: &[u8], pool: &Pool, plan: &SloPlan, items: &[WorkI
             w.headers.clear();
             w
         })
-        .collect();
+        .collect()
+}
+
+impl Capacity {
+    /// The completion rate of a saturation run's records between the 10th and the 90th
+    /// percentile of completion times (leaving out the start, while the batch fills, and the
+    /// tail, while it empties).
+    pub fn from_saturation_run(recs: &[RequestRecord]) -> Result<Capacity> {
+        let mut done: Vec<(u64, u32)> =
+            recs.iter().filter(|r| r.outcome == "ok").filter_map(|r| Some((r.end_us?, r.tokens_received))).collect();
+        done.sort_unstable();
+        if done.len() < 10 {
+            bail!("capacity run: only {} of {} requests completed", done.len(), recs.len());
+        }
+        let (a, b) = (done.len() / 10, done.len() * 9 / 10);
+        let span_s = (done[b].0 - done[a].0) as f64 / 1e6;
+        if span_s <= 0.0 {
+            bail!("capacity run: completions span no time");
+        }
+        let tokens: u64 = done[a + 1..=b].iter().map(|d| d.1 as u64).sum();
+        Ok(Capacity { rps: (b - a) as f64 / span_s, output_tok_s: tokens as f64 / span_s, requests: recs.len() })
+    }
+}
+
+/// Capacity by a saturation run ([`saturation_burst`]) through the filter under the plan's
+/// `base` with FCFS, measured by [`Capacity::from_saturation_run`].
+pub fn measure_capacity(wasm: &[u8], pool: &Pool, plan: &SloPlan, items: &[WorkItem]) -> Result<Capacity> {
     let cfg = pool.plugin_config(&plan.resolve(&serde_json::json!({"policy": "fcfs"})), items);
-    let recs = run_records(wasm, pool, &cfg, &burst)?
+    let recs = run_records(wasm, pool, &cfg, &saturation_burst(items))?
         .map_err(|why| anyhow::anyhow!("the filter refused the capacity run's configuration: {why}"))?;
-    let mut done: Vec<(u64, u32)> =
-        recs.iter().filter(|r| r.outcome == "ok").filter_map(|r| Some((r.end_us?, r.tokens_received))).collect();
-    done.sort_unstable();
-    if done.len() < 10 {
-        bail!("capacity run: only {} of {} requests completed", done.len(), recs.len());
-    }
-    let (a, b) = (done.len() / 10, done.len() * 9 / 10);
-    let span_s = (done[b].0 - done[a].0) as f64 / 1e6;
-    if span_s <= 0.0 {
-        bail!("capacity run: completions span no time");
-    }
-    let tokens: u64 = done[a + 1..=b].iter().map(|d| d.1 as u64).sum();
-    Ok(Capacity { rps: (b - a) as f64 / span_s, output_tok_s: tokens as f64 / span_s, requests: recs.len() })
+    Capacity::from_saturation_run(&recs)
 }
 
 /// Attainment of one class.

@@ -1,7 +1,7 @@
 //! `sluice-routing`: compares the filter's endpoint pickers (random, round-robin, least-request,
 //! and the default metrics routing, `kv-aware`) in virtual time, on the Azure conversation and
-//! code traces, Mooncake and Arena, each at several loads (fractions of the pool's estimated
-//! capacity) and seeds (distinct windows of the trace), on a homogeneous and a heterogeneous
+//! code traces, Mooncake and Arena, each at several loads (fractions of the pool's capacity
+//! measured by a saturation run per trace and pool) and seeds (distinct windows of the trace), on a homogeneous and a heterogeneous
 //! pool (and optionally one whose backend dies mid-run). Writes `table.md` and `table.csv` (one
 //! row per trace, load, pool and picker, with the spread over seeds and the ratio to
 //! round-robin), `runs.md`, `runs.csv`, `results.json` (every run) and `routing.svg` to
@@ -39,8 +39,9 @@ struct Cli {
     /// dies at --die-at of the arrival window).
     #[arg(long, value_delimiter = ',', default_value = "homo,hetero")]
     pools: Vec<String>,
-    /// Offered loads, as fractions of the pool's capacity estimated from its profiles' time
-    /// models (prefix-cache hits ignored).
+    /// Offered loads, as fractions of the pool's capacity measured per trace and pool by a
+    /// saturation run (every row at once through the least-request picker, completion rate
+    /// between the 10th and 90th percentile of completions; prefix-cache hits count).
     #[arg(long, value_delimiter = ',', default_value = "0.7,1.2")]
     loads: Vec<f64>,
     /// Seeds: seed k replays the k-th window of each trace's rows, draws its prefix sharing
@@ -97,6 +98,10 @@ struct Cli {
     /// `routing.weights` object (for ablations, e.g. '{"prefix":0}').
     #[arg(long)]
     kv_aware_weights: Option<String>,
+    /// Rows of each saturation run, as a multiple of the requests the pool's batches hold at
+    /// once on the trace's rows (at least a run's rows, at most the trace).
+    #[arg(long, default_value_t = 3)]
+    capacity_slots: usize,
     /// Simulations run in parallel (threads).
     #[arg(long, default_value_t = 2)]
     jobs: usize,
@@ -127,8 +132,8 @@ fn run(cli: Cli) -> Result<()> {
     if !(cli.die_at > 0.0 && cli.die_at < 1.0) {
         bail!("--die-at must be between 0 and 1, got {}", cli.die_at);
     }
-    if cli.workers == 0 || cli.jobs == 0 || cli.seeds == 0 {
-        bail!("--workers, --jobs and --seeds must be at least 1");
+    if cli.workers == 0 || cli.jobs == 0 || cli.seeds == 0 || cli.capacity_slots == 0 {
+        bail!("--workers, --jobs, --seeds and --capacity-slots must be at least 1");
     }
     if cli.loads.is_empty() || cli.loads.iter().any(|l| !(*l > 0.0 && l.is_finite())) {
         bail!("--loads must be positive numbers, got {:?}", cli.loads);
@@ -147,8 +152,10 @@ fn run(cli: Cli) -> Result<()> {
     let pools: Vec<(String, PoolSpec)> =
         cli.pools.iter().map(|p| Ok((p.clone(), pool(&cli, p)?))).collect::<Result<_>>()?;
     let (div, seeds) = if cli.quick { (4, 1) } else { (1, cli.seeds) };
+    let started = std::time::Instant::now();
     let mut jobs: Vec<(RunConfig, usize)> = Vec::new();
     let mut workloads: Vec<Vec<WorkItem>> = Vec::new();
+    let mut capacities: Vec<rc::MeasuredCapacity> = Vec::new();
     for &t in &cli.traces {
         let (path, n) = match t {
             TraceKind::Azure => (&cli.azure, cli.azure_requests),
@@ -160,18 +167,42 @@ fn run(cli: Cli) -> Result<()> {
         let all = rc::load_trace(t, path, usize::MAX, 1.0)?;
         for (pool_name, spec) in &pools {
             let block = spec.profiles.first().map_or(512, |p| p.prefix_hash_tokens);
+            let config = |load, picker, pool: PoolSpec, seed| RunConfig {
+                trace: t.name().into(),
+                load,
+                picker,
+                pool,
+                workers: cli.workers,
+                watermark_per_backend: cli.watermark_per_backend,
+                scrape_interval_ms: cli.scrape_interval_ms,
+                seed,
+                call_latency_us: cli.call_latency_us,
+                kv_weights: kv_weights.clone(),
+            };
+            let first = rc::trace_window(t, &all, n, 0, block, 0)?;
+            let sat_rows = (cli.capacity_slots * rc::pool_slots(&spec.profiles, &first)).max(n);
+            let sat = rc::trace_window(t, &all, sat_rows, 0, block, 0)?;
+            let mut alive = spec.clone();
+            alive.death = None;
+            let measured = rc::measure_capacity(&wasm, &config(0.0, PickerKind::LeastRequest, alive, 0), &sat)?;
+            let cap = measured.capacity.rps;
+            println!(
+                "{} on {pool_name}: {} (the time-model estimate was {:.2} req/s)",
+                t.name(),
+                measured.describe(),
+                rc::capacity_rps(&spec.profiles, &sat)
+            );
+            capacities.push(measured);
             for seed in 0..seeds {
                 let base = rc::trace_window(t, &all, n, seed as usize, block, seed)?;
-                let cap = rc::capacity_rps(&spec.profiles, &base);
                 let mean = |f: fn(&WorkItem) -> u32| base.iter().map(|w| f(w) as f64).sum::<f64>() / base.len() as f64;
                 println!(
-                    "{} seed {seed} on {pool_name}: {} rows, recorded {:.2} req/s, mean {:.0} prompt / {:.0} output tokens, estimated capacity {:.2} req/s",
+                    "{} seed {seed} on {pool_name}: {} rows, recorded {:.2} req/s, mean {:.0} prompt / {:.0} output tokens",
                     t.name(),
                     base.len(),
                     rc::arrival_rate(&base),
                     mean(|w| w.prompt_tokens),
                     mean(|w| w.output_tokens),
-                    cap
                 );
                 for &load in &cli.loads {
                     let mut items = base.clone();
@@ -183,26 +214,13 @@ fn run(cli: Cli) -> Result<()> {
                         spec.name = format!("{} (10.0.0.1 dies at {:.0} s)", spec.name, at_us as f64 / 1e6);
                     }
                     for &picker in &cli.pickers {
-                        let cfg = RunConfig {
-                            trace: t.name().into(),
-                            load,
-                            picker,
-                            pool: spec.clone(),
-                            workers: cli.workers,
-                            watermark_per_backend: cli.watermark_per_backend,
-                            scrape_interval_ms: cli.scrape_interval_ms,
-                            seed,
-                            call_latency_us: cli.call_latency_us,
-                            kv_weights: kv_weights.clone(),
-                        };
-                        jobs.push((cfg, workloads.len()));
+                        jobs.push((config(load, picker, spec.clone(), seed), workloads.len()));
                     }
                     workloads.push(items);
                 }
             }
         }
     }
-    let started = std::time::Instant::now();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results: std::sync::Mutex<Vec<Option<Result<RunResult>>>> =
         std::sync::Mutex::new((0..jobs.len()).map(|_| None).collect());
@@ -244,6 +262,7 @@ fn run(cli: Cli) -> Result<()> {
     std::fs::write(cli.out.join("runs.csv"), rc::csv(&results))?;
     std::fs::write(cli.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
     std::fs::write(cli.out.join("routing.svg"), rc::svg(&rows))?;
+    std::fs::write(cli.out.join("capacity.json"), serde_json::to_string_pretty(&capacities)?)?;
     println!("\n{table}");
     let (fails, checks) = rc::goal_failures(&rows);
     if fails.is_empty() {
@@ -255,7 +274,7 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     println!(
-        "{} runs in {:.0} s; wrote {}/table.md, table.csv, runs.md, runs.csv, results.json, routing.svg",
+        "{} runs in {:.0} s; wrote {}/table.md, table.csv, runs.md, runs.csv, results.json, routing.svg, capacity.json",
         results.len(),
         started.elapsed().as_secs_f64(),
         cli.out.display()
