@@ -1108,6 +1108,9 @@ mod tests {
         assert!((capacity_rps(&[h100.clone(), h100.clone()], &[row(500)]) - 2.0 * short).abs() < 1e-9);
         assert!(capacity_rps(&[h100.clone()], &[row(5000)]) < short / 2.0);
         assert!(capacity_rps(&[a100_profile()], &[row(500)]) < short);
+        // Short requests fill the batch limit; long ones the KV pool (409,600 tokens).
+        assert_eq!(pool_slots(&[h100.clone(), h100.clone()], &[row(500)]), 512);
+        assert_eq!(pool_slots(&[h100.clone()], &[row(8_092)]), 50);
     }
 
     #[test]

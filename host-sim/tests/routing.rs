@@ -209,3 +209,51 @@ fn prompts_share_exactly_the_text_of_their_shared_hash_blocks() {
     assert_eq!(body["messages"][0]["content"].as_str().unwrap().len(), 160);
     assert_eq!((req.prompt_tokens, req.prefix_hashes.clone()), (40, vec![9]));
 }
+
+/// The completion rate between the 10th and the 90th percentile of completions.
+fn saturated_rate(recs: &[host_sim::RequestRecord]) -> f64 {
+    let mut ends: Vec<u64> = recs.iter().filter(|r| r.outcome == "ok").filter_map(|r| r.end_us).collect();
+    ends.sort_unstable();
+    let (a, b) = (ends.len() / 10, ends.len() * 9 / 10);
+    (b - a) as f64 / ((ends[b] - ends[a]) as f64 / 1e6)
+}
+
+/// The measured capacity names what it measured, and a load set from it loads the pool as
+/// named: at 2× it the pool completes requests at its measured capacity (within 15 %), at 0.5×
+/// it keeps up with the arrivals.
+#[test]
+fn loads_scaled_from_the_measured_capacity_load_the_pool_as_named() {
+    let wasm = common::filter_wasm();
+    let pool = PoolSpec::mixed("2 fast + 2 slow", &GpuProfile::fast(), 2, &slow_fast(), 2);
+    let items = poisson(200.0, 3.0, 96, 24);
+    let slots = rc::pool_slots(&pool.profiles, &items);
+    assert!(items.len() >= 3 * slots, "{} rows for {slots} slots", items.len());
+    let mut cfg = config(PickerKind::LeastRequest, pool.clone());
+    let cap = rc::measure_capacity(&wasm, &cfg, &items).unwrap();
+    let line = cap.describe();
+    eprintln!("{line}");
+    assert_eq!((cap.trace.as_str(), cap.pool.as_str(), cap.picker), ("synthetic", "2 fast + 2 slow", "least-request"));
+    assert_eq!(cap.capacity.requests, items.len());
+    for part in ["2 fast + 2 slow", "synthetic", "least-request", &format!("{} rows", items.len())] {
+        assert!(line.contains(part), "`{line}` names {part}");
+    }
+    let at = |cfg: &RunConfig, load: f64| {
+        let mut w = items.clone();
+        rc::scale_to_rate(&mut w, load * cap.capacity.rps);
+        let (_, r, recs) = rc::run_records(&wasm, cfg, &w).unwrap();
+        assert_nothing_lost(&r);
+        (r, recs)
+    };
+    let (_, over) = at(&cfg, 2.0);
+    let rate = saturated_rate(&over);
+    assert!(
+        (rate / cap.capacity.rps - 1.0).abs() < 0.15,
+        "saturated at 2x: {rate:.1} req/s vs measured capacity {:.1}",
+        cap.capacity.rps
+    );
+    let (under, _) = at(&cfg, 0.5);
+    assert!(under.requests_per_s > 0.4 * cap.capacity.rps, "at half capacity the pool keeps up: {under:?}");
+    // A dying pool has no steady capacity to measure.
+    cfg.pool.death = Some(Death { backend: 0, at_us: 1_000 });
+    assert!(rc::measure_capacity(&wasm, &cfg, &items).unwrap_err().to_string().contains("live"));
+}
