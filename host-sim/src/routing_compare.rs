@@ -1110,7 +1110,7 @@ mod tests {
         assert!(capacity_rps(&[a100_profile()], &[row(500)]) < short);
         // Short requests fill the batch limit; long ones the KV pool (409,600 tokens).
         assert_eq!(pool_slots(&[h100.clone(), h100.clone()], &[row(500)]), 512);
-        assert_eq!(pool_slots(&[h100.clone()], &[row(8_092)]), 50);
+        assert_eq!(pool_slots(std::slice::from_ref(&h100), &[row(8_092)]), 50);
     }
 
     #[test]
