@@ -17,6 +17,7 @@ pub mod order;
 pub mod overload;
 pub mod prom;
 pub mod queue;
+pub mod replicas;
 pub mod routing;
 pub mod slo;
 pub mod spec;

@@ -93,6 +93,7 @@ impl Envoy {
         let mut last_err = None;
         for _attempt in 0..5 {
             let cfg = EnvoyConfig {
+                listen_address: "127.0.0.1".into(),
                 listener_port: match opts.listener_port {
                     Some(p) => p,
                     None => free_port()?,

@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod deploy;
 pub mod envoy;
 pub mod fleet;
 pub mod load;

@@ -134,7 +134,10 @@ fn route_manifests_carry_the_same_guarantees() {
         } else {
             assert!(text.contains("RejectRequest") && text.contains("\"disableMergeSlashes\":false"), "{rel}");
             assert!(text.contains("requestTimeout"), "{rel} lacks the request timeout");
-            assert!(text.contains("LimitOnly"), "{rel}: requestBuffer must only raise the limit");
+            assert!(
+                text.contains("\"requestBuffer\":{\"limit\""),
+                "{rel}: requestBuffer must raise the route's body limit"
+            );
         }
     }
 }

@@ -171,6 +171,9 @@ async fn main() -> Result<()> {
     if args.write_reference_configs {
         for (rel, text) in reference_files() {
             let path = paths::repo_root().join(rel);
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
             std::fs::write(&path, text)?;
             eprintln!("wrote {}", path.display());
         }

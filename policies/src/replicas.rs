@@ -1,0 +1,309 @@
+//! State that gateway replicas publish to each other and merge without coordination.
+//!
+//! Each replica publishes a [`ReplicaState`]: per tenant its own cumulative service (it only
+//! grows within an incarnation), per endpoint the requests it holds in flight, stamped with its
+//! [`ReplicaId`] and a [`Version`]. A replica keeps the latest state of every peer in [`Peers`];
+//! the global service of a tenant is its own counter plus the sum of the peers' latest values,
+//! and likewise for in-flight counts. Merging keeps, per replica, the state with the greatest
+//! version, so it is commutative, associative and idempotent: replicas may fetch each other in
+//! any order, twice, or through a third, and agree.
+//!
+//! **Incarnations.** A replica's version is `(incarnation, seq)`, compared in that order. A
+//! restarted replica (a reloaded VM that restored its counters from shared data, or a process
+//! that kept its replica id) publishes under a greater incarnation, so its first state replaces
+//! everything its previous incarnation published, whatever their sequence numbers: its service
+//! is counted once, never once per incarnation. Late answers from the old incarnation are stale
+//! and ignored.
+//!
+//! **Expiry.** A peer counts while a state newer than the last one was heard from it within
+//! `max_age_ms` of local time (a peer that answers with the same version is stuck, not alive).
+//! Past that it stops counting (the replica falls back to its own state for it); its version is
+//! kept as a tombstone so that a delayed old answer cannot bring it back, until `forget_ms`.
+//!
+//! Nothing here performs I/O or reads a clock; the exchange itself is not built yet.
+
+use serde::{Deserialize, Serialize};
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+/// Identity of one gateway replica, stable across its restarts (e.g. a hash of its pod name).
+pub type ReplicaId = u64;
+
+/// Order of the states one replica publishes: a new incarnation supersedes every state of the
+/// previous ones; within one, a greater sequence number is newer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Version {
+    /// Grows on every restart of the replica (its start time in ms, or one more than the last).
+    pub incarnation: u64,
+    /// Grows on every state the incarnation publishes.
+    pub seq: u64,
+}
+
+/// What one replica publishes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaState {
+    /// Who published it.
+    pub replica: ReplicaId,
+    /// When, in the publisher's order.
+    pub version: Version,
+    /// Cumulative service per tenant on this replica (the VTC counter's units).
+    pub service: BTreeMap<String, f64>,
+    /// Requests this replica holds in flight, per endpoint (`ip:port`).
+    pub in_flight: BTreeMap<String, u32>,
+}
+
+/// Bounds on what a replica accepts from its peers (hostile or broken peers cannot grow it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// A peer heard from less recently than this stops counting.
+    pub max_age_ms: u64,
+    /// A peer silent this long is forgotten altogether (its tombstone dropped); ≥ `max_age_ms`.
+    pub forget_ms: u64,
+    /// Most peers tracked at once.
+    pub max_peers: usize,
+    /// Most tenants in one state.
+    pub max_tenants: usize,
+    /// Most endpoints in one state.
+    pub max_endpoints: usize,
+}
+
+impl Limits {
+    /// Errors name the field that is out of range.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_age_ms == 0 {
+            return Err("field `max_age_ms` must be > 0".into());
+        }
+        if self.forget_ms < self.max_age_ms {
+            return Err("field `forget_ms` must be >= max_age_ms".into());
+        }
+        for (name, v) in
+            [("max_peers", self.max_peers), ("max_tenants", self.max_tenants), ("max_endpoints", self.max_endpoints)]
+        {
+            if v == 0 {
+                return Err(format!("field `{name}` must be > 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ReplicaState {
+    /// Refuses a state that breaks the limits or carries a service that is negative or not
+    /// finite; the error names what is wrong.
+    pub fn validate(&self, limits: &Limits) -> Result<(), String> {
+        if self.service.len() > limits.max_tenants {
+            return Err(format!(
+                "replica {}: {} tenants, at most {}",
+                self.replica,
+                self.service.len(),
+                limits.max_tenants
+            ));
+        }
+        if self.in_flight.len() > limits.max_endpoints {
+            return Err(format!(
+                "replica {}: {} endpoints, at most {}",
+                self.replica,
+                self.in_flight.len(),
+                limits.max_endpoints
+            ));
+        }
+        if let Some((tenant, v)) = self.service.iter().find(|(_, v)| !v.is_finite() || **v < 0.0) {
+            return Err(format!("replica {}: service of tenant {tenant:?} is {v}", self.replica));
+        }
+        Ok(())
+    }
+
+    /// Total order used to merge: the version first, then the content, so that two states
+    /// wrongly published under one version still merge the same way on every replica.
+    fn merge_cmp(&self, other: &ReplicaState) -> Ordering {
+        self.version
+            .cmp(&other.version)
+            .then_with(|| cmp_service(&self.service, &other.service))
+            .then_with(|| self.in_flight.cmp(&other.in_flight))
+    }
+}
+
+/// Lexicographic comparison of two `(tenant, service)` maps, floats by `total_cmp`.
+fn cmp_service(a: &BTreeMap<String, f64>, b: &BTreeMap<String, f64>) -> Ordering {
+    let (mut a, mut b) = (a.iter(), b.iter());
+    loop {
+        match (a.next(), b.next()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(kb).then_with(|| va.total_cmp(vb)) {
+                Ordering::Equal => {}
+                unequal => return unequal,
+            },
+        }
+    }
+}
+
+/// A peer's latest state and when (local time) a state newer than the one before was heard.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerEntry {
+    /// The latest state (its maps emptied once the peer expired: a tombstone).
+    pub state: ReplicaState,
+    /// Local time at which this version was first heard.
+    pub heard_ms: u64,
+}
+
+impl PeerEntry {
+    fn merge_cmp(&self, other: &PeerEntry) -> Ordering {
+        self.state.merge_cmp(&other.state).then_with(|| self.heard_ms.cmp(&other.heard_ms))
+    }
+}
+
+/// What [`Peers::offer`] did with a state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// Newer than what was known: kept, and the peer counts as heard now.
+    Newer,
+    /// Not newer (a repeat, a late answer, an older incarnation): ignored.
+    Stale,
+    /// The replica's own state (peers lists include oneself): ignored.
+    Own,
+}
+
+/// One replica's view of its peers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Peers {
+    me: ReplicaId,
+    limits: Limits,
+    entries: BTreeMap<ReplicaId, PeerEntry>,
+}
+
+impl Peers {
+    /// An empty view for replica `me`.
+    pub fn new(me: ReplicaId, limits: Limits) -> Result<Peers, String> {
+        limits.validate()?;
+        Ok(Peers { me, limits, entries: BTreeMap::new() })
+    }
+
+    /// Takes a state a peer served, heard at `now_ms`. A full view first forgets peers silent
+    /// for `forget_ms`; a new peer beyond `max_peers` is refused.
+    pub fn offer(&mut self, state: ReplicaState, now_ms: u64) -> Result<Offer, String> {
+        state.validate(&self.limits)?;
+        if state.replica == self.me {
+            return Ok(Offer::Own);
+        }
+        if let Some(known) = self.entries.get_mut(&state.replica) {
+            // Only a greater version is news: a repeat (even with other content) must not make a
+            // stuck or expired peer count again.
+            if state.version <= known.state.version {
+                return Ok(Offer::Stale);
+            }
+            *known = PeerEntry { state, heard_ms: now_ms };
+            return Ok(Offer::Newer);
+        }
+        if self.entries.len() >= self.limits.max_peers {
+            self.forget(now_ms);
+            if self.entries.len() >= self.limits.max_peers {
+                return Err(format!(
+                    "replica {}: already {} peers, at most max_peers",
+                    state.replica,
+                    self.entries.len()
+                ));
+            }
+        }
+        self.entries.insert(state.replica, PeerEntry { state, heard_ms: now_ms });
+        Ok(Offer::Newer)
+    }
+
+    /// Joins another view of the same replica's peers into this one (e.g. the copy another
+    /// worker keeps): per peer the greater state wins, equal states keep the later hearing.
+    /// Commutative, associative and idempotent. The result may hold more than `max_peers`
+    /// entries only if the other view does.
+    pub fn merge(&mut self, other: &Peers) {
+        for (id, theirs) in &other.entries {
+            if *id == self.me {
+                continue;
+            }
+            match self.entries.get_mut(id) {
+                Some(mine) if mine.merge_cmp(theirs) != Ordering::Less => {}
+                Some(mine) => *mine = theirs.clone(),
+                None => {
+                    self.entries.insert(*id, theirs.clone());
+                }
+            }
+        }
+    }
+
+    /// Whether a peer heard at `heard_ms` still counts at `now_ms`.
+    fn is_live(&self, heard_ms: u64, now_ms: u64) -> bool {
+        now_ms.saturating_sub(heard_ms) <= self.limits.max_age_ms
+    }
+
+    /// The peers' states that count at `now_ms`.
+    pub fn live(&self, now_ms: u64) -> impl Iterator<Item = &ReplicaState> + '_ {
+        self.entries.values().filter(move |e| self.is_live(e.heard_ms, now_ms)).map(|e| &e.state)
+    }
+
+    /// The service `tenant` got on the live peers (add the replica's own counter for the
+    /// global value).
+    pub fn service(&self, tenant: &str, now_ms: u64) -> f64 {
+        self.live(now_ms).filter_map(|s| s.service.get(tenant)).sum()
+    }
+
+    /// Requests the live peers hold on `endpoint` (add the replica's own for the global count).
+    pub fn in_flight(&self, endpoint: &str, now_ms: u64) -> u64 {
+        self.live(now_ms).filter_map(|s| s.in_flight.get(endpoint)).map(|&n| u64::from(n)).sum()
+    }
+
+    /// Empties the states of peers that stopped counting (keeping their versions, so that a
+    /// late old answer stays stale) and drops those silent for `forget_ms`. Returns how many
+    /// peers stopped counting in this call.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        self.forget(now_ms);
+        let max_age = self.limits.max_age_ms;
+        let mut expired = 0;
+        for e in self.entries.values_mut() {
+            let stale = now_ms.saturating_sub(e.heard_ms) > max_age;
+            if stale && !(e.state.service.is_empty() && e.state.in_flight.is_empty()) {
+                e.state.service.clear();
+                e.state.in_flight.clear();
+                expired += 1;
+            }
+        }
+        expired
+    }
+
+    fn forget(&mut self, now_ms: u64) {
+        let forget = self.limits.forget_ms;
+        self.entries.retain(|_, e| now_ms.saturating_sub(e.heard_ms) <= forget);
+    }
+
+    /// Every peer tracked (live or tombstone), by replica id.
+    pub fn entries(&self) -> &BTreeMap<ReplicaId, PeerEntry> {
+        &self.entries
+    }
+}
+
+/// Stamps the states one replica publishes.
+#[derive(Clone, Debug)]
+pub struct Publisher {
+    replica: ReplicaId,
+    incarnation: u64,
+    seq: u64,
+}
+
+impl Publisher {
+    /// A publisher for a replica's new incarnation; `incarnation` must exceed every earlier
+    /// one of this replica (its start time in ms does, or the last incarnation plus one).
+    pub fn new(replica: ReplicaId, incarnation: u64) -> Publisher {
+        Publisher { replica, incarnation, seq: 0 }
+    }
+
+    /// The next state, with a greater version than the last. Publish one every sync interval
+    /// even when nothing changed: a peer that hears no newer state counts this one as gone.
+    pub fn publish(&mut self, service: BTreeMap<String, f64>, in_flight: BTreeMap<String, u32>) -> ReplicaState {
+        self.seq = self.seq.saturating_add(1);
+        ReplicaState {
+            replica: self.replica,
+            version: Version { incarnation: self.incarnation, seq: self.seq },
+            service,
+            in_flight,
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! The mergeable replica state: merging views is commutative, associative and idempotent; the
+//! order in which peers' states arrive does not matter; a restarted replica is counted once;
+//! a silent or stuck peer stops counting after `max_age_ms` and only a newer state brings it
+//! back; hostile states are refused.
+
+use proptest::prelude::*;
+use sluice_policies::replicas::{Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState, Version};
+use std::collections::BTreeMap;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const ME: ReplicaId = 0;
+
+fn limits() -> Limits {
+    Limits { max_age_ms: 300, forget_ms: 3_000, max_peers: 8, max_tenants: 16, max_endpoints: 16 }
+}
+
+fn config() -> ProptestConfig {
+    // No failure files: wasm32 has no file system.
+    ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() }
+}
+
+/// The state replica `r` publishes at `version`: its content is a function of the version, as a
+/// real replica's is (one state per version). Service grows with the sequence number.
+fn state(r: ReplicaId, incarnation: u64, seq: u64) -> ReplicaState {
+    let service: BTreeMap<String, f64> =
+        (0..3).map(|t| (format!("t{t}"), (r * 1000 + incarnation * 100 + seq * (t + 1)) as f64)).collect();
+    let in_flight: BTreeMap<String, u32> =
+        (0..2).map(|e| (format!("10.0.0.{e}:8000"), (r + seq + e) as u32 % 7)).collect();
+    ReplicaState { replica: r, version: Version { incarnation, seq }, service, in_flight }
+}
+
+/// A state of replicas 0..4 (0 is the viewer itself) and a time it is heard.
+fn heard_state() -> impl Strategy<Value = (ReplicaState, u64)> {
+    (0u64..5, 1u64..4, 1u64..6, 0u64..400).prop_map(|(r, inc, seq, t)| (state(r, inc, seq), t))
+}
+
+fn view(offers: &[(ReplicaState, u64)]) -> Peers {
+    let mut p = Peers::new(ME, limits()).unwrap();
+    for (s, t) in offers {
+        p.offer(s.clone(), *t).unwrap();
+    }
+    p
+}
+
+fn merged(a: &Peers, b: &Peers) -> Peers {
+    let mut m = a.clone();
+    m.merge(b);
+    m
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn merge_is_commutative_associative_and_idempotent(
+        a in prop::collection::vec(heard_state(), 0..12),
+        b in prop::collection::vec(heard_state(), 0..12),
+        c in prop::collection::vec(heard_state(), 0..12),
+    ) {
+        let (a, b, c) = (view(&a), view(&b), view(&c));
+        prop_assert_eq!(merged(&a, &b), merged(&b, &a));
+        prop_assert_eq!(merged(&merged(&a, &b), &c), merged(&a, &merged(&b, &c)));
+        prop_assert_eq!(merged(&a, &a), a.clone());
+        // Merging never loses a newer version: each peer's version is the greater of the two.
+        let m = merged(&a, &b);
+        for (id, e) in m.entries() {
+            let va = a.entries().get(id).map(|e| e.state.version);
+            let vb = b.entries().get(id).map(|e| e.state.version);
+            prop_assert_eq!(Some(e.state.version), va.max(vb));
+        }
+    }
+
+    /// Offered at one time in any order, the states leave the same view: each peer's latest
+    /// version, never the viewer's own; the peers' service is the sum of those latest states.
+    #[test]
+    fn arrival_order_does_not_matter(
+        states in prop::collection::vec(heard_state(), 1..16),
+        rotate in 0usize..16,
+    ) {
+        let now = 1_000;
+        let forward: Vec<_> = states.iter().map(|(s, _)| (s.clone(), now)).collect();
+        let mut other = forward.clone();
+        other.reverse();
+        let k = rotate % other.len();
+        other.rotate_left(k);
+        let (x, y) = (view(&forward), view(&other));
+        prop_assert_eq!(&x, &y);
+        let mut latest: BTreeMap<ReplicaId, &ReplicaState> = BTreeMap::new();
+        for (s, _) in &states {
+            if s.replica != ME && latest.get(&s.replica).is_none_or(|l| l.version < s.version) {
+                latest.insert(s.replica, s);
+            }
+        }
+        prop_assert_eq!(x.entries().len(), latest.len());
+        for t in ["t0", "t1", "t2", "nobody"] {
+            let want: f64 = latest.values().filter_map(|s| s.service.get(t)).sum();
+            prop_assert_eq!(x.service(t, now), want);
+        }
+        let ep = "10.0.0.1:8000";
+        let want: u64 = latest.values().filter_map(|s| s.in_flight.get(ep)).map(|&n| u64::from(n)).sum();
+        prop_assert_eq!(x.in_flight(ep, now), want);
+    }
+
+    /// A peer counts exactly while its latest news is at most max_age_ms old, whatever it
+    /// repeats meanwhile; after expiry only a newer state brings it back.
+    #[test]
+    fn a_silent_or_stuck_peer_stops_counting(heard in 0u64..1_000, later in 0u64..1_000, repeats in 0usize..4) {
+        let mut p = Peers::new(ME, limits()).unwrap();
+        let s = state(1, 1, 3);
+        prop_assert_eq!(p.offer(s.clone(), heard).unwrap(), Offer::Newer);
+        // A stuck peer answers the same version again: that is no news.
+        for i in 0..repeats {
+            prop_assert_eq!(p.offer(s.clone(), heard + i as u64 * 100).unwrap(), Offer::Stale);
+        }
+        let now = heard + later;
+        let live = later <= limits().max_age_ms;
+        prop_assert_eq!(p.service("t0", now), if live { s.service["t0"] } else { 0.0 });
+        prop_assert_eq!(p.expire(now), usize::from(!live));
+        prop_assert_eq!(p.live(now).count(), usize::from(live));
+        // An old or repeated answer arriving late does not revive it; a newer one does.
+        prop_assert_eq!(p.offer(state(1, 1, 2), now).unwrap(), Offer::Stale);
+        prop_assert_eq!(p.offer(s.clone(), now).unwrap(), Offer::Stale);
+        prop_assert_eq!(p.service("t0", now), if live { s.service["t0"] } else { 0.0 });
+        prop_assert_eq!(p.offer(state(1, 1, 4), now).unwrap(), Offer::Newer);
+        prop_assert_eq!(p.service("t0", now), state(1, 1, 4).service["t0"]);
+    }
+}
+
+/// A restarted replica (same id, next incarnation, sequence numbers from 1 again) replaces its
+/// previous incarnation: its service, restored from shared data, is counted once. Late answers
+/// of the old incarnation are stale.
+#[test]
+fn a_restarted_replica_is_counted_once() {
+    let mut p = Peers::new(ME, limits()).unwrap();
+    let mut old = Publisher::new(7, 1_000);
+    let mut last = old.publish(BTreeMap::new(), BTreeMap::new());
+    for _ in 0..50 {
+        last = old.publish([("a".to_string(), 5_000.0)].into(), [("10.0.0.1:8000".to_string(), 3)].into());
+    }
+    assert_eq!(last.version, Version { incarnation: 1_000, seq: 51 });
+    assert_eq!(p.offer(last.clone(), 10).unwrap(), Offer::Newer);
+    assert_eq!(p.service("a", 10), 5_000.0);
+
+    let mut new = Publisher::new(7, 2_000);
+    let first = new.publish([("a".to_string(), 5_010.0)].into(), BTreeMap::new());
+    assert_eq!(first.version.seq, 1);
+    assert_eq!(p.offer(first, 20).unwrap(), Offer::Newer);
+    assert_eq!(p.service("a", 20), 5_010.0, "counted once, not 5000 + 5010");
+    assert_eq!(p.in_flight("10.0.0.1:8000", 20), 0, "the old incarnation's in-flight requests are gone");
+    assert_eq!(p.offer(last, 30).unwrap(), Offer::Stale);
+    assert_eq!(p.service("a", 30), 5_010.0);
+    assert_eq!(p.entries().len(), 1);
+}
+
+#[test]
+fn own_state_is_ignored() {
+    let mut p = Peers::new(ME, limits()).unwrap();
+    assert_eq!(p.offer(state(ME, 1, 1), 0).unwrap(), Offer::Own);
+    assert_eq!(p.entries().len(), 0);
+    assert_eq!(p.service("t0", 0), 0.0);
+}
+
+/// Hostile or broken peers cannot poison the counters or grow the view without bound, and
+/// errors say what is wrong; nothing panics.
+#[test]
+fn hostile_states_are_refused() {
+    let mut p = Peers::new(ME, limits()).unwrap();
+    for (bad, why) in [(f64::NAN, "NaN"), (-1.0, "-1"), (f64::INFINITY, "inf")] {
+        let mut s = state(1, 1, 1);
+        s.service.insert("t9".into(), bad);
+        let err = p.offer(s, 0).unwrap_err();
+        assert!(err.contains("tenant \"t9\"") && err.contains(why), "{err}");
+    }
+    let mut s = state(1, 1, 1);
+    s.service = (0..17).map(|t| (format!("t{t}"), 1.0)).collect();
+    assert!(p.offer(s, 0).unwrap_err().contains("17 tenants"));
+    let mut s = state(1, 1, 1);
+    s.in_flight = (0..17).map(|e| (format!("e{e}"), 1)).collect();
+    assert!(p.offer(s, 0).unwrap_err().contains("17 endpoints"));
+    assert!(p.entries().is_empty(), "nothing refused was kept");
+
+    // At most max_peers; peers silent for forget_ms make room.
+    for r in 1..=8 {
+        p.offer(state(r, 1, 1), 0).unwrap();
+    }
+    assert!(p.offer(state(9, 1, 1), 10).unwrap_err().contains("max_peers"));
+    assert_eq!(p.offer(state(9, 1, 1), limits().forget_ms + 1).unwrap(), Offer::Newer);
+    assert_eq!(p.entries().len(), 1);
+
+    let base = limits();
+    for (l, field) in [
+        (Limits { max_age_ms: 0, ..base }, "max_age_ms"),
+        (Limits { forget_ms: 1, ..base }, "forget_ms"),
+        (Limits { max_peers: 0, ..base }, "max_peers"),
+        (Limits { max_tenants: 0, ..base }, "max_tenants"),
+    ] {
+        assert!(Peers::new(ME, l).unwrap_err().contains(field), "{field}");
+    }
+}
+
+/// What the exchange will carry: a state reads back from JSON as it was, and an unknown field
+/// is refused rather than ignored.
+#[test]
+fn states_read_back_from_json() {
+    let s = state(3, 2, 5);
+    let text = serde_json::to_string(&s).unwrap();
+    assert_eq!(serde_json::from_str::<ReplicaState>(&text).unwrap(), s);
+    let extra = text.replacen('{', "{\"extra\":1,", 1);
+    assert!(serde_json::from_str::<ReplicaState>(&extra).unwrap_err().to_string().contains("extra"));
+}
