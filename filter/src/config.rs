@@ -1,6 +1,7 @@
 //! The plugin configuration: a JSON object, validated once in `on_configure`.
 
 use crate::openai::PrefixHashing;
+use crate::replicas::{RawReplicas, ReplicasConfig};
 use crate::slo::{SloConfig, SloOrder};
 use serde::Deserialize;
 use sluice_policies::admission::StockBounds;
@@ -285,6 +286,8 @@ struct RawConfig {
     ttft_slo_ms: BTreeMap<Criticality, u64>,
     #[serde(default)]
     overload: Option<OverloadLadder>,
+    #[serde(default)]
+    replicas: Option<RawReplicas>,
     #[serde(default = "default_max_body_bytes")]
     max_body_bytes: usize,
     #[serde(default = "default_max_drain_bytes")]
@@ -440,6 +443,8 @@ pub struct Config {
     /// Service-level objectives and their use (estimation, SLO order,
     /// proactive dropping); absent: none.
     pub slo: Option<SloConfig>,
+    /// State shared with other gateway replicas; absent: this gateway counts alone.
+    pub replicas: Option<ReplicasConfig>,
 }
 
 impl Config {
@@ -627,7 +632,12 @@ impl Config {
             }
         }
         .map_err(|e| format!("field {e}"))?;
+        let replicas = match raw.replicas {
+            Some(r) => Some(r.build(raw.max_tenants, |var| std::env::var(var).ok())?),
+            None => None,
+        };
         Ok(Config {
+            replicas,
             endpoints,
             routing,
             tenant_header: raw.tenant_header.to_ascii_lowercase(),
@@ -679,7 +689,7 @@ mod tests {
         assert_eq!(c.default_criticality, Criticality::Standard);
         assert!(c.band_min_share.is_strict(), "strict priority between bands");
         assert_eq!(c.engine_priority, None, "the body goes as the client sent it");
-        assert!(c.criticality_header.is_none() && c.overload.is_none());
+        assert!(c.criticality_header.is_none() && c.overload.is_none() && c.replicas.is_none());
         assert!((c.bounds.upper_per_backend - 2.2).abs() < 1e-9);
         assert!((c.bounds.lower_per_backend - 1.8).abs() < 1e-9);
     }
@@ -700,6 +710,8 @@ mod tests {
             ),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":3}"#, "default_tenant"),
             (r#"{"endpoints":["127.0.0.1:1"],"max_tenants":0}"#, "max_tenants"),
+            (r#"{"endpoints":["127.0.0.1:1"],"replicas":{"id":1,"peers":2}}"#, "replicas.peers_cluster"),
+            (r#"{"endpoints":["127.0.0.1:1"],"replicas":{"id":1,"peers":2,"peers_cluster":"p","ttl":1}}"#, "replicas"),
             (
                 r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#,
                 "percentage_deviation_for_bounds",

@@ -10,6 +10,7 @@ pub mod config;
 pub mod fuzzing;
 pub mod openai;
 pub mod outcome;
+pub mod replicas;
 pub mod scheduler;
 pub mod shared;
 pub mod slo;

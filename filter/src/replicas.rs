@@ -1,0 +1,596 @@
+//! Several gateway replicas sharing their load: the exchange of
+//! [`sluice_policies::replicas`] states between Envoy processes.
+//!
+//! Pure, like the scheduler: time is passed in, shared data is a [`Store`], and
+//! what must reach the network comes back as effects (how many calls to send,
+//! what to write). The worker that holds the scheduler lease owns the
+//! [`Exchange`]: every `sync_interval_ms` it publishes this replica's state into
+//! shared data (where the internal listener's plugin serves it, see [`serve`]),
+//! asks its peers for theirs through `peers_cluster`, and writes the live peers'
+//! in-flight counts per endpoint into shared data, where every worker's
+//! admission and routing add them to their own ([`peer_load`], [`global_load`]).
+//!
+//! Off unless the configuration has `replicas`.
+
+use crate::shared::{self, Store};
+use serde::Deserialize;
+use sluice_policies::replicas::{Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState};
+use std::collections::{BTreeMap, HashMap};
+
+/// Shared-data key of this replica's latest published state (JSON), which the
+/// internal listener serves.
+pub const STATE_KEY: &str = "sluice.replicas.state";
+/// Shared-data key of the live peers' in-flight counts per endpoint, with the
+/// time they were written.
+pub const PEER_LOAD_KEY: &str = "sluice.replicas.peer_load";
+/// Shared-data key of the last incarnation published by this process.
+pub const INCARNATION_KEY: &str = "sluice.replicas.incarnation";
+/// Largest peer answer parsed; a longer one counts as a failed sync.
+pub const MAX_STATE_BYTES: usize = 256 * 1024;
+/// Most peers a replica tracks (live or remembered), whatever `peers` says.
+const MAX_PEERS: usize = 64;
+/// Most endpoints accepted in one peer state.
+const MAX_ENDPOINTS: usize = 4096;
+
+/// The `replicas` key as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawReplicas {
+    #[serde(default)]
+    id: Option<u64>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    name_env: Option<String>,
+    #[serde(default)]
+    peers_cluster: Option<String>,
+    #[serde(default)]
+    peers: Option<u32>,
+    #[serde(default = "default_sync_interval_ms")]
+    sync_interval_ms: u64,
+    #[serde(default)]
+    max_age_ms: Option<u64>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+    #[serde(default = "default_path")]
+    path: String,
+    #[serde(default)]
+    secret_header: Option<RawSecret>,
+    #[serde(default)]
+    serve: bool,
+}
+
+/// `replicas.secret_header` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSecret {
+    name: String,
+    value: String,
+}
+
+fn default_sync_interval_ms() -> u64 {
+    100
+}
+
+fn default_path() -> String {
+    "/sluice/replica-state".into()
+}
+
+/// A shared secret that peers send and the internal listener checks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Secret {
+    /// Header name (lower-case).
+    pub name: String,
+    /// Its expected value.
+    pub value: String,
+}
+
+/// The validated `replicas` configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicasConfig {
+    /// This replica's id (explicit, or the FNV-1a hash of its name).
+    pub id: ReplicaId,
+    /// Envoy cluster whose hosts are the peers' internal listeners.
+    pub peers_cluster: String,
+    /// Calls sent per sync interval: the number of hosts in `peers_cluster`
+    /// (oneself included), so that a round-robin cluster reaches each once.
+    pub peers: u32,
+    /// Publish and fetch period.
+    pub sync_interval_ms: u64,
+    /// A peer not heard from for this long stops counting.
+    pub max_age_ms: u64,
+    /// A peer call that takes longer fails.
+    pub timeout_ms: u64,
+    /// Path the internal listener answers.
+    pub path: String,
+    /// Shared secret of the exchange, if any.
+    pub secret: Option<Secret>,
+    /// This plugin instance only serves the state (the internal listener).
+    pub serve: bool,
+    /// Most tenants accepted in one peer state.
+    pub max_tenants: usize,
+}
+
+/// FNV-1a: a replica id from a name (a pod name).
+pub fn id_of_name(name: &str) -> ReplicaId {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl RawReplicas {
+    /// Validates; `env` reads an environment variable (for `name_env`). Errors
+    /// name the field. `max_tenants` bounds the tenants a peer may send.
+    pub fn build(self, max_tenants: usize, env: impl Fn(&str) -> Option<String>) -> Result<ReplicasConfig, String> {
+        let field = |f: &str, why: &str| format!("field `replicas.{f}` {why}");
+        if self.sync_interval_ms == 0 || self.sync_interval_ms > 60_000 {
+            return Err(field("sync_interval_ms", &format!("must be in 1..=60000, got {}", self.sync_interval_ms)));
+        }
+        let max_age_ms = self.max_age_ms.unwrap_or(10 * self.sync_interval_ms);
+        if max_age_ms < self.sync_interval_ms {
+            return Err(field("max_age_ms", &format!("must be >= sync_interval_ms, got {max_age_ms}")));
+        }
+        let timeout_ms = self.timeout_ms.unwrap_or(self.sync_interval_ms.max(50));
+        if timeout_ms == 0 || timeout_ms > max_age_ms {
+            return Err(field("timeout_ms", &format!("must be in 1..=max_age_ms, got {timeout_ms}")));
+        }
+        if !self.path.starts_with('/') || self.path.contains('?') {
+            return Err(field("path", &format!("must start with `/` and hold no query, got {:?}", self.path)));
+        }
+        let secret = match self.secret_header {
+            Some(s) if s.name.is_empty() || s.name.starts_with(':') => {
+                return Err(field("secret_header.name", "must be a non-empty regular header name"))
+            }
+            Some(s) if s.value.is_empty() => return Err(field("secret_header.value", "must not be empty")),
+            Some(s) => Some(Secret { name: s.name.to_ascii_lowercase(), value: s.value }),
+            None => None,
+        };
+        // The internal listener's instance only serves: it needs no identity nor peers.
+        let id = match (self.id, &self.name, &self.name_env) {
+            (Some(id), None, None) => id,
+            (None, Some(n), None) if !n.is_empty() => id_of_name(n),
+            (None, None, Some(var)) => match env(var) {
+                Some(n) if !n.is_empty() => id_of_name(&n),
+                _ => return Err(field("name_env", &format!("names {var:?}, which is unset or empty"))),
+            },
+            (None, None, None) if self.serve => 0,
+            (None, Some(_), None) => return Err(field("name", "must not be empty")),
+            _ => return Err(field("id", "or `name` or `name_env`: exactly one is required")),
+        };
+        let peers_cluster = match self.peers_cluster {
+            Some(c) if !c.is_empty() => c,
+            None if self.serve => String::new(),
+            _ => return Err(field("peers_cluster", "must name an Envoy cluster")),
+        };
+        let peers = match self.peers {
+            Some(n) if (1..=MAX_PEERS as u32).contains(&n) => n,
+            None if self.serve => 0,
+            other => return Err(field("peers", &format!("must be in 1..={MAX_PEERS}, got {other:?}"))),
+        };
+        Ok(ReplicasConfig {
+            id,
+            peers_cluster,
+            peers,
+            sync_interval_ms: self.sync_interval_ms,
+            max_age_ms,
+            timeout_ms,
+            path: self.path,
+            secret,
+            serve: self.serve,
+            max_tenants,
+        })
+    }
+}
+
+impl ReplicasConfig {
+    /// What a peer's state may hold.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_age_ms: self.max_age_ms,
+            forget_ms: self.max_age_ms.saturating_mul(10).max(60_000),
+            max_peers: MAX_PEERS,
+            max_tenants: self.max_tenants,
+            max_endpoints: MAX_ENDPOINTS,
+        }
+    }
+
+    /// Headers of a call to a peer (the cluster picks the host).
+    pub fn request_headers(&self) -> Vec<(&str, &str)> {
+        let mut h = vec![(":method", "GET"), (":path", self.path.as_str()), (":authority", "sluice-peers")];
+        if let Some(s) = &self.secret {
+            h.push((s.name.as_str(), s.value.as_str()));
+        }
+        h
+    }
+}
+
+/// The incarnation a new publisher of this process takes, given the last one
+/// stored in shared data: its start time, or one more than the last when the
+/// clock did not move past it (a lease takeover within the same millisecond,
+/// or a clock stepped back). Greater than every earlier one of this process; a
+/// restarted process (shared data lost) starts later in time.
+pub fn next_incarnation(last: u64, now_ms: u64) -> u64 {
+    now_ms.max(last.saturating_add(1))
+}
+
+/// Takes the next incarnation from shared data (compare-and-swap).
+pub fn take_incarnation(store: &dyn Store, now_ms: u64) -> Option<u64> {
+    shared::update(store, INCARNATION_KEY, |v| {
+        let last = v.and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+        let next = next_incarnation(last, now_ms);
+        Some((next.to_le_bytes().to_vec(), next))
+    })
+}
+
+/// What a sync asks of the worker.
+#[derive(Debug, PartialEq)]
+pub struct Sync {
+    /// This replica's state, to store at [`STATE_KEY`].
+    pub state: Vec<u8>,
+    /// The live peers' load, to store at [`PEER_LOAD_KEY`].
+    pub peer_load: Vec<u8>,
+    /// Peer calls to send now (then [`Exchange::sent`] each).
+    pub calls: u32,
+    /// Peers that stopped counting at this sync.
+    pub expired: usize,
+}
+
+/// What became of a peer's answer.
+#[derive(Debug, PartialEq)]
+pub enum Answer {
+    /// A state was taken (newer, stale or one's own); the new peer load to store.
+    Taken(Offer, Vec<u8>),
+    /// The call failed or the answer was refused (why).
+    Failed(String),
+}
+
+/// The lease holder's side of the exchange.
+pub struct Exchange {
+    cfg: ReplicasConfig,
+    publisher: Publisher,
+    peers: Peers,
+    /// Calls in flight: token → when sent.
+    calls: HashMap<u32, u64>,
+    next_sync_ms: u64,
+}
+
+impl Exchange {
+    /// A new exchange publishing under `incarnation` (see [`take_incarnation`]).
+    pub fn new(cfg: &ReplicasConfig, incarnation: u64) -> Result<Exchange, String> {
+        Ok(Exchange {
+            publisher: Publisher::new(cfg.id, incarnation),
+            peers: Peers::new(cfg.id, cfg.limits())?,
+            cfg: cfg.clone(),
+            calls: HashMap::new(),
+            next_sync_ms: 0,
+        })
+    }
+
+    /// The configuration it runs with.
+    pub fn cfg(&self) -> &ReplicasConfig {
+        &self.cfg
+    }
+
+    /// Once per sync interval (`None` before it is due): publishes this
+    /// replica's `service` per tenant and `own_load` per endpoint (indexed like
+    /// `endpoints`), expires silent peers, and says how many calls to send:
+    /// `peers` less those still out, so that a hung peer costs at most `peers`
+    /// calls in flight.
+    pub fn tick(
+        &mut self,
+        now: u64,
+        service: BTreeMap<String, f64>,
+        endpoints: &[String],
+        own_load: &[u32],
+    ) -> Option<Sync> {
+        if now < self.next_sync_ms {
+            return None;
+        }
+        self.next_sync_ms = now + self.cfg.sync_interval_ms;
+        // Envoy answers every call (a timeout is a failure), but a lost token must not hold a slot forever.
+        let give_up = 2 * self.cfg.timeout_ms;
+        self.calls.retain(|_, sent| now.saturating_sub(*sent) <= give_up);
+        let in_flight = endpoints.iter().zip(own_load).map(|(e, &n)| (e.clone(), n)).collect();
+        let state = self.publisher.publish(service, in_flight);
+        let expired = self.peers.expire(now);
+        Some(Sync {
+            state: serde_json::to_vec(&state).unwrap_or_default(),
+            peer_load: self.peer_load(now, endpoints),
+            calls: self.cfg.peers.saturating_sub(self.calls.len() as u32),
+            expired,
+        })
+    }
+
+    /// A call was sent with this token.
+    pub fn sent(&mut self, token: u32, now: u64) {
+        self.calls.insert(token, now);
+    }
+
+    /// Is this call token one of the exchange's?
+    pub fn owns(&self, token: u32) -> bool {
+        self.calls.contains_key(&token)
+    }
+
+    /// A peer answered with a 200 and `body`, or the call failed (`None`).
+    /// The body is hostile input: bounded, strictly parsed, checked against the limits.
+    pub fn answer(&mut self, token: u32, now: u64, body: Option<&[u8]>, endpoints: &[String]) -> Option<Answer> {
+        self.calls.remove(&token)?;
+        let parsed = match body {
+            None => Err("the call failed".to_string()),
+            Some(b) if b.len() > MAX_STATE_BYTES => Err(format!("answer of {} bytes, at most {MAX_STATE_BYTES}", b.len())),
+            Some(b) => serde_json::from_slice::<ReplicaState>(b).map_err(|e| format!("unreadable state: {e}")),
+        };
+        Some(match parsed.and_then(|s| self.peers.offer(s, now)) {
+            Ok(offer) => Answer::Taken(offer, self.peer_load(now, endpoints)),
+            Err(why) => Answer::Failed(why),
+        })
+    }
+
+    /// Peers that count now.
+    pub fn live(&self, now: u64) -> usize {
+        self.peers.live(now).count()
+    }
+
+    /// The service `tenant` got on the live peers.
+    pub fn peer_service(&self, tenant: &str, now: u64) -> f64 {
+        self.peers.service(tenant, now)
+    }
+
+    /// The live peers' in-flight counts per endpoint, encoded for [`PEER_LOAD_KEY`].
+    fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
+        let mut out = now.to_le_bytes().to_vec();
+        for e in endpoints {
+            let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+        out
+    }
+}
+
+/// The live peers' in-flight counts per endpoint as the lease holder last
+/// wrote them, or `None` when there are none, they were written for another
+/// number of endpoints, or more than `max_age_ms` ago (the lease holder died:
+/// every worker falls back to local state).
+pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64) -> Option<Vec<u32>> {
+    let (Some(b), _) = store.get(PEER_LOAD_KEY) else { return None };
+    if b.len() != 8 + 4 * endpoints {
+        return None;
+    }
+    let written = u64::from_le_bytes(b[..8].try_into().ok()?);
+    if now.saturating_sub(written) > max_age_ms {
+        return None;
+    }
+    Some(b[8..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// Own in-flight counts plus the peers' (what admission and routing compare with the bounds).
+pub fn global_load(own: &[u32], peers: Option<&[u32]>) -> Vec<u32> {
+    match peers {
+        Some(p) => own.iter().zip(p).map(|(&a, &b)| a.saturating_add(b)).collect(),
+        None => own.to_vec(),
+    }
+}
+
+/// The internal listener's answer.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u32,
+    /// JSON body.
+    pub body: Vec<u8>,
+}
+
+fn error(status: u32, message: &str) -> Reply {
+    Reply { status, body: serde_json::json!({ "error": message }).to_string().into_bytes() }
+}
+
+/// Compares without stopping at the first difference (the secret's length still shows).
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Answers a request on the internal listener: the latest published state
+/// (`state`, from [`STATE_KEY`]) for a GET of `path` with the right secret;
+/// 403 without the secret, 404 for another path, 405 for another method, 503
+/// before the first publication. `header` reads a request header.
+pub fn serve(cfg: &ReplicasConfig, header: impl Fn(&str) -> Option<Vec<u8>>, state: Option<Vec<u8>>) -> Reply {
+    if let Some(s) = &cfg.secret {
+        if !header(&s.name).is_some_and(|v| same_secret(&v, s.value.as_bytes())) {
+            return error(403, "missing or wrong replica secret");
+        }
+    }
+    let path = header(":path").unwrap_or_default();
+    let path = path.split(|&b| b == b'?').next().unwrap_or_default();
+    if path != cfg.path.as_bytes() {
+        return error(404, "not found");
+    }
+    if header(":method").as_deref() != Some(b"GET") {
+        return error(405, "only GET");
+    }
+    match state {
+        Some(s) => Reply { status: 200, body: s },
+        None => error(503, "no state published yet"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::tests::MapStore;
+
+    fn raw(v: serde_json::Value) -> Result<ReplicasConfig, String> {
+        let raw: RawReplicas = serde_json::from_value(v).map_err(|e| e.to_string())?;
+        raw.build(100, |var| (var == "POD_NAME").then(|| "gw-1".to_string()))
+    }
+
+    fn cfg() -> ReplicasConfig {
+        raw(serde_json::json!({"id": 1, "peers_cluster": "peers", "peers": 3,
+            "secret_header": {"name": "X-Sluice-Secret", "value": "s3"}}))
+        .unwrap()
+    }
+
+    const EPS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
+
+    fn endpoints() -> Vec<String> {
+        EPS.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn state(replica: u64, incarnation: u64, seq: u64, load: [u32; 2]) -> Vec<u8> {
+        let s = ReplicaState {
+            replica,
+            version: sluice_policies::replicas::Version { incarnation, seq },
+            service: BTreeMap::from([("a".to_string(), 10.0)]),
+            in_flight: EPS.iter().map(|e| e.to_string()).zip(load).collect(),
+        };
+        serde_json::to_vec(&s).unwrap()
+    }
+
+    #[test]
+    fn defaults_and_ids() {
+        let c = cfg();
+        assert_eq!((c.sync_interval_ms, c.max_age_ms, c.timeout_ms), (100, 1000, 100));
+        assert_eq!(c.path, "/sluice/replica-state");
+        assert_eq!(c.secret.as_ref().unwrap().name, "x-sluice-secret");
+        let by_name = raw(serde_json::json!({"name": "gw-1", "peers_cluster": "p", "peers": 2})).unwrap();
+        let by_env = raw(serde_json::json!({"name_env": "POD_NAME", "peers_cluster": "p", "peers": 2})).unwrap();
+        assert_eq!(by_name.id, by_env.id);
+        assert_ne!(by_name.id, id_of_name("gw-2"));
+        // The internal listener needs neither identity nor peers.
+        assert!(raw(serde_json::json!({"serve": true})).unwrap().serve);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        for (v, field) in [
+            (serde_json::json!({"peers_cluster": "p", "peers": 2}), "replicas.id"),
+            (serde_json::json!({"id": 1, "name": "x", "peers_cluster": "p", "peers": 2}), "replicas.id"),
+            (serde_json::json!({"name_env": "UNSET", "peers_cluster": "p", "peers": 2}), "replicas.name_env"),
+            (serde_json::json!({"id": 1, "peers": 2}), "replicas.peers_cluster"),
+            (serde_json::json!({"id": 1, "peers_cluster": "p"}), "replicas.peers"),
+            (serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 0}), "replicas.peers"),
+            (serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "sync_interval_ms": 0}), "sync_interval_ms"),
+            (serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "max_age_ms": 50}), "max_age_ms"),
+            (serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "timeout_ms": 5000}), "timeout_ms"),
+            (serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "path": "x"}), "replicas.path"),
+            (
+                serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "secret_header": {"name": "", "value": "v"}}),
+                "secret_header.name",
+            ),
+        ] {
+            let e = raw(v.clone()).unwrap_err();
+            assert!(e.contains(field), "{v}: {e}");
+        }
+    }
+
+    #[test]
+    fn incarnations_grow_across_takeovers_and_restarts() {
+        let store = MapStore::default();
+        let a = take_incarnation(&store, 1000).unwrap();
+        let b = take_incarnation(&store, 1000).unwrap();
+        let c = take_incarnation(&store, 900).unwrap();
+        assert!(a < b && b < c, "{a} {b} {c}");
+        // A restarted process lost shared data; its clock moved on.
+        assert!(take_incarnation(&MapStore::default(), 5000).unwrap() > c);
+    }
+
+    #[test]
+    fn a_sync_publishes_once_per_interval_and_bounds_calls_in_flight() {
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        let eps = endpoints();
+        let s = ex.tick(0, BTreeMap::new(), &eps, &[2, 1]).unwrap();
+        let mine: ReplicaState = serde_json::from_slice(&s.state).unwrap();
+        assert_eq!((mine.replica, mine.version.incarnation, mine.version.seq), (1, 7, 1));
+        assert_eq!(mine.in_flight[EPS[0]], 2);
+        assert_eq!(s.calls, 3);
+        assert!(ex.tick(50, BTreeMap::new(), &eps, &[2, 1]).is_none(), "not due");
+        ex.sent(10, 0);
+        ex.sent(11, 0);
+        assert_eq!(ex.tick(100, BTreeMap::new(), &eps, &[0, 0]).unwrap().calls, 1, "two still out");
+        // Calls never answered are given up after twice the timeout.
+        assert_eq!(ex.tick(300, BTreeMap::new(), &eps, &[0, 0]).unwrap().calls, 3);
+        assert!(!ex.owns(10));
+    }
+
+    #[test]
+    fn peers_add_their_load_until_they_go_silent() {
+        let c = cfg();
+        let mut ex = Exchange::new(&c, 7).unwrap();
+        let eps = endpoints();
+        let store = MapStore::default();
+        ex.tick(0, BTreeMap::new(), &eps, &[0, 0]);
+        ex.sent(1, 0);
+        ex.sent(2, 0);
+        ex.sent(3, 0);
+        for (token, peer, load) in [(1, 2, [3, 1]), (2, 3, [1, 0])] {
+            let answer = ex.answer(token, 10, Some(&state(peer, 1, 1, load)), &eps);
+            assert!(matches!(answer, Some(Answer::Taken(Offer::Newer, _))), "{answer:?}");
+        }
+        // One's own state comes back through a round-robin cluster: ignored.
+        assert!(matches!(ex.answer(3, 10, Some(&state(1, 7, 1, [9, 9])), &eps), Some(Answer::Taken(Offer::Own, _))));
+        let s = ex.tick(100, BTreeMap::new(), &eps, &[0, 0]).unwrap();
+        store.set(PEER_LOAD_KEY, &s.peer_load, None);
+        assert_eq!(peer_load(&store, 2, 100, c.max_age_ms), Some(vec![4, 1]));
+        assert_eq!(global_load(&[1, 1], peer_load(&store, 2, 100, c.max_age_ms).as_deref()), vec![5, 2]);
+        assert_eq!(ex.live(100), 2);
+        assert!((ex.peer_service("a", 100) - 20.0).abs() < 1e-9);
+        // Written for another pool, or long ago (the lease holder died): not read.
+        assert_eq!(peer_load(&store, 3, 100, c.max_age_ms), None);
+        assert_eq!(peer_load(&store, 2, 100 + c.max_age_ms + 1, c.max_age_ms), None);
+        // Peer 3 keeps answering, peer 2 falls silent: past max_age_ms only 3 counts.
+        ex.sent(4, 500);
+        ex.answer(4, 500, Some(&state(3, 1, 2, [1, 0])), &eps);
+        ex.sent(5, 1005);
+        ex.answer(5, 1005, Some(&state(3, 1, 3, [0, 2])), &eps);
+        let s = ex.tick(1020, BTreeMap::new(), &eps, &[0, 0]).unwrap();
+        assert_eq!(s.expired, 1);
+        store.set(PEER_LOAD_KEY, &s.peer_load, None);
+        assert_eq!(peer_load(&store, 2, 1020, c.max_age_ms), Some(vec![0, 2]));
+        assert_eq!(ex.live(1020), 1);
+    }
+
+    #[test]
+    fn hostile_answers_are_refused_and_counted_as_failures() {
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        let eps = endpoints();
+        let huge = vec![b' '; MAX_STATE_BYTES + 1];
+        let many: BTreeMap<String, f64> = (0..101).map(|i| (format!("t{i}"), 1.0)).collect();
+        let too_many = serde_json::json!({"replica": 2, "version": {"incarnation": 1, "seq": 1},
+            "service": many, "in_flight": {}})
+        .to_string();
+        let bodies: [Option<&[u8]>; 6] = [
+            None,
+            Some(&huge),
+            Some(b"{\"replica\": 2"),
+            Some(br#"{"replica":2,"version":{"incarnation":1,"seq":1},"service":{},"in_flight":{},"extra":1}"#),
+            Some(br#"{"replica":2,"version":{"incarnation":1,"seq":1},"service":{"a":-1},"in_flight":{}}"#),
+            Some(too_many.as_bytes()),
+        ];
+        for (i, body) in bodies.into_iter().enumerate() {
+            ex.sent(i as u32, 0);
+            assert!(matches!(ex.answer(i as u32, 0, body, &eps), Some(Answer::Failed(_))), "body {i}");
+        }
+        assert_eq!(ex.live(0), 0);
+        // An unknown token is not the exchange's (a metrics scrape).
+        assert_eq!(ex.answer(99, 0, None, &eps), None);
+    }
+
+    #[test]
+    fn the_internal_listener_serves_the_state_only_with_the_secret() {
+        let c = cfg();
+        let req = |path: &'static str, method: &'static str, secret: Option<&'static str>| {
+            move |h: &str| match h {
+                ":path" => Some(path.as_bytes().to_vec()),
+                ":method" => Some(method.as_bytes().to_vec()),
+                "x-sluice-secret" => secret.map(|s| s.as_bytes().to_vec()),
+                _ => None,
+            }
+        };
+        let body = b"{}".to_vec();
+        assert_eq!(serve(&c, req("/sluice/replica-state", "GET", Some("s3")), Some(body.clone())).status, 200);
+        let forbidden = serve(&c, req("/sluice/replica-state", "GET", Some("s4")), Some(body.clone()));
+        assert_eq!(forbidden.status, 403);
+        assert!(serde_json::from_slice::<serde_json::Value>(&forbidden.body).unwrap()["error"].is_string());
+        assert_eq!(serve(&c, req("/sluice/replica-state", "GET", None), Some(body.clone())).status, 403);
+        assert_eq!(serve(&c, req("/v1/completions", "GET", Some("s3")), Some(body.clone())).status, 404);
+        assert_eq!(serve(&c, req("/sluice/replica-state?x=1", "POST", Some("s3")), Some(body)).status, 405);
+        assert_eq!(serve(&c, req("/sluice/replica-state", "GET", Some("s3")), None).status, 503);
+    }
+}
