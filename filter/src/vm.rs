@@ -6,6 +6,7 @@
 use crate::config::Config;
 use crate::openai::{self, BodyEdit, TokenCounter};
 use crate::outcome::Outcome;
+use crate::replicas::{self, ReplicasConfig};
 use crate::shared::Store;
 use crate::slo::SloHeaders;
 use crate::wire::RouteInfo;
@@ -22,7 +23,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|id| Box::new(Root { id, vm: None }));
+    proxy_wasm::set_root_context(|id| Box::new(Root { id, vm: None, serve: None }));
 }}
 
 /// Most bytes of a `/metrics` page read; the rest is ignored (a truncated last line is skipped).
@@ -124,6 +125,9 @@ type Vm = Worker<ProxyHost>;
 struct Root {
     id: u32,
     vm: Option<Rc<RefCell<Vm>>>,
+    /// The internal listener's instance (`replicas.serve`): it runs no worker
+    /// and only answers peers with the state the lease holder published.
+    serve: Option<Rc<ReplicasConfig>>,
 }
 
 impl Context for Root {
@@ -147,6 +151,10 @@ impl RootContext for Root {
                 return false;
             }
         };
+        if let Some(r) = cfg.replicas.as_ref().filter(|r| r.serve) {
+            self.serve = Some(Rc::new(r.clone()));
+            return true;
+        }
         let mut metrics = Vec::new();
         for m in Metric::all() {
             let kind = match m.kind() {
@@ -195,6 +203,9 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        if let Some(cfg) = &self.serve {
+            return Some(Box::new(ServePeers { cfg: cfg.clone() }));
+        }
         Some(Box::new(Http {
             vm: self.vm.clone(),
             ctx: context_id,
@@ -206,6 +217,22 @@ impl RootContext for Root {
             tokens: None,
             awaiting_first_bytes: false,
         }))
+    }
+}
+
+/// A request on the internal listener: a peer asking for this replica's state.
+struct ServePeers {
+    cfg: Rc<ReplicasConfig>,
+}
+
+impl Context for ServePeers {}
+
+impl HttpContext for ServePeers {
+    fn on_http_request_headers(&mut self, _n: usize, _end_of_stream: bool) -> Action {
+        let state = hostcalls::get_shared_data(replicas::STATE_KEY).ok().and_then(|(v, _)| v);
+        let reply = replicas::serve(&self.cfg, |h| self.get_http_request_header_bytes(h), state);
+        self.send_http_response(reply.status, vec![("content-type", "application/json")], Some(&reply.body));
+        Action::Pause
     }
 }
 

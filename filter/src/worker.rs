@@ -13,6 +13,7 @@
 use crate::config::{Config, NoEndpoint};
 use crate::openai::{self, BodyEdit};
 use crate::outcome::Outcome;
+use crate::replicas::{self, Answer, Exchange};
 use crate::scheduler::{band_code, band_of_code, Scheduler, Slot};
 use crate::shared::{self, Lease, Permit, Store};
 use crate::slo::SloHeaders;
@@ -133,6 +134,12 @@ pub enum Metric {
     /// Time a deferred request was held, until it was released, rejected,
     /// expired or cancelled.
     HeldMs,
+    /// Peer states fetched and taken (`replicas`).
+    ReplicaSyncOk,
+    /// Peer calls that failed or whose answer was refused.
+    ReplicaSyncFailed,
+    /// Peers counting now.
+    ReplicaPeersLive,
 }
 
 impl Metric {
@@ -143,6 +150,7 @@ impl Metric {
             .into_iter()
             .chain(Outcome::ALL.into_iter().map(Rejected))
             .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
+            .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive])
     }
 
     /// Its position in [`Metric::all`].
@@ -163,6 +171,9 @@ impl Metric {
             Metric::SlotsReclaimed => 10 + outcomes,
             Metric::Deferred => 11 + outcomes,
             Metric::HeldMs => 12 + outcomes,
+            Metric::ReplicaSyncOk => 13 + outcomes,
+            Metric::ReplicaSyncFailed => 14 + outcomes,
+            Metric::ReplicaPeersLive => 15 + outcomes,
         }
     }
 
@@ -183,13 +194,16 @@ impl Metric {
             Metric::SlotsReclaimed => "sluice_slots_reclaimed",
             Metric::Deferred => "sluice_requests_deferred",
             Metric::HeldMs => "sluice_held_ms",
+            Metric::ReplicaSyncOk => "sluice_replica_sync_ok",
+            Metric::ReplicaSyncFailed => "sluice_replica_sync_failed",
+            Metric::ReplicaPeersLive => "sluice_replica_peers_live",
         }
     }
 
     /// How it is kept.
     pub fn kind(self) -> MetricKind {
         match self {
-            Metric::Stock | Metric::QueueLength => MetricKind::Gauge,
+            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive => MetricKind::Gauge,
             Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
             _ => MetricKind::Counter,
         }
@@ -238,6 +252,8 @@ struct SchedulerRole {
     published_len: Option<usize>,
     /// When the counters were last saved to shared data.
     saved_ms: u64,
+    /// The exchange with the other gateway replicas (`replicas`).
+    exchange: Option<Exchange>,
 }
 
 /// One VM's worker: the streams it holds, its half of the scheduler lease,
@@ -590,7 +606,11 @@ impl<H: Host> Worker<H> {
                 .collect()
         };
         let bounds = cfg.bounds;
+        // With replicas, the band and the router count the live peers' requests too.
+        let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
+        let global = |load: &[u32]| replicas::global_load(load, peers.as_deref());
         let allowed = |load: &[u32]| {
+            let load = &global(load)[..];
             // The band scales with the endpoints that can take work: a hung
             // server's requests must not hold the others back.
             let (ready, stock) = shared::ready_stock(load, |i| records[i].healthy(now));
@@ -607,6 +627,7 @@ impl<H: Host> Worker<H> {
         let (index, scratch) = (&self.affinity, &mut self.route_scratch);
         let mut no_endpoint = false;
         let pick = |load: &[u32]| {
+            let load = &global(load)[..];
             let pool = views(load);
             let cx = RouteContext { request, pool: &pool, index, now_ms: now };
             let chosen = routing.router.pick(&cx, random, scratch);
@@ -737,7 +758,11 @@ impl<H: Host> Worker<H> {
                 return;
             }
             log::info!("worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
-            self.role = Some(SchedulerRole { scheduler, published_len: None, saved_ms: now });
+            let exchange = self.cfg.replicas.as_ref().filter(|r| !r.serve).and_then(|r| {
+                let incarnation = replicas::take_incarnation(&self.host, now)?;
+                Exchange::new(r, incarnation).map_err(|e| log::error!("replicas: {e}")).ok()
+            });
+            self.role = Some(SchedulerRole { scheduler, published_len: None, saved_ms: now, exchange });
         } else if !holder && self.role.is_some() {
             log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
             self.role = None;
@@ -1152,6 +1177,7 @@ impl<H: Host> Worker<H> {
         self.replies_left = MAX_REPLIES_PER_CALLBACK;
         self.tick();
         self.send_scrapes();
+        self.sync_replicas();
     }
 
     /// A shared queue this VM registered has messages.
@@ -1168,7 +1194,52 @@ impl<H: Host> Worker<H> {
     /// A scrape answered with a 200 and this `page`, or failed (`None`).
     pub fn on_scrape(&mut self, now: u64, token: u32, page: Option<&[u8]>) {
         self.now = now;
-        self.scraped(token, page);
+        if !self.peer_answered(token, page) {
+            self.scraped(token, page);
+        }
+    }
+
+    /// A peer's answer to the replicas exchange (false: the token is not one).
+    fn peer_answered(&mut self, token: u32, body: Option<&[u8]>) -> bool {
+        let Some(ex) = self.role.as_mut().and_then(|r| r.exchange.as_mut()) else { return false };
+        match ex.answer(token, self.now, body, &self.cfg.endpoints) {
+            None => return false,
+            Some(Answer::Taken(_, peer_load)) => {
+                self.host.add(Metric::ReplicaSyncOk, 1);
+                self.host.record(Metric::ReplicaPeersLive, ex.live(self.now) as u64);
+                self.host.set(replicas::PEER_LOAD_KEY, &peer_load, None);
+            }
+            Some(Answer::Failed(why)) => {
+                self.host.add(Metric::ReplicaSyncFailed, 1);
+                log::debug!("replicas: {why}");
+            }
+        }
+        // A peer's requests that ended may leave room for the queue.
+        self.pump(Vec::new());
+        true
+    }
+
+    /// The lease holder's part of the replicas exchange, once per sync
+    /// interval: publish this replica's state, store the live peers' load, ask the peers.
+    fn sync_replicas(&mut self) {
+        let Some(ex) = self.role.as_mut().and_then(|r| r.exchange.as_mut()) else { return };
+        let now = self.now;
+        let own = shared::load(&self.host, self.cfg.endpoints.len());
+        let Some(sync) = ex.tick(now, Default::default(), &self.cfg.endpoints, &own) else { return };
+        self.host.set(replicas::STATE_KEY, &sync.state, None);
+        self.host.set(replicas::PEER_LOAD_KEY, &sync.peer_load, None);
+        self.host.record(Metric::ReplicaPeersLive, ex.live(now) as u64);
+        if sync.expired > 0 {
+            log::warn!("replicas: {} peers went silent; they no longer count", sync.expired);
+        }
+        let cfg = ex.cfg().clone();
+        let headers = cfg.request_headers();
+        for _ in 0..sync.calls {
+            match self.host.http_call(&cfg.peers_cluster, &headers, cfg.timeout_ms) {
+                Some(token) => ex.sent(token, now),
+                None => self.host.add(Metric::ReplicaSyncFailed, 1),
+            }
+        }
     }
 
     /// Sends one scrape per due endpoint.
@@ -1289,7 +1360,9 @@ mod tests {
             true
         }
         fn http_call(&self, _cluster: &str, headers: &[(&str, &str)], _timeout_ms: u64) -> Option<u32> {
-            let to = headers.iter().find(|(k, _)| *k == DESTINATION).map(|(_, v)| v.to_string())?;
+            // Scrapes name their endpoint; the replicas exchange only its path.
+            let header = |name: &str| headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string());
+            let to = header(DESTINATION).or_else(|| header(":path"))?;
             let mut scrapes = self.0.scrapes.borrow_mut();
             scrapes.push((self.1, to));
             Some(scrapes.len() as u32)
@@ -1885,5 +1958,58 @@ mod tests {
         assert_eq!(held(&scheduler, 300), [0.0; 4], "expired before the charge is read");
         scheduler.on_queue_ready(300, queue_id(&p, SCHEDULER_QUEUE));
         assert_eq!(held(&scheduler, 300)[e], 3.0, "confirmed by the worker's charge");
+    }
+
+    /// Sends replica `w`'s due peer calls at `now` and answers each with `answer` (`None`: failed).
+    fn sync(w: &mut Worker<Vm>, now: u64, answer: Option<&[u8]>) -> usize {
+        let first = w.host().0.scrapes.borrow().len();
+        w.on_tick(now);
+        let sent: Vec<u32> = (first..w.host().0.scrapes.borrow().len())
+            .filter(|&i| w.host().0.scrapes.borrow()[i].1 == "/sluice/replica-state")
+            .map(|i| i as u32 + 1)
+            .collect();
+        for &token in &sent {
+            w.on_scrape(now, token, answer);
+        }
+        sent.len()
+    }
+
+    fn replica(id: u64) -> Config {
+        config(serde_json::json!({"replicas": {"id": id, "peers_cluster": "sluice_peers", "peers": 2}}))
+    }
+
+    #[test]
+    fn a_replica_counts_its_peers_in_flight_against_the_bound_until_they_go_silent() {
+        let (pa, pb) = (Rc::new(Process::default()), Rc::new(Process::default()));
+        let (mut a, mut b) = (vm(&pa, 1, replica(1), 0), vm(&pb, 1, replica(2), 0));
+        assert_eq!(sync(&mut a, 0, None), 2, "`peers` calls per interval");
+        assert_eq!(sync(&mut b, 0, None), 2);
+        assert_eq!(metric(&pb, "sluice_replica_sync_failed"), 2);
+        // Replica A fills the pool's bound (1 per endpoint) by itself.
+        assert!(matches!(admit(&mut a, 10, 1, "x"), Admission::Bypass(_)));
+        assert!(matches!(admit(&mut a, 10, 2, "x"), Admission::Bypass(_)));
+        sync(&mut a, 100, None);
+        let (Some(state_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
+        // B hears it: its first request waits, although B itself holds nothing.
+        sync(&mut b, 100, Some(&state_a));
+        assert!(metric(&pb, "sluice_replica_sync_ok") >= 1);
+        assert_eq!(admit(&mut b, 110, 1, "y"), Admission::Queued);
+        // A repeats the same state (it stopped publishing): no longer news. Past
+        // max_age_ms (10 intervals) A stops counting and B's queue moves.
+        let mut now = 200;
+        while pb.resumed.borrow().is_empty() && now <= 100 + 1000 + 200 {
+            sync(&mut b, now, Some(&state_a));
+            now += 100;
+        }
+        assert!(now > 100 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
+        assert_eq!(pb.resumed.borrow().len(), 1, "B's request went once A went silent");
+    }
+
+    #[test]
+    fn without_replicas_nothing_is_published_nor_fetched() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, config(serde_json::json!({})), 0);
+        assert_eq!(sync(&mut w, 0, None), 0);
+        assert_eq!(p.store.get(replicas::STATE_KEY).0, None);
     }
 }
