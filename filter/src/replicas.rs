@@ -8,7 +8,8 @@
 //! shared data (where the internal listener's plugin serves it, see [`serve`]),
 //! asks its peers for theirs through `peers_cluster`, and writes the live peers'
 //! in-flight counts per endpoint into shared data, where every worker's
-//! admission and routing add them to their own ([`peer_load`], [`global_load`]).
+//! admission and routing add them to their own ([`peer_load`], [`PeerLoad::global`]),
+//! leaving room for the peers that want it ([`Exchange::reserve`]).
 //!
 //! Off unless the configuration has `replicas`.
 
@@ -242,6 +243,18 @@ pub enum Answer {
     Failed(String),
 }
 
+/// What this replica last published, and the pool's bound: what the room it leaves its peers
+/// is computed from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Own {
+    /// Requests the pool may hold in all (the upper bound over every endpoint).
+    pub upper: u32,
+    /// This replica's requests in flight, over every endpoint.
+    pub in_flight: u32,
+    /// Requests waiting in this replica's queue.
+    pub queued: u32,
+}
+
 /// The lease holder's side of the exchange.
 pub struct Exchange {
     cfg: ReplicasConfig,
@@ -250,6 +263,7 @@ pub struct Exchange {
     /// Calls in flight: token → when sent.
     calls: HashMap<u32, u64>,
     next_sync_ms: u64,
+    own: Own,
 }
 
 impl Exchange {
@@ -261,6 +275,7 @@ impl Exchange {
             cfg: cfg.clone(),
             calls: HashMap::new(),
             next_sync_ms: 0,
+            own: Own::default(),
         })
     }
 
@@ -270,16 +285,18 @@ impl Exchange {
     }
 
     /// Once per sync interval (`None` before it is due): publishes this
-    /// replica's `service` per tenant and `own_load` per endpoint (indexed like
-    /// `endpoints`), expires silent peers, and says how many calls to send:
-    /// `peers` less those still out, so that a hung peer costs at most `peers`
-    /// calls in flight.
+    /// replica's `service` per tenant, `own_load` per endpoint (indexed like
+    /// `endpoints`) and its queue length, expires silent peers, and says how
+    /// many calls to send: `peers` less those still out, so that a hung peer
+    /// costs at most `peers` calls in flight. `upper`: the pool's bound in all.
     pub fn tick(
         &mut self,
         now: u64,
         service: BTreeMap<String, f64>,
         endpoints: &[String],
         own_load: &[u32],
+        queued: u32,
+        upper: u32,
     ) -> Option<Sync> {
         if now < self.next_sync_ms {
             return None;
@@ -289,7 +306,9 @@ impl Exchange {
         let give_up = 2 * self.cfg.timeout_ms;
         self.calls.retain(|_, sent| now.saturating_sub(*sent) <= give_up);
         let in_flight = endpoints.iter().zip(own_load).map(|(e, &n)| (e.clone(), n)).collect();
-        let state = self.publisher.publish(service, in_flight);
+        let mut state = self.publisher.publish(service, in_flight);
+        state.queued = queued;
+        self.own = Own { upper, in_flight: own_load.iter().fold(0u32, |a, &n| a.saturating_add(n)), queued };
         let expired = self.peers.expire(now);
         Some(Sync {
             state: serde_json::to_vec(&state).unwrap_or_default(),
@@ -315,7 +334,9 @@ impl Exchange {
         self.calls.remove(&token)?;
         let parsed = match body {
             None => Err("the call failed".to_string()),
-            Some(b) if b.len() > MAX_STATE_BYTES => Err(format!("answer of {} bytes, at most {MAX_STATE_BYTES}", b.len())),
+            Some(b) if b.len() > MAX_STATE_BYTES => {
+                Err(format!("answer of {} bytes, at most {MAX_STATE_BYTES}", b.len()))
+            }
             Some(b) => serde_json::from_slice::<ReplicaState>(b).map_err(|e| format!("unreadable state: {e}")),
         };
         Some(match parsed.and_then(|s| self.peers.offer(s, now)) {
@@ -334,9 +355,35 @@ impl Exchange {
         self.peers.service(tenant, now)
     }
 
-    /// The live peers' in-flight counts per endpoint, encoded for [`PEER_LOAD_KEY`].
+    /// Slots of the pool this replica leaves free for its peers, beyond what they hold, as of
+    /// its last publication: each peer with demand (in flight or queued) is owed up to a fair
+    /// share `upper / (1 + such peers)`, capped by its demand; what room is left beyond that is
+    /// split between this replica and the peers that queue. Without it every replica would see
+    /// the same free room at once (a pool that just drained) and each would fill all of it.
+    pub fn reserve(&self, now: u64) -> u32 {
+        let own = self.own;
+        let peers: Vec<(u64, u64)> = self
+            .peers
+            .live(now)
+            .map(|s| (s.in_flight.values().map(|&n| u64::from(n)).sum::<u64>(), u64::from(s.queued)))
+            .collect();
+        let active = peers.iter().filter(|(i, q)| i + q > 0).count() as u64;
+        let fair = u64::from(own.upper) / (1 + active);
+        let mut reserve: u64 = peers.iter().map(|&(i, q)| (i + q).min(fair).saturating_sub(i)).sum();
+        let held: u64 = u64::from(own.in_flight) + peers.iter().map(|&(i, _)| i).sum::<u64>();
+        let room = u64::from(own.upper).saturating_sub(held);
+        let left = room.saturating_sub(reserve);
+        let queuing = peers.iter().filter(|&&(_, q)| q > 0).count() as u64;
+        reserve += left - left.div_ceil(1 + queuing);
+        // Owed shares stand even when the pool is full: the holder then refills less than it frees.
+        reserve.min(u64::from(own.upper)) as u32
+    }
+
+    /// The live peers' in-flight counts per endpoint and the [`Exchange::reserve`], encoded for
+    /// [`PEER_LOAD_KEY`].
     fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
         let mut out = now.to_le_bytes().to_vec();
+        out.extend_from_slice(&self.reserve(now).to_le_bytes());
         for e in endpoints {
             let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
             out.extend_from_slice(&n.to_le_bytes());
@@ -345,28 +392,37 @@ impl Exchange {
     }
 }
 
-/// The live peers' in-flight counts per endpoint as the lease holder last
-/// wrote them, or `None` when there are none, they were written for another
-/// number of endpoints, or more than `max_age_ms` ago (the lease holder died:
-/// every worker falls back to local state).
-pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64) -> Option<Vec<u32>> {
+/// What the peers hold and are owed, as the lease holder last wrote it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerLoad {
+    /// The live peers' requests in flight, per endpoint.
+    pub in_flight: Vec<u32>,
+    /// Slots left to the peers beyond those ([`Exchange::reserve`]): added to the stock the
+    /// admission band compares with its bounds, not to any endpoint.
+    pub reserve: u32,
+}
+
+impl PeerLoad {
+    /// Own in-flight counts plus the peers' (what routing and the band read).
+    pub fn global(&self, own: &[u32]) -> Vec<u32> {
+        own.iter().zip(self.in_flight.iter().chain(std::iter::repeat(&0))).map(|(&a, &b)| a.saturating_add(b)).collect()
+    }
+}
+
+/// The peers' load as the lease holder last wrote it, or `None` when there is none, it was
+/// written for another number of endpoints, or more than `max_age_ms` ago (the lease holder
+/// died: every worker falls back to local state).
+pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64) -> Option<PeerLoad> {
     let (Some(b), _) = store.get(PEER_LOAD_KEY) else { return None };
-    if b.len() != 8 + 4 * endpoints {
+    if b.len() != 12 + 4 * endpoints {
         return None;
     }
+    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
     let written = u64::from_le_bytes(b[..8].try_into().ok()?);
     if now.saturating_sub(written) > max_age_ms {
         return None;
     }
-    Some(b[8..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-}
-
-/// Own in-flight counts plus the peers' (what admission and routing compare with the bounds).
-pub fn global_load(own: &[u32], peers: Option<&[u32]>) -> Vec<u32> {
-    match peers {
-        Some(p) => own.iter().zip(p).map(|(&a, &b)| a.saturating_add(b)).collect(),
-        None => own.to_vec(),
-    }
+    Some(PeerLoad { reserve: word(8), in_flight: (0..endpoints).map(|k| word(12 + 4 * k)).collect() })
 }
 
 /// The internal listener's answer.
@@ -439,6 +495,7 @@ mod tests {
             version: sluice_policies::replicas::Version { incarnation, seq },
             service: BTreeMap::from([("a".to_string(), 10.0)]),
             in_flight: EPS.iter().map(|e| e.to_string()).zip(load).collect(),
+            queued: 0,
         };
         serde_json::to_vec(&s).unwrap()
     }
@@ -495,17 +552,17 @@ mod tests {
     fn a_sync_publishes_once_per_interval_and_bounds_calls_in_flight() {
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
-        let s = ex.tick(0, BTreeMap::new(), &eps, &[2, 1]).unwrap();
+        let s = ex.tick(0, BTreeMap::new(), &eps, &[2, 1], 0, 0).unwrap();
         let mine: ReplicaState = serde_json::from_slice(&s.state).unwrap();
         assert_eq!((mine.replica, mine.version.incarnation, mine.version.seq), (1, 7, 1));
         assert_eq!(mine.in_flight[EPS[0]], 2);
         assert_eq!(s.calls, 3);
-        assert!(ex.tick(50, BTreeMap::new(), &eps, &[2, 1]).is_none(), "not due");
+        assert!(ex.tick(50, BTreeMap::new(), &eps, &[2, 1], 0, 0).is_none(), "not due");
         ex.sent(10, 0);
         ex.sent(11, 0);
-        assert_eq!(ex.tick(100, BTreeMap::new(), &eps, &[0, 0]).unwrap().calls, 1, "two still out");
+        assert_eq!(ex.tick(100, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap().calls, 1, "two still out");
         // Calls never answered are given up after twice the timeout.
-        assert_eq!(ex.tick(300, BTreeMap::new(), &eps, &[0, 0]).unwrap().calls, 3);
+        assert_eq!(ex.tick(300, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap().calls, 3);
         assert!(!ex.owns(10));
     }
 
@@ -515,7 +572,7 @@ mod tests {
         let mut ex = Exchange::new(&c, 7).unwrap();
         let eps = endpoints();
         let store = MapStore::default();
-        ex.tick(0, BTreeMap::new(), &eps, &[0, 0]);
+        ex.tick(0, BTreeMap::new(), &eps, &[0, 0], 0, 0);
         ex.sent(1, 0);
         ex.sent(2, 0);
         ex.sent(3, 0);
@@ -525,10 +582,10 @@ mod tests {
         }
         // One's own state comes back through a round-robin cluster: ignored.
         assert!(matches!(ex.answer(3, 10, Some(&state(1, 7, 1, [9, 9])), &eps), Some(Answer::Taken(Offer::Own, _))));
-        let s = ex.tick(100, BTreeMap::new(), &eps, &[0, 0]).unwrap();
+        let s = ex.tick(100, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap();
         store.set(PEER_LOAD_KEY, &s.peer_load, None);
-        assert_eq!(peer_load(&store, 2, 100, c.max_age_ms), Some(vec![4, 1]));
-        assert_eq!(global_load(&[1, 1], peer_load(&store, 2, 100, c.max_age_ms).as_deref()), vec![5, 2]);
+        assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).map(|p| p.in_flight), Some(vec![4, 1]));
+        assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).unwrap().global(&[1, 1]), vec![5, 2]);
         assert_eq!(ex.live(100), 2);
         assert!((ex.peer_service("a", 100) - 20.0).abs() < 1e-9);
         // Written for another pool, or long ago (the lease holder died): not read.
@@ -539,11 +596,42 @@ mod tests {
         ex.answer(4, 500, Some(&state(3, 1, 2, [1, 0])), &eps);
         ex.sent(5, 1005);
         ex.answer(5, 1005, Some(&state(3, 1, 3, [0, 2])), &eps);
-        let s = ex.tick(1020, BTreeMap::new(), &eps, &[0, 0]).unwrap();
+        let s = ex.tick(1020, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap();
         assert_eq!(s.expired, 1);
         store.set(PEER_LOAD_KEY, &s.peer_load, None);
-        assert_eq!(peer_load(&store, 2, 1020, c.max_age_ms), Some(vec![0, 2]));
+        assert_eq!(peer_load(&store, 2, 1020, c.max_age_ms).map(|p| p.in_flight), Some(vec![0, 2]));
         assert_eq!(ex.live(1020), 1);
+    }
+
+    /// Replica 1's reserve after hearing peers 2 and 3 with these (in flight on endpoint 0, queued).
+    fn reserve_with(upper: u32, own: (u32, u32), peers: [(u32, u32); 2]) -> u32 {
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        let eps = endpoints();
+        ex.tick(0, BTreeMap::new(), &eps, &[own.0, 0], own.1, upper);
+        for (k, (inflight, queued)) in peers.into_iter().enumerate() {
+            let mut s: ReplicaState = serde_json::from_slice(&state(k as u64 + 2, 1, 1, [inflight, 0])).unwrap();
+            s.queued = queued;
+            ex.sent(k as u32, 0);
+            ex.answer(k as u32, 0, Some(&serde_json::to_vec(&s).unwrap()), &eps);
+        }
+        ex.reserve(0)
+    }
+
+    #[test]
+    fn the_room_is_shared_so_replicas_that_all_see_a_drained_pool_fill_it_once() {
+        // A drained pool of 3 and every replica queuing: each leaves 2 to the others, so the
+        // three together admit 3, not 9.
+        for own_queue in [0, 4] {
+            assert_eq!(reserve_with(3, (0, own_queue), [(0, 4), (0, 4)]), 2);
+        }
+        // Idle peers are owed nothing: a lone busy replica may fill the pool.
+        assert_eq!(reserve_with(3, (0, 4), [(0, 0), (0, 0)]), 0);
+        // A newcomer that queues behind a replica holding the whole pool is owed its share
+        // (3 / 2 = 1): the holder refills less than it frees until the newcomer has it.
+        assert_eq!(reserve_with(3, (3, 4), [(0, 4), (0, 0)]), 1);
+        assert_eq!(reserve_with(3, (2, 4), [(1, 4), (0, 0)]), 0, "the newcomer holds its share");
+        // Peers holding their share with nothing queued are owed nothing more; the rest is split.
+        assert_eq!(reserve_with(4, (0, 4), [(1, 0), (1, 2)]), 1);
     }
 
     #[test]

@@ -608,12 +608,14 @@ impl<H: Host> Worker<H> {
         let bounds = cfg.bounds;
         // With replicas, the band and the router count the live peers' requests too.
         let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
-        let global = |load: &[u32]| replicas::global_load(load, peers.as_deref());
+        let global = |load: &[u32]| peers.as_ref().map_or_else(|| load.to_vec(), |p| p.global(load));
+        let reserve = peers.as_ref().map_or(0, |p| u64::from(p.reserve));
         let allowed = |load: &[u32]| {
             let load = &global(load)[..];
             // The band scales with the endpoints that can take work: a hung
             // server's requests must not hold the others back.
             let (ready, stock) = shared::ready_stock(load, |i| records[i].healthy(now));
+            let stock = stock + reserve;
             let band = if from_queue { bounds.may_pop(stock, ready) } else { bounds.may_bypass(stock, 0, ready) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
@@ -1222,10 +1224,15 @@ impl<H: Host> Worker<H> {
     /// The lease holder's part of the replicas exchange, once per sync
     /// interval: publish this replica's state, store the live peers' load, ask the peers.
     fn sync_replicas(&mut self) {
-        let Some(ex) = self.role.as_mut().and_then(|r| r.exchange.as_mut()) else { return };
+        if self.role.as_ref().is_none_or(|r| r.exchange.is_none()) {
+            return;
+        }
         let now = self.now;
         let own = shared::load(&self.host, self.cfg.endpoints.len());
-        let Some(sync) = ex.tick(now, Default::default(), &self.cfg.endpoints, &own) else { return };
+        let queued = self.role.as_ref().map_or(0, |r| r.scheduler.len()) as u32;
+        let upper = (self.cfg.bounds.upper_per_backend * own.len() as f64).round() as u32;
+        let Some(ex) = self.role.as_mut().and_then(|r| r.exchange.as_mut()) else { return };
+        let Some(sync) = ex.tick(now, Default::default(), &self.cfg.endpoints, &own, queued, upper) else { return };
         self.host.set(replicas::STATE_KEY, &sync.state, None);
         self.host.set(replicas::PEER_LOAD_KEY, &sync.peer_load, None);
         self.host.record(Metric::ReplicaPeersLive, ex.live(now) as u64);

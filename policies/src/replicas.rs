@@ -51,6 +51,9 @@ pub struct ReplicaState {
     pub service: BTreeMap<String, f64>,
     /// Requests this replica holds in flight, per endpoint (`ip:port`).
     pub in_flight: BTreeMap<String, u32>,
+    /// Requests waiting in this replica's queue: its demand for more of the pool (0 when absent).
+    #[serde(default)]
+    pub queued: u32,
 }
 
 /// Bounds on what a replica accepts from its peers (hostile or broken peers cannot grow it).
@@ -121,6 +124,7 @@ impl ReplicaState {
             .cmp(&other.version)
             .then_with(|| cmp_service(&self.service, &other.service))
             .then_with(|| self.in_flight.cmp(&other.in_flight))
+            .then_with(|| self.queued.cmp(&other.queued))
     }
 }
 
@@ -260,9 +264,10 @@ impl Peers {
         let mut expired = 0;
         for e in self.entries.values_mut() {
             let stale = now_ms.saturating_sub(e.heard_ms) > max_age;
-            if stale && !(e.state.service.is_empty() && e.state.in_flight.is_empty()) {
+            if stale && !(e.state.service.is_empty() && e.state.in_flight.is_empty() && e.state.queued == 0) {
                 e.state.service.clear();
                 e.state.in_flight.clear();
+                e.state.queued = 0;
                 expired += 1;
             }
         }
@@ -304,6 +309,7 @@ impl Publisher {
             version: Version { incarnation: self.incarnation, seq: self.seq },
             service,
             in_flight,
+            queued: 0,
         }
     }
 }

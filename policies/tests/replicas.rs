@@ -27,7 +27,7 @@ fn state(r: ReplicaId, incarnation: u64, seq: u64) -> ReplicaState {
         (0..3).map(|t| (format!("t{t}"), (r * 1000 + incarnation * 100 + seq * (t + 1)) as f64)).collect();
     let in_flight: BTreeMap<String, u32> =
         (0..2).map(|e| (format!("10.0.0.{e}:8000"), (r + seq + e) as u32 % 7)).collect();
-    ReplicaState { replica: r, version: Version { incarnation, seq }, service, in_flight }
+    ReplicaState { replica: r, version: Version { incarnation, seq }, service, in_flight, queued: 0 }
 }
 
 /// A state of replicas 0..4 (0 is the viewer itself) and a time it is heard.

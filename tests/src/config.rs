@@ -26,6 +26,28 @@ pub struct FilterSpec {
     pub plugin_config: Value,
 }
 
+/// One Envoy's part in the replicas exchange (the filter's `replicas` key): an internal listener
+/// whose plugin serves this replica's state, and the cluster of every replica's one.
+#[derive(Debug, Clone)]
+pub struct ReplicaListener {
+    /// Port of this Envoy's internal listener.
+    pub port: u16,
+    /// Every replica's internal listener as `ip:port`, this one's included: `sluice_peers`.
+    pub peers: Vec<String>,
+}
+
+/// Name of the cluster of the replicas' internal listeners.
+pub const PEERS_CLUSTER: &str = "sluice_peers";
+
+/// The internal listener's plugin configuration: the client listener's with `replicas.serve`.
+pub fn serve_config(plugin_config: &Value) -> Value {
+    let mut pc = plugin_config.clone();
+    if let Some(r) = pc.get_mut("replicas").and_then(Value::as_object_mut) {
+        r.insert("serve".into(), Value::Bool(true));
+    }
+    pc
+}
+
 /// Route idle timeout of the pool's routes in the reference configs. It must exceed the plugin's
 /// `queue_ttl_ms` (30 s by default), since the timer also runs while a request waits in the queue.
 pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -66,6 +88,8 @@ pub struct EnvoyConfig {
     /// `request_body_buffer_limit` of the pool's routes; `None` derives it from the plugin's
     /// `max_body_bytes` ([`request_body_limit_for`]).
     pub request_body_buffer_limit: Option<u64>,
+    /// The replicas exchange's internal listener and peers cluster, when the filter has `replicas`.
+    pub replicas: Option<ReplicaListener>,
 }
 
 /// The pool routes' `request_body_buffer_limit` for a plugin configuration: its `max_body_bytes`
@@ -308,6 +332,76 @@ const ROUTER: &str = r#"          - name: envoy.filters.http.router
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#;
 
+/// The sluice Wasm filter entry of an `http_filters` list.
+fn wasm_filter(root_id: &str, wasm_path: &str, plugin_config: &Value) -> String {
+    format!(
+        r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {root_id}
+                root_id: {root_id}
+                # Lets the filter pause in on_http_request_headers and still receive the body.
+                allow_on_headers_stop_iteration: true
+                # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
+                # one's stock slots; requests fail closed while it restarts. Never fail open: an
+                # absent filter would let a client's x-gateway-destination-endpoint through.
+                failure_policy: FAIL_RELOAD
+                reload_config: {{ backoff: {{ base_interval: 0.1s, max_interval: 5s }} }}
+                vm_config:
+                  vm_id: sluice
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: {wasm_path} }} }}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: |
+{config}"#,
+        config = indent(&pretty(plugin_config), 20)
+    )
+}
+
+/// The internal listener of the replicas exchange: only the filter (in serve mode) answers there.
+fn replicas_listener(address: &str, port: u16, filter: &FilterSpec) -> String {
+    let wasm = wasm_filter("sluice_replicas", &filter.wasm_path, &serve_config(&filter.plugin_config));
+    format!(
+        r#"  - name: replicas
+    # Peers fetch this replica's state here; clients are never routed to this port.
+    address:
+      socket_address: {{ address: {address}, port_value: {port} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: replicas
+          route_config:
+            name: replicas
+            virtual_hosts:
+            - name: replicas
+              domains: ["*"]
+              routes:
+              # The filter answers every request before routing; this is never reached.
+              - match: {{ prefix: "/" }}
+                direct_response: {{ status: 404 }}
+          http_filters:
+{wasm}{ROUTER}"#
+    )
+}
+
+/// The cluster of every replica's internal listener, visited in turn.
+fn peers_cluster(peers: &[String]) -> String {
+    let mut out = format!(
+        "  - name: {PEERS_CLUSTER}\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {PEERS_CLUSTER}\n      endpoints:\n      - lb_endpoints:\n"
+    );
+    for p in peers {
+        let (host, port) = p.rsplit_once(':').unwrap_or((p.as_str(), "0"));
+        out.push_str(&format!(
+            "        - endpoint: {{ address: {{ socket_address: {{ address: {host}, port_value: {port} }} }} }}\n"
+        ));
+    }
+    out
+}
+
 impl EnvoyConfig {
     /// The reference configuration checked in as `envoy/envoy.yaml`.
     pub fn reference() -> Self {
@@ -322,6 +416,7 @@ impl EnvoyConfig {
             direct_listener_port: None,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
+            replicas: None,
         }
     }
 
@@ -357,31 +452,7 @@ impl EnvoyConfig {
         out.push_str("static_resources:\n  listeners:\n");
         let mut filters = String::new();
         if let Some(f) = &self.filter {
-            filters.push_str(&format!(
-                r#"          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: sluice
-                root_id: sluice
-                # Lets the filter pause in on_http_request_headers and still receive the body.
-                allow_on_headers_stop_iteration: true
-                # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
-                # one's stock slots; requests fail closed while it restarts. Never fail open: an
-                # absent filter would let a client's x-gateway-destination-endpoint through.
-                failure_policy: FAIL_RELOAD
-                reload_config: {{ backoff: {{ base_interval: 0.1s, max_interval: 5s }} }}
-                vm_config:
-                  vm_id: sluice
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: {} }} }}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: |
-{}"#,
-                f.wasm_path,
-                indent(&pretty(&f.plugin_config), 20)
-            ));
+            filters.push_str(&wasm_filter("sluice", &f.wasm_path, &f.plugin_config));
         }
         filters.push_str(ROUTER);
         out.push_str(&listener(
@@ -394,6 +465,10 @@ impl EnvoyConfig {
         ));
         if let Some(port) = self.direct_listener_port {
             out.push_str(&listener(&self.listen_address, "direct", port, body_limit, self.stream_idle_timeout, ROUTER));
+        }
+        let replicas = self.replicas.as_ref().zip(self.filter.as_ref());
+        if let Some((r, f)) = replicas {
+            out.push_str(&replicas_listener(&self.listen_address, r.port, f));
         }
         out.push_str(&format!(
             r#"  clusters:
@@ -414,6 +489,9 @@ impl EnvoyConfig {
         max_retries: 100
 "#
         ));
+        if let Some((r, _)) = replicas {
+            out.push_str(&peers_cluster(&r.peers));
+        }
         out
     }
 }

@@ -1,6 +1,6 @@
 //! Starting real Envoy on free loopback ports and reading its admin interface.
 
-use crate::config::{EnvoyConfig, FilterSpec};
+use crate::config::{EnvoyConfig, FilterSpec, ReplicaListener};
 use crate::process::{log_dir, new_log_path, ChildGuard};
 use crate::stats::Stats;
 use crate::{paths, raw_http};
@@ -37,6 +37,8 @@ pub struct EnvoyOptions {
     pub stream_idle_timeout: Duration,
     /// `request_body_buffer_limit` of the pool's routes; `None` derives it from the plugin's `max_body_bytes`.
     pub request_body_buffer_limit: Option<u64>,
+    /// The replicas exchange's internal listener and peers (the plugin config needs `replicas`).
+    pub replica_listener: Option<ReplicaListener>,
 }
 
 impl EnvoyOptions {
@@ -57,6 +59,7 @@ impl EnvoyOptions {
             log_level: std::env::var("SLUICE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
             stream_idle_timeout: crate::config::DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
+            replica_listener: None,
         }
     }
 }
@@ -106,6 +109,7 @@ impl Envoy {
                 direct_listener_port: if opts.direct_listener { Some(free_port()?) } else { None },
                 stream_idle_timeout: opts.stream_idle_timeout,
                 request_body_buffer_limit: opts.request_body_buffer_limit,
+                replicas: opts.replica_listener.clone(),
             };
             let yaml = cfg.render();
             std::fs::create_dir_all(log_dir())?;

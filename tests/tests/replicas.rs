@@ -1,0 +1,193 @@
+//! Several Envoy replicas with `replicas` configured, in front of the same backend: each serves its
+//! state on an internal listener, fetches its peers', and counts their in-flight requests against
+//! the configured bound; a killed replica stops counting after `max_age_ms`.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use sluice_e2e::config::{with_overrides, ReplicaListener, PEERS_CLUSTER};
+use sluice_e2e::envoy::free_port;
+use sluice_e2e::load::closed_loop;
+use sluice_e2e::raw_http;
+use sluice_e2e::{default_plugin_config, Backends, ChatRequest, Envoy, EnvoyOptions, LoadClient};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// Requests the pool may hold in all (one backend).
+const BOUND: u32 = 3;
+const MAX_AGE_MS: u64 = 500;
+const SECRET: (&str, &str) = ("x-sluice-replica-secret", "e2e-secret");
+
+/// Starts `n` replicas in front of `backends`, each with its internal listener and the cluster of all.
+async fn replicas(n: usize, backends: &Backends) -> anyhow::Result<Vec<Envoy>> {
+    let ports: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
+    let peers: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let mut out = Vec::new();
+    for (i, &port) in ports.iter().enumerate() {
+        let pc = with_overrides(
+            default_plugin_config(&backends.endpoints(), "vtc"),
+            json!({
+                "lower_bound_per_backend": BOUND, "upper_bound_per_backend": BOUND,
+                "replicas": {
+                    "id": i + 1, "peers_cluster": PEERS_CLUSTER, "peers": n,
+                    "sync_interval_ms": 50, "max_age_ms": MAX_AGE_MS,
+                    "secret_header": {"name": SECRET.0, "value": SECRET.1},
+                },
+            }),
+        );
+        let opts = EnvoyOptions {
+            concurrency: 1,
+            replica_listener: Some(ReplicaListener { port, peers: peers.clone() }),
+            ..EnvoyOptions::with_filter(&format!("replica-{i}"), pc)
+        };
+        out.push(Envoy::start(opts).await?);
+    }
+    Ok(out)
+}
+
+/// Requests the backend holds now (running plus waiting), from its `/metrics`.
+async fn backend_in_flight(addr: SocketAddr) -> anyhow::Result<f64> {
+    let (_, page) = raw_http::get(addr, "/metrics").await?;
+    let value = |name: &str| {
+        page.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    Ok(value("vllm:num_requests_running") + value("vllm:num_requests_waiting"))
+}
+
+fn internal(envoy: &Envoy) -> SocketAddr {
+    let port =
+        envoy.config_yaml.split("name: replicas").nth(1).and_then(|rest| {
+            rest.split("port_value: ").nth(1).and_then(|p| p.split(|c: char| !c.is_ascii_digit()).next())
+        });
+    SocketAddr::from(([127, 0, 0, 1], port.and_then(|p| p.parse().ok()).expect("an internal listener")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting() -> anyhow::Result<()> {
+    let backends = Backends::start(backends(1, 0.1)).await?;
+    let backend = backends.addrs[0];
+    let mut envoys = replicas(3, &backends).await?;
+
+    // The internal listener serves the state with the secret only; the client listener never does.
+    let wait = Instant::now() + Duration::from_secs(10);
+    let state: Value = loop {
+        let r = raw_http::request(
+            internal(&envoys[0]),
+            "GET",
+            "/sluice/replica-state",
+            &[SECRET],
+            b"",
+            Duration::from_secs(5),
+        )
+        .await?;
+        if r.status == 200 {
+            break serde_json::from_str(&r.text())?;
+        }
+        anyhow::ensure!(Instant::now() < wait, "no state served: {r:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(state["replica"], 1, "{state}");
+    let r = raw_http::request(internal(&envoys[0]), "GET", "/sluice/replica-state", &[], b"", Duration::from_secs(5))
+        .await?;
+    assert_eq!(r.status, 403, "{r:?}");
+    assert_json_error(&r.text());
+    let r =
+        raw_http::request(envoys[0].listener, "GET", "/sluice/replica-state", &[SECRET], b"", Duration::from_secs(5))
+            .await?;
+    assert_eq!(r.status, 404, "the client listener must not serve the state: {r:?}");
+    assert!(!r.text().contains("\"version\""), "{r:?}");
+    for e in &envoys {
+        e.wait_stats("two live peers", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 2.0)
+            .await?;
+    }
+
+    // Each replica is flooded by its own tenant; the replicas start one after the other, so each
+    // begins from the others' published load. Alone, each would admit BOUND: 3 x BOUND in all.
+    let client = LoadClient::new(Duration::from_secs(30));
+    let run = Duration::from_secs(4);
+    let mut loads = Vec::new();
+    for (i, e) in envoys.iter().enumerate() {
+        let (client, addr) = (client.clone(), e.listener);
+        let req = ChatRequest::chat(Some(&format!("tenant-{i}")), 40);
+        loads.push(tokio::spawn(async move { closed_loop(&client, addr, &req, 4, run).await }));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut samples = Vec::new();
+    let sampling_end = Instant::now() + run - Duration::from_millis(600);
+    while Instant::now() < sampling_end {
+        samples.push(backend_in_flight(backend).await?);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut per_replica = Vec::new();
+    for l in loads {
+        per_replica.push(l.await?.iter().filter(|o| o.ok()).count());
+    }
+    let ok: usize = per_replica.iter().sum();
+    // Each replica gets its part of the shared bound: none is starved by the ones before it.
+    assert!(per_replica.iter().all(|&n| n > 0), "requests served per replica: {per_replica:?}");
+    let max = samples.iter().cloned().fold(0.0, f64::max);
+    let mean = samples.iter().sum::<f64>() / samples.len().max(1) as f64;
+    eprintln!(
+        "in flight at the backend: max {max}, mean {mean:.2} over {} samples; requests served per replica {per_replica:?}",
+        samples.len()
+    );
+    assert!(ok > 0, "nothing was served");
+    // A peer's admissions since its last state are not yet counted: a transient of at most one
+    // request per other replica; on average the bound holds.
+    assert!(max <= (BOUND + 2) as f64, "max {max} in flight, bound {BOUND}: {samples:?}");
+    assert!(mean <= BOUND as f64 + 0.5, "mean {mean} in flight, bound {BOUND}");
+    for e in &envoys {
+        wait_idle(e).await?;
+    }
+
+    // Replica C fills the pool with long requests; A's request must wait for them.
+    let long = ChatRequest::chat(Some("c"), 480);
+    let c_addr = envoys[2].listener;
+    let mut c_load = Vec::new();
+    for _ in 0..BOUND {
+        let (client, long) = (client.clone(), long.clone());
+        c_load.push(tokio::spawn(async move { client.send(c_addr, &long, Instant::now()).await }));
+    }
+    envoys[2]
+        .wait_stats("C holds the pool", Duration::from_secs(10), |s| s.value("sluice_stock") == BOUND as f64)
+        .await?;
+    envoys[0]
+        .wait_stats("A sees C's requests", Duration::from_secs(10), |s| s.value("sluice_replica_sync_ok") > 0.0)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let a_addr = envoys[0].listener;
+    let a_client = client.clone();
+    let a = tokio::spawn(async move { a_client.send(a_addr, &ChatRequest::chat(Some("a"), 8), Instant::now()).await });
+    envoys[0]
+        .wait_stats("A queues behind C", Duration::from_secs(10), |s| s.value("sluice_requests_queued") > 0.0)
+        .await?;
+    let queued_before = envoys[0].stats().await?.value("sluice_queue_length");
+    assert!(queued_before >= 1.0, "A's request did not wait for C's");
+    // C dies; its last state says the pool is full. Past max_age_ms it no longer counts, and
+    // A's request goes (C's long requests would otherwise hold the pool for far longer).
+    let c = envoys.pop().expect("three replicas");
+    drop(c);
+    let a = a.await?;
+    assert!(a.ok(), "A's request after C died: {a:?}");
+    envoys[0]
+        .wait_stats("C no longer live", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 1.0)
+        .await?;
+    for h in c_load {
+        let _ = h.await;
+    }
+    // B was not disturbed: it still serves.
+    let b = client.send(envoys[1].listener, &ChatRequest::chat(Some("b"), 8), Instant::now()).await;
+    assert!(b.ok(), "B after C died: {b:?}");
+    Ok(())
+}
+
+/// The internal listener's 403 is JSON with an `error` member.
+fn assert_json_error(body: &str) {
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("403 body is not JSON ({e}): {body:?}"));
+    assert!(v["error"].is_string(), "{body}");
+}
