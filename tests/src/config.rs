@@ -334,6 +334,12 @@ const ROUTER: &str = r#"          - name: envoy.filters.http.router
 
 /// The sluice Wasm filter entry of an `http_filters` list.
 fn wasm_filter(root_id: &str, wasm_path: &str, plugin_config: &Value) -> String {
+    // A replica id read from the environment needs the variable exposed to the VM (the same in
+    // both plugins, whose vm_config must match for them to share it).
+    let env = match plugin_config.pointer("/replicas/name_env").and_then(Value::as_str) {
+        Some(var) => format!("\n                  environment_variables: {{ host_env_keys: [{var}] }}"),
+        None => String::new(),
+    };
     format!(
         r#"          - name: envoy.filters.http.wasm
             typed_config:
@@ -351,7 +357,7 @@ fn wasm_filter(root_id: &str, wasm_path: &str, plugin_config: &Value) -> String 
                 vm_config:
                   vm_id: sluice
                   runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: {wasm_path} }} }}
+                  code: {{ local: {{ filename: {wasm_path} }} }}{env}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: |
@@ -388,10 +394,13 @@ fn replicas_listener(address: &str, port: u16, filter: &FilterSpec) -> String {
     )
 }
 
-/// The cluster of every replica's internal listener, visited in turn.
+/// The cluster of every replica's internal listener, visited in turn: a static list of
+/// addresses, or STRICT_DNS of names (a headless Service, which resolves to every replica).
 fn peers_cluster(peers: &[String]) -> String {
+    let by_name = peers.iter().any(|p| p.parse::<std::net::SocketAddr>().is_err());
+    let kind = if by_name { "STRICT_DNS" } else { "STATIC" };
     let mut out = format!(
-        "  - name: {PEERS_CLUSTER}\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {PEERS_CLUSTER}\n      endpoints:\n      - lb_endpoints:\n"
+        "  - name: {PEERS_CLUSTER}\n    type: {kind}\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {PEERS_CLUSTER}\n      endpoints:\n      - lb_endpoints:\n"
     );
     for p in peers {
         let (host, port) = p.rsplit_once(':').unwrap_or((p.as_str(), "0"));

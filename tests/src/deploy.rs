@@ -3,12 +3,12 @@
 //! A ConfigMap with the Envoy bootstrap (the reference config's listener, filter and cluster,
 //! listening on the pod's address), a Deployment of [`REPLICAS`] Envoys that mount the filter's
 //! OCI image as an image volume, a Service for clients and a headless Service naming the replicas
-//! for the peer state exchange of issue 12. That exchange is not built: today every replica
-//! schedules on its own counters and its own stock, as if it owned the whole pool.
+//! for the peer state exchange (`replicas`): each replica serves its state on an internal listener
+//! that only the headless Service names, and fetches its peers' through a STRICT_DNS cluster of it.
 
 use crate::config::{
     reference_plugin_config, render_documents, to_yaml, with_overrides, Document, EnvoyConfig, FilterSpec,
-    DEFAULT_STREAM_IDLE_TIMEOUT, FILTER_IMAGE,
+    ReplicaListener, DEFAULT_STREAM_IDLE_TIMEOUT, FILTER_IMAGE, PEERS_CLUSTER,
 };
 use serde_json::{json, Value};
 
@@ -33,6 +33,10 @@ pub const WASM_FILE: &str = "plugin.wasm";
 pub const REPLICAS: u32 = 3;
 /// Envoy's listener port in the pod.
 pub const LISTENER_PORT: u16 = 10000;
+/// Port of the internal listener where peers fetch a replica's state (not in the clients' Service).
+pub const PEERS_PORT: u16 = 9902;
+/// Environment variable holding the pod's name, the replica's identity.
+pub const POD_NAME_ENV: &str = "POD_NAME";
 /// Port the clients' Service exposes.
 pub const SERVICE_PORT: u16 = 80;
 /// Envoy worker threads per replica (`--concurrency`), matched by the CPU request.
@@ -45,7 +49,16 @@ pub const ENVOY_IMAGE: &str = "docker.io/envoyproxy/envoy:v1.40-latest";
 /// gives each a stable one).
 pub fn kubernetes_plugin_config() -> Value {
     let endpoints: Vec<String> = (11..=14).map(|i| format!("10.96.0.{i}:8000")).collect();
-    with_overrides(reference_plugin_config(), json!({ "endpoints": endpoints }))
+    with_overrides(
+        reference_plugin_config(),
+        json!({
+            "endpoints": endpoints,
+            "replicas": {
+                "name_env": POD_NAME_ENV, "peers_cluster": PEERS_CLUSTER, "peers": REPLICAS,
+                "secret_header": {"name": "x-sluice-replica-secret", "value": "change-me"},
+            },
+        }),
+    )
 }
 
 /// The bootstrap in the ConfigMap: the reference config on the pod's address, the filter read
@@ -56,6 +69,10 @@ pub fn kubernetes_envoy_config() -> EnvoyConfig {
     cfg.listener_port = LISTENER_PORT;
     cfg.filter =
         Some(FilterSpec { wasm_path: format!("{WASM_MOUNT}/{WASM_FILE}"), plugin_config: kubernetes_plugin_config() });
+    cfg.replicas = Some(ReplicaListener {
+        port: PEERS_PORT,
+        peers: vec![format!("{PEERS_SERVICE}.default.svc.cluster.local:{PEERS_PORT}")],
+    });
     cfg
 }
 
@@ -105,7 +122,12 @@ fn deployment() -> Value {
                             "--concurrency", ENVOY_CONCURRENCY.to_string(),
                             "--log-level", "warn"
                         ],
-                        "ports": [{ "name": "http", "containerPort": LISTENER_PORT, "protocol": "TCP" }],
+                        "ports": [
+                            { "name": "http", "containerPort": LISTENER_PORT, "protocol": "TCP" },
+                            { "name": "peers", "containerPort": PEERS_PORT, "protocol": "TCP" }
+                        ],
+                        // The replica's identity in the state exchange (`replicas.name_env`).
+                        "env": [{ "name": POD_NAME_ENV, "valueFrom": { "fieldRef": { "fieldPath": "metadata.name" } } }],
                         // Envoy opens its listener only once the filter has loaded.
                         "readinessProbe": { "tcpSocket": { "port": "http" }, "periodSeconds": 5 },
                         "resources": {
@@ -147,7 +169,8 @@ fn peers_service() -> Value {
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": true,
-            "selector": labels()
+            "selector": labels(),
+            "ports": [{ "name": "peers", "port": PEERS_PORT, "targetPort": "peers", "protocol": "TCP" }]
         }
     })
 }
@@ -160,10 +183,11 @@ pub fn render_kubernetes_manifests() -> String {
         "`reference_configs_are_current` keeps this file in sync and tests/tests/manifests.rs checks",
         "it against the Kubernetes schemas in envoy/schemas/ (and Envoy validates the bootstrap).",
         "",
-        "Every replica schedules independently today: each has its own counters and its own stock,",
-        "so N replicas admit up to N times total_capacity and a tenant's fair share depends on",
-        "which replica its requests land on. Peer state sharing (issue 12) is not implemented; the",
-        "headless Service below only names the replicas for it.",
+        "The replicas share their in-flight counts (`replicas`): each serves its state on the internal",
+        "listener (port 9902, named only by the headless Service, never by the clients' one) and",
+        "fetches its peers' through the STRICT_DNS cluster sluice_peers, so the stock bound holds",
+        "for all replicas together. VTC still orders by each replica's own counters. Change the",
+        "shared secret (`secret_header.value`, in both plugin configurations).",
     ];
     let mut out = render_documents(&header, &[]);
     out.push_str("# The Envoy bootstrap: envoy/envoy.yaml's listener, filter and cluster, listening on the\n");
@@ -183,8 +207,8 @@ pub fn render_kubernetes_manifests() -> String {
         Document { comment: vec!["What clients call."], value: client_service() },
         Document {
             comment: vec![
-                "Headless: its DNS name resolves to every replica's pod address, ready or not, for the peer",
-                "state exchange that issue 12 plans. Nothing uses it yet.",
+                "Headless: its DNS name resolves to every replica's pod address, ready or not: the peers",
+                "cluster of the state exchange (internal listener port only).",
             ],
             value: peers_service(),
         },

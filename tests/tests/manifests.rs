@@ -428,7 +428,16 @@ fn kubernetes_example_references_resolve_and_envoy_accepts_its_bootstrap() {
     let listener_port = envoy["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"].as_u64();
     assert_eq!(listener_port, Some(ports["http"]), "Envoy's listener is not the container port");
     assert_eq!(envoy["static_resources"]["listeners"][0]["address"]["socket_address"]["address"], "0.0.0.0");
-    assert_eq!(bootstrap.matches(&format!("filename: {wasm_path} ")).count(), 1, "module path {wasm_path}");
+    // The client listener's plugin and the internal listener's (replicas.serve) share one VM.
+    assert_eq!(bootstrap.matches(&format!("filename: {wasm_path} ")).count(), 2, "module path {wasm_path}");
+    let listeners = envoy["static_resources"]["listeners"].as_array().unwrap();
+    let internal = listeners.iter().find(|l| l["name"] == "replicas").expect("the replicas' internal listener");
+    assert_eq!(internal["address"]["socket_address"]["port_value"].as_u64(), Some(ports["peers"]));
+    let client_service = services.iter().find(|s| s["spec"]["clusterIP"] != "None").expect("the clients' Service");
+    assert!(
+        client_service["spec"]["ports"].as_array().unwrap().iter().all(|p| p["targetPort"] != "peers"),
+        "clients must not reach the internal listener"
+    );
     let local = filter_wasm().expect("the filter (scripts/setup.sh)");
     let dir = std::env::temp_dir().join(format!("sluice-manifests-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -436,6 +445,8 @@ fn kubernetes_example_references_resolve_and_envoy_accepts_its_bootstrap() {
     std::fs::write(&path, bootstrap.replace(&wasm_path, &local.display().to_string())).unwrap();
     let out = std::process::Command::new(envoy_bin().expect("Envoy (scripts/setup.sh)"))
         .args(["--mode", "validate", "--disable-hot-restart", "--log-level", "warn", "-c"])
+        // What the Deployment's fieldRef sets; the filter refuses its configuration without it.
+        .env(sluice_e2e::deploy::POD_NAME_ENV, "sluice-gateway-0")
         .arg(&path)
         .output()
         .expect("running envoy --mode validate");
