@@ -661,6 +661,46 @@ mod tests {
     }
 
     #[test]
+    fn mutated_answers_never_panic_and_only_valid_states_count() {
+        let c = cfg();
+        let eps = endpoints();
+        let mut ex = Exchange::new(&c, 7).unwrap();
+        let valid = state(2, 1, 1, [3, 1]);
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let (mut taken, mut failed) = (0, 0);
+        for token in 0..5000u32 {
+            let mut body = valid.clone();
+            for _ in 0..1 + next() % 4 {
+                let i = (next() % body.len() as u64) as usize;
+                match next() % 3 {
+                    0 => body[i] = next() as u8,
+                    1 => {
+                        body.remove(i);
+                    }
+                    _ => body.insert(i, b"{}[]\",-0e9:1"[(next() % 12) as usize]),
+                }
+            }
+            ex.sent(token, 0);
+            match ex.answer(token, 0, Some(&body), &eps) {
+                Some(Answer::Taken(..)) => taken += 1,
+                Some(Answer::Failed(_)) => failed += 1,
+                None => panic!("its own token"),
+            }
+        }
+        assert!(failed > 0 && taken + failed == 5000, "{taken} taken, {failed} failed");
+        // Whatever was taken passed the limits: finite, non-negative service, bounded maps.
+        for s in ex.peers.live(0) {
+            assert!(s.validate(&c.limits()).is_ok(), "{s:?}");
+        }
+    }
+
+    #[test]
     fn the_internal_listener_serves_the_state_only_with_the_secret() {
         let c = cfg();
         let req = |path: &'static str, method: &'static str, secret: Option<&'static str>| {

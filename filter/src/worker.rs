@@ -760,11 +760,7 @@ impl<H: Host> Worker<H> {
                 return;
             }
             log::info!("worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
-            let exchange = self.cfg.replicas.as_ref().filter(|r| !r.serve).and_then(|r| {
-                let incarnation = replicas::take_incarnation(&self.host, now)?;
-                Exchange::new(r, incarnation).map_err(|e| log::error!("replicas: {e}")).ok()
-            });
-            self.role = Some(SchedulerRole { scheduler, published_len: None, saved_ms: now, exchange });
+            self.role = Some(SchedulerRole { scheduler, published_len: None, saved_ms: now, exchange: None });
         } else if !holder && self.role.is_some() {
             log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
             self.role = None;
@@ -1224,10 +1220,21 @@ impl<H: Host> Worker<H> {
     /// The lease holder's part of the replicas exchange, once per sync
     /// interval: publish this replica's state, store the live peers' load, ask the peers.
     fn sync_replicas(&mut self) {
-        if self.role.as_ref().is_none_or(|r| r.exchange.is_none()) {
-            return;
-        }
         let now = self.now;
+        let Some(role) = self.role.as_mut() else { return };
+        let Some(cfg) = self.cfg.replicas.as_ref().filter(|r| !r.serve) else { return };
+        if role.exchange.is_none() {
+            // A new lease holder publishes under a new incarnation (retried next tick if the
+            // compare-and-swap lost a race).
+            let Some(incarnation) = replicas::take_incarnation(&self.host, now) else { return };
+            match Exchange::new(cfg, incarnation) {
+                Ok(ex) => role.exchange = Some(ex),
+                Err(e) => {
+                    log::error!("replicas: {e}");
+                    return;
+                }
+            }
+        }
         let own = shared::load(&self.host, self.cfg.endpoints.len());
         let queued = self.role.as_ref().map_or(0, |r| r.scheduler.len()) as u32;
         let upper = (self.cfg.bounds.upper_per_backend * own.len() as f64).round() as u32;
