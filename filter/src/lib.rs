@@ -2,7 +2,8 @@
 //! scheduling policies in `sluice-policies`.
 //!
 //! The pure parts (configuration, the OpenAI wire format, messages between
-//! workers, shared-data layouts, the scheduler role) are modules that build and
+//! workers, shared-data layouts, the scheduler role, the exchange between
+//! gateway replicas) are modules that build and
 //! test natively; [`vm`] is the only one that calls the proxy-wasm host.
 
 pub mod config;

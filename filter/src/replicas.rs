@@ -129,7 +129,7 @@ impl RawReplicas {
         if max_age_ms < self.sync_interval_ms {
             return Err(field("max_age_ms", &format!("must be >= sync_interval_ms, got {max_age_ms}")));
         }
-        let timeout_ms = self.timeout_ms.unwrap_or(self.sync_interval_ms.max(50));
+        let timeout_ms = self.timeout_ms.unwrap_or(self.sync_interval_ms.max(50).min(max_age_ms));
         if timeout_ms == 0 || timeout_ms > max_age_ms {
             return Err(field("timeout_ms", &format!("must be in 1..=max_age_ms, got {timeout_ms}")));
         }
@@ -512,6 +512,9 @@ mod tests {
         assert_ne!(by_name.id, id_of_name("gw-2"));
         // The internal listener needs neither identity nor peers.
         assert!(raw(serde_json::json!({"serve": true})).unwrap().serve);
+        // The default timeout never exceeds the age at which a peer stops counting.
+        let fast = raw(serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "sync_interval_ms": 2})).unwrap();
+        assert_eq!((fast.max_age_ms, fast.timeout_ms), (20, 20));
     }
 
     #[test]
