@@ -3,8 +3,10 @@
 //! with simulated clients and GPU backends.
 //!
 //! Layers, bottom up: [`abi`] (wire formats), [`host`] (VMs and host functions, Envoy
-//! semantics), [`upstream`] (GPU and static endpoints), [`engine`] (virtual clock, streams,
-//! records), [`workload`] / [`scenario`] (inputs), [`report`] (outputs).
+//! semantics), [`sim`] (the simulator: [`sim::upstream`] GPU and static endpoints,
+//! [`sim::engine`] virtual clock, streams, records, [`sim::workload`] / [`sim::scenario`]
+//! inputs, [`sim::report`] outputs), then [`experiments`] (the paper reproductions behind the
+//! binaries).
 //!
 //! # Using it
 //!
@@ -70,10 +72,10 @@
 //!
 //! # Fault injection and the soak
 //!
-//! [`faults`] holds the faults a run can inject, each from its own seeded stream: client
+//! [`sim::faults`] holds the faults a run can inject, each from its own seeded stream: client
 //! cancels while queued and while streaming, backend resets, hung backends
-//! ([`faults::HangingUpstream`]), refused, timed-out and garbage scrapes, traps in host calls
-//! ([`PluginSpec::trap_rate`]), CAS races and tick jitter. [`soak`] combines them all over many
+//! ([`sim::faults::HangingUpstream`]), refused, timed-out and garbage scrapes, traps in host calls
+//! ([`PluginSpec::trap_rate`]), CAS races and tick jitter. [`experiments::soak`] combines them all over many
 //! requests and checks invariants (one outcome per request, queue wait within TTL plus a tick,
 //! idle bound, stock and queue back to 0, bounded memory, no trap but the injected ones); the
 //! `sluice-soak` binary runs it.
@@ -86,25 +88,16 @@
 //!   `proc_exit` traps.
 
 pub mod abi;
-pub mod engine;
-pub mod faults;
+pub mod experiments;
 pub mod host;
 mod hostcalls;
-pub mod report;
-pub mod repro;
-pub mod routing_compare;
-pub mod scenario;
-pub mod slo_repro;
-pub mod slo_workload;
-pub mod soak;
+pub mod sim;
 pub mod state;
-pub mod upstream;
-pub mod workload;
 
-pub use engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 pub use host::{ConfigRejected, FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
 pub use hostcalls::INJECTED_TRAP;
-pub use report::Report;
-pub use scenario::Scenario;
+pub use sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+pub use sim::report::Report;
+pub use sim::scenario::Scenario;
+pub use sim::upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};
 pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
-pub use upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};

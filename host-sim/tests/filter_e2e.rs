@@ -50,7 +50,7 @@ fn identical_scenario_and_seed_give_byte_identical_reports() {
     let wasm = common::filter_wasm();
     let run = || {
         let (sim, report) = scenario("vtc", "").run(&wasm, Path::new(".")).unwrap();
-        (report.to_json(), host_sim::report::records_csv(&sim.records()))
+        (report.to_json(), host_sim::sim::report::records_csv(&sim.records()))
     };
     let a = run();
     let b = run();

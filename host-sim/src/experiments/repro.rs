@@ -18,10 +18,10 @@
 //!   bypass the queue (stock under the watermark, nothing queued) are not rate limited by
 //!   the filter, so RPM limits less than the seed's when the GPU is not saturated.
 
-use crate::engine::{ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT};
-use crate::report::{svg_lines, Report};
-use crate::scenario::Scenario;
-use crate::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
+use crate::sim::engine::{ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT};
+use crate::sim::report::{svg_lines, Report};
+use crate::sim::scenario::Scenario;
+use crate::sim::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

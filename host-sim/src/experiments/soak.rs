@@ -1,5 +1,5 @@
 //! The fault-injection soak: many requests of several tenants through the filter on 2+ workers
-//! against a few backends, with every fault of [`crate::faults`] on at once, then invariants
+//! against a few backends, with every fault of [`crate::sim::faults`] on at once, then invariants
 //! checked on what the clients saw and on what the filter left in shared data.
 //!
 //! A soak is a pure function of its [`SoakConfig`] (seed included): the counts and the
@@ -23,11 +23,11 @@
 //!   header and carries that outcome's status.
 //! - `no_unexpected_traps`: every trap was an injected one (the filter itself never trapped).
 
-use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::faults::{hang_windows, FaultCounts, Faults, HangingUpstream};
+use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::faults::{hang_windows, FaultCounts, Faults, HangingUpstream};
 use crate::host::{FailurePolicy, PluginSpec};
 use crate::state::Cluster;
-use crate::upstream::GpuUpstream;
+use crate::sim::upstream::GpuUpstream;
 use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -43,7 +43,7 @@ pub use sluice_filter::shared::{load_rows, LOAD_KEY, QUEUED_KEY};
 /// Header carrying the tenant.
 pub const TENANT_HEADER: &str = "x-gateway-inference-fairness-id";
 
-/// Fault rates of a soak. See [`Faults`] and [`crate::faults`] for what each does.
+/// Fault rates of a soak. See [`Faults`] and [`crate::sim::faults`] for what each does.
 #[derive(Clone, Debug, Serialize)]
 pub struct SoakFaults {
     /// Probability that a request held by the gateway is cancelled by its client (within

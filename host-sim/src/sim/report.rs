@@ -3,8 +3,8 @@
 //! filter's own metrics. Everything is derived from virtual time, so a report is byte-identical
 //! for the same scenario and seed.
 
-use crate::engine::{RequestRecord, Sim};
-use crate::upstream::GpuUpstream;
+use crate::sim::engine::{RequestRecord, Sim};
+use crate::sim::upstream::GpuUpstream;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

@@ -2,12 +2,12 @@
 //! from JSON with errors that name the field, and turned into a [`Sim`] run and a [`Report`].
 
 use crate::abi::LogLevel;
-use crate::engine::{GatewayConfig, Sim};
+use crate::sim::engine::{GatewayConfig, Sim};
 use crate::host::PluginSpec;
-use crate::report::Report;
+use crate::sim::report::Report;
 use crate::state::Cluster;
-use crate::upstream::GpuUpstream;
-use crate::workload::{self, SyntheticClient, TraceFormat, WorkItem};
+use crate::sim::upstream::GpuUpstream;
+use crate::sim::workload::{self, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use sluice_gpu::GpuProfile;
@@ -53,7 +53,7 @@ pub struct Scenario {
     pub allow_on_headers_stop_iteration: bool,
     /// Latency objectives for SLO attainment and goodput in the report.
     #[serde(default)]
-    pub slo: Option<crate::report::Slo>,
+    pub slo: Option<crate::sim::report::Slo>,
     /// Round trip of a `dispatch_http_call` (metrics scrape), ms.
     #[serde(default = "default_call_ms")]
     pub call_latency_ms: f64,
@@ -199,7 +199,7 @@ impl Backends {
 
     /// [`Backends::profile`], with errors naming the group as `field`.
     fn profile_named(&self, field: &str) -> Result<GpuProfile> {
-        let mut p = crate::routing_compare::profile_by_name(&self.profile)
+        let mut p = crate::experiments::routing_compare::profile_by_name(&self.profile)
             .map_err(|e| anyhow::anyhow!("scenario: {field}.profile: {e}"))?;
         let o = &self.overrides;
         macro_rules! set {

@@ -69,7 +69,7 @@ pub trait Upstream {
     /// Downcasting, for tests and reports.
     fn as_any(&self) -> &dyn Any;
     /// When the endpoint is hung at `now_us` (answers nothing, not even calls), the time it
-    /// resumes; `None` when it is answering. See [`crate::faults::HangingUpstream`].
+    /// resumes; `None` when it is answering. See [`crate::sim::faults::HangingUpstream`].
     fn hung_until(&self, _now_us: u64) -> Option<u64> {
         None
     }

@@ -1,7 +1,7 @@
 //! Workloads: seeded synthetic arrivals and replay of the trace formats in `host-sim/traces`.
 //! Every generator is a pure function of its inputs and seed.
 
-use crate::engine::ClientRequest;
+use crate::sim::engine::ClientRequest;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;

@@ -6,10 +6,10 @@
 //! events at the same virtual time run in the order they were scheduled.
 
 use crate::abi::{self, action, HeaderMap, LogLevel};
-use crate::faults::{self, FaultCounts, FaultRng, Faults};
+use crate::sim::faults::{self, FaultCounts, FaultRng, Faults};
 use crate::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
 use crate::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
-use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use crate::sim::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
