@@ -9,7 +9,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::experiments::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind};
+use host_sim::experiments::routing_compare::{
+    self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind,
+};
 use host_sim::sim::scenario::{BackendPool, Backends};
 use host_sim::sim::workload::WorkItem;
 use std::path::PathBuf;

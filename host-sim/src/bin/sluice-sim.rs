@@ -219,7 +219,8 @@ fn run(cli: Cli) -> Result<()> {
         std::fs::write(p, report.service_rate_svg()).with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.svg_latency {
-        std::fs::write(p, host_sim::sim::report::latency_svg(&recs)).with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, host_sim::sim::report::latency_svg(&recs))
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.logs {
         let mut f =

@@ -6,9 +6,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::abi::LogLevel;
 use host_sim::experiments::soak::{self, SoakConfig, SoakFaults};
 use host_sim::FailurePolicy;
+use proxy_wasm_host::abi::LogLevel;
 use std::io::Write;
 use std::path::PathBuf;
 

@@ -18,14 +18,14 @@
 //! preempted request finding its own blocks again when it is re-admitted, so
 //! [`RunResult::preempted`] is reported beside it.
 
-use crate::abi::HeaderMap;
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::host::PluginSpec;
 use crate::sim::report::Stats;
-use crate::state::Cluster;
 use crate::sim::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
 use crate::sim::workload::{self, PrefixSharing, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
+use proxy_wasm_host::abi::HeaderMap;
+use proxy_wasm_host::host::PluginSpec;
+use proxy_wasm_host::state::Cluster;
 use serde::Serialize;
 use sluice_gpu::{GpuProfile, TimeModel};
 use std::any::Any;

@@ -15,15 +15,15 @@
 //! and unfinished requests are misses. The objective travels as the trusted request header
 //! [`SLO_TTFT_HEADER`], as an upstream filter would set it.
 
-use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::host::{ConfigRejected, PluginSpec};
-use crate::sim::report::{svg_lines, Stats};
 use crate::experiments::routing_compare::profile_by_name;
 use crate::experiments::slo_workload::{self as sw, AssignBy, Bursts, Objective, SloClass, SLO_TTFT_HEADER};
-use crate::state::Cluster;
+use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::report::{svg_lines, Stats};
 use crate::sim::upstream::GpuUpstream;
 use crate::sim::workload::{self, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
+use proxy_wasm_host::host::{ConfigRejected, PluginSpec};
+use proxy_wasm_host::state::Cluster;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice_gpu::GpuProfile;

@@ -5,11 +5,11 @@
 //! There are no sleeps and no wall-clock reads: a run is a pure function of its inputs, and
 //! events at the same virtual time run in the order they were scheduled.
 
-use crate::abi::{self, action, HeaderMap, LogLevel};
 use crate::sim::faults::{self, FaultCounts, FaultRng, Faults};
-use crate::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
-use crate::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
 use crate::sim::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use proxy_wasm_host::abi::{self, action, HeaderMap, LogLevel};
+use proxy_wasm_host::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
+use proxy_wasm_host::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 

@@ -14,8 +14,8 @@
 //! - CAS races: the host ([`crate::PluginSpec::cas_conflict_rate`]);
 //! - tick jitter: the engine ([`crate::GatewayConfig::tick_jitter_us`]).
 
-use crate::abi::HeaderMap;
 use crate::sim::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use proxy_wasm_host::abi::HeaderMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::any::Any;

@@ -1,14 +1,14 @@
 //! Scenario files: what to simulate (plugin configuration, backends, workload, gateway), parsed
 //! from JSON with errors that name the field, and turned into a [`Sim`] run and a [`Report`].
 
-use crate::abi::LogLevel;
 use crate::sim::engine::{GatewayConfig, Sim};
-use crate::host::PluginSpec;
 use crate::sim::report::Report;
-use crate::state::Cluster;
 use crate::sim::upstream::GpuUpstream;
 use crate::sim::workload::{self, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
+use proxy_wasm_host::abi::LogLevel;
+use proxy_wasm_host::host::PluginSpec;
+use proxy_wasm_host::state::Cluster;
 use serde::Deserialize;
 use sluice_gpu::GpuProfile;
 use std::path::Path;
@@ -46,7 +46,7 @@ pub struct Scenario {
     pub log_level: Option<String>,
     /// What a worker does after its VM traps: `fail_closed` (Envoy's default) or `fail_reload`.
     #[serde(default)]
-    pub failure_policy: crate::host::FailurePolicy,
+    pub failure_policy: proxy_wasm_host::host::FailurePolicy,
     /// Envoy's `allow_on_headers_stop_iteration` for the filter (default true, as in
     /// envoy/envoy.yaml); false reproduces ABI 0.2.1's StopAllIterationAndWatermark.
     #[serde(default = "yes")]
@@ -494,7 +494,7 @@ mod tests {
                 format!(r#"[{h100}, {{"count": 1, "profile": "fast", "overrides": {{"block_size": 0}}}}]"#),
                 "backends[1].overrides",
             ),
-            (format!(r#"[{{"count": 200, "profile": "fast"}}, {{"count": 51, "profile": "fast"}}]"#), "at most 250"),
+            (r#"[{"count": 200, "profile": "fast"}, {"count": 51, "profile": "fast"}]"#.to_string(), "at most 250"),
             ("[]".to_string(), "at least one group"),
             (r#"{"count": 0, "profile": "fast"}"#.to_string(), "backends.count"),
         ] {

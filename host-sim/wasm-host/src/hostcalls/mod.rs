@@ -195,8 +195,8 @@ fn stream_property(s: &crate::state::StreamData, path: &str) -> Option<Vec<u8>> 
     }
 }
 
-/// Registers every host function on `linker`.
-pub(crate) fn register(linker: &mut Linker<VmState>) -> Result<()> {
+/// Adds every host function (proxy-wasm `env` and WASI) to `linker`.
+pub fn add_to_linker(linker: &mut Linker<VmState>) -> Result<()> {
     register_env(linker)?;
     register_wasi(linker)?;
     Ok(())
