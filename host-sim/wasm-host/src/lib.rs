@@ -4,7 +4,7 @@
 //!
 //! Modules: [`abi`] (status codes, enums, header-map wire format), [`state`] (what the host
 //! functions share: the process, one per simulated Envoy, and each VM's state), [`hostcalls`]
-//! (the host functions, added to a `wasmtime::Linker`),
+//! (the host functions, one file per concern, each adding itself to a `wasmtime::Linker`),
 //! [`host`] ([`Host`]: the compiled module and its VMs).
 //!
 //! # The embedder's side
