@@ -2,8 +2,8 @@
 
 mod common;
 
-use host_sim::abi::HeaderMap;
 use host_sim::{ClientRequest, Cluster, GatewayConfig, Host, PluginSpec, Sim, StaticResponse, StaticUpstream};
+use proxy_wasm_host::abi::HeaderMap;
 
 const UP: &str = "10.0.0.1:8000";
 
@@ -12,7 +12,7 @@ fn spec(config: &str, workers: usize) -> PluginSpec {
         configuration: config.as_bytes().to_vec(),
         vm_configuration: b"vmcfg".to_vec(),
         workers,
-        log_level: host_sim::abi::LogLevel::Trace,
+        log_level: proxy_wasm_host::abi::LogLevel::Trace,
         ..Default::default()
     }
 }
@@ -386,7 +386,7 @@ fn properties_foreign_functions_and_header_edits() {
     s.add_request(req(0, 0, "props;foreign;headers", b""));
     s.run();
     assert_eq!(
-        lines(&s, "props name=Some(\"sluice\") vm_id=Some(\"sluice\") path=Some(\"/v1/chat/completions?id=0\") set=Some(\"y\") missing=None").len(),
+        lines(&s, "props name=Some(\"plugin\") vm_id=Some(\"plugin\") path=Some(\"/v1/chat/completions?id=0\") set=Some(\"y\") missing=None").len(),
         1
     );
     assert_eq!(lines(&s, "foreign unknown=Err(NotFound) clear_route_cache=Ok(None)").len(), 1);
@@ -470,7 +470,7 @@ fn virtual_time_seeded_random_and_stdout_are_deterministic() {
     };
     let a = run(1);
     assert_eq!(a.0, run(1).0, "byte-identical logs for the same seed");
-    assert_eq!(a.1, format!("time ns={}", host_sim::state::EPOCH_NS + 7_000_000));
+    assert_eq!(a.1, format!("time ns={}", proxy_wasm_host::state::EPOCH_NS + 7_000_000));
     assert_eq!(a.3, ["hello from stdout ctx=2"]);
     assert_ne!(a.2, run(2).2, "the seed drives random_get");
 }

@@ -50,7 +50,7 @@ fn identical_scenario_and_seed_give_byte_identical_reports() {
     let wasm = common::filter_wasm();
     let run = || {
         let (sim, report) = scenario("vtc", "").run(&wasm, Path::new(".")).unwrap();
-        (report.to_json(), host_sim::report::records_csv(&sim.records()))
+        (report.to_json(), host_sim::sim::report::records_csv(&sim.records()))
     };
     let a = run();
     let b = run();
@@ -66,24 +66,30 @@ fn gpu<'a>(sim: &'a host_sim::Sim, addr: &str) -> &'a host_sim::GpuUpstream {
     sim.upstream(addr).unwrap().as_any().downcast_ref::<host_sim::GpuUpstream>().unwrap()
 }
 
+/// Two clients overloading one GPU, so that the filter sheds some requests; `extra` adds
+/// top-level scenario keys.
+fn overload(extra: &str) -> Scenario {
+    Scenario::from_json(&format!(
+        r#"{{
+            "seed": 3,
+            "workers": 2,
+            "filter_config": {{"policy": "vtc", "tick_ms": 10, "queue_ttl_ms": 2000, "watermark_per_backend": 2}},
+            "backends": {{"count": 1, "profile": "llama2-7b-a10g"}},
+            {extra}
+            "workload": {{"kind": "poisson", "duration_s": 20,
+                "clients": [
+                    {{"name": "heavy", "rate": 6, "prompt_tokens": 200, "output_tokens": 200}},
+                    {{"name": "light", "rate": 1, "prompt_tokens": 50, "output_tokens": 50}}
+                ]}}
+        }}"#
+    ))
+    .unwrap()
+}
+
 #[test]
 fn overload_is_shed_with_reasons_and_no_request_is_lost() {
     let wasm = common::filter_wasm();
-    let sc = Scenario::from_json(
-        r#"{
-            "seed": 3,
-            "workers": 2,
-            "filter_config": {"policy": "vtc", "tick_ms": 10, "queue_ttl_ms": 2000, "watermark_per_backend": 2},
-            "backends": {"count": 1, "profile": "llama2-7b-a10g"},
-            "workload": {"kind": "poisson", "duration_s": 20,
-                "clients": [
-                    {"name": "heavy", "rate": 6, "prompt_tokens": 200, "output_tokens": 200},
-                    {"name": "light", "rate": 1, "prompt_tokens": 50, "output_tokens": 50}
-                ]}
-        }"#,
-    )
-    .unwrap();
-    let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
+    let (sim, report) = overload("").run(&wasm, Path::new(".")).unwrap();
     let recs = sim.records();
     let ok = recs.iter().filter(|r| r.outcome == "ok").count();
     let shed: Vec<_> = recs.iter().filter(|r| r.outcome == "local_reply").collect();
@@ -101,6 +107,35 @@ fn overload_is_shed_with_reasons_and_no_request_is_lost() {
     g.model().check_invariants().unwrap();
     let m = g.model().metrics();
     assert_eq!((m.finished, m.aborted, m.running, m.waiting), (ok as u64, 0, 0, 0));
+}
+
+#[test]
+fn service_prices_and_reason_headers_come_from_the_scenario() {
+    let wasm = common::filter_wasm();
+    // Defaults: VTC's prices (a prompt token 1, an output token 2) and the filter's header.
+    let (sim, report) = overload("").run(&wasm, Path::new(".")).unwrap();
+    let recs = sim.records();
+    for (name, c) in &report.clients {
+        let mine = recs.iter().filter(|r| r.client == *name);
+        let want: u64 = mine
+            .map(|r| if r.first_token_us.is_some() { r.prompt_tokens as u64 + 2 * r.tokens_received as u64 } else { 0 })
+            .sum();
+        assert!(want > 0);
+        assert_eq!(c.service, want, "{name}");
+    }
+    assert!(recs.iter().any(|r| r.outcome == "local_reply" && r.reason.is_some()));
+    // Output tokens only, and a reason header the filter does not send: its local replies
+    // carry no details, so no reason is recorded.
+    let (sim, report) = overload(r#""service_prices": {"input": 0, "output": 1}, "reason_headers": ["x-absent"],"#)
+        .run(&wasm, Path::new("."))
+        .unwrap();
+    let recs = sim.records();
+    for (name, c) in &report.clients {
+        let want: u64 = recs.iter().filter(|r| r.client == *name).map(|r| r.tokens_received as u64).sum();
+        assert_eq!(c.service, want, "{name}");
+    }
+    let shed: Vec<_> = recs.iter().filter(|r| r.outcome == "local_reply").collect();
+    assert!(!shed.is_empty() && shed.iter().all(|r| r.reason.is_none()), "{shed:?}");
 }
 
 #[test]

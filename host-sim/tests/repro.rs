@@ -4,7 +4,7 @@
 
 mod common;
 
-use host_sim::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload};
+use host_sim::experiments::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Mutex, OnceLock};

@@ -3,8 +3,8 @@
 
 mod common;
 
-use host_sim::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult};
-use host_sim::workload::{self, SyntheticClient, WorkItem};
+use host_sim::experiments::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult};
+use host_sim::sim::workload::{self, SyntheticClient, WorkItem};
 use sluice_gpu::GpuProfile;
 
 /// The `fast` profile at a quarter of its speed: every iteration term ×4.

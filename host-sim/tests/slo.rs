@@ -7,9 +7,9 @@
 
 mod common;
 
-use host_sim::slo_repro::{self as sr, Pool, SloPlan, SloTrace};
-use host_sim::slo_workload::{self as sw, AssignBy, SLO_TTFT_HEADER};
-use host_sim::workload::WorkItem;
+use host_sim::experiments::slo_repro::{self as sr, Pool, SloPlan, SloTrace};
+use host_sim::experiments::slo_workload::{self as sw, AssignBy, SLO_TTFT_HEADER};
+use host_sim::sim::workload::WorkItem;
 use host_sim::{ClientRequest, GatewayConfig, GpuUpstream, PluginSpec, Sim};
 use std::path::Path;
 
@@ -102,7 +102,7 @@ fn loads_scaled_from_the_measured_capacity_load_the_pool_as_named() {
 /// The reproductions' claims, on `sluice-slo --quick`'s workloads.
 mod claims {
     use super::*;
-    use host_sim::slo_repro::SloRow;
+    use host_sim::experiments::slo_repro::SloRow;
 
     fn qlm_at(trace: SloTrace, load: f64) -> Vec<SloRow> {
         let wasm = common::filter_wasm();

@@ -1,10 +1,10 @@
 //! The fault-injection soak against the real filter: every fault kind on at once, every
-//! invariant checked (see `host_sim::soak`). 100,000 requests, as `sluice-soak` runs by default
+//! invariant checked (see `host_sim::experiments::soak`). 100,000 requests, as `sluice-soak` runs by default
 //! (about 10 s in release on two cores); `SOAK_REQUESTS` changes the count.
 
 mod common;
 
-use host_sim::soak::{self, SoakConfig};
+use host_sim::experiments::soak::{self, SoakConfig};
 
 fn requests() -> usize {
     std::env::var("SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000)
@@ -69,7 +69,7 @@ fn without_faults_every_request_is_served_and_every_invariant_holds() {
 
 #[test]
 fn requests_on_a_hung_backend_end_at_the_idle_timeout_with_504_and_release_their_slots() {
-    use host_sim::faults::HangingUpstream;
+    use host_sim::sim::faults::HangingUpstream;
     use host_sim::{ClientRequest, GatewayConfig, GpuUpstream, PluginSpec, Sim};
     let wasm = common::filter_wasm();
     let plugin = PluginSpec {

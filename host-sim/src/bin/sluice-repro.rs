@@ -4,8 +4,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::report::slug;
-use host_sim::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload, Table2Row};
+use host_sim::experiments::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload, Table2Row};
+use host_sim::sim::report::slug;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;

@@ -9,9 +9,11 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::routing_compare::{self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind};
-use host_sim::scenario::{BackendPool, Backends};
-use host_sim::workload::WorkItem;
+use host_sim::experiments::routing_compare::{
+    self as rc, Death, PickerKind, PoolSpec, RunConfig, RunResult, TraceKind,
+};
+use host_sim::sim::scenario::{BackendPool, Backends};
+use host_sim::sim::workload::WorkItem;
 use std::path::PathBuf;
 
 /// Compare random, round-robin, least-request and the default (kv-aware) routing of the sluice

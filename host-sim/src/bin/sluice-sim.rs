@@ -4,8 +4,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::report::records_csv;
-use host_sim::workload::TraceFormat;
+use host_sim::sim::report::records_csv;
+use host_sim::sim::workload::TraceFormat;
 use host_sim::Scenario;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -108,7 +108,7 @@ fn run(cli: Cli) -> Result<()> {
     if cli.check_trace {
         let path = cli.trace.as_ref().expect("clap requires --trace");
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        match host_sim::workload::parse_trace(cli.format.expect("clap requires --format"), &text) {
+        match host_sim::sim::workload::parse_trace(cli.format.expect("clap requires --format"), &text) {
             Ok(items) => {
                 let last = items.last().map_or(0.0, |w| w.arrival_us as f64 / 1e6);
                 println!("{}: {} requests over {last:.1} s, all rows valid", path.display(), items.len());
@@ -165,7 +165,7 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(l) = &cli.log_level {
         sc.log_level = Some(l.clone());
     }
-    if let host_sim::scenario::Workload::Trace { limit, max_arrival_s, .. } = &mut sc.workload {
+    if let host_sim::sim::scenario::Workload::Trace { limit, max_arrival_s, .. } = &mut sc.workload {
         if cli.limit.is_some() {
             *limit = cli.limit;
         }
@@ -219,7 +219,8 @@ fn run(cli: Cli) -> Result<()> {
         std::fs::write(p, report.service_rate_svg()).with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.svg_latency {
-        std::fs::write(p, host_sim::report::latency_svg(&recs)).with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, host_sim::sim::report::latency_svg(&recs))
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.logs {
         let mut f =

@@ -6,10 +6,10 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::report::{slug, svg_lines};
-use host_sim::slo_repro::{self as sr, Capacity, Pool, SloPlan, SloRow, SloTrace};
-use host_sim::slo_workload::{self as sw, AssignBy, Objective, SloClass};
-use host_sim::workload::WorkItem;
+use host_sim::experiments::slo_repro::{self as sr, Capacity, Pool, SloPlan, SloRow, SloTrace};
+use host_sim::experiments::slo_workload::{self as sw, AssignBy, Objective, SloClass};
+use host_sim::sim::report::{slug, svg_lines};
+use host_sim::sim::workload::WorkItem;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;

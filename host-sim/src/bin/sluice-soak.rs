@@ -6,9 +6,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::abi::LogLevel;
-use host_sim::soak::{self, SoakConfig, SoakFaults};
+use host_sim::experiments::soak::{self, SoakConfig, SoakFaults};
 use host_sim::FailurePolicy;
+use proxy_wasm_host::abi::LogLevel;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -206,7 +206,7 @@ fn run(cli: Cli) -> Result<bool> {
     }
     print!("{}", report.counts_text());
     if let Some(p) = &cli.csv {
-        std::fs::write(p, host_sim::report::records_csv(&sim.records()))
+        std::fs::write(p, host_sim::sim::report::records_csv(&sim.records()))
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.json {

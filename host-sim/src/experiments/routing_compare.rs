@@ -18,14 +18,14 @@
 //! preempted request finding its own blocks again when it is re-admitted, so
 //! [`RunResult::preempted`] is reported beside it.
 
-use crate::abi::HeaderMap;
-use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::host::PluginSpec;
-use crate::report::Stats;
-use crate::state::Cluster;
-use crate::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
-use crate::workload::{self, PrefixSharing, TraceFormat, WorkItem};
+use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::report::Stats;
+use crate::sim::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
+use crate::sim::workload::{self, PrefixSharing, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
+use proxy_wasm_host::abi::HeaderMap;
+use proxy_wasm_host::host::PluginSpec;
+use proxy_wasm_host::state::Cluster;
 use serde::Serialize;
 use sluice_gpu::{GpuProfile, TimeModel};
 use std::any::Any;
@@ -231,7 +231,7 @@ pub struct MeasuredCapacity {
     /// Picker of the saturation run.
     pub picker: &'static str,
     /// Completion rate while saturated, rows in the run, output tokens per second.
-    pub capacity: crate::slo_repro::Capacity,
+    pub capacity: crate::experiments::slo_repro::Capacity,
     /// Prefix-cache hit rate of the saturation run (hits count toward capacity).
     pub prefix_hit_rate: f64,
 }
@@ -253,15 +253,15 @@ impl MeasuredCapacity {
 }
 
 /// The capacity of `cfg`'s pool on rows like `items`, measured as `sluice-slo` measures it
-/// ([`crate::slo_repro::saturation_burst`], [`crate::slo_repro::Capacity::from_saturation_run`])
+/// ([`crate::experiments::slo_repro::saturation_burst`], [`crate::experiments::slo_repro::Capacity::from_saturation_run`])
 /// but through this comparison's run, so prompts share their prefixes and the prefix cache's
 /// hits count. `cfg`'s picker routes the run; `cfg.pool` must not die.
 pub fn measure_capacity(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<MeasuredCapacity> {
     if cfg.pool.death.is_some() {
         bail!("a capacity run needs a pool whose backends all live");
     }
-    let (_, r, recs) = run_records(wasm, cfg, &crate::slo_repro::saturation_burst(items))?;
-    let capacity = crate::slo_repro::Capacity::from_saturation_run(&recs)
+    let (_, r, recs) = run_records(wasm, cfg, &crate::experiments::slo_repro::saturation_burst(items))?;
+    let capacity = crate::experiments::slo_repro::Capacity::from_saturation_run(&recs)
         .with_context(|| format!("{} on {}", cfg.trace, cfg.pool.name))?;
     Ok(MeasuredCapacity {
         trace: cfg.trace.clone(),
@@ -371,7 +371,7 @@ impl PoolSpec {
 
     /// The pool a scenario's `backends` describe (groups in order), so that every pool
     /// compared here can be written as a scenario file.
-    pub fn from_groups(name: &str, pool: &crate::scenario::BackendPool) -> Result<PoolSpec> {
+    pub fn from_groups(name: &str, pool: &crate::sim::scenario::BackendPool) -> Result<PoolSpec> {
         pool.validate()?;
         let profiles = pool.backends()?.into_iter().map(|(_, p)| p).collect();
         Ok(PoolSpec { name: name.into(), profiles, death: None })
@@ -482,7 +482,7 @@ fn gpu_of(up: &dyn Upstream) -> Option<&GpuUpstream> {
     any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner))
 }
 
-pub use crate::workload::prompt_text;
+pub use crate::sim::workload::prompt_text;
 
 /// The streaming chat request a trace row becomes (`hash_block_tokens`: tokens per entry of its
 /// `prefix_hashes`, the GPU profile's `prefix_hash_tokens`).

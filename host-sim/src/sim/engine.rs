@@ -5,11 +5,11 @@
 //! There are no sleeps and no wall-clock reads: a run is a pure function of its inputs, and
 //! events at the same virtual time run in the order they were scheduled.
 
-use crate::abi::{self, action, HeaderMap, LogLevel};
-use crate::faults::{self, FaultCounts, FaultRng, Faults};
-use crate::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
-use crate::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
-use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use crate::sim::faults::{self, FaultCounts, FaultRng, Faults};
+use crate::sim::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use proxy_wasm_host::abi::{self, action, HeaderMap, LogLevel};
+use proxy_wasm_host::host::{FailurePolicy, Host, PluginSpec, Trap, VM_FAILED};
+use proxy_wasm_host::state::{CallResponse, Cluster, HttpCallOut, QueuePost, StreamAction, StreamData};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
@@ -38,7 +38,12 @@ pub struct GatewayConfig {
     /// Seed of the jitter stream.
     pub seed: u64,
     /// Local-reply headers whose value is recorded as the reject reason (first present wins).
+    /// Default: llm-d's [`LLM_D_REASON_HEADER`], then the filter's
+    /// `sluice_filter::worker::REJECT_REASON`.
     pub reason_headers: Vec<String>,
+    /// Prices of served tokens in the per-client service the engine accounts
+    /// ([`Sim::service_buckets`]); default VTC's ([`ServicePrices::VTC`]).
+    pub service_prices: ServicePrices,
     /// Envoy's stream idle timeout (the route's `idle_timeout`, else the connection manager's
     /// `stream_idle_timeout`), µs: a stream with no activity (a request chunk from the client,
     /// anything from upstream) for this long ends. Before any response header it gets Envoy's
@@ -67,7 +72,8 @@ impl Default for GatewayConfig {
             tick_jitter_us: 0,
             queue_post_delay_us: 0,
             seed: 0,
-            reason_headers: vec!["x-llm-d-request-dropped-reason".into(), "x-sluice-reject-reason".into()],
+            reason_headers: vec![LLM_D_REASON_HEADER.into(), sluice_filter::worker::REJECT_REASON.into()],
+            service_prices: ServicePrices::VTC,
             stream_idle_timeout_us: None,
             faults: Faults::default(),
             recorded_upstream_headers: Vec::new(),
@@ -319,10 +325,35 @@ pub struct Sim {
     counts: FaultCounts,
 }
 
-/// VTC's service weights: w_p per prompt token, w_q per output token.
-pub const SERVICE_INPUT_WEIGHT: u64 = 1;
-/// See [`SERVICE_INPUT_WEIGHT`].
-pub const SERVICE_OUTPUT_WEIGHT: u64 = 2;
+/// llm-d's reject-reason response header, recorded as a reason by default.
+pub const LLM_D_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
+
+/// Prices of served tokens, in the unit of the per-client service the engine accounts:
+/// `input · prompt tokens + output · output tokens`, VTC's `w_p · n_p + w_q · n_q`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServicePrices {
+    /// Price of a prompt token (w_p); a prompt counts as served with its first output token.
+    pub input: u64,
+    /// Price of an output token (w_q).
+    pub output: u64,
+}
+
+impl ServicePrices {
+    /// The VTC paper's prices: w_p = 1, w_q = 2.
+    pub const VTC: ServicePrices = ServicePrices { input: 1, output: 2 };
+
+    /// Service of `prompt` prompt tokens and `output` output tokens.
+    pub fn of(self, prompt: u64, output: u64) -> u64 {
+        self.input * prompt + self.output * output
+    }
+}
+
+impl Default for ServicePrices {
+    fn default() -> Self {
+        ServicePrices::VTC
+    }
+}
 
 impl Sim {
     /// Loads the plugin (see [`Host::new`]) and prepares an empty simulation.
@@ -447,7 +478,7 @@ impl Sim {
     }
 
     /// Service received per client per 1-second bucket of virtual time (w_p·prompt at the
-    /// first token + w_q·output tokens as delivered).
+    /// first token + w_q·output tokens as delivered, at [`GatewayConfig::service_prices`]).
     pub fn service_buckets(&self) -> &BTreeMap<String, Vec<u64>> {
         &self.service
     }
@@ -1083,6 +1114,7 @@ impl Sim {
             .and_then(|v| v.parse::<u16>().ok())
             .unwrap_or(0);
         let now = self.now;
+        let prices = self.cfg.service_prices;
         let mut first_token = false;
         let s = &mut self.streams[i];
         if !s.resp_headers_sent {
@@ -1091,11 +1123,9 @@ impl Sim {
         }
         s.rec.bytes_received += body.len() as u64;
         if s.resp_tokens_buffered > 0 {
-            let mut service = SERVICE_OUTPUT_WEIGHT * s.resp_tokens_buffered as u64;
-            if s.rec.first_token_us.is_none() {
-                // The prompt counts as served once its prefill produced the first token.
-                service += SERVICE_INPUT_WEIGHT * s.rec.prompt_tokens as u64;
-            }
+            // The prompt counts as served once its prefill produced the first token.
+            let prompt = if s.rec.first_token_us.is_none() { s.rec.prompt_tokens as u64 } else { 0 };
+            let service = prices.of(prompt, s.resp_tokens_buffered as u64);
             s.rec.tokens_received += s.resp_tokens_buffered;
             s.resp_tokens_buffered = 0;
             first_token = s.rec.first_token_us.is_none();

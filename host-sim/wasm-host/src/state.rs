@@ -70,7 +70,7 @@ pub struct QueuePost {
     pub queue_id: u32,
 }
 
-/// An outgoing `proxy_http_call`, validated, waiting for the engine to route it.
+/// An outgoing `proxy_http_call`, validated, waiting for the embedder to route it.
 #[derive(Clone, Debug)]
 pub struct HttpCallOut {
     /// Calling VM.
@@ -100,8 +100,7 @@ pub enum Cluster {
     /// A fixed list of endpoints, used round-robin (STATIC / STRICT_DNS).
     Static(Vec<String>),
     /// ORIGINAL_DST with `use_http_header`: the host comes from this request header
-    /// (Envoy's default is `x-envoy-original-dst-host`; sluice's Envoy config uses
-    /// `x-gateway-destination-endpoint`).
+    /// (Envoy's default is `x-envoy-original-dst-host`).
     OriginalDst {
         /// Header naming the `ip:port`.
         header: String,
@@ -217,39 +216,40 @@ impl Process {
     }
 }
 
-/// Per-VM state, the `T` of each wasmtime `Store`.
-pub(crate) struct VmState {
-    pub vm: usize,
-    pub proc: Rc<RefCell<Process>>,
-    pub memory: Option<Memory>,
-    pub malloc: Option<TypedFunc<i32, i32>>,
-    pub root_id: u32,
-    pub next_context: u32,
-    pub effective: u32,
-    pub in_call: bool,
-    pub contexts: BTreeMap<u32, Context>,
-    pub tick_period_ms: u32,
-    pub actions: Vec<(u32, StreamAction)>,
-    pub call_response: Option<CallResponse>,
-    pub vm_configuration: Vec<u8>,
-    pub plugin_configuration: Vec<u8>,
-    pub done_called: bool,
+/// Per-VM state, the `T` of each wasmtime `Store` and of the `Linker` the host functions are
+/// added to; opaque outside this crate.
+pub struct VmState {
+    pub(crate) vm: usize,
+    pub(crate) proc: Rc<RefCell<Process>>,
+    pub(crate) memory: Option<Memory>,
+    pub(crate) malloc: Option<TypedFunc<i32, i32>>,
+    pub(crate) root_id: u32,
+    pub(crate) next_context: u32,
+    pub(crate) effective: u32,
+    pub(crate) in_call: bool,
+    pub(crate) contexts: BTreeMap<u32, Context>,
+    pub(crate) tick_period_ms: u32,
+    pub(crate) actions: Vec<(u32, StreamAction)>,
+    pub(crate) call_response: Option<CallResponse>,
+    pub(crate) vm_configuration: Vec<u8>,
+    pub(crate) plugin_configuration: Vec<u8>,
+    pub(crate) done_called: bool,
     /// Fault injection: the running callback traps at its n-th instrumented host call.
-    pub trap_in: std::cell::Cell<Option<u32>>,
+    pub(crate) trap_in: std::cell::Cell<Option<u32>>,
     /// Which instance of this VM this is (one more at every reload).
-    pub instance: u64,
+    pub(crate) instance: u64,
 }
 
 impl VmState {
     /// The stream data of the effective context, if it is an HTTP context.
-    pub fn stream(&mut self) -> Option<&mut StreamData> {
+    pub(crate) fn stream(&mut self) -> Option<&mut StreamData> {
         match self.contexts.get_mut(&self.effective) {
             Some(Context::Http(s)) => Some(s),
             _ => None,
         }
     }
 
-    pub fn log(&self, level: LogLevel, source: &'static str, msg: String) {
+    pub(crate) fn log(&self, level: LogLevel, source: &'static str, msg: String) {
         self.proc.borrow_mut().log(self.vm, self.effective, level, source, msg);
     }
 }

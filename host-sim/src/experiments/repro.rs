@@ -18,10 +18,10 @@
 //!   bypass the queue (stock under the watermark, nothing queued) are not rate limited by
 //!   the filter, so RPM limits less than the seed's when the GPU is not saturated.
 
-use crate::engine::{ClientRequest, RequestRecord, Sim, SERVICE_INPUT_WEIGHT, SERVICE_OUTPUT_WEIGHT};
-use crate::report::{svg_lines, Report};
-use crate::scenario::Scenario;
-use crate::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
+use crate::sim::engine::{ClientRequest, RequestRecord, ServicePrices, Sim};
+use crate::sim::report::{svg_lines, Report};
+use crate::sim::scenario::Scenario;
+use crate::sim::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -469,8 +469,9 @@ pub fn selected_clients(items: &[WorkItem]) -> Vec<String> {
     [12, 13, 25, 26].iter().filter_map(|&i| v.get(i).map(|(_, c)| c.to_string())).collect()
 }
 
+/// Service at the VTC paper's prices, those the engine accounts by default.
 fn service_of(prompt: u32, output: u32) -> f64 {
-    (SERVICE_INPUT_WEIGHT * prompt as u64 + SERVICE_OUTPUT_WEIGHT * output as u64) as f64
+    ServicePrices::VTC.of(prompt as u64, output as u64) as f64
 }
 
 /// The filter configuration of one case: the policy, a queue that holds the whole backlog (the

@@ -15,15 +15,15 @@
 //! and unfinished requests are misses. The objective travels as the trusted request header
 //! [`SLO_TTFT_HEADER`], as an upstream filter would set it.
 
-use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::host::{ConfigRejected, PluginSpec};
-use crate::report::{svg_lines, Stats};
-use crate::routing_compare::profile_by_name;
-use crate::slo_workload::{self as sw, AssignBy, Bursts, Objective, SloClass, SLO_TTFT_HEADER};
-use crate::state::Cluster;
-use crate::upstream::GpuUpstream;
-use crate::workload::{self, TraceFormat, WorkItem};
+use crate::experiments::routing_compare::profile_by_name;
+use crate::experiments::slo_workload::{self as sw, AssignBy, Bursts, Objective, SloClass, SLO_TTFT_HEADER};
+use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::report::{svg_lines, Stats};
+use crate::sim::upstream::GpuUpstream;
+use crate::sim::workload::{self, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
+use proxy_wasm_host::host::{ConfigRejected, PluginSpec};
+use proxy_wasm_host::state::Cluster;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice_gpu::GpuProfile;
@@ -42,7 +42,7 @@ pub const EXPIRED_REASON: &str = "rejected-ttl-expired";
 pub const TENANT_HEADER: &str = "x-gateway-inference-fairness-id";
 /// `model` of every request.
 pub const MODEL: &str = "llama-3-8b";
-/// The plan compiled in: `host-sim/src/slo_plan.json`.
+/// The plan compiled in: `host-sim/src/experiments/slo_plan.json`.
 pub const DEFAULT_PLAN: &str = include_str!("slo_plan.json");
 /// Virtual time a run may go on after the last arrival: past the longest objective (1 h), so
 /// a backlog that drains in time is counted as met.

@@ -3,7 +3,7 @@
 //! multiple of a measured capacity, and bursty re-timing (PARD's bursts). Every function is a
 //! pure function of its inputs and seed; none changes a row's lengths or the order of rows.
 
-use crate::workload::WorkItem;
+use crate::sim::workload::WorkItem;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};

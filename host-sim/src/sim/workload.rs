@@ -1,7 +1,7 @@
 //! Workloads: seeded synthetic arrivals and replay of the trace formats in `host-sim/traces`.
 //! Every generator is a pure function of its inputs and seed.
 
-use crate::engine::ClientRequest;
+use crate::sim::engine::ClientRequest;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
@@ -656,7 +656,7 @@ mod tests {
     #[test]
     fn length_distributions_keep_their_mean_and_leave_arrivals_alone() {
         let base = SyntheticClient { prompt_tokens: 200, output_tokens: 100, ..client(Arrival::Poisson, 50.0) };
-        let fixed = synthetic(&[base.clone()], 100.0, 7).unwrap();
+        let fixed = synthetic(std::slice::from_ref(&base), 100.0, 7).unwrap();
         assert!(fixed.iter().all(|w| w.prompt_tokens == 200 && w.output_tokens == 100));
         for lengths in [Lengths::Uniform { spread: 0.5 }, Lengths::Exponential, Lengths::LogNormal { cv: 1.5 }] {
             let w = synthetic(&[SyntheticClient { lengths, ..base.clone() }], 100.0, 7).unwrap();

@@ -1,10 +1,11 @@
 //! Run reports: latency percentiles, throughput, outcomes and reject reasons, per-client
-//! service (VTC's `w_p·input + w_q·output` with w_p = 1, w_q = 2), backend counters and the
+//! service (VTC's `w_p·input + w_q·output` at `GatewayConfig::service_prices`, VTC's w_p = 1,
+//! w_q = 2 by default), backend counters and the
 //! filter's own metrics. Everything is derived from virtual time, so a report is byte-identical
 //! for the same scenario and seed.
 
-use crate::engine::{RequestRecord, Sim};
-use crate::upstream::GpuUpstream;
+use crate::sim::engine::{RequestRecord, Sim};
+use crate::sim::upstream::GpuUpstream;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -61,7 +62,7 @@ pub struct ClientReport {
     /// Output tokens received.
     pub output_tokens: u64,
     /// Service received: w_p·prompt tokens (once the first token arrived) + w_q·output tokens
-    /// received, with VTC's w_p = 1, w_q = 2.
+    /// received, at the run's `GatewayConfig::service_prices`.
     pub service: u64,
     /// Time to first token, ms.
     pub ttft_ms: Stats,

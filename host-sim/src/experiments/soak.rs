@@ -1,5 +1,5 @@
 //! The fault-injection soak: many requests of several tenants through the filter on 2+ workers
-//! against a few backends, with every fault of [`crate::faults`] on at once, then invariants
+//! against a few backends, with every fault of [`crate::sim::faults`] on at once, then invariants
 //! checked on what the clients saw and on what the filter left in shared data.
 //!
 //! A soak is a pure function of its [`SoakConfig`] (seed included): the counts and the
@@ -23,12 +23,12 @@
 //!   header and carries that outcome's status.
 //! - `no_unexpected_traps`: every trap was an injected one (the filter itself never trapped).
 
-use crate::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::faults::{hang_windows, FaultCounts, Faults, HangingUpstream};
-use crate::host::{FailurePolicy, PluginSpec};
-use crate::state::Cluster;
-use crate::upstream::GpuUpstream;
+use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::faults::{hang_windows, FaultCounts, Faults, HangingUpstream};
+use crate::sim::upstream::GpuUpstream;
 use anyhow::{bail, Result};
+use proxy_wasm_host::host::{FailurePolicy, PluginSpec};
+use proxy_wasm_host::state::Cluster;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -43,7 +43,7 @@ pub use sluice_filter::shared::{load_rows, LOAD_KEY, QUEUED_KEY};
 /// Header carrying the tenant.
 pub const TENANT_HEADER: &str = "x-gateway-inference-fairness-id";
 
-/// Fault rates of a soak. See [`Faults`] and [`crate::faults`] for what each does.
+/// Fault rates of a soak. See [`Faults`] and [`crate::sim::faults`] for what each does.
 #[derive(Clone, Debug, Serialize)]
 pub struct SoakFaults {
     /// Probability that a request held by the gateway is cancelled by its client (within
@@ -158,7 +158,7 @@ pub struct SoakConfig {
     /// Extra filter configuration merged over the soak's.
     pub filter_config: serde_json::Value,
     /// Module log level recorded (`trace` .. `critical`).
-    pub log_level: crate::abi::LogLevel,
+    pub log_level: proxy_wasm_host::abi::LogLevel,
 }
 
 impl Default for SoakConfig {
@@ -181,7 +181,7 @@ impl Default for SoakConfig {
             max_vm_memory_bytes: 64 << 20,
             max_shared_bytes: 1 << 20,
             filter_config: serde_json::json!({}),
-            log_level: crate::abi::LogLevel::Warn,
+            log_level: proxy_wasm_host::abi::LogLevel::Warn,
         }
     }
 }
@@ -587,7 +587,7 @@ fn check(sim: &Sim, cfg: &SoakConfig, peaks: &Peaks, wall_s: f64) -> SoakReport 
     let mut traps_by_callback = BTreeMap::new();
     let mut unexpected = Vec::new();
     for t in host.traps() {
-        let injected = t.message.contains(crate::INJECTED_TRAP);
+        let injected = t.message.contains(proxy_wasm_host::INJECTED_TRAP);
         let key = format!("{} ({})", t.callback, if injected { "injected" } else { "NOT injected" });
         *traps_by_callback.entry(key).or_insert(0) += 1;
         if !injected {

@@ -2,7 +2,7 @@
 //! static responder for conformance tests. Both are step-driven like the GPU model: the engine
 //! submits requests, asks when the endpoint next needs time to pass, and advances it.
 
-use crate::abi::{self, HeaderMap};
+use proxy_wasm_host::abi::{self, HeaderMap};
 use sluice_gpu::openai::{self, Endpoint, ResponseMeta};
 use sluice_gpu::{GenRequest, GpuEventKind, GpuModel, GpuProfile};
 use std::any::Any;
@@ -69,7 +69,7 @@ pub trait Upstream {
     /// Downcasting, for tests and reports.
     fn as_any(&self) -> &dyn Any;
     /// When the endpoint is hung at `now_us` (answers nothing, not even calls), the time it
-    /// resumes; `None` when it is answering. See [`crate::faults::HangingUpstream`].
+    /// resumes; `None` when it is answering. See [`crate::sim::faults::HangingUpstream`].
     fn hung_until(&self, _now_us: u64) -> Option<u64> {
         None
     }
@@ -150,7 +150,7 @@ impl Upstream for GpuUpstream {
         if let Err(e) = self.model.submit(gen, now_us) {
             return Self::error(id, 400, e.to_string(), Some("max_tokens"));
         }
-        let created = crate::state::EPOCH_NS / 1_000_000_000 + now_us / 1_000_000;
+        let created = proxy_wasm_host::state::EPOCH_NS / 1_000_000_000 + now_us / 1_000_000;
         self.reqs.insert(
             id,
             GenState {

@@ -1,6 +1,6 @@
 //! The proxy-wasm host: one compiled module, one wasm instance per simulated Envoy thread (VM 0
 //! is the main thread, VMs 1..=workers are the workers), each with its root context, driven
-//! call by call by the engine. Every call returns either the module's answer or a [`Trap`]
+//! call by call by the embedder. Every call returns either the module's answer or a [`Trap`]
 //! carrying the wasm backtrace; effects a call requests (stream actions, queue posts, http
 //! calls, tick period) are collected and drained by the caller after the call returns, which is
 //! what makes them deferred and keeps callbacks from nesting.
@@ -49,7 +49,7 @@ pub struct PluginSpec {
     pub vm_id: String,
     /// `vm_config.configuration`, passed to `on_vm_start`.
     pub vm_configuration: Vec<u8>,
-    /// `configuration`, passed to `on_configure` (a JSON string for sluice).
+    /// `configuration`, passed to `on_configure` (the module's own format).
     pub configuration: Vec<u8>,
     /// Number of worker threads (Envoy `--concurrency`); one more VM runs the main thread.
     pub workers: usize,
@@ -69,8 +69,8 @@ pub struct PluginSpec {
     /// Fault injection: probability that a callback into a worker VM (start-up excluded) is
     /// armed to trap; an armed callback traps at its n-th host call (n uniform in 0..8, seeded),
     /// or not at all if it makes fewer. The VM then follows [`PluginSpec::failure_policy`].
-    /// VM 0 (the main thread) is spared: the engine reloads a VM only when a stream arrives on
-    /// it, and streams arrive on workers.
+    /// VM 0 (the main thread) is spared: streams, whose arrival reloads a failed VM, arrive on
+    /// workers.
     pub trap_rate: f64,
 }
 
@@ -89,9 +89,9 @@ pub enum FailurePolicy {
 impl Default for PluginSpec {
     fn default() -> Self {
         PluginSpec {
-            name: "sluice".into(),
-            root_id: "sluice".into(),
-            vm_id: "sluice".into(),
+            name: "plugin".into(),
+            root_id: "plugin".into(),
+            vm_id: "plugin".into(),
             vm_configuration: Vec::new(),
             configuration: Vec::new(),
             workers: 2,
@@ -215,7 +215,7 @@ impl Host {
             None => bail!("not a proxy-wasm module: no proxy_abi_version_* export"),
         }
         let mut linker: Linker<VmState> = Linker::new(&engine);
-        crate::hostcalls::register(&mut linker)?;
+        crate::hostcalls::add_to_linker(&mut linker)?;
         // Anything else the module imports traps when called (with its name in the message)
         // instead of failing instantiation.
         linker.define_unknown_imports_as_traps(&module)?;
@@ -502,7 +502,7 @@ impl Host {
         Ok(id)
     }
 
-    /// The stream data of an HTTP context, for the engine to fill in or read.
+    /// The stream data of an HTTP context, for the embedder to fill in or read.
     pub fn stream_mut(&mut self, vm: usize, ctx: u32) -> Option<&mut StreamData> {
         match self.vms[vm].store.data_mut().contexts.get_mut(&ctx) {
             Some(Context::Http(s)) => Some(s),
@@ -745,7 +745,7 @@ impl Host {
         Some((q.owner_vm, q.owner_context, q.items.len()))
     }
 
-    /// Records a host-side log line (engine diagnostics appear with the module's logs).
+    /// Records a host-side log line (the embedder's diagnostics appear with the module's logs).
     pub fn host_log(&mut self, vm: usize, ctx: u32, level: LogLevel, msg: String) {
         self.proc.borrow_mut().log(vm, ctx, level, "host", msg);
     }

@@ -1,14 +1,14 @@
 //! Scenario files: what to simulate (plugin configuration, backends, workload, gateway), parsed
 //! from JSON with errors that name the field, and turned into a [`Sim`] run and a [`Report`].
 
-use crate::abi::LogLevel;
-use crate::engine::{GatewayConfig, Sim};
-use crate::host::PluginSpec;
-use crate::report::Report;
-use crate::state::Cluster;
-use crate::upstream::GpuUpstream;
-use crate::workload::{self, SyntheticClient, TraceFormat, WorkItem};
+use crate::sim::engine::{GatewayConfig, ServicePrices, Sim};
+use crate::sim::report::Report;
+use crate::sim::upstream::GpuUpstream;
+use crate::sim::workload::{self, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
+use proxy_wasm_host::abi::LogLevel;
+use proxy_wasm_host::host::PluginSpec;
+use proxy_wasm_host::state::Cluster;
 use serde::Deserialize;
 use sluice_gpu::GpuProfile;
 use std::path::Path;
@@ -46,14 +46,14 @@ pub struct Scenario {
     pub log_level: Option<String>,
     /// What a worker does after its VM traps: `fail_closed` (Envoy's default) or `fail_reload`.
     #[serde(default)]
-    pub failure_policy: crate::host::FailurePolicy,
+    pub failure_policy: proxy_wasm_host::host::FailurePolicy,
     /// Envoy's `allow_on_headers_stop_iteration` for the filter (default true, as in
     /// envoy/envoy.yaml); false reproduces ABI 0.2.1's StopAllIterationAndWatermark.
     #[serde(default = "yes")]
     pub allow_on_headers_stop_iteration: bool,
     /// Latency objectives for SLO attainment and goodput in the report.
     #[serde(default)]
-    pub slo: Option<crate::report::Slo>,
+    pub slo: Option<crate::sim::report::Slo>,
     /// Round trip of a `dispatch_http_call` (metrics scrape), ms.
     #[serde(default = "default_call_ms")]
     pub call_latency_ms: f64,
@@ -61,6 +61,14 @@ pub struct Scenario {
     /// application, follow-up turns); without it every such prompt is text unique to its row.
     #[serde(default)]
     pub prefix_sharing: Option<workload::PrefixSharing>,
+    /// Local-reply headers read as the reject reason, first present wins (default
+    /// `GatewayConfig::reason_headers`: llm-d's, then sluice's `x-sluice-reject-reason`).
+    #[serde(default)]
+    pub reason_headers: Option<Vec<String>>,
+    /// Prices of prompt and output tokens in the per-client service of the report,
+    /// `{"input": w_p, "output": w_q}` (default VTC's `{"input": 1, "output": 2}`).
+    #[serde(default)]
+    pub service_prices: Option<ServicePrices>,
 }
 
 /// The backends of a scenario, group after group, at `10.0.0.<1..>:<port of the group>`.
@@ -199,7 +207,7 @@ impl Backends {
 
     /// [`Backends::profile`], with errors naming the group as `field`.
     fn profile_named(&self, field: &str) -> Result<GpuProfile> {
-        let mut p = crate::routing_compare::profile_by_name(&self.profile)
+        let mut p = crate::experiments::routing_compare::profile_by_name(&self.profile)
             .map_err(|e| anyhow::anyhow!("scenario: {field}.profile: {e}"))?;
         let o = &self.overrides;
         macro_rules! set {
@@ -291,6 +299,13 @@ impl Scenario {
         }
         if let Some(l) = &self.log_level {
             parse_level(l)?;
+        }
+        if let Some(hs) = &self.reason_headers {
+            if let Some(i) =
+                hs.iter().position(|h| h.is_empty() || h.bytes().any(|b| b.is_ascii_uppercase() || b <= b' '))
+            {
+                bail!("scenario: reason_headers[{i}] must be a lower-case header name");
+            }
         }
         for (name, v) in [
             ("client_timeout_s", self.client_timeout_s),
@@ -384,13 +399,7 @@ impl Scenario {
             failure_policy: self.failure_policy,
             ..Default::default()
         };
-        let mut gw = GatewayConfig {
-            horizon_us: self.horizon_s.map(|s| (s * 1e6) as u64),
-            call_latency_us: (self.call_latency_ms * 1000.0) as u64,
-            allow_on_headers_stop_iteration: self.allow_on_headers_stop_iteration,
-            seed: self.seed,
-            ..Default::default()
-        };
+        let mut gw = self.gateway_config();
         adjust(&mut plugin, &mut gw);
         let mut sim = Sim::new(wasm, &plugin, gw)?;
         for (addr, profile) in self.backends.backends()? {
@@ -411,6 +420,20 @@ impl Scenario {
             sim.add_request(r);
         }
         Ok(sim)
+    }
+
+    /// The gateway settings the scenario describes (the rest at their defaults).
+    pub fn gateway_config(&self) -> GatewayConfig {
+        let d = GatewayConfig::default();
+        GatewayConfig {
+            horizon_us: self.horizon_s.map(|s| (s * 1e6) as u64),
+            call_latency_us: (self.call_latency_ms * 1000.0) as u64,
+            allow_on_headers_stop_iteration: self.allow_on_headers_stop_iteration,
+            seed: self.seed,
+            reason_headers: self.reason_headers.clone().unwrap_or(d.reason_headers),
+            service_prices: self.service_prices.unwrap_or(d.service_prices),
+            ..GatewayConfig::default()
+        }
     }
 
     /// The report of a finished run of this scenario (with SLO attainment if objectives are set).
@@ -494,12 +517,35 @@ mod tests {
                 format!(r#"[{h100}, {{"count": 1, "profile": "fast", "overrides": {{"block_size": 0}}}}]"#),
                 "backends[1].overrides",
             ),
-            (format!(r#"[{{"count": 200, "profile": "fast"}}, {{"count": 51, "profile": "fast"}}]"#), "at most 250"),
+            (r#"[{"count": 200, "profile": "fast"}, {"count": 51, "profile": "fast"}]"#.to_string(), "at most 250"),
             ("[]".to_string(), "at least one group"),
             (r#"{"count": 0, "profile": "fast"}"#.to_string(), "backends.count"),
         ] {
             let e = err(&backends, "");
             assert!(e.contains(field), "{backends}: {e}");
+        }
+    }
+
+    #[test]
+    fn reason_headers_and_service_prices_reach_the_gateway_with_defaults() {
+        let pool = r#"{"count": 1, "profile": "fast"}"#;
+        let d = scenario(pool, "").unwrap().gateway_config();
+        assert_eq!(d.service_prices, ServicePrices::VTC);
+        assert_eq!(d.reason_headers, GatewayConfig::default().reason_headers);
+        assert!(d.reason_headers.iter().any(|h| h == "x-sluice-reject-reason"));
+        let g = scenario(pool, r#""reason_headers": ["x-why"], "service_prices": {"input": 3, "output": 5},"#)
+            .unwrap()
+            .gateway_config();
+        assert_eq!(g.reason_headers, ["x-why"]);
+        assert_eq!(g.service_prices.of(10, 1), 35);
+        for (extra, field) in [
+            (r#""reason_headers": ["X-Why"],"#, "reason_headers[0]"),
+            (r#""reason_headers": ["x-a", ""],"#, "reason_headers[1]"),
+            (r#""service_prices": {"input": 1},"#, "missing field `output`"),
+            (r#""service_prices": {"input": -1, "output": 2},"#, "expected u64"),
+        ] {
+            let e = err(pool, extra);
+            assert!(e.contains(field), "{extra}: {e}");
         }
     }
 

@@ -14,8 +14,8 @@
 //! - CAS races: the host ([`crate::PluginSpec::cas_conflict_rate`]);
 //! - tick jitter: the engine ([`crate::GatewayConfig::tick_jitter_us`]).
 
-use crate::abi::HeaderMap;
-use crate::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use crate::sim::upstream::{Upstream, UpstreamEvent, UpstreamRequest};
+use proxy_wasm_host::abi::HeaderMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::any::Any;
@@ -363,7 +363,7 @@ pub(crate) fn garbage_metrics(rng: &mut ChaCha8Rng, real: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::upstream::{StaticResponse, StaticUpstream};
+    use crate::sim::upstream::{StaticResponse, StaticUpstream};
 
     fn req() -> UpstreamRequest {
         UpstreamRequest { headers: Vec::new(), body: Vec::new(), prefix_hashes: Vec::new() }
