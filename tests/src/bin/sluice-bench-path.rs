@@ -431,12 +431,13 @@ impl Probe {
     }
 }
 
-/// Plugin configuration with one slot in front of the probe: every request after the first
-/// waits in the queue.
+/// Plugin configuration with one slot in front of the probe (bypass and dispatch both only at
+/// stock 0): every request after the first waits in the queue.
 fn one_slot_config(probe: SocketAddr, total_capacity: usize) -> Value {
     with_overrides(
         default_plugin_config(&[probe.to_string()], "vtc"),
-        json!({"watermark_per_backend": 1, "total_capacity": total_capacity, "queue_ttl_ms": 600_000}),
+        json!({"lower_bound_per_backend": 1, "upper_bound_per_backend": 1, "watermark_per_backend": null,
+               "percentage_deviation_for_bounds": null, "total_capacity": total_capacity, "queue_ttl_ms": 600_000}),
     )
 }
 
@@ -459,28 +460,36 @@ fn gap_cells(gaps: &[Duration]) -> Vec<String> {
 /// Waits (polling the admin stats every millisecond, for at most 10 s) until `sluice_requests_queued` reaches `n`.
 async fn queued_at_least(envoy: &Envoy, n: f64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while envoy.stats().await?.value("sluice_requests_queued") < n {
+    loop {
+        let s = envoy.stats().await?;
+        if s.value("sluice_requests_queued") >= n {
+            return Ok(());
+        }
         if Instant::now() > deadline {
-            bail!("the request did not queue within 10 s");
+            bail!("the request did not queue within 10 s; stats: {}", s.sluice_summary());
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    Ok(())
 }
 
 async fn wake(out: &Path, envoy_concurrency: u32, samples: usize) -> Result<()> {
     let (probe, addr) = Probe::start().await?;
+    // The reference path's own backend, so that its held requests never take the other's permits.
+    let (relay_probe, relay_addr) = Probe::start().await?;
     let pc = one_slot_config(addr, 1000);
     let tick_ms = pc["tick_ms"].as_u64().unwrap_or(0);
     let envoy = Envoy::start(EnvoyOptions {
         concurrency: envoy_concurrency,
+        direct_listener: true,
         log_level: "warn".into(),
         ..EnvoyOptions::with_filter("bench-wake", pc)
     })
     .await?;
+    let direct = envoy.direct.expect("direct listener requested");
     // A connection per request: Envoy spreads connections over its workers, so the completion
     // and the queued request are mostly on different workers.
     let client = LoadClient::unpooled(Duration::from_secs(60));
+    let keep_alive = LoadClient::new(Duration::from_secs(60));
     let origin = Instant::now();
     let spawn = |id: u64| {
         let (c, l) = (client.clone(), envoy.listener);
@@ -489,15 +498,31 @@ async fn wake(out: &Path, envoy_concurrency: u32, samples: usize) -> Result<()> 
     let mut tasks = vec![spawn(0)];
     probe.arrival(0, Duration::from_secs(10)).await?;
     let queued_before = envoy.stats().await?.value("sluice_requests_queued");
-    let mut gaps = Vec::with_capacity(samples);
+    let (mut gaps, mut relay_gaps) = (Vec::with_capacity(samples), Vec::with_capacity(samples));
     for id in 1..=samples as u64 {
+        // The filter: the queued request resumes when the held one is answered.
         tasks.push(spawn(id));
-        let want = queued_before + id as f64;
-        queued_at_least(&envoy, want).await?;
+        queued_at_least(&envoy, queued_before + id as f64).await?;
         probe.release(1);
         let arrived = probe.arrival(id, Duration::from_secs(10)).await?;
         let answered = probe.get(id - 1).answered.context("the released request was answered")?;
         gaps.push(arrived.saturating_sub(answered));
+        // The reference: no filter, the client sends the next request when it reads the answer.
+        let (a, b) = (2 * id, 2 * id + 1);
+        let mut first = probe_request(a, "relay");
+        first.headers.push((DESTINATION_HEADER.to_string(), relay_addr.to_string()));
+        let mut second = probe_request(b, "relay");
+        second.headers.push((DESTINATION_HEADER.to_string(), relay_addr.to_string()));
+        let c = keep_alive.clone();
+        let relay =
+            tokio::spawn(async move { [c.send(direct, &first, origin).await, c.send(direct, &second, origin).await] });
+        relay_probe.arrival(a, Duration::from_secs(10)).await?;
+        relay_probe.release(1);
+        let arrived = relay_probe.arrival(b, Duration::from_secs(10)).await?;
+        let answered = relay_probe.get(a).answered.context("the relayed request was answered")?;
+        relay_gaps.push(arrived.saturating_sub(answered));
+        relay_probe.release(1);
+        tasks.extend(relay.await?.into_iter().map(|o| tokio::spawn(async move { o })));
     }
     probe.release(1);
     for t in tasks {
@@ -506,17 +531,23 @@ async fn wake(out: &Path, envoy_concurrency: u32, samples: usize) -> Result<()> 
             bail!("a request failed: {:?} {:?} {:?}", o.status, o.error, o.error_body);
         }
     }
-    let mut t = Table::new(&["envoy workers", "samples", "p50 µs", "p90 µs", "p99 µs", "max µs", "tick_ms"]);
-    let mut row = vec![envoy_concurrency.to_string(), gaps.len().to_string()];
-    row.extend(gap_cells(&gaps));
-    row.push(tick_ms.to_string());
-    t.row(row);
+    let mut t = Table::new(&["path", "envoy workers", "samples", "p50 µs", "p90 µs", "p99 µs", "max µs", "tick_ms"]);
+    for (name, g) in
+        [("sluice: queued request resumed", &gaps), ("no filter: client sends on reading the answer", &relay_gaps)]
+    {
+        let mut row = vec![name.to_string(), envoy_concurrency.to_string(), g.len().to_string()];
+        row.extend(gap_cells(g));
+        row.push(tick_ms.to_string());
+        t.row(row);
+    }
     t.emit(
         out,
         "wake",
         &format!(
-            "Wake-up: the backend answers the request holding the only slot; time until the queued request reaches \
-             the backend (one clock: the backend's); one connection per request; load {}",
+            "Wake-up: time from the backend answering the request that held the only slot to the next request \
+             reaching the backend (one clock: the backend's), the two paths alternating; sluice: one connection per \
+             request, the next one queued in the filter; reference: one keep-alive connection through a listener \
+             without the filter; load {}",
             load_average()
         ),
     )
@@ -525,10 +556,34 @@ async fn wake(out: &Path, envoy_concurrency: u32, samples: usize) -> Result<()> 
 // ---------------------------------------------------------------------------------------------
 // queue
 
-/// Envoy's heap in bytes (`server.memory_allocated`) from the admin stats.
-async fn envoy_heap(envoy: &Envoy) -> Result<f64> {
-    let s = envoy.stats().await?;
-    s.get("server_memory_allocated").context("Envoy reports server.memory_allocated")
+/// Resident bytes of the process's Wasm linear memories, and how many there are. V8 reserves
+/// each memory with its guard region as one mapping of several GiB and makes the pages in use
+/// accessible at its start, which splits it: a read-write mapping (the memory) directly followed
+/// by an inaccessible one of at least 4 GiB (nothing else in Envoy maps that much).
+fn wasm_memory_rss(pid: u32) -> (u64, usize) {
+    let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else { return (0, 0) };
+    let kb = |line: &str, key: &str| -> Option<u64> {
+        line.strip_prefix(key)?.trim().strip_suffix("kB")?.trim().parse().ok()
+    };
+    // (start, end, writable, rss) of each mapping, in address order.
+    let mut maps: Vec<(u64, u64, bool, u64, u64)> = Vec::new();
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let range = words.next().unwrap_or_default();
+        if let (Some((a, b)), Some(perms)) = (range.split_once('-'), words.next()) {
+            if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                maps.push((a, b, perms.starts_with("rw"), 0, 0));
+                continue;
+            }
+        }
+        if let (Some(m), Some(size)) = (maps.last_mut(), kb(line, "Size:")) {
+            m.3 = size;
+        } else if let (Some(m), Some(rss)) = (maps.last_mut(), kb(line, "Rss:")) {
+            m.4 = rss * 1024;
+        }
+    }
+    let memories = maps.windows(2).filter(|w| w[0].2 && w[0].1 == w[1].0 && !w[1].2 && w[1].3 >= 4 << 20);
+    memories.fold((0, 0), |(rss, n), w| (rss + w[0].4, n + 1))
 }
 
 async fn queue(out: &Path, envoy_concurrency: u32, requests: usize, tenants: usize) -> Result<()> {
@@ -549,7 +604,8 @@ async fn queue(out: &Path, envoy_concurrency: u32, requests: usize, tenants: usi
             bail!("warm-up failed: {:?} {:?}", o.status, o.error);
         }
     }
-    let (rss0, heap0) = (rss_bytes_of(envoy.pid()).unwrap_or(0), envoy_heap(&envoy).await?);
+    let rss0 = rss_bytes_of(envoy.pid()).unwrap_or(0);
+    let (wasm0, memories) = wasm_memory_rss(envoy.pid());
     let stats0 = envoy.stats().await?;
     let mut tasks = Vec::with_capacity(requests);
     let t_send = Instant::now();
@@ -570,25 +626,29 @@ async fn queue(out: &Path, envoy_concurrency: u32, requests: usize, tenants: usi
         .await?;
     let fill_s = t_send.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (rss1, heap1) = (rss_bytes_of(envoy.pid()).unwrap_or(0), envoy_heap(&envoy).await?);
-    let per = |a: f64, b: f64| format!("{:.0}", (b - a) / requests as f64);
+    let rss1 = rss_bytes_of(envoy.pid()).unwrap_or(0);
+    let (wasm1, _) = wasm_memory_rss(envoy.pid());
+    let per = |a: u64, b: u64| format!("{:.0}", (b as f64 - a as f64) / requests as f64);
+    let mb = |b: u64| format!("{:.1}", b as f64 / 1e6);
     let mut mem = Table::new(&[
-        "queued",
-        "tenants",
+        "held by Envoy",
+        "count",
         "Envoy RSS before MB",
         "after MB",
-        "RSS per queued request B",
-        "Envoy heap per queued request B",
-        "queue_length gauge",
+        "RSS per item B",
+        "Wasm RSS before MB",
+        "after MB",
+        "Wasm RSS per item B",
     ]);
     mem.row(vec![
+        format!("sluice: queued requests ({} tenants; queue_length {})", tenants, filled.value("sluice_queue_length")),
         (requests - 1).to_string(),
-        tenants.to_string(),
-        format!("{:.1}", rss0 as f64 / 1e6),
-        format!("{:.1}", rss1 as f64 / 1e6),
-        per(rss0 as f64, rss1 as f64),
-        per(heap0, heap1),
-        format!("{}", filled.value("sluice_queue_length")),
+        mb(rss0),
+        mb(rss1),
+        per(rss0, rss1),
+        format!("{} ({memories} memories)", mb(wasm0)),
+        mb(wasm1),
+        per(wasm0, wasm1),
     ]);
 
     // Drain through the one slot, every request answered at once: dispatches are strictly serial.
@@ -620,11 +680,40 @@ async fn queue(out: &Path, envoy_concurrency: u32, requests: usize, tenants: usi
     row.push(format!("{:.0}", requests as f64 / drain_s));
     dispatch.row(row);
     let note = format!(
-        "Envoy --concurrency {envoy_concurrency}, one slot (watermark_per_backend 1), policy vtc, {requests} requests \
+        "Envoy --concurrency {envoy_concurrency}, one slot (lower and upper bound 1), policy vtc, {requests} requests \
          over {tenants} tenants, one HTTP/1 connection each (filled in {fill_s:.1} s; {failed} failed); load {}",
         load_average()
     );
-    mem.emit(out, "queue-memory", &format!("Memory of queued requests: {note}"))?;
+    drop(envoy);
+    // Reference: what Envoy itself keeps per open connection, no request on it, no filter.
+    let plain = Envoy::start(EnvoyOptions {
+        concurrency: envoy_concurrency,
+        log_level: "warn".into(),
+        ..EnvoyOptions::without_filter("bench-queue-idle")
+    })
+    .await?;
+    let before = rss_bytes_of(plain.pid()).unwrap_or(0);
+    let mut idle = Vec::with_capacity(requests);
+    for i in 0..requests {
+        idle.push(tokio::net::TcpStream::connect(plain.listener).await.context("an idle connection to Envoy")?);
+        if i % 200 == 199 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_bytes_of(plain.pid()).unwrap_or(0);
+    mem.row(vec![
+        "no filter: idle connections (reference)".into(),
+        idle.len().to_string(),
+        mb(before),
+        mb(after),
+        per(before, after),
+        "-".into(),
+        "-".into(),
+        "-".into(),
+    ]);
+    drop(idle);
+    mem.emit(out, "queue-memory", &format!("Memory per queued request: {note}"))?;
     dispatch.emit(
         out,
         "queue-dispatch",
