@@ -52,12 +52,17 @@ enum What {
         /// Envoy worker threads.
         #[arg(long, default_value_t = 2)]
         envoy_concurrency: u32,
-        /// Requests per body size, path and round (sent one after another).
+        /// Requests per body size, path and round (sent one after another, alternating between the
+        /// paths every 10).
         #[arg(long, default_value_t = 100)]
         requests: usize,
         /// Rounds of (without filter, with filter) per body size.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Another build of the filter (e.g. an older commit's) measured the same way after the
+        /// current one, rows labelled `baseline`.
+        #[arg(long)]
+        baseline_wasm: Option<PathBuf>,
     },
     /// Time from a completion freeing the only slot to the queued request reaching the backend.
     Wake {
@@ -145,9 +150,9 @@ async fn main() -> Result<()> {
     let out = args.out.clone();
     let run = async {
         match args.what {
-            What::Prompt { envoy_concurrency, requests, rounds } => {
+            What::Prompt { envoy_concurrency, requests, rounds, baseline_wasm } => {
                 let (requests, rounds) = if args.quick { (20, 1) } else { (requests.max(1), rounds.max(1)) };
-                prompt(&out, envoy_concurrency, requests, rounds, args.quick).await
+                prompt(&out, envoy_concurrency, requests, rounds, baseline_wasm, args.quick).await
             }
             What::Wake { envoy_concurrency, samples } => {
                 wake(&out, envoy_concurrency, if args.quick { 50 } else { samples }).await
@@ -223,8 +228,8 @@ fn prompt_config(endpoint: &str, hashing: bool) -> Value {
     )
 }
 
-/// Median latency of `n` requests sent one after another.
-async fn sequential_p50(client: &LoadClient, addr: SocketAddr, req: &ChatRequest, n: usize) -> Result<Vec<Duration>> {
+/// Latencies of `n` requests sent one after another.
+async fn sequential(client: &LoadClient, addr: SocketAddr, req: &ChatRequest, n: usize) -> Result<Vec<Duration>> {
     let origin = Instant::now();
     let mut lat = Vec::with_capacity(n);
     for _ in 0..n {
@@ -237,7 +242,14 @@ async fn sequential_p50(client: &LoadClient, addr: SocketAddr, req: &ChatRequest
     Ok(lat)
 }
 
-async fn prompt(out: &Path, envoy_concurrency: u32, requests: usize, rounds: usize, quick: bool) -> Result<()> {
+async fn prompt(
+    out: &Path,
+    envoy_concurrency: u32,
+    requests: usize,
+    rounds: usize,
+    baseline_wasm: Option<PathBuf>,
+    quick: bool,
+) -> Result<()> {
     let bodies = prompt_bodies();
     let mut native = Table::new(&[
         "body",
@@ -281,15 +293,24 @@ async fn prompt(out: &Path, envoy_concurrency: u32, requests: usize, rounds: usi
     let endpoint = backends.endpoints()[0].clone();
     let client = LoadClient::new(Duration::from_secs(30));
     let mut envoy_table = Table::new(&[
+        "filter build",
         "body",
         "hashing",
         "without filter p50 µs",
         "with filter p50 µs",
         "added p50 µs",
         "added µs/KB",
+        "added beyond 1 KB, µs/KB",
         "requests",
     ]);
-    for hashing in [false, true] {
+    let mut builds = vec![("current", None)];
+    builds.extend(baseline_wasm.map(|p| ("baseline", Some(p))));
+    for (build, hashing) in builds.iter().flat_map(|b| [(b, false), (b, true)]) {
+        // The harness reads the module's path from the environment; only this task starts Envoys.
+        match &build.1 {
+            Some(p) => std::env::set_var("SLUICE_FILTER_WASM", p),
+            None => std::env::remove_var("SLUICE_FILTER_WASM"),
+        }
         let envoy = Envoy::start(EnvoyOptions {
             concurrency: envoy_concurrency,
             direct_listener: true,
@@ -299,6 +320,8 @@ async fn prompt(out: &Path, envoy_concurrency: u32, requests: usize, rounds: usi
         .await?;
         let direct = envoy.direct.expect("direct listener requested");
         let before = envoy.stats().await?;
+        // Added latency of the smallest body: the per-request part, subtracted to show the per-KB part.
+        let mut smallest: Option<(f64, f64)> = None;
         for (name, body) in &bodies {
             let mut req = ChatRequest::chat(Some("bench"), 1);
             req.stream = false;
@@ -306,25 +329,34 @@ async fn prompt(out: &Path, envoy_concurrency: u32, requests: usize, rounds: usi
             let mut direct_req = req.clone();
             direct_req.headers.push((DESTINATION_HEADER.to_string(), endpoint.clone()));
             // Warm-up: connections, JIT, the backend.
-            sequential_p50(&client, direct, &direct_req, 5).await?;
-            sequential_p50(&client, envoy.listener, &req, 5).await?;
+            sequential(&client, direct, &direct_req, 5).await?;
+            sequential(&client, envoy.listener, &req, 5).await?;
             let (mut d, mut f) = (Vec::new(), Vec::new());
-            for _ in 0..rounds {
-                d.extend(sequential_p50(&client, direct, &direct_req, requests).await?);
-                f.extend(sequential_p50(&client, envoy.listener, &req, requests).await?);
+            // Rounds of short alternating runs, so that drift falls on both paths alike.
+            for _ in 0..rounds * requests.div_ceil(10) {
+                d.extend(sequential(&client, direct, &direct_req, 10).await?);
+                f.extend(sequential(&client, envoy.listener, &req, 10).await?);
             }
             let (dp, fp) = (quantile(&d, 0.5).expect("requests"), quantile(&f, 0.5).expect("requests"));
             let added = fp.as_secs_f64() * 1e6 - dp.as_secs_f64() * 1e6;
+            let kb = body.len() as f64 / 1024.0;
+            let beyond = match smallest {
+                Some((a, k)) if kb > k => format!("{:+.3}", (added - a) / (kb - k)),
+                _ => "-".into(),
+            };
+            smallest.get_or_insert((added, kb));
             envoy_table.row(vec![
+                build.0.to_string(),
                 name.clone(),
                 if hashing { "on" } else { "off" }.into(),
                 us(dp),
                 us(fp),
                 format!("{added:+.1}"),
-                format!("{:+.3}", added / (body.len() as f64 / 1024.0)),
+                format!("{:+.3}", added / kb),
+                beyond,
                 (d.len() + f.len()).to_string(),
             ]);
-            eprintln!("{name}, hashing {hashing}: added p50 {added:+.1} µs");
+            eprintln!("{} build, {name}, hashing {hashing}: added p50 {added:+.1} µs", build.0);
         }
         let after = envoy.stats().await?;
         let queued = after.value("sluice_requests_queued") - before.value("sluice_requests_queued");
@@ -337,7 +369,7 @@ async fn prompt(out: &Path, envoy_concurrency: u32, requests: usize, rounds: usi
         "prompt-envoy",
         &format!(
             "Added latency of the filter by body size: Envoy --concurrency {envoy_concurrency}, one --instant backend, \
-             1 client, {rounds} rounds of {requests} requests per path, every request bypassing the queue; load {}",
+             1 client, {rounds} rounds of {requests} requests per path alternating every 10, every request bypassing the queue; load {}",
             load_average()
         ),
     )
