@@ -15,10 +15,11 @@
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
+use host_sim::{Host, PluginSpec, StreamData};
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use serde_json::{json, Value};
-use sluice_e2e::config::{with_overrides, DESTINATION_HEADER};
+use sluice_e2e::config::{with_overrides, DESTINATION_HEADER, TENANT_HEADER};
 use sluice_e2e::envoy::rss_bytes_of;
 use sluice_e2e::load::quantile;
 use sluice_e2e::{default_plugin_config, BackendOptions, Backends, ChatRequest, Envoy, EnvoyOptions, LoadClient};
@@ -218,6 +219,55 @@ fn parse_us(parsers: &[ParseFn], body: &[u8], hashing: PrefixHashing, quick: boo
     best
 }
 
+/// Microseconds per `on_http_request_body` (end of stream: the whole body read, parsed and
+/// admitted) of the filter module `wasm` run by the wasmtime host, one worker VM, the best of ten
+/// rounds; headers, `on_log` and the body's copy into the host happen outside the clock. Every
+/// request must bypass the queue (`config` sees to it), so each call does the same work.
+fn wasm_body_us(wasm: &[u8], config: &Value, body: &[u8], quick: bool) -> Result<f64> {
+    use host_sim::abi::{action, LogLevel};
+    let spec = PluginSpec {
+        configuration: serde_json::to_vec(config)?,
+        workers: 1,
+        log_level: LogLevel::Warn,
+        ..PluginSpec::default()
+    };
+    let mut host = Host::new(wasm, &spec)?;
+    let headers: Vec<(String, Vec<u8>)> = [
+        (":method", "POST".to_string()),
+        (":path", "/v1/chat/completions".into()),
+        (":authority", "bench".into()),
+        ("content-type", "application/json".into()),
+        ("content-length", body.len().to_string()),
+        (TENANT_HEADER, "bench".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.into_bytes()))
+    .collect();
+    let calls = ((if quick { 2 << 20 } else { 8 << 20 }) / body.len()).clamp(3, 2_000);
+    let mut best = f64::INFINITY;
+    for _ in 0..10 {
+        let mut spent = Duration::ZERO;
+        for _ in 0..calls {
+            let data =
+                StreamData { request_headers: headers.clone(), request_body: body.to_vec(), ..Default::default() };
+            let ctx = host.create_http_context(1, data).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            host.on_request_headers(1, ctx, false).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            let start = Instant::now();
+            let a = host.on_request_body(1, ctx, true).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            spent += start.elapsed();
+            if a != action::CONTINUE {
+                bail!("the request did not bypass the queue in the wasmtime host");
+            }
+            host.finish_stream(1, ctx).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            host.take_actions(1);
+            host.take_queue_posts();
+            host.take_http_calls();
+        }
+        best = best.min(spent.as_secs_f64() * 1e6 / calls as f64);
+    }
+    Ok(best)
+}
+
 /// Plugin configuration for the prompt runs: routing on scraped metrics (as deployed), every
 /// request bypassing the queue, bodies up to 2 MiB; prefix hashing on or off.
 fn prompt_config(endpoint: &str, hashing: bool) -> Value {
@@ -288,6 +338,37 @@ async fn prompt(
             "Request parsing, native x86_64 release build (the filter's opt-level s), best of 10 alternating rounds: the parse tree \
              the filter used before (fuzzing::parse_request_via_tree) and openai::parse_request; prefix hashing \
              64-byte blocks, cap 128; load {}",
+            load_average()
+        ),
+    )?;
+
+    // The filter module in wasmtime: this build, and the baseline when given.
+    let mut modules = vec![("current", std::fs::read(sluice_e2e::paths::filter_wasm()?)?)];
+    if let Some(p) = &baseline_wasm {
+        modules.push(("baseline", std::fs::read(p).with_context(|| format!("reading {}", p.display()))?));
+    }
+    let mut wasm_table = Table::new(&["filter build", "body", "hashing", "on_http_request_body µs", "µs/KB"]);
+    for (build, wasm) in &modules {
+        for hashing in [false, true] {
+            let config = prompt_config("127.0.0.1:1", hashing);
+            for (name, body) in &bodies {
+                let t = wasm_body_us(wasm, &config, body, quick)?;
+                wasm_table.row(vec![
+                    build.to_string(),
+                    name.clone(),
+                    if hashing { "on" } else { "off" }.into(),
+                    format!("{t:.1}"),
+                    format!("{:.3}", t / (body.len() as f64 / 1024.0)),
+                ]);
+            }
+        }
+    }
+    wasm_table.emit(
+        out,
+        "prompt-wasmtime",
+        &format!(
+            "The filter module's on_http_request_body at end of stream (copy of the body into the VM, parse, \
+             admission, routing) in the wasmtime host (host-sim), one worker VM, best of 10 rounds; load {}",
             load_average()
         ),
     )?;
