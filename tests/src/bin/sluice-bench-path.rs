@@ -219,6 +219,26 @@ fn parse_us(parsers: &[ParseFn], body: &[u8], hashing: PrefixHashing, quick: boo
     best
 }
 
+/// The request headers of a chat completion with a body of `len` bytes, for the wasmtime host.
+fn wasm_request_headers(len: usize) -> Vec<(String, Vec<u8>)> {
+    [
+        (":method", "POST".to_string()),
+        (":path", "/v1/chat/completions".into()),
+        (":authority", "bench".into()),
+        ("content-type", "application/json".into()),
+        ("content-length", len.to_string()),
+        (TENANT_HEADER, "bench".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.into_bytes()))
+    .collect()
+}
+
+/// A host call that trapped, as an error.
+fn trapped(t: host_sim::Trap) -> anyhow::Error {
+    anyhow::anyhow!("the filter trapped in {}: {}", t.callback, t.message)
+}
+
 /// Microseconds per `on_http_request_body` (end of stream: the whole body read, parsed and
 /// admitted) of the filter module `wasm` run by the wasmtime host, one worker VM, the best of ten
 /// rounds; headers, `on_log` and the body's copy into the host happen outside the clock. Every
@@ -232,17 +252,7 @@ fn wasm_body_us(wasm: &[u8], config: &Value, body: &[u8], quick: bool) -> Result
         ..PluginSpec::default()
     };
     let mut host = Host::new(wasm, &spec)?;
-    let headers: Vec<(String, Vec<u8>)> = [
-        (":method", "POST".to_string()),
-        (":path", "/v1/chat/completions".into()),
-        (":authority", "bench".into()),
-        ("content-type", "application/json".into()),
-        ("content-length", body.len().to_string()),
-        (TENANT_HEADER, "bench".into()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.into_bytes()))
-    .collect();
+    let headers = wasm_request_headers(body.len());
     let calls = ((if quick { 2 << 20 } else { 8 << 20 }) / body.len()).clamp(3, 2_000);
     let mut best = f64::INFINITY;
     for _ in 0..10 {
@@ -250,15 +260,15 @@ fn wasm_body_us(wasm: &[u8], config: &Value, body: &[u8], quick: bool) -> Result
         for _ in 0..calls {
             let data =
                 StreamData { request_headers: headers.clone(), request_body: body.to_vec(), ..Default::default() };
-            let ctx = host.create_http_context(1, data).map_err(|t| anyhow::anyhow!("{t:?}"))?;
-            host.on_request_headers(1, ctx, false).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            let ctx = host.create_http_context(1, data).map_err(trapped)?;
+            host.on_request_headers(1, ctx, false).map_err(trapped)?;
             let start = Instant::now();
-            let a = host.on_request_body(1, ctx, true).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            let a = host.on_request_body(1, ctx, true).map_err(trapped)?;
             spent += start.elapsed();
             if a != action::CONTINUE {
                 bail!("the request did not bypass the queue in the wasmtime host");
             }
-            host.finish_stream(1, ctx).map_err(|t| anyhow::anyhow!("{t:?}"))?;
+            host.finish_stream(1, ctx).map_err(trapped)?;
             host.take_actions(1);
             host.take_queue_posts();
             host.take_http_calls();
@@ -588,6 +598,77 @@ async fn queued_at_least(envoy: &Envoy, n: f64) -> Result<()> {
     }
 }
 
+/// The filter's own work per wake-up, in the wasmtime host (two workers and the main thread's VM,
+/// which holds the scheduler lease as in Envoy): from the completion's `on_log` on one worker,
+/// through the scheduler's `on_queue_ready`, to the other worker's `on_queue_ready` resuming the
+/// queued request. No threads: the posts are delivered at once, so this is the compute alone.
+fn wasm_wake(wasm: &[u8], config: &Value, samples: usize) -> Result<Vec<Duration>> {
+    use host_sim::abi::{action, LogLevel};
+    use host_sim::StreamAction;
+    let spec = PluginSpec {
+        configuration: serde_json::to_vec(config)?,
+        workers: 2,
+        log_level: LogLevel::Warn,
+        ..PluginSpec::default()
+    };
+    let mut host = Host::new(wasm, &spec)?;
+    let deliver = |host: &mut Host| -> Result<()> {
+        // Bounded: each round delivers what the previous one posted; the filter posts finitely.
+        for _ in 0..100 {
+            let posts = host.take_queue_posts();
+            if posts.is_empty() {
+                return Ok(());
+            }
+            for p in &posts {
+                host.on_queue_ready(p).map_err(trapped)?;
+            }
+        }
+        bail!("queue posts did not settle")
+    };
+    for vm in 0..=2 {
+        host.on_tick(vm).map_err(trapped)?;
+    }
+    deliver(&mut host)?;
+    let body = chat_body(1024, 1);
+    let start = |host: &mut Host, vm: usize| -> Result<(u32, i32)> {
+        let data = StreamData {
+            request_headers: wasm_request_headers(body.len()),
+            request_body: body.clone(),
+            ..Default::default()
+        };
+        let ctx = host.create_http_context(vm, data).map_err(trapped)?;
+        host.on_request_headers(vm, ctx, false).map_err(trapped)?;
+        Ok((ctx, host.on_request_body(vm, ctx, true).map_err(trapped)?))
+    };
+    let (mut held, a) = start(&mut host, 1)?;
+    let mut held_vm = 1;
+    if a != action::CONTINUE {
+        bail!("the first request did not take the free slot");
+    }
+    deliver(&mut host)?;
+    let mut gaps = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let vm = 1 + (i + 1) % 2;
+        let (queued, a) = start(&mut host, vm)?;
+        if a != action::PAUSE {
+            bail!("the second request was not queued");
+        }
+        deliver(&mut host)?;
+        host.take_actions(vm);
+        let t = Instant::now();
+        host.finish_stream(held_vm, held).map_err(trapped)?;
+        deliver(&mut host)?;
+        gaps.push(t.elapsed());
+        let resumed =
+            host.take_actions(vm).iter().any(|(c, a)| *c == queued && matches!(a, StreamAction::ContinueRequest));
+        if !resumed {
+            bail!("the queued request was not resumed when the slot freed");
+        }
+        (held, held_vm) = (queued, vm);
+    }
+    Ok(gaps)
+}
+
 async fn wake(out: &Path, envoy_concurrency: u32, samples: usize) -> Result<()> {
     let (probe, addr) = Probe::start().await?;
     // The reference path's own backend, so that its held requests never take the other's permits.
@@ -647,11 +728,15 @@ async fn wake(out: &Path, envoy_concurrency: u32, samples: usize) -> Result<()> 
             bail!("a request failed: {:?} {:?} {:?}", o.status, o.error, o.error_body);
         }
     }
+    let compute = wasm_wake(&std::fs::read(sluice_e2e::paths::filter_wasm()?)?, &one_slot_config(addr, 1000), samples)?;
     let mut t = Table::new(&["path", "envoy workers", "samples", "p50 µs", "p90 µs", "p99 µs", "max µs", "tick_ms"]);
-    for (name, g) in
-        [("sluice: queued request resumed", &gaps), ("no filter: client sends on reading the answer", &relay_gaps)]
-    {
-        let mut row = vec![name.to_string(), envoy_concurrency.to_string(), g.len().to_string()];
+    let workers = envoy_concurrency.to_string();
+    for (name, w, g) in [
+        ("sluice: queued request resumed", workers.as_str(), &gaps),
+        ("no filter: client sends on reading the answer", workers.as_str(), &relay_gaps),
+        ("sluice's own work on that path, in wasmtime (no threads)", "2 (simulated)", &compute),
+    ] {
+        let mut row = vec![name.to_string(), w.to_string(), g.len().to_string()];
         row.extend(gap_cells(g));
         row.push(tick_ms.to_string());
         t.row(row);
