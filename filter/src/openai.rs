@@ -177,6 +177,30 @@ pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRe
     })
 }
 
+/// The `visit_*` methods for JSON's scalars other than strings (booleans,
+/// numbers, null), for a visitor that reads none of them: each is accepted
+/// (numbers still parsed, so out-of-range ones are still errors) and gives
+/// `$value`.
+macro_rules! skip_scalars {
+    ($value:expr) => {
+        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+    };
+}
+
 /// What [`parse_request`] reads of the top-level object, filled in as the
 /// deserializer walks it. The outer `Option` of a field is "present", the
 /// inner one "not null" (a member given twice is refused, as serde refuses
@@ -273,24 +297,10 @@ impl<'de> de::Visitor<'de> for &mut BodyFields {
         while seq.next_element::<Skim>()?.is_some() {}
         Ok(())
     }
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
     fn visit_str<E>(self, _: &str) -> Result<(), E> {
         Ok(())
     }
-    fn visit_unit<E>(self) -> Result<(), E> {
-        Ok(())
-    }
+    skip_scalars!(());
 }
 
 impl<'de> Deserialize<'de> for Field {
@@ -328,18 +338,7 @@ impl<'de> Deserialize<'de> for Model {
             fn visit_str<E>(self, s: &str) -> Result<Model, E> {
                 Ok(Model::Text(s.to_owned()))
             }
-            fn visit_bool<E>(self, _: bool) -> Result<Model, E> {
-                Ok(Model::Other)
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<Model, E> {
-                Ok(Model::Other)
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<Model, E> {
-                Ok(Model::Other)
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Model, E> {
-                Ok(Model::Other)
-            }
+            skip_scalars!(Model::Other);
             fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Model, A::Error> {
                 Skim.visit_seq(seq).map(|_| Model::Other)
             }
@@ -367,24 +366,10 @@ impl<'de> de::Visitor<'de> for Skim {
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("any JSON value")
     }
-    fn visit_bool<E>(self, _: bool) -> Result<Skim, E> {
-        Ok(Skim)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<Skim, E> {
-        Ok(Skim)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<Skim, E> {
-        Ok(Skim)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<Skim, E> {
-        Ok(Skim)
-    }
     fn visit_str<E>(self, _: &str) -> Result<Skim, E> {
         Ok(Skim)
     }
-    fn visit_unit<E>(self) -> Result<Skim, E> {
-        Ok(Skim)
-    }
+    skip_scalars!(Skim);
     fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Skim, A::Error> {
         while seq.next_element::<Skim>()?.is_some() {}
         Ok(Skim)
@@ -419,21 +404,7 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
         self.0.add(s);
         Ok(())
     }
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_unit<E>(self) -> Result<(), E> {
-        Ok(())
-    }
+    skip_scalars!(());
     fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         while seq.next_element_seed(PromptSeed(&mut *self.0))?.is_some() {}
         Ok(())

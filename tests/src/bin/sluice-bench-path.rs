@@ -234,6 +234,18 @@ fn wasm_request_headers(len: usize) -> Vec<(String, Vec<u8>)> {
     .collect()
 }
 
+/// The wasmtime host running `wasm` with the plugin configuration `config` on `workers` worker
+/// VMs (and the main thread's).
+fn wasm_host(wasm: &[u8], config: &Value, workers: usize) -> Result<Host> {
+    let spec = PluginSpec {
+        configuration: serde_json::to_vec(config)?,
+        workers,
+        log_level: host_sim::abi::LogLevel::Warn,
+        ..PluginSpec::default()
+    };
+    Host::new(wasm, &spec)
+}
+
 /// A host call that trapped, as an error.
 fn trapped(t: host_sim::Trap) -> anyhow::Error {
     anyhow::anyhow!("the filter trapped in {}: {}", t.callback, t.message)
@@ -244,14 +256,8 @@ fn trapped(t: host_sim::Trap) -> anyhow::Error {
 /// rounds; headers, `on_log` and the body's copy into the host happen outside the clock. Every
 /// request must bypass the queue (`config` sees to it), so each call does the same work.
 fn wasm_body_us(wasm: &[u8], config: &Value, body: &[u8], quick: bool) -> Result<f64> {
-    use host_sim::abi::{action, LogLevel};
-    let spec = PluginSpec {
-        configuration: serde_json::to_vec(config)?,
-        workers: 1,
-        log_level: LogLevel::Warn,
-        ..PluginSpec::default()
-    };
-    let mut host = Host::new(wasm, &spec)?;
+    use host_sim::abi::action;
+    let mut host = wasm_host(wasm, config, 1)?;
     let headers = wasm_request_headers(body.len());
     let calls = ((if quick { 2 << 20 } else { 8 << 20 }) / body.len()).clamp(3, 2_000);
     let mut best = f64::INFINITY;
@@ -603,15 +609,9 @@ async fn queued_at_least(envoy: &Envoy, n: f64) -> Result<()> {
 /// through the scheduler's `on_queue_ready`, to the other worker's `on_queue_ready` resuming the
 /// queued request. No threads: the posts are delivered at once, so this is the compute alone.
 fn wasm_wake(wasm: &[u8], config: &Value, samples: usize) -> Result<Vec<Duration>> {
-    use host_sim::abi::{action, LogLevel};
+    use host_sim::abi::action;
     use host_sim::StreamAction;
-    let spec = PluginSpec {
-        configuration: serde_json::to_vec(config)?,
-        workers: 2,
-        log_level: LogLevel::Warn,
-        ..PluginSpec::default()
-    };
-    let mut host = Host::new(wasm, &spec)?;
+    let mut host = wasm_host(wasm, config, 2)?;
     let deliver = |host: &mut Host| -> Result<()> {
         // Bounded: each round delivers what the previous one posted; the filter posts finitely.
         for _ in 0..100 {
