@@ -9,11 +9,15 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 use crate::config::Config;
-use crate::openai::{is_scheduled_path, normalize_path, parse_request, set_top_level_int, PrefixHashing, TokenCounter};
+use crate::openai::{
+    is_scheduled_path, normalize_path, parse_request, set_top_level_int, CompletionRequest, PrefixHashing, TokenCounter,
+};
 use crate::scheduler::Scheduler;
 use crate::wire::{decode_entry, encode_batch, ToScheduler, ToWorker};
+use serde_json::Value;
 use sluice_policies::bands::Criticality;
 use sluice_policies::prom;
+use sluice_policies::routing::prefix_hashes;
 use sluice_policies::routing::{
     AffinityIndex, EndpointMetrics, EndpointView, LoadGuard, ModelServer, Picker, RouteContext, RouteRequest, Router,
     SaturationThresholds, Scratch, Weights,
@@ -60,22 +64,108 @@ pub fn check_openai_request(data: &[u8]) {
                 h.prompt_tokens
             );
             assert_eq!(parse_request(data, HASHING).as_ref(), Ok(h), "hashing is deterministic");
+            check_against_tree(data, PrefixHashing::OFF);
+            check_against_tree(data, HASHING);
             check_priority_edit(data);
         }
-        (Err(p), Err(h)) => assert_eq!(p, h),
+        (Err(p), Err(h)) => {
+            assert_eq!(p, h);
+            check_against_tree(data, HASHING);
+        }
         _ => panic!("the block size changed the verdict: {plain:?} vs {hashed:?}"),
+    }
+}
+
+/// The request parser [`parse_request`] replaced: the whole body read into a
+/// `serde_json::Value` tree, then the fields picked out of it. Kept as the
+/// oracle the streaming parser is held to ([`check_against_tree`]) and as
+/// the "before" that `sluice-bench-path prompt` times beside it.
+pub fn parse_request_via_tree(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        model: Option<Value>,
+        #[serde(default)]
+        stream: Option<bool>,
+        #[serde(default)]
+        max_tokens: Option<u64>,
+        #[serde(default)]
+        max_completion_tokens: Option<u64>,
+        #[serde(default)]
+        messages: Option<Value>,
+        #[serde(default)]
+        prompt: Option<Value>,
+    }
+    /// Text length, and its first `keep` bytes.
+    fn collect(v: &Value, keep: usize, len: &mut usize, head: &mut Vec<u8>) {
+        match v {
+            Value::String(s) => {
+                *len = len.saturating_add(s.len());
+                let room = keep.saturating_sub(head.len());
+                head.extend_from_slice(&s.as_bytes()[..s.len().min(room)]);
+            }
+            Value::Array(items) => items.iter().for_each(|i| collect(i, keep, len, head)),
+            Value::Object(map) => {
+                ["content", "text"].iter().filter_map(|k| map.get(*k)).for_each(|v| collect(v, keep, len, head))
+            }
+            _ => {}
+        }
+    }
+    let b: Body = serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err("request body must be a JSON object".into());
+    }
+    let model = match b.model {
+        Some(Value::String(m)) if !m.is_empty() => m,
+        Some(_) => return Err("field `model` must be a non-empty string".into()),
+        None => return Err("field `model` is required".into()),
+    };
+    let (mut len, mut head) = (0, Vec::new());
+    for part in [&b.messages, &b.prompt].into_iter().flatten() {
+        collect(part, hashing.max_bytes(), &mut len, &mut head);
+    }
+    let mut prefix = Vec::new();
+    if hashing.block_bytes > 0 {
+        prefix_hashes(&head, hashing.block_bytes, hashing.max_blocks, &mut prefix);
+    }
+    Ok(CompletionRequest {
+        model,
+        stream: b.stream.unwrap_or(false),
+        max_tokens: b.max_completion_tokens.or(b.max_tokens).unwrap_or(0).min(u32::MAX as u64) as u32,
+        prompt_tokens: len.div_ceil(4).min(u32::MAX as usize) as u32,
+        prefix,
+    })
+}
+
+/// [`parse_request`] reads a body as [`parse_request_via_tree`] does: the
+/// same fields, or the same error. A body that is not an object is refused
+/// by both, as "not valid JSON" exactly when it is not, but the words may
+/// differ: the tree reads an array into the request's fields before it looks.
+pub fn check_against_tree(data: &[u8], hashing: PrefixHashing) {
+    let got = parse_request(data, hashing);
+    let want = parse_request_via_tree(data, hashing);
+    let text = String::from_utf8_lossy(data);
+    match (&got, &want) {
+        (Err(g), Err(w)) if !data.trim_ascii_start().starts_with(b"{") => {
+            let valid = serde_json::from_slice::<Value>(data).is_ok();
+            assert_eq!(valid, !g.contains("not valid JSON"), "{text}: {g} (tree: {w})");
+        }
+        _ => assert_eq!(got, want, "{text}"),
     }
 }
 
 /// The engine priority rewrite of an accepted body: the result is still one
 /// JSON object, with `priority` set at the top level and every other member
-/// as it was, and reads the same to the filter.
+/// as it was, and reads the same to the filter. An accepted body may hold
+/// bytes a strict JSON reader refuses, in a member the filter skips without
+/// decoding (invalid UTF-8 in an unknown string field, as serde skips
+/// unknown fields); the rewrite leaves them alone, so only a body that
+/// reads as a `Value` must give a rewrite that does.
 fn check_priority_edit(data: &[u8]) {
     let edit = set_top_level_int(data, "priority", -42).expect("an accepted body is a JSON object");
     let out = edit.apply(data);
-    let mut after: serde_json::Value = serde_json::from_slice(&out).expect("the rewrite keeps the JSON valid");
-    assert_eq!(after.get("priority"), Some(&serde_json::Value::from(-42)));
-    if let Ok(mut before) = serde_json::from_slice::<serde_json::Value>(data) {
+    if let Ok(mut before) = serde_json::from_slice::<Value>(data) {
+        let mut after: Value = serde_json::from_slice(&out).expect("the rewrite keeps the JSON valid");
+        assert_eq!(after.get("priority"), Some(&Value::from(-42)));
         before.as_object_mut().expect("an object").remove("priority");
         after.as_object_mut().expect("an object").remove("priority");
         assert_eq!(before, after, "only the top-level priority changed");

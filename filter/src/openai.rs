@@ -1,7 +1,7 @@
 //! What the filter reads of the OpenAI API: the request body, the streamed
 //! (SSE) or complete response, and the error body it answers with.
 
-use serde::Deserialize;
+use serde::de::{self, Deserialize};
 use serde_json::Value;
 use sluice_policies::routing::prefix_hashes;
 
@@ -20,7 +20,7 @@ impl PrefixHashing {
     pub const OFF: PrefixHashing = PrefixHashing { block_bytes: 0, max_blocks: 0 };
 
     /// Prompt bytes hashed at most.
-    fn max_bytes(self) -> usize {
+    pub fn max_bytes(self) -> usize {
         self.block_bytes.saturating_mul(self.max_blocks)
     }
 }
@@ -99,24 +99,10 @@ pub struct CompletionRequest {
     pub prefix: Vec<u64>,
 }
 
-#[derive(Deserialize)]
-struct Body {
-    model: Option<Value>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    max_completion_tokens: Option<u64>,
-    #[serde(default)]
-    messages: Option<Value>,
-    #[serde(default)]
-    prompt: Option<Value>,
-}
-
 /// The text of a prompt or message content, whatever its shape (string,
 /// list of strings, list of content parts): its length in bytes, and its
 /// first `keep` bytes (the part that is hashed).
+#[derive(Default)]
 struct PromptText {
     len: usize,
     keep: usize,
@@ -124,49 +110,363 @@ struct PromptText {
 }
 
 impl PromptText {
-    fn collect(&mut self, v: &Value) {
-        match v {
-            Value::String(s) => {
-                self.len = self.len.saturating_add(s.len());
-                let room = self.keep - self.head.len();
-                self.head.extend_from_slice(&s.as_bytes()[..s.len().min(room)]);
-            }
-            Value::Array(items) => items.iter().for_each(|i| self.collect(i)),
-            Value::Object(map) => ["content", "text"].iter().filter_map(|k| map.get(*k)).for_each(|v| self.collect(v)),
-            _ => {}
-        }
+    fn new(keep: usize) -> Self {
+        PromptText { len: 0, keep, head: Vec::new() }
+    }
+
+    fn add(&mut self, s: &str) {
+        self.len = self.len.saturating_add(s.len());
+        let room = self.keep.saturating_sub(self.head.len());
+        self.head.extend_from_slice(&s.as_bytes()[..s.len().min(room)]);
+    }
+
+    /// Appends `other` after this text (its head as far as there is room).
+    fn append(&mut self, other: &PromptText) {
+        self.len = self.len.saturating_add(other.len);
+        let room = self.keep.saturating_sub(self.head.len());
+        self.head.extend_from_slice(&other.head[..other.head.len().min(room)]);
     }
 }
 
 /// Parses a completion request body, hashing the prompt's leading blocks as
 /// `hashing` says; the error is the message for a 400.
+///
+/// One pass over the body and no parse tree: the fields the filter reads are
+/// decoded as they go by, prompt text is counted (and its first
+/// `hashing.max_bytes()` copied) straight from the body, and every other
+/// member is only validated. What it accepts and the fields it returns are
+/// those of reading the body into a `serde_json::Value` first (the test
+/// `the_streaming_parser_reads_what_a_parse_tree_reads` holds it to that).
 pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {
-    let b: Body = serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
-    // serde also reads a struct from an array; the engines (and the priority rewrite) need an object.
-    if body.trim_ascii_start().first() != Some(&b'{') {
+    let keep = hashing.max_bytes();
+    let mut fields = BodyFields {
+        model: None,
+        stream: None,
+        max_tokens: None,
+        max_completion_tokens: None,
+        messages: PromptText::new(keep),
+        prompt: PromptText::new(keep),
+        object: false,
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    de::DeserializeSeed::deserialize(&mut fields, &mut de)
+        .and_then(|()| de.end())
+        .map_err(|e| format!("request body is not valid JSON: {e}"))?;
+    // The engines (and the priority rewrite) need an object.
+    if !fields.object {
         return Err("request body must be a JSON object".into());
     }
-    let model = match b.model {
-        Some(Value::String(m)) if !m.is_empty() => m,
+    let model = match fields.model.flatten() {
+        Some(Model::Text(m)) if !m.is_empty() => m,
         Some(_) => return Err("field `model` must be a non-empty string".into()),
         None => return Err("field `model` is required".into()),
     };
-    let max = b.max_completion_tokens.or(b.max_tokens).unwrap_or(0);
-    let mut text = PromptText { len: 0, keep: hashing.max_bytes(), head: Vec::new() };
-    for part in [&b.messages, &b.prompt].into_iter().flatten() {
-        text.collect(part);
-    }
+    let max = fields.max_completion_tokens.flatten().or(fields.max_tokens.flatten()).unwrap_or(0);
+    let mut text = fields.messages;
+    text.append(&fields.prompt);
     let mut prefix = Vec::new();
     if hashing.block_bytes > 0 {
         prefix_hashes(&text.head, hashing.block_bytes, hashing.max_blocks, &mut prefix);
     }
     Ok(CompletionRequest {
         model,
-        stream: b.stream.unwrap_or(false),
+        stream: fields.stream.flatten().unwrap_or(false),
         max_tokens: max.min(u32::MAX as u64) as u32,
         prompt_tokens: text.len.div_ceil(4).min(u32::MAX as usize) as u32,
         prefix,
     })
+}
+
+/// The `visit_*` methods for JSON's scalars other than strings (booleans,
+/// numbers, null), for a visitor that reads none of them: each is accepted
+/// (numbers still parsed, so out-of-range ones are still errors) and gives
+/// `$value`.
+macro_rules! skip_scalars {
+    ($value:expr) => {
+        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+    };
+}
+
+/// What [`parse_request`] reads of the top-level object, filled in as the
+/// deserializer walks it. The outer `Option` of a field is "present", the
+/// inner one "not null" (a member given twice is refused, as serde refuses
+/// duplicate fields).
+struct BodyFields {
+    model: Option<Option<Model>>,
+    stream: Option<Option<bool>>,
+    max_tokens: Option<Option<u64>>,
+    max_completion_tokens: Option<Option<u64>>,
+    messages: PromptText,
+    prompt: PromptText,
+    /// The body was an object (not an array or a scalar).
+    object: bool,
+}
+
+/// The `model` member: a string, or something else (refused later, with
+/// the field named).
+enum Model {
+    Text(String),
+    Other,
+}
+
+/// The top-level members [`parse_request`] reads.
+enum Field {
+    Model,
+    Stream,
+    MaxTokens,
+    MaxCompletionTokens,
+    Messages,
+    Prompt,
+    Other,
+}
+
+/// Reads one member into `slot`, refusing a second one of the same name.
+fn read_once<'de, A: de::MapAccess<'de>, T: Deserialize<'de>>(
+    map: &mut A,
+    slot: &mut Option<T>,
+    name: &'static str,
+) -> Result<(), A::Error> {
+    if slot.is_some() {
+        return Err(de::Error::duplicate_field(name));
+    }
+    *slot = Some(map.next_value()?);
+    Ok(())
+}
+
+impl<'de> de::DeserializeSeed<'de> for &mut BodyFields {
+    type Value = ();
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> de::Visitor<'de> for &mut BodyFields {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a completion request object")
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        self.object = true;
+        let (mut messages, mut prompt) = (false, false);
+        while let Some(field) = map.next_key::<Field>()? {
+            match field {
+                Field::Model => read_once(&mut map, &mut self.model, "model")?,
+                Field::Stream => read_once(&mut map, &mut self.stream, "stream")?,
+                Field::MaxTokens => read_once(&mut map, &mut self.max_tokens, "max_tokens")?,
+                Field::MaxCompletionTokens => {
+                    read_once(&mut map, &mut self.max_completion_tokens, "max_completion_tokens")?
+                }
+                Field::Messages | Field::Prompt => {
+                    let (seen, text, name) = match field {
+                        Field::Messages => (&mut messages, &mut self.messages, "messages"),
+                        _ => (&mut prompt, &mut self.prompt, "prompt"),
+                    };
+                    if std::mem::replace(seen, true) {
+                        return Err(de::Error::duplicate_field(name));
+                    }
+                    map.next_value_seed(PromptSeed(text))?;
+                }
+                Field::Other => {
+                    map.next_value::<de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // Anything but an object is read through (so that broken JSON is still
+    // "not valid JSON") and refused afterwards.
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element::<Skim>()?.is_some() {}
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    skip_scalars!(());
+}
+
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl de::Visitor<'_> for Names {
+            type Value = Field;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_str<E>(self, name: &str) -> Result<Field, E> {
+                Ok(match name {
+                    "model" => Field::Model,
+                    "stream" => Field::Stream,
+                    "max_tokens" => Field::MaxTokens,
+                    "max_completion_tokens" => Field::MaxCompletionTokens,
+                    "messages" => Field::Messages,
+                    "prompt" => Field::Prompt,
+                    _ => Field::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Names)
+    }
+}
+
+impl<'de> Deserialize<'de> for Model {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl<'de> de::Visitor<'de> for Text {
+            type Value = Model;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a model name")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Model, E> {
+                Ok(Model::Text(s.to_owned()))
+            }
+            skip_scalars!(Model::Other);
+            fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Model, A::Error> {
+                Skim.visit_seq(seq).map(|_| Model::Other)
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Model, A::Error> {
+                Skim.visit_map(map).map(|_| Model::Other)
+            }
+        }
+        d.deserialize_any(Text)
+    }
+}
+
+/// Any JSON value, checked as strictly as a `serde_json::Value` would be
+/// (numbers in range, strings valid UTF-8) and dropped: what the filter does
+/// not read of a prompt is still refused when a parse tree would refuse it.
+struct Skim;
+
+impl<'de> Deserialize<'de> for Skim {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(Skim)
+    }
+}
+
+impl<'de> de::Visitor<'de> for Skim {
+    type Value = Skim;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Skim, E> {
+        Ok(Skim)
+    }
+    skip_scalars!(Skim);
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Skim, A::Error> {
+        while seq.next_element::<Skim>()?.is_some() {}
+        Ok(Skim)
+    }
+    fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Skim, A::Error> {
+        while map.next_entry::<Skim, Skim>()?.is_some() {}
+        Ok(Skim)
+    }
+}
+
+/// Reads `messages` or `prompt` into a [`PromptText`]: strings count, lists
+/// are walked, and of an object only `content` then `text` count, in that
+/// order whatever the document's (the last of duplicate names wins, as in
+/// a parsed object); every other value is skimmed.
+struct PromptSeed<'t>(&'t mut PromptText);
+
+impl<'de> de::DeserializeSeed<'de> for PromptSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> de::Visitor<'de> for PromptSeed<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("prompt text")
+    }
+    fn visit_str<E>(self, s: &str) -> Result<(), E> {
+        self.0.add(s);
+        Ok(())
+    }
+    skip_scalars!(());
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(PromptSeed(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let text = self.0;
+        // `content` is written in place (from `mark`); `text` aside, appended at the end.
+        let (mark, len_before) = (text.head.len(), text.len);
+        let mut content: Option<usize> = None;
+        let mut aside: Option<PromptText> = None;
+        while let Some(key) = map.next_key::<PartKey>()? {
+            match key {
+                PartKey::Content => {
+                    if content.is_some() {
+                        text.head.truncate(mark);
+                        text.len = len_before;
+                    }
+                    map.next_value_seed(PromptSeed(&mut *text))?;
+                    content = Some(text.len);
+                }
+                PartKey::Text => {
+                    // Room as at the start: a later duplicate `content` may shrink the head back.
+                    let part = aside.insert(PromptText::new(text.keep.saturating_sub(mark)));
+                    map.next_value_seed(PromptSeed(part))?;
+                }
+                PartKey::Other => {
+                    map.next_value::<Skim>()?;
+                }
+            }
+        }
+        if let Some(part) = aside {
+            text.append(&part);
+        }
+        Ok(())
+    }
+}
+
+/// The member names of a content part that hold text.
+enum PartKey {
+    Content,
+    Text,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for PartKey {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl de::Visitor<'_> for Names {
+            type Value = PartKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_str<E>(self, name: &str) -> Result<PartKey, E> {
+                Ok(match name {
+                    "content" => PartKey::Content,
+                    "text" => PartKey::Text,
+                    _ => PartKey::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Names)
+    }
 }
 
 /// A rewrite of a buffered request body in the one form Envoy applies in
@@ -551,6 +851,147 @@ mod tests {
         assert!(parse_request(br#"{"messages":[]}"#, HASH_64).unwrap_err().contains("`model` is required"));
         assert!(parse_request(br#"{"model":3}"#, HASH_64).unwrap_err().contains("`model` must be"));
         assert!(parse_request(br#"{"model":"m","max_tokens":"many"}"#, HASH_64).is_err());
+    }
+
+    /// A small deterministic generator (xorshift), for bodies built from
+    /// the members and shapes the parser cares about.
+    struct Gen(u64);
+
+    impl Gen {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+            items[self.below(items.len() as u64) as usize]
+        }
+        /// A JSON string token: plain, escaped, multi-byte, empty or broken.
+        fn string(&mut self) -> String {
+            let broken = self.below(16) == 0;
+            let s = if broken {
+                self.pick(&[r#""\q""#, r#""\ud800""#, "\"\u{1}\""])
+            } else {
+                self.pick(&[
+                    r#""hello world""#,
+                    r#""""#,
+                    r#""a\"b\\c\n\u00e9\ud83d\ude00""#,
+                    "\"h\u{e9}llo \u{1f600}\"",
+                    r#""content""#,
+                    r#""text""#,
+                ])
+            };
+            if self.below(3) == 0 {
+                format!("\"{}\"", "abcdefgh".repeat(1 + self.below(40) as usize))
+            } else {
+                s.to_string()
+            }
+        }
+        fn key(&mut self) -> String {
+            self.pick(&[
+                r#""content""#,
+                r#""text""#,
+                r#""role""#,
+                r#""type""#,
+                r#""con\u0074ent""#,
+                r#""model""#,
+                r#""messages""#,
+                r#""prompt""#,
+            ])
+            .to_string()
+        }
+        fn scalar(&mut self) -> String {
+            if self.below(16) == 0 {
+                return self.pick(&["1e999", "18446744073709551616", "-1", "01", "tru"]).to_string();
+            }
+            self.pick(&["null", "true", "false", "0", "1.5e3", "7", "4096"]).to_string()
+        }
+        /// A value of at most `depth` levels: mostly prompt-like shapes.
+        fn value(&mut self, depth: u32) -> String {
+            match if depth == 0 { self.below(2) } else { self.below(6) } {
+                0 => self.string(),
+                1 => self.scalar(),
+                2 | 3 => {
+                    let n = self.below(4);
+                    let items: Vec<String> = (0..n).map(|_| self.value(depth - 1)).collect();
+                    format!("[{}]", items.join(","))
+                }
+                _ => {
+                    let n = self.below(4);
+                    let members: Vec<String> =
+                        (0..n).map(|_| format!("{}:{}", self.key(), self.value(depth - 1))).collect();
+                    format!("{{{}}}", members.join(","))
+                }
+            }
+        }
+        /// A request body: the top-level members in any order, some twice,
+        /// some of the wrong type; now and then not an object, cut short or
+        /// with trailing bytes.
+        fn body(&mut self) -> String {
+            let mut members = Vec::new();
+            if self.below(8) != 0 {
+                members.push(format!(r#""model":{}"#, self.string()));
+            }
+            for _ in 0..self.below(4) {
+                let member = match self.below(9) {
+                    0 | 1 => format!(r#""model":{}"#, if self.below(4) == 0 { self.value(1) } else { self.string() }),
+                    2 => format!(r#""stream":{}"#, self.scalar()),
+                    3 => format!(r#""max_tokens":{}"#, self.scalar()),
+                    4 => format!(r#""max_completion_tokens":{}"#, self.scalar()),
+                    5 | 6 => format!(r#""messages":{}"#, self.value(3)),
+                    7 => format!(r#""prompt":{}"#, self.value(2)),
+                    _ => format!(r#""{}":{}"#, self.pick(&["user", "n", "mod\\u0065l"]), self.value(2)),
+                };
+                members.push(member);
+            }
+            let mut body = format!("{{{}}}", members.join(","));
+            match self.below(20) {
+                0 => body = format!("[{}]", self.value(2)),
+                1 => {
+                    let mut cut = self.below(body.len() as u64 + 1) as usize;
+                    while !body.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    body.truncate(cut)
+                }
+                2 => body.push_str(" x"),
+                3 => body = format!(" \n{body}\t "),
+                4 => body = self.scalar(),
+                _ => {}
+            }
+            body
+        }
+    }
+
+    #[test]
+    fn the_streaming_parser_reads_what_a_parse_tree_reads() {
+        let mut g = Gen(0x9e37_79b9_7f4a_7c15);
+        let hashings = [
+            PrefixHashing::OFF,
+            PrefixHashing { block_bytes: 4, max_blocks: 3 },
+            PrefixHashing { block_bytes: 8, max_blocks: 64 },
+            HASH_64,
+        ];
+        let (mut accepted, mut refused) = (0, 0);
+        for i in 0..20_000 {
+            let body = g.body();
+            let hashing = hashings[i % hashings.len()];
+            let got = parse_request(body.as_bytes(), hashing);
+            crate::fuzzing::check_against_tree(body.as_bytes(), hashing);
+            if got.is_ok() {
+                accepted += 1;
+            } else {
+                refused += 1;
+            }
+        }
+        assert!(
+            accepted > 2_000 && refused > 2_000,
+            "the generator covers both: {accepted} accepted, {refused} refused"
+        );
     }
 
     /// The body after setting `priority` to `v`, checked to be one JSON object.

@@ -27,6 +27,8 @@ pub struct ChatRequest {
     pub stream: bool,
     /// Further request headers.
     pub headers: Vec<(String, String)>,
+    /// A body sent as it is instead of [`ChatRequest::body`] (built once, for large prompts).
+    pub body_bytes: Option<Bytes>,
 }
 
 impl ChatRequest {
@@ -39,6 +41,7 @@ impl ChatRequest {
             prompt_words: 16,
             stream: true,
             headers: vec![],
+            body_bytes: None,
         }
     }
 
@@ -196,7 +199,10 @@ impl LoadClient {
         start: Instant,
         o: &mut Outcome,
     ) -> anyhow::Result<()> {
-        let body = serde_json::to_vec(&req.body())?;
+        let body = match &req.body_bytes {
+            Some(b) => b.clone(),
+            None => Bytes::from(serde_json::to_vec(&req.body())?),
+        };
         let mut b = Request::post(format!("http://{addr}{}", req.path)).header("content-type", "application/json");
         if let Some(t) = &req.tenant {
             b = b.header(TENANT_HEADER, t);
@@ -204,7 +210,7 @@ impl LoadClient {
         for (k, v) in &req.headers {
             b = b.header(k, v);
         }
-        let resp = self.client.request(b.body(Full::new(Bytes::from(body)))?).await?;
+        let resp = self.client.request(b.body(Full::new(body))?).await?;
         let status = resp.status().as_u16();
         o.status = Some(status);
         let h = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
