@@ -240,7 +240,7 @@ fn wasm_host(wasm: &[u8], config: &Value, workers: usize) -> Result<Host> {
     let spec = PluginSpec {
         configuration: serde_json::to_vec(config)?,
         workers,
-        log_level: host_sim::abi::LogLevel::Warn,
+        log_level: proxy_wasm_host::abi::LogLevel::Warn,
         ..PluginSpec::default()
     };
     Host::new(wasm, &spec)
@@ -256,7 +256,7 @@ fn trapped(t: host_sim::Trap) -> anyhow::Error {
 /// rounds; headers, `on_log` and the body's copy into the host happen outside the clock. Every
 /// request must bypass the queue (`config` sees to it), so each call does the same work.
 fn wasm_body_us(wasm: &[u8], config: &Value, body: &[u8], quick: bool) -> Result<f64> {
-    use host_sim::abi::action;
+    use proxy_wasm_host::abi::action;
     let mut host = wasm_host(wasm, config, 1)?;
     let headers = wasm_request_headers(body.len());
     let calls = ((if quick { 2 << 20 } else { 8 << 20 }) / body.len()).clamp(3, 2_000);
@@ -609,7 +609,7 @@ async fn queued_at_least(envoy: &Envoy, n: f64) -> Result<()> {
 /// through the scheduler's `on_queue_ready`, to the other worker's `on_queue_ready` resuming the
 /// queued request. No threads: the posts are delivered at once, so this is the compute alone.
 fn wasm_wake(wasm: &[u8], config: &Value, samples: usize) -> Result<Vec<Duration>> {
-    use host_sim::abi::action;
+    use proxy_wasm_host::abi::action;
     use host_sim::StreamAction;
     let mut host = wasm_host(wasm, config, 2)?;
     let deliver = |host: &mut Host| -> Result<()> {
