@@ -85,13 +85,15 @@ impl std::error::Error for ProfileError {}
 
 impl GpuProfile {
     /// Names accepted by [`GpuProfile::by_name`].
-    pub const NAMES: [&'static str; 3] = ["llama2-7b-a10g", "llama3-8b-h100", "fast"];
+    pub const NAMES: [&'static str; 5] = ["llama2-7b-a10g", "llama3-8b-h100", "llama3-8b-a100", "llama3-8b-a10g", "fast"];
 
     /// Looks a profile up by name.
     pub fn by_name(name: &str) -> Option<GpuProfile> {
         match name {
             "llama2-7b-a10g" => Some(Self::llama2_7b_a10g()),
             "llama3-8b-h100" => Some(Self::llama3_8b_h100()),
+            "llama3-8b-a100" => Some(Self::llama3_8b_a100()),
+            "llama3-8b-a10g" => Some(Self::llama3_8b_a10g()),
             "fast" => Some(Self::fast()),
             _ => None,
         }
@@ -174,6 +176,39 @@ impl GpuProfile {
             max_loaded_models: 0,
             swap_us: 0,
         }
+    }
+
+    /// The slow half of `sluice-routing`'s heterogeneous pool: Llama-3.1-8B on an NVIDIA A100 80 GB, derived from
+    /// `llama3-8b-h100` by the data-sheet ratios (2.0 vs 3.35 TB/s of HBM, 312 vs 989 dense bf16
+    /// TFLOPS; same memory, so the same KV pool and limits): weights streamed once per iteration
+    /// 6 → 10 ms, a KV token 0.05 → 0.08 µs, a prefill token 30 → 95 µs (compute-bound), the
+    /// per-sequence decode term 30 → 50 µs. It keeps the 128 k context and the prefix cache, so both
+    /// traces run on it; the A10G profile cannot serve Mooncake's long prompts (4 k context).
+    pub fn llama3_8b_a100() -> GpuProfile {
+        let mut p = Self::llama3_8b_h100();
+        p.name = "llama3-8b-a100".into();
+        p.time =
+            TimeModel { base_us: 10_000.0, per_prefill_token_us: 95.0, per_decode_seq_us: 50.0, per_kv_token_us: 0.08 };
+        p
+    }
+
+    /// Llama-3.1-8B on one NVIDIA A10G (24 GB), a small GPU whose KV cache, not the batch limit,
+    /// bounds the batch (QLM's A10 class), derived from `llama3-8b-h100` by the data-sheet ratios
+    /// and this repository's `llama2-7b-a10g`: weights (16 GB) streamed at 600 GB/s × 80 % →
+    /// 33.5 ms per iteration; a KV token (128 KiB) 0.05 → 0.28 µs (×5.6, bandwidth); a prefill
+    /// token at ~70 effective fp16 TFLOPS, 16 GFLOP → 424 µs (×14, compute); the per-sequence decode
+    /// term of the Llama-2-7b A10G profile (215 µs) scaled by FLOPs per token (16/14) → 245 µs.
+    /// Memory: 24 GB × 0.9 − 16 GB of weights − activations leaves ≈ 4 GB ≈ 32 k tokens, 2,000
+    /// blocks of 16; `max_model_len` 16,384 (every Azure row fits); chunked prefill of 2,048 tokens.
+    pub fn llama3_8b_a10g() -> GpuProfile {
+        let mut p = Self::llama3_8b_h100();
+        p.name = "llama3-8b-a10g".into();
+        p.num_blocks = 2_000;
+        p.max_model_len = 16_384;
+        p.max_num_batched_tokens = 2_048;
+        p.time =
+            TimeModel { base_us: 33_500.0, per_prefill_token_us: 424.0, per_decode_seq_us: 245.0, per_kv_token_us: 0.28 };
+        p
     }
 
     /// A small, quick profile for tests: 64 blocks of 16 tokens, 1 ms iterations plus small terms.

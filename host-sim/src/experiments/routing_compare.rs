@@ -27,7 +27,7 @@ use proxy_wasm_host::abi::HeaderMap;
 use proxy_wasm_host::host::PluginSpec;
 use proxy_wasm_host::state::Cluster;
 use serde::Serialize;
-use sluice_gpu::{GpuProfile, TimeModel};
+use sluice_gpu::GpuProfile;
 use std::any::Any;
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -288,55 +288,6 @@ pub fn load_trace(kind: TraceKind, path: &Path, limit: usize, speedup: f64) -> R
         w.arrival_us = (w.arrival_us as f64 / speedup).round() as u64;
     }
     Ok(items)
-}
-
-/// The slow half of the default pool: Llama-3.1-8B on an NVIDIA A100 80 GB, derived from
-/// `llama3-8b-h100` by the data-sheet ratios (2.0 vs 3.35 TB/s of HBM, 312 vs 989 dense bf16
-/// TFLOPS; same memory, so the same KV pool and limits): weights streamed once per iteration
-/// 6 → 10 ms, a KV token 0.05 → 0.08 µs, a prefill token 30 → 95 µs (compute-bound), the
-/// per-sequence decode term 30 → 50 µs. It keeps the 128 k context and the prefix cache, so both
-/// traces run on it; the A10G profile cannot serve Mooncake's long prompts (4 k context).
-pub fn a100_profile() -> GpuProfile {
-    let mut p = GpuProfile::llama3_8b_h100();
-    p.name = "llama3-8b-a100".into();
-    p.time =
-        TimeModel { base_us: 10_000.0, per_prefill_token_us: 95.0, per_decode_seq_us: 50.0, per_kv_token_us: 0.08 };
-    p
-}
-
-/// Llama-3.1-8B on one NVIDIA A10G (24 GB), a small GPU whose KV cache, not the batch limit,
-/// bounds the batch (QLM's A10 class), derived from `llama3-8b-h100` by the data-sheet ratios
-/// and this repository's `llama2-7b-a10g`: weights (16 GB) streamed at 600 GB/s × 80 % →
-/// 33.5 ms per iteration; a KV token (128 KiB) 0.05 → 0.28 µs (×5.6, bandwidth); a prefill
-/// token at ~70 effective fp16 TFLOPS, 16 GFLOP → 424 µs (×14, compute); the per-sequence decode
-/// term of the Llama-2-7b A10G profile (215 µs) scaled by FLOPs per token (16/14) → 245 µs.
-/// Memory: 24 GB × 0.9 − 16 GB of weights − activations leaves ≈ 4 GB ≈ 32 k tokens, 2,000
-/// blocks of 16; `max_model_len` 16,384 (every Azure row fits); chunked prefill of 2,048 tokens.
-pub fn a10g_llama3_profile() -> GpuProfile {
-    let mut p = GpuProfile::llama3_8b_h100();
-    p.name = "llama3-8b-a10g".into();
-    p.num_blocks = 2_000;
-    p.max_model_len = 16_384;
-    p.max_num_batched_tokens = 2_048;
-    p.time =
-        TimeModel { base_us: 33_500.0, per_prefill_token_us: 424.0, per_decode_seq_us: 245.0, per_kv_token_us: 0.28 };
-    p
-}
-
-/// A profile by name: the GPU crate's names plus `llama3-8b-a100` ([`a100_profile`]) and
-/// `llama3-8b-a10g` ([`a10g_llama3_profile`]).
-pub fn profile_by_name(name: &str) -> Result<GpuProfile> {
-    match name {
-        "llama3-8b-a100" => return Ok(a100_profile()),
-        "llama3-8b-a10g" => return Ok(a10g_llama3_profile()),
-        _ => {}
-    }
-    GpuProfile::by_name(name).ok_or_else(|| {
-        anyhow::anyhow!(
-            "unknown GPU profile `{name}` (known: llama3-8b-a100, llama3-8b-a10g, {})",
-            GpuProfile::NAMES.join(", ")
-        )
-    })
 }
 
 /// A backend that stops answering at `at_us`: its GPU stops, its open streams are reset, new
@@ -1107,7 +1058,7 @@ mod tests {
         let short = capacity_rps(&[h100.clone()], &[row(500)]);
         assert!((capacity_rps(&[h100.clone(), h100.clone()], &[row(500)]) - 2.0 * short).abs() < 1e-9);
         assert!(capacity_rps(&[h100.clone()], &[row(5000)]) < short / 2.0);
-        assert!(capacity_rps(&[a100_profile()], &[row(500)]) < short);
+        assert!(capacity_rps(&[GpuProfile::llama3_8b_a100()], &[row(500)]) < short);
         // Short requests fill the batch limit; long ones the KV pool (409,600 tokens).
         assert_eq!(pool_slots(&[h100.clone(), h100.clone()], &[row(500)]), 512);
         assert_eq!(pool_slots(std::slice::from_ref(&h100), &[row(8_092)]), 50);

@@ -15,7 +15,7 @@
 //! and unfinished requests are misses. The objective travels as the trusted request header
 //! [`SLO_TTFT_HEADER`], as an upstream filter would set it.
 
-use crate::experiments::routing_compare::profile_by_name;
+use crate::sim::scenario::profile_by_name;
 use crate::experiments::slo_workload::{self as sw, AssignBy, Bursts, Objective, SloClass, SLO_TTFT_HEADER};
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 use crate::sim::report::{svg_lines, Stats};
@@ -268,7 +268,7 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// `backends` servers of the named profile (see `routing_compare::profile_by_name`).
+    /// `backends` servers of the named profile (see `sim::scenario::profile_by_name`).
     pub fn new(profile: &str, backends: usize, workers: usize, seed: u64) -> Result<Pool> {
         if backends == 0 || backends > 250 || workers == 0 {
             bail!("a pool needs 1..=250 backends and at least one worker");

@@ -175,6 +175,13 @@ pub struct Backends {
     pub overrides: ProfileOverrides,
 }
 
+/// A GPU profile by name (`sluice_gpu::GpuProfile::NAMES`), with an error that lists them.
+pub fn profile_by_name(name: &str) -> Result<GpuProfile> {
+    GpuProfile::by_name(name).ok_or_else(|| {
+        anyhow::anyhow!("unknown GPU profile `{name}` (known: {})", GpuProfile::NAMES.join(", "))
+    })
+}
+
 /// Fields of a GPU profile a scenario may change (see `sluice_gpu::GpuProfile`).
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -207,7 +214,7 @@ impl Backends {
 
     /// [`Backends::profile`], with errors naming the group as `field`.
     fn profile_named(&self, field: &str) -> Result<GpuProfile> {
-        let mut p = crate::experiments::routing_compare::profile_by_name(&self.profile)
+        let mut p = profile_by_name(&self.profile)
             .map_err(|e| anyhow::anyhow!("scenario: {field}.profile: {e}"))?;
         let o = &self.overrides;
         macro_rules! set {
