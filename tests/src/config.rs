@@ -22,6 +22,18 @@ pub struct FilterSpec {
     pub plugin_config: Value,
 }
 
+/// The bypass benchmark's floor filter (`tests/floor-filter`) on a listener of its own: it pauses,
+/// reads the body and sends every request to `endpoint`.
+#[derive(Debug, Clone)]
+pub struct FloorSpec {
+    /// Port of its listener on 127.0.0.1.
+    pub port: u16,
+    /// Path of `sluice_floor_filter.wasm` as Envoy should open it.
+    pub wasm_path: String,
+    /// The endpoint it names in the destination header (its plugin configuration).
+    pub endpoint: String,
+}
+
 /// Route idle timeout of the pool's routes in the reference configs. It must exceed the plugin's
 /// `queue_ttl_ms` (30 s by default), since the timer also runs while a request waits in the queue.
 pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -53,6 +65,9 @@ pub struct EnvoyConfig {
     pub filter: Option<FilterSpec>,
     /// A second listener without the filter, routed to the same cluster (bypass benchmark).
     pub direct_listener_port: Option<u16>,
+    /// A listener with the floor filter instead of sluice, routed to the same cluster (bypass
+    /// benchmark).
+    pub floor: Option<FloorSpec>,
     /// `idle_timeout` of the pool's routes: a stream with no activity in either direction for this
     /// long ends (a hung backend's requests end). Must exceed the plugin's `queue_ttl_ms`.
     pub stream_idle_timeout: Duration,
@@ -305,6 +320,7 @@ impl EnvoyConfig {
                 plugin_config: reference_plugin_config(),
             }),
             direct_listener_port: None,
+            floor: None,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
         }
@@ -365,6 +381,28 @@ impl EnvoyConfig {
         out.push_str(&listener("inference", self.listener_port, body_limit, self.stream_idle_timeout, &filters));
         if let Some(port) = self.direct_listener_port {
             out.push_str(&listener("direct", port, body_limit, self.stream_idle_timeout, ROUTER));
+        }
+        if let Some(f) = &self.floor {
+            // Its own vm_id: the floor's VMs share nothing with sluice's.
+            let filters = format!(
+                r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: floor
+                root_id: floor
+                allow_on_headers_stop_iteration: true
+                vm_config:
+                  vm_id: floor
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: {} }} }}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: "{}"
+{ROUTER}"#,
+                f.wasm_path, f.endpoint
+            );
+            out.push_str(&listener("floor", f.port, body_limit, self.stream_idle_timeout, &filters));
         }
         out.push_str(&format!(
             r#"  clusters:
