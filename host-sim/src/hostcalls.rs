@@ -22,6 +22,7 @@ fn read(c: &mut C<'_>, ptr: i32, len: i32) -> std::result::Result<Vec<u8>, Statu
     if len == 0 {
         return Ok(Vec::new());
     }
+    c.data().proc.borrow_mut().profile.bytes_from_module += len as u64;
     let mem = c.data().memory.ok_or(Status::InvalidMemoryAccess)?;
     let data = mem.data(&*c);
     data.get(ptr..ptr.checked_add(len).ok_or(Status::InvalidMemoryAccess)?)
@@ -61,6 +62,11 @@ fn give(c: &mut C<'_>, bytes: &[u8], ptr_ptr: i32, size_ptr: i32) -> Result<i32>
             return Ok(st(Status::InternalFailure));
         };
         let addr = malloc.call(&mut *c, bytes.len() as i32)?;
+        {
+            let mut p = c.data().proc.borrow_mut();
+            p.profile.bytes_to_module += bytes.len() as u64;
+            p.profile.module_allocations += 1;
+        }
         if addr == 0 {
             return Ok(st(Status::InternalFailure));
         }
@@ -94,6 +100,11 @@ fn fault(c: &C<'_>, call: &'static str) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Counts a call of host function `name` in the process's [`crate::state::HostProfile`].
+fn count(c: &C<'_>, name: &'static str) {
+    *c.data().proc.borrow_mut().profile.host_calls.entry(name).or_default() += 1;
 }
 
 /// Unwraps a `Result<_, Status>` inside a host function, returning the status on error.
@@ -206,22 +217,26 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
     const ENV: &str = "env";
 
     l.func_wrap(ENV, "proxy_log", |mut c: C<'_>, level: i32, p: i32, n: i32| -> Result<i32> {
+        count(&c, "proxy_log");
         let msg = tri!(read_str(&mut c, p, n));
         c.data().log(LogLevel::from_abi(level), "proxy_log", msg);
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_get_log_level", |mut c: C<'_>, out: i32| -> Result<i32> {
+        count(&c, "proxy_get_log_level");
         let lvl = c.data().proc.borrow().log_level.to_abi() as u32;
         tri!(write_u32(&mut c, out, lvl));
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_get_current_time_nanoseconds", |mut c: C<'_>, out: i32| -> Result<i32> {
+        count(&c, "proxy_get_current_time_nanoseconds");
         fault(&c, "proxy_get_current_time_nanoseconds")?;
         let now = EPOCH_NS + c.data().proc.borrow().now_us * 1000;
         tri!(write_u64(&mut c, out, now));
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_set_tick_period_milliseconds", |mut c: C<'_>, ms: i32| -> Result<i32> {
+        count(&c, "proxy_set_tick_period_milliseconds");
         c.data_mut().tick_period_ms = ms as u32;
         Ok(S_OK)
     })?;
@@ -231,6 +246,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_buffer_bytes",
         |mut c: C<'_>, t: i32, start: i32, max: i32, pp: i32, sp: i32| -> Result<i32> {
+            count(&c, "proxy_get_buffer_bytes");
             fault(&c, "proxy_get_buffer_bytes")?;
             let Some(buf) = buffer_ref(&mut c, t) else {
                 return Ok(st(Status::NotFound));
@@ -241,6 +257,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_get_buffer_status", |mut c: C<'_>, t: i32, lp: i32, fp: i32| -> Result<i32> {
+        count(&c, "proxy_get_buffer_status");
         let Some(buf) = buffer_ref(&mut c, t) else {
             return Ok(st(Status::NotFound));
         };
@@ -252,6 +269,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_set_buffer_bytes",
         |mut c: C<'_>, t: i32, start: i32, size: i32, p: i32, n: i32| -> Result<i32> {
+            count(&c, "proxy_set_buffer_bytes");
             fault(&c, "proxy_set_buffer_bytes")?;
             let data = tri!(read(&mut c, p, n));
             let d = c.data_mut();
@@ -278,6 +296,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
 
     // Header maps.
     l.func_wrap(ENV, "proxy_get_header_map_pairs", |mut c: C<'_>, t: i32, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_get_header_map_pairs");
         fault(&c, "proxy_get_header_map_pairs")?;
         match map_ref(&mut c, t) {
             Some(m) => give(&mut c, &abi::serialize_map(&m), pp, sp),
@@ -285,6 +304,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_set_header_map_pairs", |mut c: C<'_>, t: i32, p: i32, n: i32| -> Result<i32> {
+        count(&c, "proxy_set_header_map_pairs");
         let bytes = tri!(read(&mut c, p, n));
         let Some(new) = abi::deserialize_map(&bytes) else {
             return Ok(st(Status::SerializationFailure));
@@ -296,6 +316,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, pp: i32, sp: i32| -> Result<i32> {
+            count(&c, "proxy_get_header_map_value");
             fault(&c, "proxy_get_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let Some(m) = map_ref(&mut c, t) else {
@@ -311,6 +332,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_remove_header_map_value", |mut c: C<'_>, t: i32, kp: i32, kn: i32| -> Result<i32> {
+        count(&c, "proxy_remove_header_map_value");
         fault(&c, "proxy_remove_header_map_value")?;
         let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
         tri!(with_map(&mut c, t, |m| m.retain(|(k, _)| *k != key)));
@@ -320,6 +342,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_replace_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, vp: i32, vn: i32| -> Result<i32> {
+            count(&c, "proxy_replace_header_map_value");
             fault(&c, "proxy_replace_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
             let val = tri!(read(&mut c, vp, vn));
@@ -347,6 +370,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_add_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, vp: i32, vn: i32| -> Result<i32> {
+            count(&c, "proxy_add_header_map_value");
             fault(&c, "proxy_add_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
             let val = tri!(read(&mut c, vp, vn));
@@ -357,6 +381,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
 
     // Properties.
     l.func_wrap(ENV, "proxy_get_property", |mut c: C<'_>, p: i32, n: i32, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_get_property");
         fault(&c, "proxy_get_property")?;
         let path = abi::property_path(&tri!(read(&mut c, p, n)));
         match property(&mut c, &path) {
@@ -365,6 +390,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_set_property", |mut c: C<'_>, p: i32, n: i32, vp: i32, vn: i32| -> Result<i32> {
+        count(&c, "proxy_set_property");
         let path = abi::property_path(&tri!(read(&mut c, p, n)));
         let val = tri!(read(&mut c, vp, vn));
         let d = c.data_mut();
@@ -385,12 +411,14 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_shared_data",
         |mut c: C<'_>, kp: i32, kn: i32, pp: i32, sp: i32, cp: i32| -> Result<i32> {
+            count(&c, "proxy_get_shared_data");
             fault(&c, "proxy_get_shared_data")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let entry = c.data().proc.borrow().shared.get(&key).cloned();
             let Some(e) = entry else {
                 return Ok(st(Status::NotFound));
             };
+            c.data().proc.borrow_mut().profile.shared_bytes_read += e.value.len() as u64;
             tri!(write_u32(&mut c, cp, e.cas));
             give(&mut c, &e.value, pp, sp)
         },
@@ -399,10 +427,12 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_set_shared_data",
         |mut c: C<'_>, kp: i32, kn: i32, vp: i32, vn: i32, cas: i32| -> Result<i32> {
+            count(&c, "proxy_set_shared_data");
             fault(&c, "proxy_set_shared_data")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let value = tri!(read(&mut c, vp, vn));
             let mut p = c.data().proc.borrow_mut();
+            p.profile.shared_bytes_written += value.len() as u64;
             // As in proxy-wasm-cpp-host: a CAS is checked only against an existing key; a
             // missing key is created whatever CAS was passed.
             if let Some(e) = p.shared.get(&key) {
@@ -426,6 +456,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
 
     // Shared queues.
     l.func_wrap(ENV, "proxy_register_shared_queue", |mut c: C<'_>, np: i32, nn: i32, out: i32| -> Result<i32> {
+        count(&c, "proxy_register_shared_queue");
         fault(&c, "proxy_register_shared_queue")?;
         let name = tri!(read_str(&mut c, np, nn));
         let (vm, root) = (c.data().vm, c.data().root_id);
@@ -456,6 +487,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_resolve_shared_queue",
         |mut c: C<'_>, vp: i32, vn: i32, np: i32, nn: i32, out: i32| -> Result<i32> {
+            count(&c, "proxy_resolve_shared_queue");
             fault(&c, "proxy_resolve_shared_queue")?;
             let vm_id = tri!(read_str(&mut c, vp, vn));
             let name = tri!(read_str(&mut c, np, nn));
@@ -468,6 +500,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_dequeue_shared_queue", |mut c: C<'_>, id: i32, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_dequeue_shared_queue");
         fault(&c, "proxy_dequeue_shared_queue")?;
         let item = {
             let mut p = c.data().proc.borrow_mut();
@@ -482,6 +515,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_enqueue_shared_queue", |mut c: C<'_>, id: i32, vp: i32, vn: i32| -> Result<i32> {
+        count(&c, "proxy_enqueue_shared_queue");
         fault(&c, "proxy_enqueue_shared_queue")?;
         let value = tri!(read(&mut c, vp, vn));
         let mut p = c.data().proc.borrow_mut();
@@ -506,6 +540,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         S_OK
     }
     l.func_wrap(ENV, "proxy_continue_stream", |mut c: C<'_>, t: i32| -> Result<i32> {
+        count(&c, "proxy_continue_stream");
         fault(&c, "proxy_continue_stream")?;
         Ok(match t {
             stream_type::REQUEST => defer(&mut c, StreamAction::ContinueRequest),
@@ -515,14 +550,17 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         })
     })?;
     l.func_wrap(ENV, "proxy_continue_request", |mut c: C<'_>| -> Result<i32> {
+        count(&c, "proxy_continue_request");
         fault(&c, "proxy_continue_request")?;
         Ok(defer(&mut c, StreamAction::ContinueRequest))
     })?;
     l.func_wrap(ENV, "proxy_continue_response", |mut c: C<'_>| -> Result<i32> {
+        count(&c, "proxy_continue_response");
         fault(&c, "proxy_continue_response")?;
         Ok(defer(&mut c, StreamAction::ContinueResponse))
     })?;
     l.func_wrap(ENV, "proxy_close_stream", |mut c: C<'_>, t: i32| -> Result<i32> {
+        count(&c, "proxy_close_stream");
         Ok(match t {
             stream_type::REQUEST | stream_type::RESPONSE => defer(&mut c, StreamAction::Reset),
             stream_type::DOWNSTREAM | stream_type::UPSTREAM => st(Status::Unimplemented),
@@ -533,6 +571,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_send_local_response",
         |mut c: C<'_>, status: i32, dp: i32, dn: i32, bp: i32, bn: i32, hp: i32, hn: i32, _grpc: i32| -> Result<i32> {
+            count(&c, "proxy_send_local_response");
             fault(&c, "proxy_send_local_response")?;
             let details = tri!(read_str(&mut c, dp, dn));
             let body = tri!(read(&mut c, bp, bn));
@@ -543,7 +582,10 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
             Ok(defer(&mut c, StreamAction::LocalReply { status: status as u16, details, headers, body }))
         },
     )?;
-    l.func_wrap(ENV, "proxy_clear_route_cache", |_c: C<'_>| -> Result<i32> { Ok(S_OK) })?;
+    l.func_wrap(ENV, "proxy_clear_route_cache", |c: C<'_>| -> Result<i32> {
+        count(&c, "proxy_clear_route_cache");
+        Ok(S_OK)
+    })?;
 
     // HTTP call-outs.
     l.func_wrap(
@@ -561,6 +603,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
          timeout: i32,
          out: i32|
          -> Result<i32> {
+            count(&c, "proxy_http_call");
             fault(&c, "proxy_http_call")?;
             let cluster = tri!(read_str(&mut c, up, un));
             let Some(headers) = abi::deserialize_map(&tri!(read(&mut c, hp, hn))) else {
@@ -617,7 +660,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
     l.func_wrap(
         ENV,
         "proxy_grpc_call",
-        |_c: C<'_>,
+        |c: C<'_>,
          _: i32,
          _: i32,
          _: i32,
@@ -630,25 +673,38 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
          _: i32,
          _: i32,
          _: i32|
-         -> Result<i32> { Ok(st(Status::Unimplemented)) },
+         -> Result<i32> {
+            count(&c, "proxy_grpc_call");
+            Ok(st(Status::Unimplemented))
+        },
     )?;
     l.func_wrap(
         ENV,
         "proxy_grpc_stream",
-        |_c: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+        |c: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+            count(&c, "proxy_grpc_stream");
             Ok(st(Status::Unimplemented))
         },
     )?;
-    l.func_wrap(ENV, "proxy_grpc_send", |_c: C<'_>, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+    l.func_wrap(ENV, "proxy_grpc_send", |c: C<'_>, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+        count(&c, "proxy_grpc_send");
         Ok(st(Status::Unimplemented))
     })?;
-    l.func_wrap(ENV, "proxy_grpc_cancel", |_c: C<'_>, _: i32| -> Result<i32> { Ok(st(Status::Unimplemented)) })?;
-    l.func_wrap(ENV, "proxy_grpc_close", |_c: C<'_>, _: i32| -> Result<i32> { Ok(st(Status::Unimplemented)) })?;
-    l.func_wrap(ENV, "proxy_get_status", |_c: C<'_>, _: i32, _: i32, _: i32| -> Result<i32> {
+    l.func_wrap(ENV, "proxy_grpc_cancel", |c: C<'_>, _: i32| -> Result<i32> {
+        count(&c, "proxy_grpc_cancel");
+        Ok(st(Status::Unimplemented))
+    })?;
+    l.func_wrap(ENV, "proxy_grpc_close", |c: C<'_>, _: i32| -> Result<i32> {
+        count(&c, "proxy_grpc_close");
+        Ok(st(Status::Unimplemented))
+    })?;
+    l.func_wrap(ENV, "proxy_get_status", |c: C<'_>, _: i32, _: i32, _: i32| -> Result<i32> {
+        count(&c, "proxy_get_status");
         Ok(st(Status::Unimplemented))
     })?;
 
     l.func_wrap(ENV, "proxy_set_effective_context", |mut c: C<'_>, id: i32| -> Result<i32> {
+        count(&c, "proxy_set_effective_context");
         fault(&c, "proxy_set_effective_context")?;
         let d = c.data_mut();
         // Only contexts of the calling VM resolve, as in Envoy (contexts are per instance).
@@ -663,6 +719,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_call_foreign_function",
         |mut c: C<'_>, np: i32, nn: i32, _ap: i32, _an: i32, pp: i32, sp: i32| -> Result<i32> {
+            count(&c, "proxy_call_foreign_function");
             let name = tri!(read_str(&mut c, np, nn));
             match name.as_str() {
                 // The route is always recomputed from the final headers in the simulation.
@@ -672,16 +729,19 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_done", |mut c: C<'_>| -> Result<i32> {
+        count(&c, "proxy_done");
         c.data_mut().done_called = true;
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_get_configuration", |mut c: C<'_>, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_get_configuration");
         let cfg = c.data().plugin_configuration.clone();
         give(&mut c, &cfg, pp, sp)
     })?;
 
     // Metrics: ids are per definition, values per name (Envoy's stat scope is process-wide).
     l.func_wrap(ENV, "proxy_define_metric", |mut c: C<'_>, t: i32, np: i32, nn: i32, out: i32| -> Result<i32> {
+        count(&c, "proxy_define_metric");
         let name = tri!(read_str(&mut c, np, nn));
         let kind = match t {
             metric_type::COUNTER => "counter",
@@ -708,6 +768,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_increment_metric", |c: C<'_>, id: i32, off: i64| -> Result<i32> {
+        count(&c, "proxy_increment_metric");
         fault(&c, "proxy_increment_metric")?;
         let mut p = c.data().proc.borrow_mut();
         let Some(&i) = p.metric_ids.get(&(id as u32)) else {
@@ -723,6 +784,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_record_metric", |c: C<'_>, id: i32, v: i64| -> Result<i32> {
+        count(&c, "proxy_record_metric");
         fault(&c, "proxy_record_metric")?;
         let mut p = c.data().proc.borrow_mut();
         let Some(&i) = p.metric_ids.get(&(id as u32)) else {
@@ -740,6 +802,7 @@ fn register_env(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_get_metric", |mut c: C<'_>, id: i32, out: i32| -> Result<i32> {
+        count(&c, "proxy_get_metric");
         let v = {
             let p = c.data().proc.borrow();
             let Some(&i) = p.metric_ids.get(&(id as u32)) else {

@@ -86,6 +86,7 @@
 //!   `proc_exit` traps.
 
 pub mod abi;
+pub mod bypass_profile;
 pub mod engine;
 pub mod faults;
 pub mod host;
@@ -106,5 +107,5 @@ pub use host::{ConfigRejected, FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
 pub use hostcalls::INJECTED_TRAP;
 pub use report::Report;
 pub use scenario::Scenario;
-pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
+pub use state::{Cluster, HostProfile, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
 pub use upstream::{GpuUpstream, StaticResponse, StaticUpstream, Upstream, UpstreamEvent, UpstreamRequest};
