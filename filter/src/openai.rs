@@ -35,6 +35,10 @@ const SCHEDULED_PATHS: [&[u8]; 2] = [b"/v1/chat/completions", b"/v1/completions"
 /// `/v1/%63ompletions`, `/V1/completions/`, `/./v1/completions;x`) cannot
 /// skip the queue.
 pub fn is_scheduled_path(path: &[u8]) -> bool {
+    // Already in normal form (what clients send): no need to rewrite it.
+    if SCHEDULED_PATHS.contains(&path) {
+        return true;
+    }
     let p = normalize_path(path);
     SCHEDULED_PATHS.contains(&p.as_slice())
 }
@@ -471,8 +475,16 @@ fn usage_in(json: &[u8]) -> Option<u32> {
     if !contains(json, b"\"completion_tokens\"") {
         return None;
     }
-    let v: Value = serde_json::from_slice(json).ok()?;
-    let n = v.get("usage")?.get("completion_tokens")?.as_u64()?;
+    // Only `usage.completion_tokens` is read; serde skips the rest without building it.
+    #[derive(Deserialize)]
+    struct Chunk {
+        usage: Option<Usage>,
+    }
+    #[derive(Deserialize)]
+    struct Usage {
+        completion_tokens: Option<u64>,
+    }
+    let n = serde_json::from_slice::<Chunk>(json).ok()?.usage?.completion_tokens?;
     Some(n.min(u32::MAX as u64) as u32)
 }
 

@@ -407,8 +407,10 @@ impl HttpContext for Http {
 
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         let (Some(counter), Some(vm)) = (self.tokens.as_mut(), self.vm.as_ref()) else { return Action::Continue };
+        // One clock reading per callback: the host call costs more than the ms it could gain.
+        let mut now = None;
         if size > 0 && std::mem::take(&mut self.awaiting_first_bytes) {
-            vm.borrow_mut().at(now_ms()).first_response_bytes(self.ctx);
+            vm.borrow_mut().at(*now.get_or_insert_with(now_ms)).first_response_bytes(self.ctx);
         }
         let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default();
         let mut n = counter.feed(&chunk);
@@ -416,7 +418,7 @@ impl HttpContext for Http {
             n += counter.finish();
         }
         if n > 0 {
-            vm.borrow_mut().at(now_ms()).charge(self.ctx, n);
+            vm.borrow_mut().at(now.unwrap_or_else(now_ms)).charge(self.ctx, n);
         }
         Action::Continue
     }

@@ -142,8 +142,10 @@ async fn run(args: Args) -> Result<()> {
     let backends = Backends::start(BackendOptions { instant: true, ..BackendOptions::new(1) }).await?;
     let endpoint = backends.endpoints()[0].clone();
     // A watermark far above the load keeps every request on the bypass path.
-    let pc =
-        with_overrides(default_plugin_config(&[endpoint.clone()], "vtc"), json!({"watermark_per_backend": 10_000}));
+    let pc = with_overrides(
+        default_plugin_config(std::slice::from_ref(&endpoint), "vtc"),
+        json!({"watermark_per_backend": 10_000}),
+    );
     // The instant backend answers one token whatever max_tokens says.
     let mut req = ChatRequest::chat(Some("bench"), 1);
     req.stream = !args.no_stream;
