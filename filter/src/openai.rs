@@ -416,7 +416,7 @@ impl TokenCounter {
         }
         let before = self.counted;
         let mut rest = chunk;
-        while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
+        while let Some(nl) = memchr(b'\n', rest) {
             let (line, tail) = rest.split_at(nl);
             rest = &tail[1..];
             if self.partial.is_empty() {
@@ -443,10 +443,11 @@ impl TokenCounter {
         if payload == b"[DONE]" || payload.is_empty() {
             return;
         }
-        if let Some(n) = usage_in(payload) {
+        let (text, usage) = scan_chunk(payload);
+        if let Some(n) = usage.then(|| parse_usage(payload)).flatten() {
             self.usage = Some(n);
         }
-        if has_text(payload) {
+        if text {
             self.counted += 1;
         }
     }
@@ -475,6 +476,11 @@ fn usage_in(json: &[u8]) -> Option<u32> {
     if !contains(json, b"\"completion_tokens\"") {
         return None;
     }
+    parse_usage(json)
+}
+
+/// `usage.completion_tokens` of a JSON document, parsed.
+fn parse_usage(json: &[u8]) -> Option<u32> {
     // Only `usage.completion_tokens` is read; serde skips the rest without building it.
     #[derive(Deserialize)]
     struct Chunk {
@@ -488,32 +494,70 @@ fn usage_in(json: &[u8]) -> Option<u32> {
     Some(n.min(u32::MAX as u64) as u32)
 }
 
-/// Does an SSE chunk carry generated text (`"content":"x` or `"text":"x`)?
-fn has_text(json: &[u8]) -> bool {
-    [&b"\"content\":\""[..], &b"\"text\":\""[..]].iter().any(|key| {
-        let mut hay = json;
-        while let Some(i) = find(hay, key) {
-            let after = &hay[i + key.len()..];
-            if after.first().is_some_and(|&c| c != b'"') {
-                return true;
-            }
-            hay = after;
+/// One pass over an SSE chunk, which runs for every token: does it carry
+/// generated text (`"content":"x` or `"text":"x`), and does it mention
+/// `"completion_tokens"` (then it is worth parsing for its usage)? Only the
+/// quotes are looked at closely: a compare at every byte cost more than the
+/// rest of the response path.
+fn scan_chunk(json: &[u8]) -> (bool, bool) {
+    let (mut text, mut usage) = (false, false);
+    let mut from = 0;
+    while let Some(i) = memchr(b'"', &json[from..]) {
+        let after = &json[from + i + 1..];
+        from += i + 1;
+        if !text {
+            text = [&b"content\":\""[..], &b"text\":\""[..]]
+                .iter()
+                .any(|key| after.strip_prefix(*key).and_then(|v| v.first()).is_some_and(|&c| c != b'"'));
         }
-        false
-    })
+        usage = usage || after.starts_with(b"completion_tokens\"");
+        if text && usage {
+            break;
+        }
+    }
+    (text, usage)
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// The first `byte` in `hay`, eight bytes at a time: Wasm has no vector
+/// search, and a byte-at-a-time loop was most of the cost of counting a
+/// response's tokens.
+fn memchr(byte: u8, hay: &[u8]) -> Option<usize> {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    let pattern = LO * byte as u64;
+    let mut chunks = hay.chunks_exact(8);
+    for (k, c) in chunks.by_ref().enumerate() {
+        let x = u64::from_le_bytes(c.try_into().expect("eight bytes")) ^ pattern;
+        // A zero byte of x is a match; its lowest set high bit marks the first.
+        let found = x.wrapping_sub(LO) & !x & HI;
+        if found != 0 {
+            return Some(k * 8 + found.trailing_zeros() as usize / 8);
+        }
+    }
+    let tail = chunks.remainder();
+    tail.iter().position(|&b| b == byte).map(|i| hay.len() - tail.len() + i)
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    find(hay, needle).is_some()
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memchr_finds_the_first_match_as_a_byte_scan_does() {
+        let hay: Vec<u8> = (0..200u32).map(|i| (i * 37 % 251) as u8).collect();
+        for start in 0..40 {
+            for len in 0..hay.len() - start {
+                let h = &hay[start..start + len];
+                for byte in [0u8, 1, 0x80, 0xff, b'"', b'\n', h.get(len / 2).copied().unwrap_or(7)] {
+                    assert_eq!(memchr(byte, h), h.iter().position(|&b| b == byte), "{byte} in {h:?}");
+                }
+            }
+        }
+    }
 
     const HASH_64: PrefixHashing = PrefixHashing { block_bytes: 64, max_blocks: 128 };
 
