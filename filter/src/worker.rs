@@ -413,7 +413,7 @@ impl<H: Host> Worker<H> {
     /// Bypass, hand the request to the scheduler, or (overload ladder) hold
     /// or refuse it.
     pub fn admit(&mut self, ctx: u32, who: Admit, req: &openai::CompletionRequest) -> Admission {
-        let Admit { tenant, band, route, slo } = who;
+        let Admit { tenant, band, mut route, slo } = who;
         let deadline = self.deadline(&slo, &tenant, &route.model, band);
         if deadline.is_some_and(|d| d.at_ms <= self.now) && self.cfg.slo.as_ref().is_some_and(|s| s.drop.is_some()) {
             // Earlier stages already spent the whole objective.
@@ -455,7 +455,8 @@ impl<H: Host> Worker<H> {
                         output_tokens: 0,
                         done: false,
                         first_token_ms: None,
-                        model: route.model.clone(),
+                        // The route is done with: a bypassed request never reaches the queue.
+                        model: std::mem::take(&mut route.model),
                         tenant: tenant.clone(),
                     });
                     self.write_engine_priority(ctx, band);
