@@ -309,6 +309,27 @@ const ROUTER: &str = r#"          - name: envoy.filters.http.router
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#;
 
+/// An `envoy.filters.http.wasm` entry of a listener's `http_filters`: the plugin, its root id and
+/// its VM all named `name`, with `options` (indented YAML lines of `config`) and the plugin
+/// configuration `value` (a YAML scalar or block, with its line end).
+fn wasm_filter(name: &str, options: &str, wasm_path: &str, value: &str) -> String {
+    format!(
+        r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {name}
+                root_id: {name}
+{options}                vm_config:
+                  vm_id: {name}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: {wasm_path} }} }}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {value}"#
+    )
+}
+
 impl EnvoyConfig {
     /// The reference configuration checked in as `envoy/envoy.yaml`.
     pub fn reference() -> Self {
@@ -351,31 +372,17 @@ impl EnvoyConfig {
         out.push_str("static_resources:\n  listeners:\n");
         let mut filters = String::new();
         if let Some(f) = &self.filter {
-            filters.push_str(&format!(
-                r#"          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: sluice
-                root_id: sluice
-                # Lets the filter pause in on_http_request_headers and still receive the body.
+            let options =
+                "                # Lets the filter pause in on_http_request_headers and still receive the body.
                 allow_on_headers_stop_iteration: true
                 # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
                 # one's stock slots; requests fail closed while it restarts. Never fail open: an
                 # absent filter would let a client's x-gateway-destination-endpoint through.
                 failure_policy: FAIL_RELOAD
-                reload_config: {{ backoff: {{ base_interval: 0.1s, max_interval: 5s }} }}
-                vm_config:
-                  vm_id: sluice
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: {} }} }}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: |
-{}"#,
-                f.wasm_path,
-                indent(&pretty(&f.plugin_config), 20)
-            ));
+                reload_config: { backoff: { base_interval: 0.1s, max_interval: 5s } }
+";
+            let value = format!("|\n{}", indent(&pretty(&f.plugin_config), 20));
+            filters.push_str(&wasm_filter("sluice", options, &f.wasm_path, &value));
         }
         filters.push_str(ROUTER);
         out.push_str(&listener("inference", self.listener_port, body_limit, self.stream_idle_timeout, &filters));
@@ -384,24 +391,9 @@ impl EnvoyConfig {
         }
         if let Some(f) = &self.floor {
             // Its own vm_id: the floor's VMs share nothing with sluice's.
-            let filters = format!(
-                r#"          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: floor
-                root_id: floor
-                allow_on_headers_stop_iteration: true
-                vm_config:
-                  vm_id: floor
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: {} }} }}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: "{}"
-{ROUTER}"#,
-                f.wasm_path, f.endpoint
-            );
+            let options = "                allow_on_headers_stop_iteration: true\n";
+            let value = format!("\"{}\"\n", f.endpoint);
+            let filters = wasm_filter("floor", options, &f.wasm_path, &value) + ROUTER;
             out.push_str(&listener("floor", f.port, body_limit, self.stream_idle_timeout, &filters));
         }
         out.push_str(&format!(
