@@ -482,11 +482,11 @@ fn usage_in(json: &[u8]) -> Option<u32> {
 /// `usage.completion_tokens` of a JSON document, parsed.
 fn parse_usage(json: &[u8]) -> Option<u32> {
     // Only `usage.completion_tokens` is read; serde skips the rest without building it.
-    #[derive(Deserialize)]
+    #[derive(serde::Deserialize)]
     struct Chunk {
         usage: Option<Usage>,
     }
-    #[derive(Deserialize)]
+    #[derive(serde::Deserialize)]
     struct Usage {
         completion_tokens: Option<u64>,
     }
