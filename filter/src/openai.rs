@@ -505,12 +505,20 @@ fn scan_chunk(json: &[u8]) -> (bool, bool) {
     while let Some(i) = memchr(b'"', &json[from..]) {
         let after = &json[from + i + 1..];
         from += i + 1;
-        if !text {
-            text = [&b"content\":\""[..], &b"text\":\""[..]]
-                .iter()
-                .any(|key| after.strip_prefix(*key).and_then(|v| v.first()).is_some_and(|&c| c != b'"'));
-        }
-        usage = usage || after.starts_with(b"completion_tokens\"");
+        // Most quotes open other keys and values: one byte tells.
+        let key: &[u8] = match after.first() {
+            Some(b'c') if after.starts_with(b"completion_tokens\"") => {
+                usage = true;
+                if text {
+                    break;
+                }
+                continue;
+            }
+            Some(b'c') => b"content\":\"",
+            Some(b't') => b"text\":\"",
+            _ => continue,
+        };
+        text = text || after.strip_prefix(key).and_then(|v| v.first()).is_some_and(|&c| c != b'"');
         if text && usage {
             break;
         }
