@@ -555,6 +555,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_chunk_scan_finds_what_substring_searches_find() {
+        // The definitions the scan replaces: text is `"content":"` or `"text":"` followed by a
+        // byte other than a quote, anywhere; usage is `"completion_tokens"` anywhere.
+        let find_all = |hay: &[u8], key: &[u8]| -> Vec<usize> {
+            hay.windows(key.len()).enumerate().filter(|(_, w)| *w == key).map(|(i, _)| i + key.len()).collect()
+        };
+        let reference = |json: &[u8]| {
+            let text = [&b"\"content\":\""[..], &b"\"text\":\""[..]]
+                .iter()
+                .any(|key| find_all(json, key).into_iter().any(|end| json.get(end).is_some_and(|&c| c != b'"')));
+            (text, !find_all(json, b"\"completion_tokens\"").is_empty())
+        };
+        let pieces: [&[u8]; 9] =
+            [b"\"", b"content", b"text", b"completion_tokens", b"\":", b":\"", b"x", b"c", b"{\"choices\":[{"];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..20_000 {
+            let mut json = Vec::new();
+            for _ in 0..(rng % 12) {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                json.extend_from_slice(pieces[(rng % pieces.len() as u64) as usize]);
+            }
+            assert_eq!(scan_chunk(&json), reference(&json), "{}", String::from_utf8_lossy(&json));
+        }
+    }
+
+    #[test]
     fn memchr_finds_the_first_match_as_a_byte_scan_does() {
         let hay: Vec<u8> = (0..200u32).map(|i| (i * 37 % 251) as u8).collect();
         for start in 0..40 {

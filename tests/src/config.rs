@@ -68,6 +68,9 @@ pub struct EnvoyConfig {
     /// A listener with the floor filter instead of sluice, routed to the same cluster (bypass
     /// benchmark).
     pub floor: Option<FloorSpec>,
+    /// A listener with another build of sluice (port, wasm path), configured as `filter` is
+    /// (bypass benchmark: before and after a change, in one run).
+    pub baseline: Option<(u16, String)>,
     /// `idle_timeout` of the pool's routes: a stream with no activity in either direction for this
     /// long ends (a hung backend's requests end). Must exceed the plugin's `queue_ttl_ms`.
     pub stream_idle_timeout: Duration,
@@ -342,6 +345,7 @@ impl EnvoyConfig {
             }),
             direct_listener_port: None,
             floor: None,
+            baseline: None,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
         }
@@ -371,9 +375,7 @@ impl EnvoyConfig {
         out.push_str("stats_flush_interval: 1s\n");
         out.push_str("static_resources:\n  listeners:\n");
         let mut filters = String::new();
-        if let Some(f) = &self.filter {
-            let options =
-                "                # Lets the filter pause in on_http_request_headers and still receive the body.
+        let options = "                # Lets the filter pause in on_http_request_headers and still receive the body.
                 allow_on_headers_stop_iteration: true
                 # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
                 # one's stock slots; requests fail closed while it restarts. Never fail open: an
@@ -381,13 +383,19 @@ impl EnvoyConfig {
                 failure_policy: FAIL_RELOAD
                 reload_config: { backoff: { base_interval: 0.1s, max_interval: 5s } }
 ";
-            let value = format!("|\n{}", indent(&pretty(&f.plugin_config), 20));
-            filters.push_str(&wasm_filter("sluice", options, &f.wasm_path, &value));
+        let value = self.filter.as_ref().map(|f| format!("|\n{}", indent(&pretty(&f.plugin_config), 20)));
+        if let (Some(f), Some(value)) = (&self.filter, &value) {
+            filters.push_str(&wasm_filter("sluice", options, &f.wasm_path, value));
         }
         filters.push_str(ROUTER);
         out.push_str(&listener("inference", self.listener_port, body_limit, self.stream_idle_timeout, &filters));
         if let Some(port) = self.direct_listener_port {
             out.push_str(&listener("direct", port, body_limit, self.stream_idle_timeout, ROUTER));
+        }
+        if let (Some((port, wasm_path)), Some(value)) = (&self.baseline, &value) {
+            // Its own vm_id, so its own shared data: two filters that share nothing.
+            let filters = wasm_filter("sluice-baseline", options, wasm_path, value) + ROUTER;
+            out.push_str(&listener("baseline", *port, body_limit, self.stream_idle_timeout, &filters));
         }
         if let Some(f) = &self.floor {
             // Its own vm_id: the floor's VMs share nothing with sluice's.

@@ -34,6 +34,9 @@ pub struct EnvoyOptions {
     /// Add a listener with the floor filter sending every request to this endpoint (for the
     /// bypass benchmark).
     pub floor_endpoint: Option<String>,
+    /// Add a listener with this build of the filter (a `.wasm` path), configured as the main one
+    /// (for the bypass benchmark's before and after).
+    pub baseline_wasm: Option<String>,
     /// Envoy's `--log-level`.
     pub log_level: String,
     /// `idle_timeout` of the pool's routes ([`EnvoyConfig::stream_idle_timeout`]).
@@ -58,6 +61,7 @@ impl EnvoyOptions {
             admin_port: None,
             direct_listener: false,
             floor_endpoint: None,
+            baseline_wasm: None,
             log_level: std::env::var("SLUICE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
             stream_idle_timeout: crate::config::DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
@@ -77,6 +81,8 @@ pub struct Envoy {
     pub direct: Option<SocketAddr>,
     /// The listener with the floor filter, when requested.
     pub floor: Option<SocketAddr>,
+    /// The listener with the baseline build of the filter, when requested.
+    pub baseline: Option<SocketAddr>,
     /// The rendered bootstrap that Envoy runs.
     pub config_yaml: String,
 }
@@ -119,6 +125,10 @@ impl Envoy {
                     }
                     _ => None,
                 },
+                baseline: match &opts.baseline_wasm {
+                    Some(w) => Some((free_port()?, w.clone())),
+                    None => None,
+                },
                 stream_idle_timeout: opts.stream_idle_timeout,
                 request_body_buffer_limit: opts.request_body_buffer_limit,
             };
@@ -143,6 +153,7 @@ impl Envoy {
                 admin: SocketAddr::from(([127, 0, 0, 1], cfg.admin_port)),
                 direct: cfg.direct_listener_port.map(|p| SocketAddr::from(([127, 0, 0, 1], p))),
                 floor: cfg.floor.as_ref().map(|f| SocketAddr::from(([127, 0, 0, 1], f.port))),
+                baseline: cfg.baseline.as_ref().map(|(p, _)| SocketAddr::from(([127, 0, 0, 1], *p))),
                 config_yaml: yaml,
             };
             match envoy.wait_ready(Duration::from_secs(60)).await {

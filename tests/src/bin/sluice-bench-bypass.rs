@@ -44,20 +44,24 @@ struct Args {
     /// Send non-streaming requests instead of SSE.
     #[arg(long)]
     no_stream: bool,
+    /// Another build of the filter (a `.wasm`), measured as a fourth path beside the others: a
+    /// change's before and after in one run.
+    #[arg(long)]
+    baseline_wasm: Option<PathBuf>,
     /// Directory for `bench-bypass.md` and `bench-bypass.csv` (relative to the repository root).
     #[arg(long, default_value = "out")]
     out: PathBuf,
 }
 
-/// The three ways through Envoy, in the order of the table.
+/// The ways through Envoy, in the order of the table.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Path {
     None,
     Floor,
     Sluice,
+    /// The `--baseline-wasm` build of sluice.
+    Baseline,
 }
-
-const PATHS: [Path; 3] = [Path::None, Path::Floor, Path::Sluice];
 
 impl Path {
     fn name(self) -> &'static str {
@@ -65,6 +69,7 @@ impl Path {
             Path::None => "no filter",
             Path::Floor => "floor (pause, read body, resume)",
             Path::Sluice => "sluice (all bypassed)",
+            Path::Baseline => "sluice baseline (all bypassed)",
         }
     }
 }
@@ -96,22 +101,26 @@ fn us(d: Option<Duration>) -> f64 {
 struct Cell {
     envoy_concurrency: u32,
     clients: usize,
-    figures: [Figures; 3],
+    figures: Vec<(Path, Figures)>,
 }
 
 impl Cell {
     fn get(&self, p: Path) -> &Figures {
-        &self.figures[PATHS.iter().position(|&q| q == p).expect("every path has figures")]
+        &self.figures.iter().find(|(q, _)| *q == p).expect("every path has figures").1
+    }
+    /// The filters compared with the floor.
+    fn filters(&self) -> impl Iterator<Item = Path> + '_ {
+        self.figures.iter().map(|(p, _)| *p).filter(|p| matches!(p, Path::Sluice | Path::Baseline))
     }
     /// What `p` adds to the unfiltered path's (p50, p99), in µs.
     fn added(&self, p: Path) -> (f64, f64) {
         let (f, none) = (self.get(p), self.get(Path::None));
         (f.p50_us() - none.p50_us(), f.p99_us() - none.p99_us())
     }
-    /// Sluice over the floor: (added p50, req/s, added p99, p99).
-    fn ratios(&self) -> (f64, f64, f64, f64) {
-        let (s, f) = (self.get(Path::Sluice), self.get(Path::Floor));
-        let ((s50, s99), (f50, f99)) = (self.added(Path::Sluice), self.added(Path::Floor));
+    /// A filter over the floor: (added p50, req/s, added p99, p99).
+    fn ratios(&self, filter: Path) -> (f64, f64, f64, f64) {
+        let (s, f) = (self.get(filter), self.get(Path::Floor));
+        let ((s50, s99), (f50, f99)) = (self.added(filter), self.added(Path::Floor));
         (s50 / f50, s.summary.requests_per_s / f.summary.requests_per_s, s99 / f99, s.p99_us() / f.p99_us())
     }
 }
@@ -159,12 +168,17 @@ async fn run(args: Args) -> Result<()> {
         "backend {endpoint} (--instant, one-token answers); {} rounds of {:.1} s per path and cell; stream {}; {cores} cores, load {load_before}",
         args.rounds, args.phase_secs, req.stream
     );
+    let mut paths = vec![Path::None, Path::Floor, Path::Sluice];
+    if args.baseline_wasm.is_some() {
+        paths.push(Path::Baseline);
+    }
     let mut cells = Vec::new();
     for &concurrency in &args.envoy_concurrency {
         let envoy = Envoy::start(EnvoyOptions {
             concurrency,
             direct_listener: true,
             floor_endpoint: Some(endpoint.clone()),
+            baseline_wasm: args.baseline_wasm.as_ref().map(|p| p.display().to_string()),
             log_level: "warn".into(),
             ..EnvoyOptions::with_filter("bench-bypass", pc.clone())
         })
@@ -174,20 +188,21 @@ async fn run(args: Args) -> Result<()> {
                 Path::None => (envoy.direct.expect("direct listener requested"), &direct_req),
                 Path::Floor => (envoy.floor.expect("floor listener requested"), &req),
                 Path::Sluice => (envoy.listener, &req),
+                Path::Baseline => (envoy.baseline.expect("baseline listener requested"), &req),
             }
         };
         for &clients in &args.clients {
             // Warm-up: connections, Wasm JIT, backend.
-            for p in PATHS {
+            for &p in &paths {
                 let (a, r) = addr(p);
                 closed_loop(&client, a, r, clients, Duration::from_secs_f64(args.phase_secs.min(1.0))).await;
             }
             let before = envoy.stats().await?;
-            let mut runs: [(Vec<Outcome>, Duration); 3] = Default::default();
+            let mut runs: Vec<(Vec<Outcome>, Duration)> = vec![Default::default(); paths.len()];
             for round in 0..args.rounds {
-                for k in 0..PATHS.len() {
-                    let i = (round + k) % PATHS.len();
-                    let (a, r) = addr(PATHS[i]);
+                for k in 0..paths.len() {
+                    let i = (round + k) % paths.len();
+                    let (a, r) = addr(paths[i]);
                     let t = Instant::now();
                     let outcomes = closed_loop(&client, a, r, clients, phase).await;
                     runs[i].1 += t.elapsed();
@@ -199,7 +214,7 @@ async fn run(args: Args) -> Result<()> {
             if queued > 0.0 {
                 bail!("{queued} requests were queued: the figures do not measure the bypass path alone");
             }
-            let figures = runs.map(|(o, e)| Figures::of(&o, e));
+            let figures = paths.iter().zip(&runs).map(|(&p, (o, e))| (p, Figures::of(o, *e))).collect();
             let cell = Cell { envoy_concurrency: concurrency, clients, figures };
             print_cell(&cell);
             cells.push(cell);
@@ -209,12 +224,13 @@ async fn run(args: Args) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let header = format!(
         "`{command}` on {cores} cores; load average (1, 5, 15 min) {load_before} before, {load_after} after; \
-         {} rounds of {:.1} s per path and cell, stream {}; sluice {}, floor {}",
+         {} rounds of {:.1} s per path and cell, stream {}; sluice {}, floor {}{}",
         args.rounds,
         args.phase_secs,
         req.stream,
         paths::filter_wasm()?.display(),
-        paths::floor_wasm()?.display()
+        paths::floor_wasm()?.display(),
+        args.baseline_wasm.as_ref().map(|p| format!(", baseline {}", p.display())).unwrap_or_default()
     );
     write_tables(&args.out, &header, &cells)?;
     Ok(())
@@ -226,8 +242,7 @@ fn print_cell(c: &Cell) {
         "{:<34} {:>9} {:>7} {:>9} {:>9} {:>9} {:>11} {:>11}",
         "path", "requests", "failed", "req/s", "p50 µs", "p99 µs", "+p50 µs", "+p99 µs"
     );
-    for p in PATHS {
-        let f = c.get(p);
+    for &(p, ref f) in &c.figures {
         let (a50, a99) = c.added(p);
         println!(
             "{:<34} {:>9} {:>7} {:>9.0} {:>9.0} {:>9.0} {:>11.0} {:>11.0}",
@@ -241,11 +256,14 @@ fn print_cell(c: &Cell) {
             a99
         );
     }
-    let (r50, rps, r99, rp99) = c.ratios();
-    println!(
-        "sluice / floor: added p50 {r50:.2}x (goal <= 1.5), req/s {:.0}% (goal >= 90%), p99 {rp99:.2}x (goal <= 2), added p99 {r99:.2}x",
-        rps * 100.0
-    );
+    for filter in c.filters() {
+        let (r50, rps, r99, rp99) = c.ratios(filter);
+        println!(
+            "{} / floor: added p50 {r50:.2}x (goal <= 1.5), req/s {:.0}% (goal >= 90%), p99 {rp99:.2}x (goal <= 2), added p99 {r99:.2}x",
+            filter.name(),
+            rps * 100.0
+        );
+    }
 }
 
 /// Writes the markdown and CSV tables under `out` (relative to the repository root).
@@ -262,8 +280,7 @@ fn write_tables(out: &std::path::Path, header: &str, cells: &[Cell]) -> Result<(
     );
     for c in cells {
         let none_rps = c.get(Path::None).summary.requests_per_s;
-        for p in PATHS {
-            let f = c.get(p);
+        for &(p, ref f) in &c.figures {
             let (a50, a99) = c.added(p);
             let _ = writeln!(
                 md,
@@ -297,17 +314,20 @@ fn write_tables(out: &std::path::Path, header: &str, cells: &[Cell]) -> Result<(
     md.push_str(
         "\nSluice over the floor (goals: added p50 ≤ 1.5×, req/s ≥ 90 %, p99 ≤ 2×; the added p99 is the \
          difference of two tails and often within noise):\n\n\
-         | Envoy conc. | clients | added p50 | req/s | p99 | added p99 |\n|---|---|---|---|---|---|\n",
+         | Envoy conc. | clients | filter | added p50 | req/s | p99 | added p99 |\n|---|---|---|---|---|---|---|\n",
     );
     for c in cells {
-        let (r50, rps, r99, rp99) = c.ratios();
-        let _ = writeln!(
-            md,
-            "| {} | {} | {r50:.2}× | {:.0} % | {rp99:.2}× | {r99:.2}× |",
-            c.envoy_concurrency,
-            c.clients,
-            rps * 100.0
-        );
+        for filter in c.filters() {
+            let (r50, rps, r99, rp99) = c.ratios(filter);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {r50:.2}× | {:.0} % | {rp99:.2}× | {r99:.2}× |",
+                c.envoy_concurrency,
+                c.clients,
+                filter.name(),
+                rps * 100.0
+            );
+        }
     }
     let (md_path, csv_path) = (dir.join("bench-bypass.md"), dir.join("bench-bypass.csv"));
     std::fs::write(&md_path, md)?;
