@@ -2,7 +2,6 @@
 //! (SSE) or complete response, and the error body it answers with.
 
 use serde::de::{self, Deserialize};
-use serde_json::Value;
 use sluice_policies::routing::prefix_hashes;
 
 /// How a prompt is hashed for prefix affinity.
@@ -35,6 +34,10 @@ const SCHEDULED_PATHS: [&[u8]; 2] = [b"/v1/chat/completions", b"/v1/completions"
 /// `/v1/%63ompletions`, `/V1/completions/`, `/./v1/completions;x`) cannot
 /// skip the queue.
 pub fn is_scheduled_path(path: &[u8]) -> bool {
+    // Already in normal form (what clients send): no need to rewrite it.
+    if SCHEDULED_PATHS.contains(&path) {
+        return true;
+    }
     let p = normalize_path(path);
     SCHEDULED_PATHS.contains(&p.as_slice())
 }
@@ -712,7 +715,7 @@ impl TokenCounter {
         }
         let before = self.counted;
         let mut rest = chunk;
-        while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
+        while let Some(nl) = memchr(b'\n', rest) {
             let (line, tail) = rest.split_at(nl);
             rest = &tail[1..];
             if self.partial.is_empty() {
@@ -739,10 +742,11 @@ impl TokenCounter {
         if payload == b"[DONE]" || payload.is_empty() {
             return;
         }
-        if let Some(n) = usage_in(payload) {
+        let (text, usage) = scan_chunk(payload);
+        if let Some(n) = usage.then(|| parse_usage(payload)).flatten() {
             self.usage = Some(n);
         }
-        if has_text(payload) {
+        if text {
             self.counted += 1;
         }
     }
@@ -771,37 +775,124 @@ fn usage_in(json: &[u8]) -> Option<u32> {
     if !contains(json, b"\"completion_tokens\"") {
         return None;
     }
-    let v: Value = serde_json::from_slice(json).ok()?;
-    let n = v.get("usage")?.get("completion_tokens")?.as_u64()?;
+    parse_usage(json)
+}
+
+/// `usage.completion_tokens` of a JSON document, parsed.
+fn parse_usage(json: &[u8]) -> Option<u32> {
+    // Only `usage.completion_tokens` is read; serde skips the rest without building it.
+    #[derive(serde::Deserialize)]
+    struct Chunk {
+        usage: Option<Usage>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Usage {
+        completion_tokens: Option<u64>,
+    }
+    let n = serde_json::from_slice::<Chunk>(json).ok()?.usage?.completion_tokens?;
     Some(n.min(u32::MAX as u64) as u32)
 }
 
-/// Does an SSE chunk carry generated text (`"content":"x` or `"text":"x`)?
-fn has_text(json: &[u8]) -> bool {
-    [&b"\"content\":\""[..], &b"\"text\":\""[..]].iter().any(|key| {
-        let mut hay = json;
-        while let Some(i) = find(hay, key) {
-            let after = &hay[i + key.len()..];
-            if after.first().is_some_and(|&c| c != b'"') {
-                return true;
+/// One pass over an SSE chunk, which runs for every token: does it carry
+/// generated text (`"content":"x` or `"text":"x`), and does it mention
+/// `"completion_tokens"` (then it is worth parsing for its usage)? Only the
+/// quotes are looked at closely: a compare at every byte cost more than the
+/// rest of the response path.
+fn scan_chunk(json: &[u8]) -> (bool, bool) {
+    let (mut text, mut usage) = (false, false);
+    let mut from = 0;
+    while let Some(i) = memchr(b'"', &json[from..]) {
+        let after = &json[from + i + 1..];
+        from += i + 1;
+        // Most quotes open other keys and values: one byte tells.
+        let key: &[u8] = match after.first() {
+            Some(b'c') if after.starts_with(b"completion_tokens\"") => {
+                usage = true;
+                if text {
+                    break;
+                }
+                continue;
             }
-            hay = after;
+            Some(b'c') => b"content\":\"",
+            Some(b't') => b"text\":\"",
+            _ => continue,
+        };
+        text = text || after.strip_prefix(key).and_then(|v| v.first()).is_some_and(|&c| c != b'"');
+        if text && usage {
+            break;
         }
-        false
-    })
+    }
+    (text, usage)
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// The first `byte` in `hay`, eight bytes at a time: Wasm has no vector
+/// search, and a byte-at-a-time loop was most of the cost of counting a
+/// response's tokens.
+fn memchr(byte: u8, hay: &[u8]) -> Option<usize> {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    let pattern = LO * byte as u64;
+    let mut chunks = hay.chunks_exact(8);
+    for (k, c) in chunks.by_ref().enumerate() {
+        let x = u64::from_le_bytes(c.try_into().expect("eight bytes")) ^ pattern;
+        // A zero byte of x is a match; its lowest set high bit marks the first.
+        let found = x.wrapping_sub(LO) & !x & HI;
+        if found != 0 {
+            return Some(k * 8 + found.trailing_zeros() as usize / 8);
+        }
+    }
+    let tail = chunks.remainder();
+    tail.iter().position(|&b| b == byte).map(|i| hay.len() - tail.len() + i)
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    find(hay, needle).is_some()
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_chunk_scan_finds_what_substring_searches_find() {
+        // The definitions the scan replaces: text is `"content":"` or `"text":"` followed by a
+        // byte other than a quote, anywhere; usage is `"completion_tokens"` anywhere.
+        let find_all = |hay: &[u8], key: &[u8]| -> Vec<usize> {
+            hay.windows(key.len()).enumerate().filter(|(_, w)| *w == key).map(|(i, _)| i + key.len()).collect()
+        };
+        let reference = |json: &[u8]| {
+            let text = [&b"\"content\":\""[..], &b"\"text\":\""[..]]
+                .iter()
+                .any(|key| find_all(json, key).into_iter().any(|end| json.get(end).is_some_and(|&c| c != b'"')));
+            (text, !find_all(json, b"\"completion_tokens\"").is_empty())
+        };
+        let pieces: [&[u8]; 9] =
+            [b"\"", b"content", b"text", b"completion_tokens", b"\":", b":\"", b"x", b"c", b"{\"choices\":[{"];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..20_000 {
+            let mut json = Vec::new();
+            for _ in 0..(rng % 12) {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                json.extend_from_slice(pieces[(rng % pieces.len() as u64) as usize]);
+            }
+            assert_eq!(scan_chunk(&json), reference(&json), "{}", String::from_utf8_lossy(&json));
+        }
+    }
+
+    #[test]
+    fn memchr_finds_the_first_match_as_a_byte_scan_does() {
+        let hay: Vec<u8> = (0..200u32).map(|i| (i * 37 % 251) as u8).collect();
+        for start in 0..40 {
+            for len in 0..hay.len() - start {
+                let h = &hay[start..start + len];
+                for byte in [0u8, 1, 0x80, 0xff, b'"', b'\n', h.get(len / 2).copied().unwrap_or(7)] {
+                    assert_eq!(memchr(byte, h), h.iter().position(|&b| b == byte), "{byte} in {h:?}");
+                }
+            }
+        }
+    }
 
     const HASH_64: PrefixHashing = PrefixHashing { block_bytes: 64, max_blocks: 128 };
 

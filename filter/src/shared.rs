@@ -157,16 +157,6 @@ fn encode_rows(rows: &[Row]) -> Vec<u8> {
     b
 }
 
-fn total(rows: &[Row], endpoints: usize) -> Vec<u32> {
-    let mut load = vec![0u32; endpoints];
-    for r in rows {
-        for (t, &n) in load.iter_mut().zip(&r.load) {
-            *t = t.saturating_add(n);
-        }
-    }
-    load
-}
-
 /// Every worker's row of a [`LOAD_KEY`] value, as `(worker, in-flight per
 /// endpoint)`, for inspection (the simulator's checks); `None` when the bytes
 /// are not whole rows for `endpoints` endpoints.
@@ -175,9 +165,50 @@ pub fn load_rows(bytes: &[u8], endpoints: usize) -> Option<Vec<(u32, Vec<u32>)>>
     bytes.len().is_multiple_of(4 * (endpoints + 1)).then_some(rows)
 }
 
+/// The whole rows of a [`LOAD_KEY`] value, as stored (a torn tail is dropped).
+fn whole_rows(v: Option<&[u8]>, endpoints: usize) -> &[u8] {
+    let b = v.unwrap_or_default();
+    &b[..b.len() - b.len() % (4 * (endpoints + 1))]
+}
+
+/// In-flight requests per endpoint over the rows in `rows` (whole rows).
+fn total_of(rows: &[u8], endpoints: usize) -> Vec<u32> {
+    let mut load = vec![0u32; endpoints];
+    for row in rows.chunks_exact(4 * (endpoints + 1)) {
+        for (t, n) in load.iter_mut().zip(row[4..].chunks_exact(4)) {
+            *t = t.saturating_add(u32_at(n));
+        }
+    }
+    load
+}
+
+/// Adds `delta` to `owner`'s count on `endpoint` in place (the first row of
+/// `owner`; a missing row is appended for a positive delta), then drops rows
+/// that hold nothing, as [`encode_rows`] does. The hot path's update: no row
+/// is decoded into vectors.
+fn add_to_row(rows: &mut Vec<u8>, endpoints: usize, owner: u32, endpoint: usize, delta: i64) {
+    let width = 4 * (endpoints + 1);
+    let at = rows.chunks_exact(width).position(|r| u32_at(r) == owner).map(|k| k * width);
+    let at = match at {
+        Some(at) => at,
+        None if delta > 0 => {
+            rows.extend_from_slice(&owner.to_le_bytes());
+            rows.resize(rows.len() + 4 * endpoints, 0);
+            rows.len() - width
+        }
+        None => return,
+    };
+    let cell = &mut rows[at + 4 + 4 * endpoint..at + 8 + 4 * endpoint];
+    let n = (u32_at(cell) as i64 + delta).clamp(0, u32::MAX as i64) as u32;
+    cell.copy_from_slice(&n.to_le_bytes());
+    if n == 0 && rows[at + 4..at + width].iter().all(|&b| b == 0) {
+        rows.drain(at..at + width);
+    }
+}
+
 /// In-flight requests per endpoint, over every worker.
 pub fn load(store: &dyn Store, endpoints: usize) -> Vec<u32> {
-    total(&decode_rows(store.get(LOAD_KEY).0.as_deref(), endpoints), endpoints)
+    total_of(whole_rows(store.get(LOAD_KEY).0.as_deref(), endpoints), endpoints)
 }
 
 /// Total in-flight requests (the stock).
@@ -239,22 +270,16 @@ pub fn acquire(
     mut pick: impl FnMut(&[u32]) -> Option<usize>,
 ) -> Option<(Permit, u64)> {
     update(store, LOAD_KEY, |v| {
-        let mut rows = decode_rows(v, endpoints);
-        let load = total(&rows, endpoints);
+        let rows = whole_rows(v, endpoints);
+        let load = total_of(rows, endpoints);
         let stock: u64 = load.iter().map(|&n| n as u64).sum();
         if !allowed(&load) {
             return None;
         }
         let i = pick(&load).filter(|&i| i < endpoints)?;
-        match rows.iter_mut().find(|r| r.worker == owner) {
-            Some(r) => r.load[i] = r.load[i].saturating_add(1),
-            None => {
-                let mut load = vec![0; endpoints];
-                load[i] = 1;
-                rows.push(Row { worker: owner, load });
-            }
-        }
-        Some((encode_rows(&rows), (Permit { owner, endpoint: i as u32 }, stock + 1)))
+        let mut rows = rows.to_vec();
+        add_to_row(&mut rows, endpoints, owner, i, 1);
+        Some((rows, (Permit { owner, endpoint: i as u32 }, stock + 1)))
     })
 }
 
@@ -395,12 +420,12 @@ pub fn update_record(store: &dyn Store, endpoints: usize, endpoint: usize, f: im
 /// Gives back a slot [`acquire`] took for `owner`; returns the new stock.
 fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u64 {
     update(store, LOAD_KEY, |v| {
-        let mut rows = decode_rows(v, endpoints);
-        if let Some(n) = rows.iter_mut().find(|r| r.worker == owner).and_then(|r| r.load.get_mut(endpoint as usize)) {
-            *n = n.saturating_sub(1);
+        let mut rows = whole_rows(v, endpoints).to_vec();
+        if (endpoint as usize) < endpoints {
+            add_to_row(&mut rows, endpoints, owner, endpoint as usize, -1);
         }
-        let stock = total(&rows, endpoints).iter().map(|&n| n as u64).sum();
-        Some((encode_rows(&rows), stock))
+        let stock = total_of(&rows, endpoints).iter().map(|&n| n as u64).sum();
+        Some((rows, stock))
     })
     .unwrap_or(0)
 }
@@ -624,6 +649,42 @@ pub(crate) mod tests {
         let kept = &recs[0].metrics.as_ref().unwrap().loras;
         assert!(!kept.is_empty() && kept.len() < 40 && kept.iter().all(|l| m.loras.contains(l)), "{}", kept.len());
         assert_eq!(recs[1].failures, 3, "the record after it is still read");
+    }
+
+    #[test]
+    fn slots_taken_and_given_back_in_any_order_keep_one_row_per_holding_worker() {
+        let (s, endpoints) = (MapStore::default(), 3);
+        let mut model = std::collections::BTreeMap::<(u32, usize), u32>::new();
+        let mut held: Vec<Permit> = Vec::new();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..3000 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let (owner, endpoint) = ((rng >> 8) as u32 % 4, (rng >> 16) as usize % endpoints);
+            if rng % 5 < 3 || held.is_empty() {
+                let (p, stock) = acquire(&s, endpoints, owner, |_| true, |_| Some(endpoint)).unwrap();
+                *model.entry((owner, endpoint)).or_default() += 1;
+                held.push(p);
+                assert_eq!(stock, held.len() as u64);
+            } else {
+                let p = held.swap_remove((rng >> 24) as usize % held.len());
+                *model.get_mut(&(p.owner, p.endpoint as usize)).unwrap() -= 1;
+                assert_eq!(p.release(&s, endpoints), held.len() as u64);
+            }
+            let rows = load_rows(&s.get(LOAD_KEY).0.unwrap_or_default(), endpoints).unwrap();
+            let mut expected: Vec<(u32, Vec<u32>)> = (0..4)
+                .map(|w| (w, (0..endpoints).map(|e| model.get(&(w, e)).copied().unwrap_or(0)).collect::<Vec<_>>()))
+                .filter(|(_, l)| l.iter().any(|&n| n > 0))
+                .collect();
+            let mut got = rows.clone();
+            got.sort();
+            expected.sort();
+            assert_eq!(got, expected, "one row per worker that holds a slot, none for the others");
+            let totals: Vec<u32> =
+                (0..endpoints).map(|e| (0..4).map(|w| model.get(&(w, e)).copied().unwrap_or(0)).sum()).collect();
+            assert_eq!(load(&s, endpoints), totals);
+        }
     }
 
     #[test]

@@ -216,6 +216,8 @@ impl RootContext for Root {
             slo: SloHeaders::default(),
             tokens: None,
             awaiting_first_bytes: false,
+            response_ok: false,
+            response_ended_ms: None,
         }))
     }
 }
@@ -265,6 +267,12 @@ struct Http {
     tokens: Option<TokenCounter>,
     /// A 2xx response began and its first body bytes (the TTFT) are awaited.
     awaiting_first_bytes: bool,
+    /// The response is a 2xx: the backend's own (Envoy answers an upstream
+    /// failure with a 5xx of its own).
+    response_ok: bool,
+    /// When a 2xx response's body ended: the stream then ends at that time,
+    /// and not with an upstream failure (a reset never reaches the end).
+    response_ended_ms: Option<u64>,
 }
 
 /// Bytes as text, or `None` when they are not UTF-8: a header value Envoy
@@ -427,15 +435,18 @@ impl HttpContext for Http {
             self.tokens = Some(TokenCounter::new(content_type.as_deref()));
             // Only successful responses measure TTFT: a quick error is no first token.
             let status = self.get_http_response_header_bytes(":status").unwrap_or_default();
-            self.awaiting_first_bytes = status.first() == Some(&b'2');
+            self.response_ok = status.first() == Some(&b'2');
+            self.awaiting_first_bytes = self.response_ok;
         }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         let (Some(counter), Some(vm)) = (self.tokens.as_mut(), self.vm.as_ref()) else { return Action::Continue };
+        // One clock reading per callback: the host call costs more than the ms it could gain.
+        let mut now = None;
         if size > 0 && std::mem::take(&mut self.awaiting_first_bytes) {
-            vm.borrow_mut().at(now_ms()).first_response_bytes(self.ctx);
+            vm.borrow_mut().at(*now.get_or_insert_with(now_ms)).first_response_bytes(self.ctx);
         }
         let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default();
         let mut n = counter.feed(&chunk);
@@ -443,7 +454,10 @@ impl HttpContext for Http {
             n += counter.finish();
         }
         if n > 0 {
-            vm.borrow_mut().at(now_ms()).charge(self.ctx, n);
+            vm.borrow_mut().at(*now.get_or_insert_with(now_ms)).charge(self.ctx, n);
+        }
+        if end_of_stream && self.response_ok {
+            self.response_ended_ms = Some(now.unwrap_or_else(now_ms));
         }
         Action::Continue
     }
@@ -451,9 +465,17 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         let Some(vm) = &self.vm else { return };
         let uncharged = self.tokens.as_mut().map_or(0, TokenCounter::finish);
-        // Envoy's words for a backend that refused or dropped the connection.
-        let details = self.get_property(vec!["response", "code_details"]).unwrap_or_default();
-        let upstream_failed = details.starts_with(b"upstream_reset");
-        vm.borrow_mut().at(now_ms()).finish(self.ctx, uncharged, upstream_failed);
+        let (now, upstream_failed) = match self.response_ended_ms {
+            // The backend sent the whole of a 2xx response: it did not fail,
+            // and the stream ended then (Envoy logs it right after), so
+            // neither the property nor the clock needs a host call.
+            Some(ms) => (ms, false),
+            None => {
+                // Envoy's words for a backend that refused or dropped the connection.
+                let details = self.get_property(vec!["response", "code_details"]).unwrap_or_default();
+                (now_ms(), details.starts_with(b"upstream_reset"))
+            }
+        };
+        vm.borrow_mut().at(now).finish(self.ctx, uncharged, upstream_failed);
     }
 }

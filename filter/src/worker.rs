@@ -210,6 +210,35 @@ impl Metric {
     }
 }
 
+/// Folds charge `next` into `prev`, the charge just before it, when both are
+/// for the same request and `next` only adds output or ends it: the
+/// scheduler handles a charge's input, then its output, then its end, so one
+/// message does what the two did in turn (a bypassed request that finishes
+/// within a tick sends one charge instead of three). `false`: left as they are.
+fn merge_charge(prev: &mut ToScheduler, next: &ToScheduler) -> bool {
+    let (
+        ToScheduler::Charge { req, output_tokens, done, first_token_ms, .. },
+        ToScheduler::Charge {
+            req: next_req,
+            input_tokens: 0,
+            output_tokens: more,
+            done: next_done,
+            first_token_ms: next_first,
+            ..
+        },
+    ) = (prev, next)
+    else {
+        return false;
+    };
+    if *req != *next_req || *done || (first_token_ms.is_some() && next_first.is_some()) {
+        return false;
+    }
+    *output_tokens = output_tokens.saturating_add(*more);
+    *done = *next_done;
+    *first_token_ms = first_token_ms.or(*next_first);
+    true
+}
+
 fn worker_queue_name(worker: u32) -> String {
     format!("sluice.worker.{worker}")
 }
@@ -349,6 +378,11 @@ impl<H: Host> Worker<H> {
     /// of delay, and one message per tick instead of one per token keeps the
     /// scheduler's thread free.
     fn charge_later(&mut self, msg: ToScheduler) {
+        if let (Some(prev), ToScheduler::Charge { .. }) = (self.pending.last_mut(), &msg) {
+            if merge_charge(prev, &msg) {
+                return;
+            }
+        }
         self.pending.push(msg);
         if self.pending.len() >= MAX_PENDING_CHARGES {
             self.flush_charges();
@@ -395,7 +429,7 @@ impl<H: Host> Worker<H> {
     /// Bypass, hand the request to the scheduler, or (overload ladder) hold
     /// or refuse it.
     pub fn admit(&mut self, ctx: u32, who: Admit, req: &openai::CompletionRequest) -> Admission {
-        let Admit { tenant, band, route, slo } = who;
+        let Admit { tenant, band, mut route, slo } = who;
         let deadline = self.deadline(&slo, &tenant, &route.model, band);
         if deadline.is_some_and(|d| d.at_ms <= self.now) && self.cfg.slo.as_ref().is_some_and(|s| s.drop.is_some()) {
             // Earlier stages already spent the whole objective.
@@ -437,7 +471,8 @@ impl<H: Host> Worker<H> {
                         output_tokens: 0,
                         done: false,
                         first_token_ms: None,
-                        model: route.model.clone(),
+                        // The route is done with: a bypassed request never reaches the queue.
+                        model: std::mem::take(&mut route.model),
                         tenant: tenant.clone(),
                     });
                     self.write_engine_priority(ctx, band);
@@ -1454,6 +1489,53 @@ mod tests {
 
     fn queued(p: &Rc<Process>, name: &str) -> usize {
         p.queues.borrow()[queue_id(p, name) as usize - 1].1.len()
+    }
+
+    /// The charges a worker holds for the next tick, as (req, input, output, done, first token seen).
+    fn pending(w: &Worker<Vm>) -> Vec<(u64, u32, u32, bool, bool)> {
+        w.pending
+            .iter()
+            .map(|m| match m {
+                ToScheduler::Charge { req, input_tokens, output_tokens, done, first_token_ms, .. } => {
+                    (*req, *input_tokens, *output_tokens, *done, first_token_ms.is_some())
+                }
+                other => panic!("only charges wait for the tick: {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_bypassed_request_that_ends_within_a_tick_sends_one_charge() {
+        let p = Rc::new(Process::default());
+        let bounds = serde_json::json!({"endpoints": ["127.0.0.1:1"], "lower_bound_per_backend": 10, "upper_bound_per_backend": 10});
+        let mut w = vm(&p, 1, config(bounds), 0);
+        assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Bypass(0));
+        let input = match &w.pending[..] {
+            [ToScheduler::Charge { input_tokens, .. }] => *input_tokens,
+            other => panic!("one bypass charge: {other:?}"),
+        };
+        assert!(input > 0);
+        w.at(5).charge(1, 2);
+        w.at(6).charge(1, 3);
+        w.at(7).finish(1, 1, false);
+        let req = w.request_id(1);
+        assert_eq!(pending(&w), vec![(req, input, 6, true, true)], "input, output and end in one message");
+        // Interleaved requests keep their order: a charge folds only into the one just before it.
+        assert_eq!(admit(&mut w, 8, 2, "a"), Admission::Bypass(0));
+        assert_eq!(admit(&mut w, 8, 3, "b"), Admission::Bypass(0));
+        w.at(9).charge(3, 1);
+        w.at(9).finish(3, 0, false);
+        w.at(9).charge(2, 1);
+        w.at(9).finish(2, 0, false);
+        let (r2, r3) = (w.request_id(2), w.request_id(3));
+        let got: Vec<_> = pending(&w).into_iter().map(|(r, i, o, d, _)| (r, i > 0, o, d)).collect();
+        assert_eq!(
+            got,
+            vec![(req, true, 6, true), (r2, true, 0, false), (r3, true, 1, true), (r2, false, 1, true)],
+            "{got:?}"
+        );
+        w.on_tick(60);
+        assert!(w.pending.is_empty(), "flushed on the tick");
     }
 
     #[test]

@@ -26,6 +26,18 @@ pub struct FilterSpec {
     pub plugin_config: Value,
 }
 
+/// The bypass benchmark's floor filter (`tests/floor-filter`) on a listener of its own: it pauses,
+/// reads the body and sends every request to `endpoint`.
+#[derive(Debug, Clone)]
+pub struct FloorSpec {
+    /// Port of its listener on 127.0.0.1.
+    pub port: u16,
+    /// Path of `sluice_floor_filter.wasm` as Envoy should open it.
+    pub wasm_path: String,
+    /// The endpoint it names in the destination header (its plugin configuration).
+    pub endpoint: String,
+}
+
 /// One Envoy's part in the replicas exchange (the filter's `replicas` key): an internal listener
 /// whose plugin serves this replica's state, and the cluster of every replica's one.
 #[derive(Debug, Clone)]
@@ -82,6 +94,12 @@ pub struct EnvoyConfig {
     pub filter: Option<FilterSpec>,
     /// A second listener without the filter, routed to the same cluster (bypass benchmark).
     pub direct_listener_port: Option<u16>,
+    /// A listener with the floor filter instead of sluice, routed to the same cluster (bypass
+    /// benchmark).
+    pub floor: Option<FloorSpec>,
+    /// A listener with another build of sluice (port, wasm path), configured as `filter` is
+    /// (bypass benchmark: before and after a change, in one run).
+    pub baseline: Option<(u16, String)>,
     /// `idle_timeout` of the pool's routes: a stream with no activity in either direction for this
     /// long ends (a hung backend's requests end). Must exceed the plugin's `queue_ttl_ms`.
     pub stream_idle_timeout: Duration,
@@ -332,43 +350,51 @@ const ROUTER: &str = r#"          - name: envoy.filters.http.router
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#;
 
-/// The sluice Wasm filter entry of an `http_filters` list.
-fn wasm_filter(root_id: &str, wasm_path: &str, plugin_config: &Value) -> String {
+/// An `envoy.filters.http.wasm` entry of a listener's `http_filters`: plugin and root id `name`
+/// in VM `vm_id` (plugins in one VM id share its shared data), with `options` (indented YAML lines
+/// of `config`), `vm_extra` (lines appended to `vm_config`) and the plugin configuration `value`
+/// (a YAML scalar or block, with its line end).
+fn wasm_entry(name: &str, vm_id: &str, options: &str, wasm_path: &str, vm_extra: &str, value: &str) -> String {
+    format!(
+        r#"          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {name}
+                root_id: {name}
+{options}                vm_config:
+                  vm_id: {vm_id}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: {wasm_path} }} }}{vm_extra}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {value}"#
+    )
+}
+
+/// The sluice filter entry: plugin `root_id` in VM `vm_id` with `plugin_config`.
+fn wasm_filter(root_id: &str, vm_id: &str, wasm_path: &str, plugin_config: &Value) -> String {
+    const OPTIONS: &str = "                # Lets the filter pause in on_http_request_headers and still receive the body.
+                allow_on_headers_stop_iteration: true
+                # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
+                # one's stock slots; requests fail closed while it restarts. Never fail open: an
+                # absent filter would let a client's x-gateway-destination-endpoint through.
+                failure_policy: FAIL_RELOAD
+                reload_config: { backoff: { base_interval: 0.1s, max_interval: 5s } }
+";
     // A replica id read from the environment needs the variable exposed to the VM (the same in
     // both plugins, whose vm_config must match for them to share it).
     let env = match plugin_config.pointer("/replicas/name_env").and_then(Value::as_str) {
         Some(var) => format!("\n                  environment_variables: {{ host_env_keys: [{var}] }}"),
         None => String::new(),
     };
-    format!(
-        r#"          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: {root_id}
-                root_id: {root_id}
-                # Lets the filter pause in on_http_request_headers and still receive the body.
-                allow_on_headers_stop_iteration: true
-                # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
-                # one's stock slots; requests fail closed while it restarts. Never fail open: an
-                # absent filter would let a client's x-gateway-destination-endpoint through.
-                failure_policy: FAIL_RELOAD
-                reload_config: {{ backoff: {{ base_interval: 0.1s, max_interval: 5s }} }}
-                vm_config:
-                  vm_id: sluice
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: {wasm_path} }} }}{env}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: |
-{config}"#,
-        config = indent(&pretty(plugin_config), 20)
-    )
+    let value = format!("|\n{}", indent(&pretty(plugin_config), 20));
+    wasm_entry(root_id, vm_id, OPTIONS, wasm_path, &env, &value)
 }
 
 /// The internal listener of the replicas exchange: only the filter (in serve mode) answers there.
 fn replicas_listener(address: &str, port: u16, filter: &FilterSpec) -> String {
-    let wasm = wasm_filter("sluice_replicas", &filter.wasm_path, &serve_config(&filter.plugin_config));
+    let wasm = wasm_filter("sluice_replicas", "sluice", &filter.wasm_path, &serve_config(&filter.plugin_config));
     format!(
         r#"  - name: replicas
     # Peers fetch this replica's state here; clients are never routed to this port.
@@ -423,6 +449,8 @@ impl EnvoyConfig {
                 plugin_config: reference_plugin_config(),
             }),
             direct_listener_port: None,
+            floor: None,
+            baseline: None,
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
             replicas: None,
@@ -461,7 +489,7 @@ impl EnvoyConfig {
         out.push_str("static_resources:\n  listeners:\n");
         let mut filters = String::new();
         if let Some(f) = &self.filter {
-            filters.push_str(&wasm_filter("sluice", &f.wasm_path, &f.plugin_config));
+            filters.push_str(&wasm_filter("sluice", "sluice", &f.wasm_path, &f.plugin_config));
         }
         filters.push_str(ROUTER);
         out.push_str(&listener(
@@ -474,6 +502,18 @@ impl EnvoyConfig {
         ));
         if let Some(port) = self.direct_listener_port {
             out.push_str(&listener(&self.listen_address, "direct", port, body_limit, self.stream_idle_timeout, ROUTER));
+        }
+        if let (Some((port, wasm_path)), Some(f)) = (&self.baseline, &self.filter) {
+            // Its own vm_id, so its own shared data: two filters that share nothing.
+            let filters = wasm_filter("sluice-baseline", "sluice-baseline", wasm_path, &f.plugin_config) + ROUTER;
+            out.push_str(&listener(&self.listen_address, "baseline", *port, body_limit, self.stream_idle_timeout, &filters));
+        }
+        if let Some(f) = &self.floor {
+            // Its own vm_id: the floor's VMs share nothing with sluice's.
+            let options = "                allow_on_headers_stop_iteration: true\n";
+            let value = format!("\"{}\"\n", f.endpoint);
+            let filters = wasm_entry("floor", "floor", options, &f.wasm_path, "", &value) + ROUTER;
+            out.push_str(&listener(&self.listen_address, "floor", f.port, body_limit, self.stream_idle_timeout, &filters));
         }
         let replicas = self.replicas.as_ref().zip(self.filter.as_ref());
         if let Some((r, f)) = replicas {

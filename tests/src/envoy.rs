@@ -1,6 +1,6 @@
 //! Starting real Envoy on free loopback ports and reading its admin interface.
 
-use crate::config::{EnvoyConfig, FilterSpec, ReplicaListener};
+use crate::config::{EnvoyConfig, FilterSpec, FloorSpec, ReplicaListener};
 use crate::process::{log_dir, new_log_path, ChildGuard};
 use crate::stats::Stats;
 use crate::{paths, raw_http};
@@ -31,6 +31,12 @@ pub struct EnvoyOptions {
     pub admin_port: Option<u16>,
     /// Add a second listener without the filter (for the bypass benchmark).
     pub direct_listener: bool,
+    /// Add a listener with the floor filter sending every request to this endpoint (for the
+    /// bypass benchmark).
+    pub floor_endpoint: Option<String>,
+    /// Add a listener with this build of the filter (a `.wasm` path), configured as the main one
+    /// (for the bypass benchmark's before and after).
+    pub baseline_wasm: Option<String>,
     /// Envoy's `--log-level`.
     pub log_level: String,
     /// `idle_timeout` of the pool's routes ([`EnvoyConfig::stream_idle_timeout`]).
@@ -56,6 +62,8 @@ impl EnvoyOptions {
             listener_port: None,
             admin_port: None,
             direct_listener: false,
+            floor_endpoint: None,
+            baseline_wasm: None,
             log_level: std::env::var("SLUICE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
             stream_idle_timeout: crate::config::DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
@@ -74,6 +82,10 @@ pub struct Envoy {
     pub admin: SocketAddr,
     /// The listener without the filter, when requested.
     pub direct: Option<SocketAddr>,
+    /// The listener with the floor filter, when requested.
+    pub floor: Option<SocketAddr>,
+    /// The listener with the baseline build of the filter, when requested.
+    pub baseline: Option<SocketAddr>,
     /// The rendered bootstrap that Envoy runs.
     pub config_yaml: String,
 }
@@ -93,6 +105,10 @@ impl Envoy {
             }
             None => None,
         };
+        let floor_wasm = match &opts.floor_endpoint {
+            Some(_) => Some(paths::floor_wasm()?.display().to_string()),
+            None => None,
+        };
         let mut last_err = None;
         for _attempt in 0..5 {
             let cfg = EnvoyConfig {
@@ -107,6 +123,16 @@ impl Envoy {
                 },
                 filter: filter.clone(),
                 direct_listener_port: if opts.direct_listener { Some(free_port()?) } else { None },
+                floor: match (&floor_wasm, &opts.floor_endpoint) {
+                    (Some(wasm_path), Some(endpoint)) => {
+                        Some(FloorSpec { port: free_port()?, wasm_path: wasm_path.clone(), endpoint: endpoint.clone() })
+                    }
+                    _ => None,
+                },
+                baseline: match &opts.baseline_wasm {
+                    Some(w) => Some((free_port()?, w.clone())),
+                    None => None,
+                },
                 stream_idle_timeout: opts.stream_idle_timeout,
                 request_body_buffer_limit: opts.request_body_buffer_limit,
                 replicas: opts.replica_listener.clone(),
@@ -131,6 +157,8 @@ impl Envoy {
                 listener: SocketAddr::from(([127, 0, 0, 1], cfg.listener_port)),
                 admin: SocketAddr::from(([127, 0, 0, 1], cfg.admin_port)),
                 direct: cfg.direct_listener_port.map(|p| SocketAddr::from(([127, 0, 0, 1], p))),
+                floor: cfg.floor.as_ref().map(|f| SocketAddr::from(([127, 0, 0, 1], f.port))),
+                baseline: cfg.baseline.as_ref().map(|(p, _)| SocketAddr::from(([127, 0, 0, 1], *p))),
                 config_yaml: yaml,
             };
             match envoy.wait_ready(Duration::from_secs(60)).await {

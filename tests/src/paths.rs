@@ -48,6 +48,16 @@ pub fn filter_wasm() -> Result<PathBuf> {
     )
 }
 
+/// The bypass benchmark's floor filter: `$SLUICE_FLOOR_WASM` or
+/// `<target>/wasm32-wasip1/release/sluice_floor_filter.wasm`.
+pub fn floor_wasm() -> Result<PathBuf> {
+    existing(
+        "SLUICE_FLOOR_WASM",
+        target_dir().join("wasm32-wasip1/release/sluice_floor_filter.wasm"),
+        "the floor filter (cargo build -p sluice-floor-filter --target wasm32-wasip1 --release)",
+    )
+}
+
 /// The simulated GPU backend: `$SLUICE_BACKEND` or `<target>/release/sluice-backend`.
 pub fn backend_bin() -> Result<PathBuf> {
     existing(

@@ -7,8 +7,8 @@
 
 use crate::abi::LogLevel;
 use crate::state::{
-    CallResponse, Cluster, Context, HttpCallOut, LogRecord, Metric, Process, QueuePost, StreamAction, StreamData,
-    VmState,
+    CallResponse, Cluster, Context, HostProfile, HttpCallOut, LogRecord, Metric, Process, QueuePost, StreamAction,
+    StreamData, VmState,
 };
 use anyhow::{bail, Context as _, Result};
 use rand::SeedableRng;
@@ -230,6 +230,7 @@ impl Host {
             shared: BTreeMap::new(),
             next_cas: 0,
             queues: BTreeMap::new(),
+            profile: Default::default(),
             queue_names: BTreeMap::new(),
             next_queue: 0,
             posts: Vec::new(),
@@ -444,6 +445,8 @@ impl Host {
         }
         let _ = v.store.set_fuel(self.fuel);
         let r = f.call(&mut v.store, params);
+        let used = self.fuel.saturating_sub(v.store.get_fuel().unwrap_or(self.fuel));
+        self.proc.borrow_mut().profile.fuel += used;
         let d = v.store.data_mut();
         d.trap_in.set(None);
         d.in_call = false;
@@ -457,6 +460,16 @@ impl Host {
             self.failed[vm] = true;
             t
         })
+    }
+
+    /// What the modules asked of the host since the start or the last [`Host::reset_profile`].
+    pub fn profile(&self) -> HostProfile {
+        self.proc.borrow().profile.clone()
+    }
+
+    /// Starts [`Host::profile`] again from zero.
+    pub fn reset_profile(&mut self) {
+        self.proc.borrow_mut().profile = HostProfile::default();
     }
 
     /// Sets the virtual clock (microseconds since the start of the run).

@@ -57,4 +57,4 @@ pub mod state;
 
 pub use host::{ConfigRejected, FailurePolicy, Host, PluginSpec, Trap, MAIN_VM};
 pub use hostcalls::INJECTED_TRAP;
-pub use state::{Cluster, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};
+pub use state::{Cluster, HostProfile, HttpCallOut, LogRecord, Metric, QueuePost, StreamAction, StreamData};

@@ -187,6 +187,36 @@ pub(crate) struct Process {
     pub cas_conflicts_injected: u64,
     /// Host-call traps injected so far (see `PluginSpec::trap_rate`).
     pub traps_injected: u64,
+    /// What the modules asked of the host so far (see [`HostProfile`]).
+    pub profile: HostProfile,
+}
+
+/// What the modules cost the host, summed over every VM since the last reset: the per-request
+/// profile of the filter's paths (`sluice-bypass-profile`). Counts, not times, so that a change
+/// shows the same way on every machine.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostProfile {
+    /// Calls of each `env` host function (the proxy-wasm ABI).
+    pub host_calls: BTreeMap<&'static str, u64>,
+    /// Bytes the host copied into modules (header values, bodies, shared data, properties).
+    pub bytes_to_module: u64,
+    /// Allocations the host made inside modules for those copies (`proxy_on_memory_allocate`).
+    pub module_allocations: u64,
+    /// Bytes the host copied out of modules (keys, values, headers they set).
+    pub bytes_from_module: u64,
+    /// Bytes of shared-data values read and written.
+    pub shared_bytes_read: u64,
+    /// See [`HostProfile::shared_bytes_read`].
+    pub shared_bytes_written: u64,
+    /// Wasm fuel consumed by callbacks: about one unit per Wasm instruction executed.
+    pub fuel: u64,
+}
+
+impl HostProfile {
+    /// Every host call, whatever the function.
+    pub fn total_calls(&self) -> u64 {
+        self.host_calls.values().sum()
+    }
 }
 
 impl Process {

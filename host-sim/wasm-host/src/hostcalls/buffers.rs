@@ -1,7 +1,7 @@
 //! Buffers: the request and response bodies a callback sees, the http-call response body, and the
 //! VM and plugin configurations.
 
-use super::{fault, give, read, st, write_u32, C, ENV, S_OK};
+use super::{count, fault, give, read, st, write_u32, C, ENV, S_OK};
 use crate::abi::{buffer_type, Status};
 use crate::state::VmState;
 use wasmtime::{Linker, Result};
@@ -24,6 +24,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_buffer_bytes",
         |mut c: C<'_>, t: i32, start: i32, max: i32, pp: i32, sp: i32| -> Result<i32> {
+            count(&c, "proxy_get_buffer_bytes");
             fault(&c, "proxy_get_buffer_bytes")?;
             let Some(buf) = buffer_ref(&mut c, t) else {
                 return Ok(st(Status::NotFound));
@@ -34,6 +35,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_get_buffer_status", |mut c: C<'_>, t: i32, lp: i32, fp: i32| -> Result<i32> {
+        count(&c, "proxy_get_buffer_status");
         let Some(buf) = buffer_ref(&mut c, t) else {
             return Ok(st(Status::NotFound));
         };
@@ -45,6 +47,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_set_buffer_bytes",
         |mut c: C<'_>, t: i32, start: i32, size: i32, p: i32, n: i32| -> Result<i32> {
+            count(&c, "proxy_set_buffer_bytes");
             fault(&c, "proxy_set_buffer_bytes")?;
             let data = tri!(read(&mut c, p, n));
             let d = c.data_mut();
@@ -70,6 +73,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
     )?;
 
     l.func_wrap(ENV, "proxy_get_configuration", |mut c: C<'_>, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_get_configuration");
         let cfg = c.data().plugin_configuration.clone();
         give(&mut c, &cfg, pp, sp)
     })?;

@@ -1,7 +1,7 @@
 //! Header maps: request and response headers and trailers of the effective stream, and those of the
 //! http-call response being delivered.
 
-use super::{fault, give, read, read_str, st, C, ENV, S_OK};
+use super::{count, fault, give, read, read_str, st, C, ENV, S_OK};
 use crate::abi::{self, map_type, HeaderMap, Status};
 use crate::state::VmState;
 use wasmtime::{Linker, Result};
@@ -46,6 +46,7 @@ fn with_map<R>(c: &mut C<'_>, t: i32, f: impl FnOnce(&mut HeaderMap) -> R) -> st
 /// Adds this group's host functions to `linker`.
 pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
     l.func_wrap(ENV, "proxy_get_header_map_pairs", |mut c: C<'_>, t: i32, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_get_header_map_pairs");
         fault(&c, "proxy_get_header_map_pairs")?;
         match map_ref(&mut c, t) {
             Some(m) => give(&mut c, &abi::serialize_map(&m), pp, sp),
@@ -53,6 +54,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_set_header_map_pairs", |mut c: C<'_>, t: i32, p: i32, n: i32| -> Result<i32> {
+        count(&c, "proxy_set_header_map_pairs");
         let bytes = tri!(read(&mut c, p, n));
         let Some(new) = abi::deserialize_map(&bytes) else {
             return Ok(st(Status::SerializationFailure));
@@ -64,6 +66,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, pp: i32, sp: i32| -> Result<i32> {
+            count(&c, "proxy_get_header_map_value");
             fault(&c, "proxy_get_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let Some(m) = map_ref(&mut c, t) else {
@@ -79,6 +82,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_remove_header_map_value", |mut c: C<'_>, t: i32, kp: i32, kn: i32| -> Result<i32> {
+        count(&c, "proxy_remove_header_map_value");
         fault(&c, "proxy_remove_header_map_value")?;
         let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
         tri!(with_map(&mut c, t, |m| m.retain(|(k, _)| *k != key)));
@@ -88,6 +92,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_replace_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, vp: i32, vn: i32| -> Result<i32> {
+            count(&c, "proxy_replace_header_map_value");
             fault(&c, "proxy_replace_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
             let val = tri!(read(&mut c, vp, vn));
@@ -115,6 +120,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_add_header_map_value",
         |mut c: C<'_>, t: i32, kp: i32, kn: i32, vp: i32, vn: i32| -> Result<i32> {
+            count(&c, "proxy_add_header_map_value");
             fault(&c, "proxy_add_header_map_value")?;
             let key = tri!(read_str(&mut c, kp, kn)).to_ascii_lowercase();
             let val = tri!(read(&mut c, vp, vn));

@@ -1,7 +1,7 @@
 //! Call-outs: `proxy_http_call` validated and recorded for the embedder to route; gRPC is not
 //! implemented and answers the ABI's Unimplemented status instead of trapping.
 
-use super::{fault, read, read_str, st, write_u32, C, ENV, S_OK};
+use super::{count, fault, read, read_str, st, write_u32, C, ENV, S_OK};
 use crate::abi::{self, LogLevel, Status};
 use crate::state::{Cluster, HttpCallOut, VmState};
 use wasmtime::{Linker, Result};
@@ -23,6 +23,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
          timeout: i32,
          out: i32|
          -> Result<i32> {
+            count(&c, "proxy_http_call");
             fault(&c, "proxy_http_call")?;
             let cluster = tri!(read_str(&mut c, up, un));
             let Some(headers) = abi::deserialize_map(&tri!(read(&mut c, hp, hn))) else {
@@ -79,7 +80,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
     l.func_wrap(
         ENV,
         "proxy_grpc_call",
-        |_c: C<'_>,
+        |c: C<'_>,
          _: i32,
          _: i32,
          _: i32,
@@ -92,21 +93,33 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
          _: i32,
          _: i32,
          _: i32|
-         -> Result<i32> { Ok(st(Status::Unimplemented)) },
+         -> Result<i32> {
+        count(&c, "proxy_grpc_call");
+        Ok(st(Status::Unimplemented))
+    },
     )?;
     l.func_wrap(
         ENV,
         "proxy_grpc_stream",
-        |_c: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+        |c: C<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+            count(&c, "proxy_grpc_stream");
             Ok(st(Status::Unimplemented))
         },
     )?;
-    l.func_wrap(ENV, "proxy_grpc_send", |_c: C<'_>, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+    l.func_wrap(ENV, "proxy_grpc_send", |c: C<'_>, _: i32, _: i32, _: i32, _: i32| -> Result<i32> {
+        count(&c, "proxy_grpc_send");
         Ok(st(Status::Unimplemented))
     })?;
-    l.func_wrap(ENV, "proxy_grpc_cancel", |_c: C<'_>, _: i32| -> Result<i32> { Ok(st(Status::Unimplemented)) })?;
-    l.func_wrap(ENV, "proxy_grpc_close", |_c: C<'_>, _: i32| -> Result<i32> { Ok(st(Status::Unimplemented)) })?;
-    l.func_wrap(ENV, "proxy_get_status", |_c: C<'_>, _: i32, _: i32, _: i32| -> Result<i32> {
+    l.func_wrap(ENV, "proxy_grpc_cancel", |c: C<'_>, _: i32| -> Result<i32> {
+        count(&c, "proxy_grpc_cancel");
+        Ok(st(Status::Unimplemented))
+    })?;
+    l.func_wrap(ENV, "proxy_grpc_close", |c: C<'_>, _: i32| -> Result<i32> {
+        count(&c, "proxy_grpc_close");
+        Ok(st(Status::Unimplemented))
+    })?;
+    l.func_wrap(ENV, "proxy_get_status", |c: C<'_>, _: i32, _: i32, _: i32| -> Result<i32> {
+        count(&c, "proxy_get_status");
         Ok(st(Status::Unimplemented))
     })?;
 

@@ -1,6 +1,6 @@
 //! Metrics: ids are per definition, values per name (Envoy's stat scope is process-wide).
 
-use super::{fault, read_str, st, write_u32, write_u64, C, ENV, S_OK};
+use super::{count, fault, read_str, st, write_u32, write_u64, C, ENV, S_OK};
 use crate::abi::{metric_type, Status};
 use crate::state::{Metric, VmState};
 use wasmtime::{Linker, Result};
@@ -8,6 +8,7 @@ use wasmtime::{Linker, Result};
 /// Adds this group's host functions to `linker`.
 pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
     l.func_wrap(ENV, "proxy_define_metric", |mut c: C<'_>, t: i32, np: i32, nn: i32, out: i32| -> Result<i32> {
+        count(&c, "proxy_define_metric");
         let name = tri!(read_str(&mut c, np, nn));
         let kind = match t {
             metric_type::COUNTER => "counter",
@@ -34,6 +35,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_increment_metric", |c: C<'_>, id: i32, off: i64| -> Result<i32> {
+        count(&c, "proxy_increment_metric");
         fault(&c, "proxy_increment_metric")?;
         let mut p = c.data().proc.borrow_mut();
         let Some(&i) = p.metric_ids.get(&(id as u32)) else {
@@ -49,6 +51,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_record_metric", |c: C<'_>, id: i32, v: i64| -> Result<i32> {
+        count(&c, "proxy_record_metric");
         fault(&c, "proxy_record_metric")?;
         let mut p = c.data().proc.borrow_mut();
         let Some(&i) = p.metric_ids.get(&(id as u32)) else {
@@ -66,6 +69,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         Ok(S_OK)
     })?;
     l.func_wrap(ENV, "proxy_get_metric", |mut c: C<'_>, id: i32, out: i32| -> Result<i32> {
+        count(&c, "proxy_get_metric");
         let v = {
             let p = c.data().proc.borrow();
             let Some(&i) = p.metric_ids.get(&(id as u32)) else {

@@ -19,12 +19,18 @@ fn st(s: Status) -> i32 {
     s as i32
 }
 
+/// Counts a call of host function `name` in the process's [`crate::state::HostProfile`].
+fn count(c: &C<'_>, name: &'static str) {
+    *c.data().proc.borrow_mut().profile.host_calls.entry(name).or_default() += 1;
+}
+
 /// Copies `len` bytes at `ptr` out of the module's memory.
 fn read(c: &mut C<'_>, ptr: i32, len: i32) -> std::result::Result<Vec<u8>, Status> {
     let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
     if len == 0 {
         return Ok(Vec::new());
     }
+    c.data().proc.borrow_mut().profile.bytes_from_module += len as u64;
     let mem = c.data().memory.ok_or(Status::InvalidMemoryAccess)?;
     let data = mem.data(&*c);
     data.get(ptr..ptr.checked_add(len).ok_or(Status::InvalidMemoryAccess)?)
@@ -64,6 +70,11 @@ fn give(c: &mut C<'_>, bytes: &[u8], ptr_ptr: i32, size_ptr: i32) -> Result<i32>
             return Ok(st(Status::InternalFailure));
         };
         let addr = malloc.call(&mut *c, bytes.len() as i32)?;
+        {
+            let mut p = c.data().proc.borrow_mut();
+            p.profile.bytes_to_module += bytes.len() as u64;
+            p.profile.module_allocations += 1;
+        }
         if addr == 0 {
             return Ok(st(Status::InternalFailure));
         }

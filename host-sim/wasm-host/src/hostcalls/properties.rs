@@ -1,7 +1,7 @@
 //! Properties: per-context values (set by the embedder or by `proxy_set_property`, Envoy's filter
 //! state), those Envoy derives from the request, then the process-wide ones and the plugin's names.
 
-use super::{fault, give, read, st, C, ENV, S_OK};
+use super::{count, fault, give, read, st, C, ENV, S_OK};
 use crate::abi::{self, Status};
 use crate::state::{Context, VmState};
 use wasmtime::{Linker, Result};
@@ -49,6 +49,7 @@ fn stream_property(s: &crate::state::StreamData, path: &str) -> Option<Vec<u8>> 
 /// Adds this group's host functions to `linker`.
 pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
     l.func_wrap(ENV, "proxy_get_property", |mut c: C<'_>, p: i32, n: i32, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_get_property");
         fault(&c, "proxy_get_property")?;
         let path = abi::property_path(&tri!(read(&mut c, p, n)));
         match property(&mut c, &path) {
@@ -57,6 +58,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_set_property", |mut c: C<'_>, p: i32, n: i32, vp: i32, vn: i32| -> Result<i32> {
+        count(&c, "proxy_set_property");
         let path = abi::property_path(&tri!(read(&mut c, p, n)));
         let val = tri!(read(&mut c, vp, vn));
         let d = c.data_mut();

@@ -1,6 +1,6 @@
 //! Shared data: one map per process (one vm_id), one CAS counter.
 
-use super::{fault, give, read, read_str, st, write_u32, C, ENV, S_OK};
+use super::{count, fault, give, read, read_str, st, write_u32, C, ENV, S_OK};
 use crate::abi::Status;
 use crate::state::{SharedEntry, VmState};
 use wasmtime::{Linker, Result};
@@ -11,12 +11,14 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_get_shared_data",
         |mut c: C<'_>, kp: i32, kn: i32, pp: i32, sp: i32, cp: i32| -> Result<i32> {
+            count(&c, "proxy_get_shared_data");
             fault(&c, "proxy_get_shared_data")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let entry = c.data().proc.borrow().shared.get(&key).cloned();
             let Some(e) = entry else {
                 return Ok(st(Status::NotFound));
             };
+            c.data().proc.borrow_mut().profile.shared_bytes_read += e.value.len() as u64;
             tri!(write_u32(&mut c, cp, e.cas));
             give(&mut c, &e.value, pp, sp)
         },
@@ -25,10 +27,12 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_set_shared_data",
         |mut c: C<'_>, kp: i32, kn: i32, vp: i32, vn: i32, cas: i32| -> Result<i32> {
+            count(&c, "proxy_set_shared_data");
             fault(&c, "proxy_set_shared_data")?;
             let key = tri!(read_str(&mut c, kp, kn));
             let value = tri!(read(&mut c, vp, vn));
             let mut p = c.data().proc.borrow_mut();
+            p.profile.shared_bytes_written += value.len() as u64;
             // As in proxy-wasm-cpp-host: a CAS is checked only against an existing key; a
             // missing key is created whatever CAS was passed.
             if let Some(e) = p.shared.get(&key) {

@@ -1,7 +1,7 @@
 //! Shared queues: registration (last registrant wins), resolution by vm_id and name, and enqueues
 //! that post an `on_queue_ready` for the embedder to deliver.
 
-use super::{fault, give, read, read_str, st, write_u32, C, ENV, S_OK};
+use super::{count, fault, give, read, read_str, st, write_u32, C, ENV, S_OK};
 use crate::abi::Status;
 use crate::state::{QueuePost, SharedQueue, VmState};
 use wasmtime::{Linker, Result};
@@ -9,6 +9,7 @@ use wasmtime::{Linker, Result};
 /// Adds this group's host functions to `linker`.
 pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
     l.func_wrap(ENV, "proxy_register_shared_queue", |mut c: C<'_>, np: i32, nn: i32, out: i32| -> Result<i32> {
+        count(&c, "proxy_register_shared_queue");
         fault(&c, "proxy_register_shared_queue")?;
         let name = tri!(read_str(&mut c, np, nn));
         let (vm, root) = (c.data().vm, c.data().root_id);
@@ -39,6 +40,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         ENV,
         "proxy_resolve_shared_queue",
         |mut c: C<'_>, vp: i32, vn: i32, np: i32, nn: i32, out: i32| -> Result<i32> {
+            count(&c, "proxy_resolve_shared_queue");
             fault(&c, "proxy_resolve_shared_queue")?;
             let vm_id = tri!(read_str(&mut c, vp, vn));
             let name = tri!(read_str(&mut c, np, nn));
@@ -51,6 +53,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         },
     )?;
     l.func_wrap(ENV, "proxy_dequeue_shared_queue", |mut c: C<'_>, id: i32, pp: i32, sp: i32| -> Result<i32> {
+        count(&c, "proxy_dequeue_shared_queue");
         fault(&c, "proxy_dequeue_shared_queue")?;
         let item = {
             let mut p = c.data().proc.borrow_mut();
@@ -65,6 +68,7 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
         }
     })?;
     l.func_wrap(ENV, "proxy_enqueue_shared_queue", |mut c: C<'_>, id: i32, vp: i32, vn: i32| -> Result<i32> {
+        count(&c, "proxy_enqueue_shared_queue");
         fault(&c, "proxy_enqueue_shared_queue")?;
         let value = tri!(read(&mut c, vp, vn));
         let mut p = c.data().proc.borrow_mut();
