@@ -98,7 +98,9 @@ fn replicas_that_exchange_service_keep_the_single_gateways_bound_plus_one_interv
     for sync_ms in [1, 10, 100] {
         let per_interval = u * sync_ms as f64; // one replica serves one request per ms
         let synced = max_difference(&mut [Replica::new(&[0, 1]), Replica::new(&[0])], sync_ms);
-        println!("sync {sync_ms} ms: max |S_a - S_b| = {synced} (bound {single} + {per_interval}; no exchange: {alone})");
+        println!(
+            "sync {sync_ms} ms: max |S_a - S_b| = {synced} (bound {single} + {per_interval}; no exchange: {alone})"
+        );
         assert!(synced <= single + per_interval, "sync {sync_ms} ms: {synced} > {single} + {per_interval}");
     }
     // Without the exchange, replica 0 splits evenly and a gets three quarters of everything.

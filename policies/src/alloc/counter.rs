@@ -487,7 +487,13 @@ impl<C: Charge> Accounting for CounterPolicy<C> {
     }
 
     fn flow_slots(&self) -> usize {
-        self.counters.len().max(self.served.len()).max(self.offsets.len()).max(self.key_of.len()).max(self.weights.len()).max(self.charge.flow_slots())
+        self.counters
+            .len()
+            .max(self.served.len())
+            .max(self.offsets.len())
+            .max(self.key_of.len())
+            .max(self.weights.len())
+            .max(self.charge.flow_slots())
     }
 }
 
@@ -785,7 +791,7 @@ mod tests {
         let mut v = Vtc::new(VtcWeights::default());
         head(&mut v, 0, Some(0));
         v.on_output(0, 0, 50); // 100, no offset
-        // b got 30 on the peers: lifted so that 30 + counter reaches 100.
+                               // b got 30 on the peers: lifted so that 30 + counter reaches 100.
         v.set_offset("b", Some(1), 30.0);
         head(&mut v, 1, Some(1));
         assert_eq!(v.counter(1), 70.0);
