@@ -284,6 +284,11 @@ impl Exchange {
         &self.cfg
     }
 
+    /// Is a sync due at `now` ([`Exchange::tick`] would publish)?
+    pub fn due(&self, now: u64) -> bool {
+        now >= self.next_sync_ms
+    }
+
     /// Once per sync interval (`None` before it is due): publishes this
     /// replica's `service` per tenant, `own_load` per endpoint (indexed like
     /// `endpoints`) and its queue length, expires silent peers, and says how
@@ -298,7 +303,7 @@ impl Exchange {
         queued: u32,
         upper: u32,
     ) -> Option<Sync> {
-        if now < self.next_sync_ms {
+        if !self.due(now) {
             return None;
         }
         self.next_sync_ms = now + self.cfg.sync_interval_ms;
@@ -353,6 +358,11 @@ impl Exchange {
     /// The service `tenant` got on the live peers.
     pub fn peer_service(&self, tenant: &str, now: u64) -> f64 {
         self.peers.service(tenant, now)
+    }
+
+    /// Every tenant's service on the live peers: the VTC offsets ([`crate::scheduler::Scheduler::set_peer_service`]).
+    pub fn peer_services(&self, now: u64) -> BTreeMap<String, f64> {
+        self.peers.services(now)
     }
 
     /// Slots of the pool this replica leaves free for its peers, beyond what they hold, as of

@@ -34,11 +34,16 @@ use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, Wo
 use sluice_policies::spec::OrderSpec;
 use sluice_policies::tenants::Tenants;
 use sluice_policies::{FlowId, Request};
+use std::collections::BTreeMap;
 
 /// The worker that holds a request: request ids are `worker << 32 | context id`.
 pub fn worker_of(req: u64) -> u32 {
     (req >> 32) as u32
 }
+
+/// Added to a band's code in the saved counters for the service charged in
+/// that band ([`Scheduler::service`]) rather than its counter.
+pub const SERVICE_CODE: u8 = 0x80;
 
 /// Band index on the wire.
 pub fn band_code(b: Criticality) -> u8 {
@@ -137,6 +142,8 @@ pub struct Scheduler {
     running: HashMap<u64, Running>,
     /// Does the policy keep counters (worth saving)?
     counters: bool,
+    /// The peers' service per tenant last applied as VTC offsets (`replicas`).
+    peer_service: BTreeMap<String, f64>,
     slo: Option<SloState>,
     /// The in-flow ordering ranks by deadline (EDF, slack).
     by_deadline: bool,
@@ -177,7 +184,15 @@ impl Scheduler {
             work: HashMap::new(),
             queued: HashMap::new(),
         });
-        Scheduler { queue, routes: HashMap::new(), running: HashMap::new(), counters, slo, by_deadline }
+        Scheduler {
+            queue,
+            routes: HashMap::new(),
+            running: HashMap::new(),
+            counters,
+            peer_service: BTreeMap::new(),
+            slo,
+            by_deadline,
+        }
     }
 
     /// Tenants tracked now.
@@ -588,15 +603,58 @@ impl Scheduler {
         }
     }
 
-    /// The counters (above zero) of one shard's tenants in every band.
+    /// The counters and the services (above zero) of one shard's tenants in
+    /// every band; a service is saved under its band's code plus [`SERVICE_CODE`].
     fn encode_shard(&self, shard: u32) -> Vec<u8> {
         let q = &self.queue;
         shared::encode_counters(q.tenants().group(shard).flat_map(|(flow, name)| {
-            Criticality::ALL.into_iter().filter_map(move |band| {
-                let v = q.band(band).policy().as_counters()?.counter(flow);
-                (v > 0.0).then_some((band_code(band), name, v))
+            Criticality::ALL.into_iter().flat_map(move |band| {
+                let c = q.band(band).policy().as_counters();
+                let code = band_code(band);
+                let counter = c.map(|c| (code, c.counter(flow)));
+                let service = c.map(|c| (code | SERVICE_CODE, c.service(flow)));
+                [counter, service].into_iter().flatten().filter(|&(_, v)| v > 0.0).map(move |(k, v)| (k, name, v))
             })
         }))
+    }
+
+    /// This replica's service per tenant (summed over the bands, above
+    /// zero), to publish to the other replicas: never lifted, so peers may
+    /// add it up. Empty for policies without counters. O(tenants tracked).
+    pub fn service(&self) -> BTreeMap<String, f64> {
+        let q = &self.queue;
+        q.tenants()
+            .iter()
+            .filter_map(|(flow, name)| {
+                let s: f64 = Criticality::ALL
+                    .into_iter()
+                    .filter_map(|band| q.band(band).policy().as_counters().map(|c| c.service(flow)))
+                    .sum();
+                (s > 0.0).then(|| (name.to_owned(), s))
+            })
+            .collect()
+    }
+
+    /// The live peers' service per tenant (`replicas`): every band's VTC
+    /// orders by counter + this offset. Only tenants whose value changed
+    /// since the last call are touched (a tenant absent now, e.g. its peers
+    /// expired, goes back to offset 0). Nothing for policies without counters.
+    pub fn set_peer_service(&mut self, peers: BTreeMap<String, f64>) {
+        if !self.counters {
+            return;
+        }
+        let gone = self.peer_service.keys().filter(|t| !peers.contains_key(*t)).map(|t| (t.clone(), 0.0));
+        let changed = peers.iter().filter(|&(t, v)| self.peer_service.get(t) != Some(v)).map(|(t, v)| (t.clone(), *v));
+        let changes: Vec<(String, f64)> = gone.chain(changed).collect();
+        for (tenant, v) in changes {
+            let flow = self.queue.tenants().get(&tenant);
+            for band in Criticality::ALL {
+                if let Some(c) = self.queue.band_mut(band).policy_mut().as_counters_mut() {
+                    c.set_offset(&tenant, flow, v);
+                }
+            }
+        }
+        self.peer_service = peers;
     }
 
     /// Restores the counters saved by [`Scheduler::dirty_snapshots`] (every
@@ -609,10 +667,15 @@ impl Scheduler {
         for k in 0..shared::COUNTER_SHARDS {
             let (Some(bytes), _) = store.get(&shared::counters_key(k)) else { continue };
             for (code, name, v) in shared::decode_counters(&bytes) {
-                if (code as usize) < Criticality::ALL.len() {
+                let band = code & !SERVICE_CODE;
+                if (band as usize) < Criticality::ALL.len() {
                     let flow = self.queue.flow_id(name);
-                    if let Some(counters) = self.queue.band_mut(band_of_code(code)).policy_mut().as_counters_mut() {
-                        counters.restore(flow, v);
+                    if let Some(counters) = self.queue.band_mut(band_of_code(band)).policy_mut().as_counters_mut() {
+                        if code & SERVICE_CODE == 0 {
+                            counters.restore(flow, v);
+                        } else {
+                            counters.restore_service(flow, v);
+                        }
                     }
                 }
             }
@@ -779,6 +842,37 @@ mod tests {
         new.restore_from(&store);
         assert_eq!(order(&mut new), vec![1, 2, 3]);
         assert!(Scheduler::new(&cfg("fcfs", "")).dirty_snapshots(usize::MAX).is_empty(), "FCFS has no counters");
+    }
+
+    #[test]
+    fn the_published_service_survives_a_takeover_and_peer_offsets_come_and_go() {
+        let c = cfg("vtc", "");
+        let mut old = Scheduler::new(&c);
+        let mut out = Vec::new();
+        // "a" is served 500 tokens (1000), then "b" joins and is lifted: service is not lifted.
+        old.on_message(charge(7, "a", 0, 500, false), 0, &mut out);
+        old.on_message(enqueue(0, 1, "b", 0), 0, &mut out);
+        assert_eq!(old.service(), BTreeMap::from([("a".to_string(), 1000.0)]));
+        let store = MapStore::default();
+        save_all(&mut old, &store, usize::MAX);
+        let mut new = Scheduler::new(&c);
+        new.restore_from(&store);
+        assert_eq!(new.service(), old.service(), "a lease change keeps the published service");
+        assert_eq!(counters(&new), counters(&old), "counters and services are told apart");
+        // "b" (0 here) is ahead of "a" (1000) until the peers say they served "b" 5000.
+        let mut out = Vec::new();
+        for (ctx, tenant) in [(1, "b"), (2, "a"), (3, "a")] {
+            new.on_message(enqueue(0, ctx, tenant, ctx as u64), 0, &mut out);
+        }
+        new.set_peer_service(BTreeMap::from([("b".to_string(), 5000.0), ("z".to_string(), 1.0)]));
+        new.pump(0, &mut slots(1), &mut out);
+        assert_eq!(dispatched(&out), vec![2]);
+        // The peer expired: its offsets go, and "b" is next again.
+        new.set_peer_service(BTreeMap::new());
+        new.pump(0, &mut slots(1), &mut out);
+        assert_eq!(dispatched(&out), vec![2, 1]);
+        // Without counters nothing is published.
+        assert!(Scheduler::new(&cfg("fcfs", "")).service().is_empty());
     }
 
     #[test]
@@ -966,11 +1060,16 @@ mod tests {
     }
 
     /// Every saved entry, over all shards.
+    /// The counters saved (not the services, each saved beside its counter).
     fn saved(store: &MapStore) -> Vec<(u8, String, f64)> {
         (0..shared::COUNTER_SHARDS)
             .filter_map(|k| store.get(&shared::counters_key(k)).0)
             .flat_map(|b| {
-                shared::decode_counters(&b).into_iter().map(|(c, n, v)| (c, n.to_owned(), v)).collect::<Vec<_>>()
+                shared::decode_counters(&b)
+                    .into_iter()
+                    .filter(|&(c, _, _)| c & SERVICE_CODE == 0)
+                    .map(|(c, n, v)| (c, n.to_owned(), v))
+                    .collect::<Vec<_>>()
             })
             .collect()
     }

@@ -1234,10 +1234,11 @@ impl<H: Host> Worker<H> {
 
     /// A peer's answer to the replicas exchange (false: the token is not one).
     fn peer_answered(&mut self, token: u32, body: Option<&[u8]>) -> bool {
-        let Some(ex) = self.role.as_mut().and_then(|r| r.exchange.as_mut()) else { return false };
+        let Some(SchedulerRole { scheduler, exchange: Some(ex), .. }) = self.role.as_mut() else { return false };
         match ex.answer(token, self.now, body, &self.cfg.endpoints) {
             None => return false,
             Some(Answer::Taken(_, peer_load)) => {
+                scheduler.set_peer_service(ex.peer_services(self.now));
                 self.host.add(Metric::ReplicaSyncOk, 1);
                 self.host.record(Metric::ReplicaPeersLive, ex.live(self.now) as u64);
                 self.host.set(replicas::PEER_LOAD_KEY, &peer_load, None);
@@ -1273,8 +1274,13 @@ impl<H: Host> Worker<H> {
         let own = shared::load(&self.host, self.cfg.endpoints.len());
         let queued = self.role.as_ref().map_or(0, |r| r.scheduler.len()) as u32;
         let upper = (self.cfg.bounds.upper_per_backend * own.len() as f64).round() as u32;
-        let Some(ex) = self.role.as_mut().and_then(|r| r.exchange.as_mut()) else { return };
-        let Some(sync) = ex.tick(now, Default::default(), &self.cfg.endpoints, &own, queued, upper) else { return };
+        let Some(SchedulerRole { scheduler, exchange: Some(ex), .. }) = self.role.as_mut() else { return };
+        if !ex.due(now) {
+            return;
+        }
+        let Some(sync) = ex.tick(now, scheduler.service(), &self.cfg.endpoints, &own, queued, upper) else { return };
+        // VTC orders by global counters: own + the live peers' service (expired peers dropped).
+        scheduler.set_peer_service(ex.peer_services(now));
         self.host.set(replicas::STATE_KEY, &sync.state, None);
         self.host.set(replicas::PEER_LOAD_KEY, &sync.peer_load, None);
         self.host.record(Metric::ReplicaPeersLive, ex.live(now) as u64);
@@ -2099,6 +2105,57 @@ mod tests {
         }
         assert!(now > 100 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
         assert_eq!(pb.resumed.borrow().len(), 1, "B's request went once A went silent");
+    }
+
+    /// Replica B's order of its queue after hearing `peer_state` (if any): B holds the pool
+    /// (bound 1 per endpoint) with two requests, queues "flood" twice then "modest", and frees
+    /// one slot. Returns the context resumed.
+    fn vtc_replica_b_serves(peer_state: Option<&[u8]>) -> u32 {
+        let cfg = || {
+            config(
+                serde_json::json!({"policy": "vtc", "replicas": {"id": 2, "peers_cluster": "sluice_peers", "peers": 1}}),
+            )
+        };
+        let p = Rc::new(Process::default());
+        let mut b = vm(&p, 1, cfg(), 0);
+        sync(&mut b, 0, None);
+        assert!(matches!(admit(&mut b, 1, 1, "filler"), Admission::Bypass(_)));
+        assert!(matches!(admit(&mut b, 1, 2, "filler"), Admission::Bypass(_)));
+        for (ctx, tenant) in [(3, "flood"), (4, "flood"), (5, "modest")] {
+            assert_eq!(admit(&mut b, 2, ctx, tenant), Admission::Queued);
+        }
+        b.on_queue_ready(2, queue_id(&p, SCHEDULER_QUEUE));
+        sync(&mut b, 100, peer_state);
+        b.at(101).finish(1, 0, false);
+        b.on_queue_ready(101, queue_id(&p, SCHEDULER_QUEUE));
+        b.on_queue_ready(101, queue_id(&p, "sluice.worker.1"));
+        let resumed = p.resumed.borrow();
+        assert_eq!(resumed.len(), 1, "one from the queue for the one slot freed");
+        resumed[0].1
+    }
+
+    #[test]
+    fn vtc_orders_by_the_service_peers_published() {
+        // Replica A serves the flooding tenant 400 output tokens and publishes it.
+        let pa = Rc::new(Process::default());
+        let cfg = config(
+            serde_json::json!({"policy": "vtc", "replicas": {"id": 1, "peers_cluster": "sluice_peers", "peers": 1}}),
+        );
+        let mut a = vm(&pa, 1, cfg, 0);
+        sync(&mut a, 0, None);
+        assert!(matches!(admit(&mut a, 1, 1, "flood"), Admission::Bypass(_)));
+        a.at(2).charge(1, 400);
+        a.at(3).finish(1, 0, false);
+        a.on_tick(50);
+        a.on_queue_ready(50, queue_id(&pa, SCHEDULER_QUEUE));
+        sync(&mut a, 100, None);
+        let (Some(state_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
+        let state: sluice_policies::replicas::ReplicaState = serde_json::from_slice(&state_a).unwrap();
+        assert!(state.service["flood"] >= 800.0, "w_q = 2 per token: {:?}", state.service);
+        // Alone, B serves its queue in arrival order (equal lifted counters); with A's
+        // service the modest tenant goes ahead of the flood's backlog.
+        assert_eq!(vtc_replica_b_serves(None), 3);
+        assert_eq!(vtc_replica_b_serves(Some(&state_a)), 5);
     }
 
     #[test]

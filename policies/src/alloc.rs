@@ -119,12 +119,26 @@ pub trait Allocation: Selection + Accounting {
 }
 
 /// Per-flow service counters (the VTC family): saved to shared data so that
-/// a new scheduler keeps the history.
+/// a new scheduler keeps the history, and merged with other gateway
+/// replicas' service ([`crate::replicas`]).
 pub trait Counters {
-    /// The counter of `flow` (0 for a flow never charged).
+    /// The counter of `flow` (0 for a flow never charged), without any offset.
     fn counter(&self, flow: FlowId) -> f64;
     /// Sets a counter saved earlier; a negative or non-finite value reads as 0.
     fn restore(&mut self, flow: FlowId, value: f64);
+    /// Service charged to `flow` here since it was first seen, in counter
+    /// units (divided by the tenant's weight), net of refunds: unlike the
+    /// counter it is never lifted, so it is what peers may add up.
+    fn service(&self, flow: FlowId) -> f64;
+    /// Sets a service saved earlier; a negative or non-finite value reads as 0.
+    fn restore_service(&mut self, flow: FlowId, value: f64);
+    /// The service `tenant` received on the other replicas (its flow id here,
+    /// if it has one): selection and the lift compare counter + offset. Kept
+    /// by name, so that the tenant's flow id handed out later starts with it;
+    /// 0 removes it. O(log n).
+    fn set_offset(&mut self, tenant: &str, flow: Option<FlowId>, offset: f64);
+    /// The offset `flow` has now.
+    fn offset(&self, flow: FlowId) -> f64;
 }
 
 /// How far a backlogged flow is ahead of the flow [`Selection::next`] would

@@ -20,7 +20,7 @@
 //! Past that it stops counting (the replica falls back to its own state for it); its version is
 //! kept as a tombstone so that a delayed old answer cannot bring it back, until `forget_ms`.
 //!
-//! Nothing here performs I/O or reads a clock; the exchange itself is not built yet.
+//! Nothing here performs I/O or reads a clock; the exchange is `sluice_filter::replicas`.
 
 use serde::{Deserialize, Serialize};
 use std::cmp::Ordering;
@@ -248,6 +248,17 @@ impl Peers {
     /// global value).
     pub fn service(&self, tenant: &str, now_ms: u64) -> f64 {
         self.live(now_ms).filter_map(|s| s.service.get(tenant)).sum()
+    }
+
+    /// Every tenant's service summed over the live peers (what offsets this replica's counters).
+    pub fn services(&self, now_ms: u64) -> BTreeMap<String, f64> {
+        let mut sum = BTreeMap::new();
+        for s in self.live(now_ms) {
+            for (tenant, v) in &s.service {
+                *sum.entry(tenant.clone()).or_insert(0.0) += v;
+            }
+        }
+        sum
     }
 
     /// Requests the live peers hold on `endpoint` (add the replica's own for the global count).

@@ -1,6 +1,7 @@
 //! Several Envoy replicas with `replicas` configured, in front of the same backend: each serves its
 //! state on an internal listener, fetches its peers', and counts their in-flight requests against
-//! the configured bound; a killed replica stops counting after `max_age_ms`.
+//! the configured bound; a killed replica stops counting after `max_age_ms`; VTC orders by the
+//! service published by all replicas.
 
 mod common;
 
@@ -183,6 +184,49 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
     // B was not disturbed: it still serves.
     let b = client.send(envoys[1].listener, &ChatRequest::chat(Some("b"), 8), Instant::now()).await;
     assert!(b.ok(), "B after C died: {b:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vtc_orders_by_global_service_a_flood_through_both_replicas_yields_to_a_tenant_on_one() -> anyhow::Result<()> {
+    let backends = Backends::start(backends(1, 0.1)).await?;
+    let envoys = replicas(2, &backends).await?;
+    for e in &envoys {
+        e.wait_stats("one live peer", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 1.0).await?;
+    }
+    // "flood" is backlogged on both replicas, "modest" only on B, as much as flood there. On B
+    // alone VTC would split B's part evenly; with A's published service for flood, B serves modest
+    // ahead of flood's backlog there.
+    let client = LoadClient::new(Duration::from_secs(30));
+    let run = Duration::from_secs(4);
+    let (a, b) = (envoys[0].listener, envoys[1].listener);
+    let mut loads = Vec::new();
+    for (addr, tenant) in [(a, "flood"), (b, "flood"), (b, "modest")] {
+        let client = client.clone();
+        let req = ChatRequest::chat(Some(tenant), 40);
+        loads.push(tokio::spawn(async move { closed_loop(&client, addr, &req, 4, run).await }));
+    }
+    let mut served = Vec::new();
+    for l in loads {
+        served.push(l.await?.iter().filter(|o| o.ok()).count());
+    }
+    let (flood_a, flood_b, modest_b) = (served[0], served[1], served[2]);
+    eprintln!("served: flood through A {flood_a}, flood through B {flood_b}, modest through B {modest_b}");
+    let state: Value = {
+        let r = raw_http::request(
+            internal(&envoys[0]),
+            "GET",
+            "/sluice/replica-state",
+            &[SECRET],
+            b"",
+            Duration::from_secs(5),
+        )
+        .await?;
+        serde_json::from_str(&r.text())?
+    };
+    assert!(state["service"]["flood"].as_f64().unwrap_or(0.0) > 0.0, "A publishes flood's service: {state}");
+    assert!(flood_a > 0 && modest_b > 0, "{served:?}");
+    assert!(modest_b >= 2 * flood_b, "B serves modest ahead of flood's backlog: {served:?}");
     Ok(())
 }
 

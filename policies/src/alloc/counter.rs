@@ -248,8 +248,18 @@ pub struct CounterPolicy<C> {
     lift: bool,
     weights: FlowWeights,
     counters: Vec<f64>,
-    /// Backlogged flows keyed by (counter bits, head sequence): counters are
-    /// kept non-negative, so their bit patterns sort like the numbers.
+    /// Service charged per flow since it was first seen (net of refunds, never
+    /// below zero), in counter units: what this replica publishes to its peers.
+    served: Vec<f64>,
+    /// Peers' service per flow ([`Counters::set_offset`]), added to the counter
+    /// for selection and the lift; 0 without replicas.
+    offsets: Vec<f64>,
+    /// The same offsets by tenant name, so that a flow id handed out later
+    /// ([`Accounting::on_flow`]) starts with its tenant's offset.
+    offset_of: HashMap<String, f64>,
+    /// Backlogged flows keyed by (merged counter bits, head sequence): merged
+    /// counters (counter + offset) are non-negative, so their bit patterns
+    /// sort like the numbers.
     backlog: BTreeSet<(u64, u64, FlowId)>,
     key_of: Vec<Option<(u64, u64)>>,
     last_left: Option<FlowId>,
@@ -284,6 +294,9 @@ impl<C: Charge> CounterPolicy<C> {
             lift,
             weights: FlowWeights::default(),
             counters: Vec::new(),
+            served: Vec::new(),
+            offsets: Vec::new(),
+            offset_of: HashMap::new(),
             backlog: BTreeSet::new(),
             key_of: Vec::new(),
             last_left: None,
@@ -306,17 +319,25 @@ impl<C: Charge> CounterPolicy<C> {
         matches!(self.key_of.get(flow as usize), Some(Some(_)))
     }
 
+    /// The counter selection compares: own counter plus the peers' service.
+    fn merged(&self, flow: FlowId) -> f64 {
+        self.counter(flow) + self.offsets.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
     /// The counter lift of Algorithm 2 (lines 7-13) for a flow joining the
-    /// queue: up to the smallest backlogged counter, or, when nothing is
-    /// backlogged, to the counter of the last flow to leave. Nothing for LCF.
+    /// queue, on merged counters: the merged counter is raised to the smallest
+    /// backlogged merged counter, or, when nothing is backlogged, to the merged
+    /// counter of the last flow to leave; i.e. `c ← max(c, floor − offset)`.
+    /// Nothing for LCF.
     fn lift_newcomer(&mut self, flow: FlowId) {
         if !self.lift {
             return;
         }
         let floor = match self.min_backlogged() {
             Some(min) => min,
-            None => self.last_left.map_or(self.left_floor, |l| self.counter(l)),
+            None => self.last_left.map_or(self.left_floor, |l| self.merged(l)),
         };
+        let floor = floor - self.offsets.get(flow as usize).copied().unwrap_or(0.0);
         let c = slot(&mut self.counters, flow);
         if *c < floor {
             *c = floor;
@@ -333,14 +354,15 @@ impl<C: Charge> CounterPolicy<C> {
             return;
         }
         let delta = service / self.weights.get(flow);
+        let s = slot(&mut self.served, flow);
+        *s = (*s + delta).max(0.0);
         self.update(flow, |c| *c = (*c + delta).max(0.0));
     }
 
     /// Changes a counter and keeps the backlog index in step.
     fn update(&mut self, flow: FlowId, f: impl FnOnce(&mut f64)) {
-        let c = slot(&mut self.counters, flow);
-        f(c);
-        let bits = c.to_bits();
+        f(slot(&mut self.counters, flow));
+        let bits = self.merged(flow).to_bits();
         if let Some(Some((old_bits, seq))) = self.key_of.get(flow as usize).copied() {
             self.backlog.remove(&(old_bits, seq, flow));
             self.backlog.insert((bits, seq, flow));
@@ -369,7 +391,8 @@ impl<C: Charge> Selection for CounterPolicy<C> {
                 if was.is_none() {
                     self.lift_newcomer(flow);
                 }
-                let bits = slot(&mut self.counters, flow).to_bits();
+                slot(&mut self.counters, flow);
+                let bits = self.merged(flow).to_bits();
                 self.key_of[flow as usize] = Some((bits, seq));
                 self.backlog.insert((bits, seq, flow));
             }
@@ -384,6 +407,9 @@ impl<C: Charge> Selection for CounterPolicy<C> {
 impl<C: Charge> Accounting for CounterPolicy<C> {
     fn on_flow(&mut self, flow: FlowId, name: &str) {
         self.weights.on_flow(flow, name);
+        if let Some(&o) = self.offset_of.get(name) {
+            *slot(&mut self.offsets, flow) = o;
+        }
     }
 
     /// A request of a flow that is not backlogged went straight to a backend
@@ -448,18 +474,26 @@ impl<C: Charge> Accounting for CounterPolicy<C> {
             }
         }
         if self.last_left == Some(flow) {
-            self.left_floor = self.counter(flow);
+            self.left_floor = self.merged(flow);
             self.last_left = None;
         }
-        if let Some(c) = self.counters.get_mut(flow as usize) {
-            *c = 0.0;
+        for v in [&mut self.counters, &mut self.served, &mut self.offsets] {
+            if let Some(c) = v.get_mut(flow as usize) {
+                *c = 0.0;
+            }
         }
         self.weights.forget(flow);
         self.charge.forget(flow);
     }
 
     fn flow_slots(&self) -> usize {
-        self.counters.len().max(self.key_of.len()).max(self.weights.len()).max(self.charge.flow_slots())
+        self.counters
+            .len()
+            .max(self.served.len())
+            .max(self.offsets.len())
+            .max(self.key_of.len())
+            .max(self.weights.len())
+            .max(self.charge.flow_slots())
     }
 }
 
@@ -469,8 +503,41 @@ impl<C: Charge> Counters for CounterPolicy<C> {
     }
 
     fn restore(&mut self, flow: FlowId, value: f64) {
-        let value = if value.is_finite() && value > 0.0 { value } else { 0.0 };
-        self.update(flow, |c| *c = value);
+        self.update(flow, |c| *c = non_negative(value));
+    }
+
+    fn service(&self, flow: FlowId) -> f64 {
+        self.served.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
+    fn restore_service(&mut self, flow: FlowId, value: f64) {
+        *slot(&mut self.served, flow) = non_negative(value);
+    }
+
+    fn set_offset(&mut self, tenant: &str, flow: Option<FlowId>, offset: f64) {
+        let offset = non_negative(offset);
+        if offset > 0.0 {
+            self.offset_of.insert(tenant.to_owned(), offset);
+        } else {
+            self.offset_of.remove(tenant);
+        }
+        if let Some(flow) = flow {
+            *slot(&mut self.offsets, flow) = offset;
+            self.update(flow, |_| {});
+        }
+    }
+
+    fn offset(&self, flow: FlowId) -> f64 {
+        self.offsets.get(flow as usize).copied().unwrap_or(0.0)
+    }
+}
+
+/// A finite value above zero, else 0.
+fn non_negative(v: f64) -> f64 {
+    if v.is_finite() && v > 0.0 {
+        v
+    } else {
+        0.0
     }
 }
 
@@ -717,5 +784,41 @@ mod tests {
         v.forget(0);
         assert_eq!(v.charge().prediction(&req(2, 0, 0)), 0, "a forgotten flow predicts like a new one");
         assert_eq!(v.counter(0), 0.0);
+    }
+
+    #[test]
+    fn the_lift_raises_the_merged_counter_to_the_merged_floor() {
+        let mut v = Vtc::new(VtcWeights::default());
+        head(&mut v, 0, Some(0));
+        v.on_output(0, 0, 50); // 100, no offset
+                               // b got 30 on the peers: lifted so that 30 + counter reaches 100.
+        v.set_offset("b", Some(1), 30.0);
+        head(&mut v, 1, Some(1));
+        assert_eq!(v.counter(1), 70.0);
+        assert_eq!(v.lead(1), Some(0.0));
+        // c got 150 on the peers: already above the floor, not lifted, and served after a.
+        v.set_offset("c", Some(2), 150.0);
+        head(&mut v, 2, Some(2));
+        assert_eq!(v.counter(2), 0.0);
+        assert_eq!(v.lead(2), Some(50.0));
+        // Service charged is counted apart from the lift: b was lifted, not served.
+        assert_eq!(v.service(1), 0.0);
+        assert_eq!(v.service(0), 100.0);
+    }
+
+    #[test]
+    fn an_offset_set_by_name_reaches_a_flow_id_handed_out_later_and_forgetting_clears_the_id() {
+        let mut v = Vtc::new(VtcWeights::default());
+        v.set_offset("late", None, 40.0);
+        v.on_flow(3, "late");
+        assert_eq!(v.offset(3), 40.0);
+        v.forget(3);
+        assert_eq!(v.offset(3), 0.0);
+        v.on_flow(3, "other");
+        assert_eq!(v.offset(3), 0.0, "another tenant under the reused id has no offset");
+        v.on_flow(4, "late");
+        assert_eq!(v.offset(4), 40.0);
+        v.set_offset("late", Some(4), f64::NAN);
+        assert_eq!(v.offset(4), 0.0, "a bad offset reads as none");
     }
 }
