@@ -1,9 +1,9 @@
-//! The bypass path's host profile (`host_sim::bypass_profile`): what a bypassed request asks of
+//! The bypass path's host profile (`host_sim::experiments::bypass_profile`): what a bypassed request asks of
 //! the host, for sluice and for the benchmark's floor filter. Counts, never times.
 
 mod common;
 
-use host_sim::bypass_profile;
+use host_sim::experiments::bypass_profile;
 
 #[test]
 fn the_floor_sets_one_header_and_reads_the_body_once_per_request() {
