@@ -146,7 +146,7 @@ mod tests {
     fn the_queue_reasons_keep_their_status() {
         for r in [RejectReason::QueueFull, RejectReason::FlowFull, RejectReason::TtlExpired] {
             let o = Outcome::from(r);
-            assert_eq!((o.status(), o.reason()), (r.http_status() as u32, r.as_str()));
+            assert_eq!((o.status(), o.reason()), (r.http_status(), r.as_str()));
         }
     }
 }

@@ -1055,9 +1055,9 @@ mod tests {
             model: None,
             headers: vec![],
         };
-        let short = capacity_rps(&[h100.clone()], &[row(500)]);
+        let short = capacity_rps(std::slice::from_ref(&h100), &[row(500)]);
         assert!((capacity_rps(&[h100.clone(), h100.clone()], &[row(500)]) - 2.0 * short).abs() < 1e-9);
-        assert!(capacity_rps(&[h100.clone()], &[row(5000)]) < short / 2.0);
+        assert!(capacity_rps(std::slice::from_ref(&h100), &[row(5000)]) < short / 2.0);
         assert!(capacity_rps(&[GpuProfile::llama3_8b_a100()], &[row(500)]) < short);
         // Short requests fill the batch limit; long ones the KV pool (409,600 tokens).
         assert_eq!(pool_slots(&[h100.clone(), h100.clone()], &[row(500)]), 512);
