@@ -569,7 +569,8 @@ pub fn run_case(wasm: &[u8], w: &ReproWorkload, p: &PolicyCase, opts: &ReproOpti
     Ok(finish(w, p, sim, report, records, t0))
 }
 
-fn finish(
+/// Measures a finished run (the Table 2 row, service buckets, accumulated difference).
+pub(crate) fn finish(
     w: &ReproWorkload,
     p: &PolicyCase,
     sim: Sim,

@@ -242,9 +242,9 @@ impl RequestRecord {
 enum Ev {
     Arrive(usize),
     ReqChunk(usize),
-    Tick(usize, u64),
-    Queue(QueuePost),
-    CallDone(u32),
+    Tick(usize, usize, u64),
+    Queue(usize, QueuePost),
+    CallDone(usize, u32),
     Wake(usize),
     Cancel(usize),
     Idle(usize),
@@ -273,6 +273,8 @@ impl PartialOrd for Scheduled {
 
 struct Stream {
     req: ClientRequest,
+    /// Gateway (Envoy process) the client sent the request to.
+    gw: usize,
     vm: usize,
     ctx: u32,
     chunks: VecDeque<Vec<u8>>,
@@ -301,21 +303,52 @@ struct UpstreamSlot {
     scheduled: Option<u64>,
 }
 
-/// The simulator: a host, upstreams, clients, and the event queue.
-pub struct Sim {
+/// The simulated exchange between gateway replicas (the filter's `replicas` key): an http
+/// call from any gateway to `cluster` is answered by the gateways in turn (round-robin per
+/// caller, the caller included), after `latency_us`, with the target's shared-data value at
+/// `sluice.replicas.state` as the `replicas.serve` plugin returns it (404 when absent).
+#[derive(Clone, Debug)]
+pub struct PeerExchange {
+    /// Cluster name the plugins' `replicas.peers_cluster` names.
+    pub cluster: String,
+    /// Time from the call to its answer, µs; the state is read when the answer is delivered.
+    pub latency_us: u64,
+    /// Probability that a call gets no answer (it fails at its timeout, or after the latency).
+    pub loss: f64,
+    /// Seed of the loss draws.
+    pub seed: u64,
+}
+
+/// One gateway replica: an Envoy process with its workers and shared data.
+struct Gateway {
     host: Host,
+    /// Per VM: tick period (ms) and generation.
+    ticks: Vec<(u32, u64)>,
+    workers: usize,
+    /// Round-robin position over workers.
+    rr: usize,
+    /// Round-robin position over peers.
+    peer_rr: usize,
+    /// False once killed: its streams were reset and it answers nothing.
+    up: bool,
+}
+
+/// The simulator: gateways (one by default), upstreams, clients, and the event queue.
+pub struct Sim {
+    gws: Vec<Gateway>,
+    peers: Option<PeerExchange>,
+    peer_rng: rand_chacha::ChaCha8Rng,
     cfg: GatewayConfig,
     now: u64,
     seq: u64,
     heap: BinaryHeap<Reverse<Scheduled>>,
     streams: Vec<Stream>,
-    by_ctx: BTreeMap<(usize, u32), usize>,
+    by_ctx: BTreeMap<(usize, usize, u32), usize>,
     upstreams: Vec<UpstreamSlot>,
     by_addr: BTreeMap<String, usize>,
-    calls: BTreeMap<u32, (HttpCallOut, Option<CallResponse>)>,
-    ticks: Vec<(u32, u64)>,
-    workers: usize,
-    rr: usize,
+    /// Open http calls by (gateway, token): the call, its answer, or the peer gateway whose
+    /// state answers it on delivery.
+    calls: BTreeMap<(usize, u32), (HttpCallOut, Option<CallResponse>, Option<usize>)>,
     open: usize,
     events_run: u64,
     service: BTreeMap<String, Vec<u64>>,
@@ -358,12 +391,33 @@ impl Default for ServicePrices {
 impl Sim {
     /// Loads the plugin (see [`Host::new`]) and prepares an empty simulation.
     pub fn new(wasm: &[u8], plugin: &PluginSpec, cfg: GatewayConfig) -> anyhow::Result<Sim> {
-        let host = Host::new(wasm, plugin)?;
+        Sim::with_gateways(wasm, std::slice::from_ref(plugin), cfg, None)
+    }
+
+    /// Several gateway replicas (one Envoy process per plugin spec, each with its own workers
+    /// and shared data) in front of the same upstreams, on one clock; `peers` simulates their
+    /// state exchange. Requests go to gateway 0 unless added with [`Sim::add_request_to`].
+    pub fn with_gateways(
+        wasm: &[u8],
+        plugins: &[PluginSpec],
+        cfg: GatewayConfig,
+        peers: Option<PeerExchange>,
+    ) -> anyhow::Result<Sim> {
+        anyhow::ensure!(!plugins.is_empty(), "at least one gateway");
+        let mut gws = Vec::with_capacity(plugins.len());
+        for plugin in plugins {
+            let host = Host::new(wasm, plugin)?;
+            let n = host.vm_count();
+            gws.push(Gateway { host, ticks: vec![(0, 0); n], workers: plugin.workers.max(1), rr: 0, peer_rr: 0, up: true });
+        }
+        let plugin = &plugins[0];
         let cfg_seed = cfg.seed;
         let frng = FaultRng::new(cfg.faults.seed);
-        let n = host.vm_count();
+        let peer_seed = peers.as_ref().map_or(0, |p| p.seed);
         let mut sim = Sim {
-            host,
+            gws,
+            peers,
+            peer_rng: <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(peer_seed),
             cfg,
             now: 0,
             seq: 0,
@@ -373,9 +427,6 @@ impl Sim {
             upstreams: Vec::new(),
             by_addr: BTreeMap::new(),
             calls: BTreeMap::new(),
-            ticks: vec![(0, 0); n],
-            workers: plugin.workers.max(1),
-            rr: 0,
             open: 0,
             events_run: 0,
             service: BTreeMap::new(),
@@ -385,8 +436,10 @@ impl Sim {
             counts: FaultCounts::default(),
         };
         // Start-up calls may have set tick periods, registered queues or enqueued messages.
-        for vm in 0..n {
-            sim.after_call(vm);
+        for g in 0..sim.gws.len() {
+            for vm in 0..sim.gws[g].host.vm_count() {
+                sim.after_call(g, vm);
+            }
         }
         Ok(sim)
     }
@@ -399,11 +452,19 @@ impl Sim {
 
     /// Declares a cluster for `dispatch_http_call`.
     pub fn add_cluster(&mut self, name: &str, cluster: Cluster) {
-        self.host.add_cluster(name, cluster);
+        for g in &mut self.gws {
+            g.host.add_cluster(name, cluster.clone());
+        }
     }
 
-    /// Schedules a client request.
+    /// Schedules a client request (to gateway 0).
     pub fn add_request(&mut self, req: ClientRequest) {
+        self.add_request_to(req, 0);
+    }
+
+    /// Schedules a client request to gateway `gw` (taken modulo the number of gateways).
+    pub fn add_request_to(&mut self, req: ClientRequest, gw: usize) {
+        let gw = gw % self.gws.len();
         let i = self.streams.len();
         let at = req.arrival_us;
         let cancel = req.cancel_after_us.map(|d| at + d);
@@ -431,6 +492,7 @@ impl Sim {
         };
         self.streams.push(Stream {
             req,
+            gw,
             vm: 0,
             ctx: 0,
             chunks: VecDeque::new(),
@@ -457,14 +519,54 @@ impl Sim {
         }
     }
 
-    /// The host, for logs, metrics, shared data and traps.
+    /// The (first gateway's) host, for logs, metrics, shared data and traps.
     pub fn host(&self) -> &Host {
-        &self.host
+        &self.gws[0].host
     }
 
-    /// Mutable host access (properties, clusters).
+    /// Mutable host access (properties, clusters) of the first gateway.
     pub fn host_mut(&mut self) -> &mut Host {
-        &mut self.host
+        &mut self.gws[0].host
+    }
+
+    /// Gateway `g`'s host.
+    pub fn gateway_host(&self, g: usize) -> &Host {
+        &self.gws[g].host
+    }
+
+    /// Number of gateways.
+    pub fn gateways(&self) -> usize {
+        self.gws.len()
+    }
+
+    /// Gateway of request `i` (in the order added).
+    pub fn gateway_of(&self, i: usize) -> usize {
+        self.streams[i].gw
+    }
+
+    /// Kills gateway `g` now (its Envoy process dies): its open streams are reset, its timers
+    /// stop, and peers' calls to it fail. Requests still sent to it are reset at arrival.
+    pub fn kill_gateway(&mut self, g: usize) {
+        self.gws[g].up = false;
+        let open: Vec<usize> = self.by_ctx.iter().filter(|((gw, _, _), _)| *gw == g).map(|(_, &i)| i).collect();
+        for i in open {
+            self.gateway_reset(i);
+        }
+    }
+
+    fn gateway_reset(&mut self, i: usize) {
+        if self.streams[i].done {
+            return;
+        }
+        self.abort_upstream(i);
+        let s = &mut self.streams[i];
+        s.rec.outcome = "gateway_down";
+        s.rec.reason = Some("gateway died".into());
+        s.done = true;
+        s.rec.end_us = Some(self.now);
+        self.open -= 1;
+        let (g, vm, ctx) = (s.gw, s.vm, s.ctx);
+        self.by_ctx.remove(&(g, vm, ctx));
     }
 
     /// An upstream by address.
@@ -508,6 +610,12 @@ impl Sim {
         self.upstreams.iter().map(|u| (u.addr.as_str(), u.up.as_ref()))
     }
 
+    fn set_now(&mut self, t: u64) {
+        for g in &mut self.gws {
+            g.host.set_now_us(t);
+        }
+    }
+
     fn push(&mut self, at: u64, ev: Ev) {
         self.seq += 1;
         self.heap.push(Reverse(Scheduled { at: at.max(self.now), seq: self.seq, ev }));
@@ -532,13 +640,13 @@ impl Sim {
             }
             let Reverse(s) = self.heap.pop().expect("peeked");
             self.now = s.at;
-            self.host.set_now_us(self.now);
+            self.set_now(self.now);
             self.events_run += 1;
             self.dispatch(s.ev);
         }
         if horizon < u64::MAX && self.now < horizon && self.open > 0 {
             self.now = horizon;
-            self.host.set_now_us(horizon);
+            self.set_now(horizon);
         }
     }
 
@@ -550,27 +658,30 @@ impl Sim {
             }
             let Reverse(s) = self.heap.pop().expect("peeked");
             self.now = s.at;
-            self.host.set_now_us(self.now);
+            self.set_now(self.now);
             self.events_run += 1;
             self.dispatch(s.ev);
         }
         self.now = self.now.max(t);
-        self.host.set_now_us(self.now);
+        self.set_now(self.now);
     }
 
     fn dispatch(&mut self, ev: Ev) {
         match ev {
             Ev::Arrive(i) => self.arrive(i),
             Ev::ReqChunk(i) => self.req_chunk(i),
-            Ev::Tick(vm, gen) => self.tick(vm, gen),
-            Ev::Queue(post) => {
-                let vm = post.vm;
-                if let Err(t) = self.host.on_queue_ready(&post) {
-                    self.root_trap(t);
+            Ev::Tick(g, vm, gen) => self.tick(g, vm, gen),
+            Ev::Queue(g, post) => {
+                if !self.gws[g].up {
+                    return;
                 }
-                self.after_call(vm);
+                let vm = post.vm;
+                if let Err(t) = self.gws[g].host.on_queue_ready(&post) {
+                    self.root_trap(g, t);
+                }
+                self.after_call(g, vm);
             }
-            Ev::CallDone(token) => self.call_done(token),
+            Ev::CallDone(g, token) => self.call_done(g, token),
             Ev::Wake(u) => self.wake(u),
             Ev::Cancel(i) => self.client_cancel(i, "client gave up"),
             Ev::Idle(i) => self.idle_check(i),
@@ -623,8 +734,8 @@ impl Sim {
         }
         self.abort_upstream(i);
         self.touch(i);
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
             sd.properties.insert("response.code_details".into(), b"stream_idle_timeout".to_vec());
         }
         let s = &mut self.streams[i];
@@ -698,24 +809,24 @@ impl Sim {
         self.upstream_event(UpstreamEvent::Reset { id: i as u64 });
     }
 
-    fn root_trap(&mut self, t: Trap) {
+    fn root_trap(&mut self, g: usize, t: Trap) {
         // A trap on a stream's behalf (effective context) fails that stream; root callbacks only
         // get recorded (the host already logged the trap with its backtrace).
-        if let Some(&i) = self.by_ctx.get(&(t.vm, t.context_id)) {
+        if let Some(&i) = self.by_ctx.get(&(g, t.vm, t.context_id)) {
             self.fail(i, t);
         }
     }
 
     /// Runs a stream callback; on a trap, fails the stream with a 500 and returns `None`.
     fn stream_call(&mut self, i: usize, f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>) -> Option<i32> {
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        let r = f(&mut self.host, vm, ctx);
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+        let r = f(&mut self.gws[g].host, vm, ctx);
         match r {
             // The caller records the returned action, then runs `after_call`: a deferred
             // continue must see the pause it lifts.
             Ok(a) => Some(a),
             Err(t) => {
-                self.after_call(vm);
+                self.after_call(g, vm);
                 self.fail(i, t);
                 None
             }
@@ -743,9 +854,14 @@ impl Sim {
     }
 
     fn arrive(&mut self, i: usize) {
-        let vm = 1 + self.rr % self.workers;
-        self.rr += 1;
-        if self.host.is_failed(vm) && !self.recover_vm(vm) {
+        let g = self.streams[i].gw;
+        if !self.gws[g].up {
+            self.gateway_reset(i);
+            return;
+        }
+        let vm = 1 + self.gws[g].rr % self.gws[g].workers;
+        self.gws[g].rr += 1;
+        if self.gws[g].host.is_failed(vm) && !self.recover_vm(g, vm) {
             self.streams[i].vm = vm;
             self.streams[i].rec.worker = vm;
             let why = Some("wasm VM failed".to_string());
@@ -757,7 +873,7 @@ impl Sim {
         let mut chunks: VecDeque<Vec<u8>> =
             req.body.chunks(self.cfg.body_chunk_bytes.max(1)).map(|c| c.to_vec()).collect();
         let has_trailers = req.trailers.is_some();
-        let ctx = match self.host.create_http_context(vm, data) {
+        let ctx = match self.gws[g].host.create_http_context(vm, data) {
             Ok(ctx) => ctx,
             Err(t) => {
                 let s = &mut self.streams[i];
@@ -778,7 +894,7 @@ impl Sim {
             s.ctx = ctx;
             s.rec.worker = vm;
         }
-        self.by_ctx.insert((vm, ctx), i);
+        self.by_ctx.insert((g, vm, ctx), i);
         let eos = chunks.is_empty() && !has_trailers;
         let n = chunks.len();
         self.streams[i].chunks = std::mem::take(&mut chunks);
@@ -804,7 +920,7 @@ impl Sim {
         if eos {
             self.streams[i].req_eos = true;
         }
-        self.after_call(vm);
+        self.after_call(g, vm);
         self.req_flush(i);
         self.note_queued(i);
     }
@@ -818,8 +934,8 @@ impl Sim {
         if buf.is_empty() && !eos {
             return;
         }
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
             sd.request_body.extend_from_slice(&buf);
         }
         let body_eos = eos && self.streams[i].req.trailers.is_none();
@@ -828,7 +944,7 @@ impl Sim {
         };
         self.streams[i].req_paused = a == action::PAUSE;
         self.streams[i].req_eos |= body_eos;
-        self.after_call(vm);
+        self.after_call(g, vm);
         self.note_queued(i);
         if eos && !body_eos && !self.streams[i].done {
             // Trailers were held too.
@@ -842,7 +958,7 @@ impl Sim {
         }
         self.streams[i].pieces_left = self.streams[i].pieces_left.saturating_sub(1);
         self.touch(i);
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
         let s = &mut self.streams[i];
         if let Some(held) = s.held.as_mut() {
             // A trailers event (no chunk left) ends the held request; trailers follow the body.
@@ -857,7 +973,7 @@ impl Sim {
         }
         let a = if let Some(chunk) = self.streams[i].chunks.pop_front() {
             let eos = self.streams[i].chunks.is_empty() && self.streams[i].req.trailers.is_none();
-            if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
                 sd.request_body.extend_from_slice(&chunk);
             }
             let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_body(vm, ctx, eos)) else {
@@ -867,7 +983,7 @@ impl Sim {
             a
         } else {
             let tr = self.streams[i].req.trailers.clone();
-            if let Some(sd) = self.host.stream_mut(vm, ctx) {
+            if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
                 sd.request_trailers = tr;
             }
             let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_request_trailers(vm, ctx)) else {
@@ -879,31 +995,31 @@ impl Sim {
         // As in Envoy's filter manager, a data callback returning Continue also ends a stop
         // in the headers.
         self.streams[i].req_paused = a == action::PAUSE;
-        self.after_call(vm);
+        self.after_call(g, vm);
         self.req_flush(i);
         self.note_queued(i);
     }
 
     /// Applies the failure policy to a failed VM before it takes a new stream; returns whether
     /// the VM is usable again.
-    fn recover_vm(&mut self, vm: usize) -> bool {
+    fn recover_vm(&mut self, g: usize, vm: usize) -> bool {
         if self.failure_policy != FailurePolicy::FailReload {
             return false;
         }
         // The old instance's streams cannot continue: their contexts die with it.
-        let open: Vec<usize> = self.by_ctx.iter().filter(|((v, _), _)| *v == vm).map(|(_, &i)| i).collect();
+        let open: Vec<usize> = self.by_ctx.iter().filter(|((gw, v, _), _)| *gw == g && *v == vm).map(|(_, &i)| i).collect();
         for i in open {
             let why = Some("wasm VM reloaded".to_string());
             self.local_reply(i, 503, "vm_failed", why, b"wasm VM reloaded".to_vec());
         }
-        match self.host.reload_vm(vm) {
+        match self.gws[g].host.reload_vm(vm) {
             Ok(()) => {
-                self.after_call(vm);
+                self.after_call(g, vm);
                 true
             }
             Err(e) => {
                 let msg = format!("VM reload failed: {e:#}");
-                self.host.host_log(vm, 0, LogLevel::Critical, msg);
+                self.gws[g].host.host_log(vm, 0, LogLevel::Critical, msg);
                 false
             }
         }
@@ -915,8 +1031,8 @@ impl Sim {
         if s.done || s.req_paused || s.upstream.is_some() {
             return;
         }
-        let (vm, ctx) = (s.vm, s.ctx);
-        let Some(sd) = self.host.stream_mut(vm, ctx) else {
+        let (g, vm, ctx) = (s.gw, s.vm, s.ctx);
+        let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) else {
             return;
         };
         let body = std::mem::take(&mut sd.request_body);
@@ -924,19 +1040,19 @@ impl Sim {
         if !self.streams[i].req_eos {
             return;
         }
-        let headers = self.host.stream_mut(vm, ctx).map(|sd| sd.request_headers.clone()).unwrap_or_default();
+        let headers = self.gws[g].host.stream_mut(vm, ctx).map(|sd| sd.request_headers.clone()).unwrap_or_default();
         let dest = abi::header_str(&headers, &self.cfg.route_header).map(str::to_string);
         let Some(u) = dest.as_ref().and_then(|d| self.by_addr.get(d)).copied() else {
             let why = match dest {
                 None => format!("no {} header: ORIGINAL_DST has no host", self.cfg.route_header),
                 Some(d) => format!("endpoint {d} is not a known upstream"),
             };
-            self.host.host_log(vm, ctx, LogLevel::Warn, format!("request {}: {why}", self.streams[i].req.id));
+            self.gws[g].host.host_log(vm, ctx, LogLevel::Warn, format!("request {}: {why}", self.streams[i].req.id));
             self.local_reply(i, 503, "no_route", Some(why), b"no healthy upstream".to_vec());
             return;
         };
         let addr = self.upstreams[u].addr.clone();
-        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+        if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
             sd.properties.insert("upstream.address".into(), addr.clone().into_bytes());
         }
         let kept: Vec<(String, String)> = self
@@ -1024,8 +1140,8 @@ impl Sim {
                 } else {
                     b"upstream_reset_before_response_started{remote_reset}"
                 };
-                let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-                if let Some(sd) = self.host.stream_mut(vm, ctx) {
+                let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+                if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
                     sd.properties.insert("response.code_details".into(), details.to_vec());
                 }
                 if !self.streams[i].got_resp_headers {
@@ -1054,9 +1170,9 @@ impl Sim {
     }
 
     fn resp_headers(&mut self, i: usize, headers: HeaderMap, eos: bool) {
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
         self.streams[i].got_resp_headers = true;
-        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+        if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
             sd.response_headers = Some(headers);
         }
         let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_headers(vm, ctx, eos)) else {
@@ -1064,13 +1180,13 @@ impl Sim {
         };
         self.streams[i].resp_eos = eos;
         self.streams[i].resp_paused = a == action::PAUSE;
-        self.after_call(vm);
+        self.after_call(g, vm);
         self.resp_flush(i);
     }
 
     fn resp_body(&mut self, i: usize, data: Vec<u8>, tokens: u32, eos: bool) {
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
             sd.response_body.extend_from_slice(&data);
         }
         self.streams[i].resp_tokens_buffered += tokens;
@@ -1079,13 +1195,13 @@ impl Sim {
         };
         self.streams[i].resp_eos = eos;
         self.streams[i].resp_paused = a == action::PAUSE;
-        self.after_call(vm);
+        self.after_call(g, vm);
         self.resp_flush(i);
     }
 
     fn resp_trailers(&mut self, i: usize, trailers: HeaderMap) {
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        if let Some(sd) = self.host.stream_mut(vm, ctx) {
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+        if let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) {
             sd.response_trailers = Some(trailers);
         }
         let Some(a) = self.stream_call(i, |h, vm, ctx| h.on_response_trailers(vm, ctx)) else {
@@ -1093,7 +1209,7 @@ impl Sim {
         };
         self.streams[i].resp_eos = true;
         self.streams[i].resp_paused = a == action::PAUSE;
-        self.after_call(vm);
+        self.after_call(g, vm);
         self.resp_flush(i);
     }
 
@@ -1102,8 +1218,8 @@ impl Sim {
         if self.streams[i].done || self.streams[i].resp_paused || !self.streams[i].got_resp_headers {
             return;
         }
-        let (vm, ctx) = (self.streams[i].vm, self.streams[i].ctx);
-        let Some(sd) = self.host.stream_mut(vm, ctx) else {
+        let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
+        let Some(sd) = self.gws[g].host.stream_mut(vm, ctx) else {
             return;
         };
         let body = std::mem::take(&mut sd.response_body);
@@ -1190,16 +1306,16 @@ impl Sim {
         s.done = true;
         s.rec.end_us = Some(self.now);
         self.open -= 1;
-        let (vm, ctx) = (s.vm, s.ctx);
+        let (g, vm, ctx) = (s.gw, s.vm, s.ctx);
         let sent_upstream = s.rec.dispatched_us.is_some();
         // on_done / on_log / on_delete; a trap there cannot change the client's outcome.
-        if let Err(t) = self.host.finish_stream(vm, ctx) {
+        if let Err(t) = self.gws[g].host.finish_stream(vm, ctx) {
             if sent_upstream && t.callback != "proxy_on_delete" {
                 self.counts.dispatched_ended_without_log += 1;
             }
         }
-        self.by_ctx.remove(&(vm, ctx));
-        self.after_call(vm);
+        self.by_ctx.remove(&(g, vm, ctx));
+        self.after_call(g, vm);
     }
 
     fn apply(&mut self, i: usize, a: StreamAction) {
@@ -1239,32 +1355,33 @@ impl Sim {
 
     /// Applies what the last call(s) on `vm` asked for: deferred stream actions, queue posts,
     /// http calls, tick period changes.
-    fn after_call(&mut self, vm: usize) {
+    fn after_call(&mut self, g: usize, vm: usize) {
         loop {
-            let acts = self.host.take_actions(vm);
+            let acts = self.gws[g].host.take_actions(vm);
             if acts.is_empty() {
                 break;
             }
             for (ctx, a) in acts {
-                if let Some(&i) = self.by_ctx.get(&(vm, ctx)) {
+                if let Some(&i) = self.by_ctx.get(&(g, vm, ctx)) {
                     self.apply(i, a);
                 }
             }
         }
-        for post in self.host.take_queue_posts() {
-            self.push(self.now + self.cfg.queue_post_delay_us, Ev::Queue(post));
+        for post in self.gws[g].host.take_queue_posts() {
+            self.push(self.now + self.cfg.queue_post_delay_us, Ev::Queue(g, post));
         }
-        for call in self.host.take_http_calls() {
-            self.start_call(call);
+        for call in self.gws[g].host.take_http_calls() {
+            self.start_call(g, call);
         }
-        let p = self.host.tick_period_ms(vm);
-        if p != self.ticks[vm].0 {
-            self.ticks[vm].0 = p;
-            self.ticks[vm].1 += 1;
+        let p = self.gws[g].host.tick_period_ms(vm);
+        if p != self.gws[g].ticks[vm].0 {
+            let ticks = &mut self.gws[g].ticks;
+            ticks[vm].0 = p;
+            ticks[vm].1 += 1;
             if p >= 1 {
-                let gen = self.ticks[vm].1;
+                let gen = ticks[vm].1;
                 let at = self.now + p as u64 * 1000 + self.jitter();
-                self.push(at, Ev::Tick(vm, gen));
+                self.push(at, Ev::Tick(g, vm, gen));
             }
         }
     }
@@ -1281,22 +1398,49 @@ impl Sim {
         }
     }
 
-    fn tick(&mut self, vm: usize, gen: u64) {
-        if self.ticks[vm].1 != gen {
+    fn tick(&mut self, g: usize, vm: usize, gen: u64) {
+        if self.gws[g].ticks[vm].1 != gen || !self.gws[g].up {
             return;
         }
-        if let Err(t) = self.host.on_tick(vm) {
-            self.root_trap(t);
+        if let Err(t) = self.gws[g].host.on_tick(vm) {
+            self.root_trap(g, t);
         }
-        self.after_call(vm);
-        if self.ticks[vm].1 == gen && self.ticks[vm].0 >= 1 {
-            let at = self.now + self.ticks[vm].0 as u64 * 1000 + self.jitter();
-            self.push(at, Ev::Tick(vm, gen));
+        self.after_call(g, vm);
+        let (period, cur) = self.gws[g].ticks[vm];
+        if cur == gen && period >= 1 {
+            let at = self.now + period as u64 * 1000 + self.jitter();
+            self.push(at, Ev::Tick(g, vm, gen));
         }
     }
 
-    fn start_call(&mut self, call: HttpCallOut) {
+    /// A call to the peers' cluster: answered on delivery by the next gateway in turn, or lost.
+    fn peer_call(&mut self, g: usize, call: HttpCallOut) {
         use rand::Rng;
+        let Some(p) = &self.peers else { return };
+        let (latency, loss) = (p.latency_us, p.loss);
+        let n = self.gws.len();
+        let target = self.gws[g].peer_rr % n;
+        self.gws[g].peer_rr += 1;
+        let timeout_us = call.timeout_ms as u64 * 1000;
+        let lost = loss > 0.0 && self.peer_rng.random::<f64>() < loss;
+        let late = call.timeout_ms > 0 && latency > timeout_us;
+        let key = (g, call.token);
+        if lost || late || !self.gws[target].up {
+            let at = if timeout_us > 0 { timeout_us } else { latency };
+            self.calls.insert(key, (call, None, None));
+            self.push(self.now + at, Ev::CallDone(g, key.1));
+        } else {
+            self.calls.insert(key, (call, None, Some(target)));
+            self.push(self.now + latency, Ev::CallDone(g, key.1));
+        }
+    }
+
+    fn start_call(&mut self, g: usize, call: HttpCallOut) {
+        use rand::Rng;
+        if self.peers.as_ref().is_some_and(|p| p.cluster == call.cluster) {
+            self.peer_call(g, call);
+            return;
+        }
         let latency = self.cfg.call_latency_us;
         let timeout_us = call.timeout_ms as u64 * 1000;
         // Injected failure: (deliver at, response).
@@ -1354,18 +1498,28 @@ impl Sim {
             (self.now + latency, resp)
         };
         let token = call.token;
-        self.calls.insert(token, (call, resp));
-        self.push(at, Ev::CallDone(token));
+        self.calls.insert((g, token), (call, resp, None));
+        self.push(at, Ev::CallDone(g, token));
     }
 
-    fn call_done(&mut self, token: u32) {
-        let Some((call, resp)) = self.calls.remove(&token) else {
+    fn call_done(&mut self, g: usize, token: u32) {
+        let Some((call, mut resp, peer)) = self.calls.remove(&(g, token)) else {
             return;
         };
-        let vm = call.vm;
-        if let Err(t) = self.host.on_http_call_response(&call, resp) {
-            self.root_trap(t);
+        if !self.gws[g].up {
+            return;
         }
-        self.after_call(vm);
+        if let Some(target) = peer {
+            // What the `replicas.serve` plugin answers: the state, or 404 before the first one.
+            resp = Some(match self.gws[target].host.shared_data(sluice_filter::replicas::STATE_KEY) {
+                Some((v, _)) if !v.is_empty() => (vec![(":status".into(), b"200".to_vec())], v, Vec::new()),
+                _ => (vec![(":status".into(), b"404".to_vec())], Vec::new(), Vec::new()),
+            });
+        }
+        let vm = call.vm;
+        if let Err(t) = self.gws[g].host.on_http_call_response(&call, resp) {
+            self.root_trap(g, t);
+        }
+        self.after_call(g, vm);
     }
 }

@@ -1,7 +1,7 @@
 //! Scenario files: what to simulate (plugin configuration, backends, workload, gateway), parsed
 //! from JSON with errors that name the field, and turned into a [`Sim`] run and a [`Report`].
 
-use crate::sim::engine::{GatewayConfig, ServicePrices, Sim};
+use crate::sim::engine::{GatewayConfig, PeerExchange, ServicePrices, Sim};
 use crate::sim::report::Report;
 use crate::sim::upstream::GpuUpstream;
 use crate::sim::workload::{self, SyntheticClient, TraceFormat, WorkItem};
@@ -10,6 +10,7 @@ use proxy_wasm_host::abi::LogLevel;
 use proxy_wasm_host::host::PluginSpec;
 use proxy_wasm_host::state::Cluster;
 use serde::Deserialize;
+use serde_json::Value;
 use sluice_gpu::GpuProfile;
 use std::path::Path;
 
@@ -398,17 +399,50 @@ impl Scenario {
         items: &[WorkItem],
         adjust: impl FnOnce(&mut PluginSpec, &mut GatewayConfig),
     ) -> Result<Sim> {
-        let mut plugin = PluginSpec {
-            configuration: serde_json::to_vec(&self.plugin_config())?,
+        let mut plugin = self.plugin_spec(&self.plugin_config())?;
+        let mut gw = self.gateway_config();
+        adjust(&mut plugin, &mut gw);
+        let sim = Sim::new(wasm, &plugin, gw)?;
+        self.populate(sim, items, |_| 0)
+    }
+
+    /// [`Scenario::build`] with several gateway replicas in front of the same backends: one
+    /// per entry of `extra`, whose keys are merged into that gateway's plugin configuration
+    /// (e.g. its `replicas`); item `i` goes to gateway `gateway_of(i)`.
+    pub fn build_gateways(
+        &self,
+        wasm: &[u8],
+        items: &[WorkItem],
+        extra: &[Value],
+        peers: Option<PeerExchange>,
+        gateway_of: impl Fn(usize) -> usize,
+    ) -> Result<Sim> {
+        let mut plugins = Vec::with_capacity(extra.len());
+        for e in extra {
+            let mut cfg = self.plugin_config();
+            if let (Some(c), Some(e)) = (cfg.as_object_mut(), e.as_object()) {
+                c.extend(e.clone());
+            }
+            plugins.push(self.plugin_spec(&cfg)?);
+        }
+        let sim = Sim::with_gateways(wasm, &plugins, self.gateway_config(), peers)?;
+        self.populate(sim, items, gateway_of)
+    }
+
+    /// The plugin of this scenario with filter configuration `cfg`.
+    fn plugin_spec(&self, cfg: &Value) -> Result<PluginSpec> {
+        Ok(PluginSpec {
+            configuration: serde_json::to_vec(cfg)?,
             workers: self.workers,
             log_level: self.log_level.as_deref().map(parse_level).transpose()?.unwrap_or(LogLevel::Warn),
             seed: self.seed,
             failure_policy: self.failure_policy,
             ..Default::default()
-        };
-        let mut gw = self.gateway_config();
-        adjust(&mut plugin, &mut gw);
-        let mut sim = Sim::new(wasm, &plugin, gw)?;
+        })
+    }
+
+    /// Adds the backends, the clusters and the requests.
+    fn populate(&self, mut sim: Sim, items: &[WorkItem], gateway_of: impl Fn(usize) -> usize) -> Result<Sim> {
         for (addr, profile) in self.backends.backends()? {
             sim.add_upstream(&addr, Box::new(GpuUpstream::new(profile, 256)?));
         }
@@ -424,7 +458,7 @@ impl Scenario {
         for (i, w) in items.iter().enumerate() {
             let mut r = workload::chat_request(i as u64, w, &th, &self.model, block);
             r.cancel_after_us = self.client_timeout_s.map(|s| (s * 1e6) as u64);
-            sim.add_request(r);
+            sim.add_request_to(r, gateway_of(i));
         }
         Ok(sim)
     }

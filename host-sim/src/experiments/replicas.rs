@@ -1,0 +1,221 @@
+//! Several gateway replicas in front of one GPU: the VTC reproductions' fairness figures
+//! (service difference between clients, light clients' TTFT) with N gateways that are
+//! independent, active-passive (with a failover), or synced through the filter's `replicas`
+//! exchange at several sync intervals, against one gateway (`sluice-replicas`).
+
+use crate::experiments::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload};
+use crate::sim::engine::{PeerExchange, RequestRecord};
+use anyhow::Result;
+use serde_json::{json, Value};
+
+/// Cluster name of the peers' exchange in the simulated gateways.
+pub const PEERS_CLUSTER: &str = "sluice_peers";
+
+/// How clients are spread over the gateways.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Balancer {
+    /// Each client sticks to one gateway (clients in order of first appearance, round-robin).
+    PerClient,
+    /// Requests go to the gateways in turn.
+    RoundRobin,
+}
+
+/// How the gateways of one case are deployed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Deployment {
+    /// One gateway (the reference).
+    Single,
+    /// N gateways, each counting alone (no `replicas` key).
+    Independent,
+    /// N gateways, every client on gateway 0 (the others idle, empty state).
+    ActivePassive,
+    /// As [`Deployment::ActivePassive`] until `at_s`, when gateway 0 dies (its open streams
+    /// reset) and every later request goes to gateway 1, which starts with empty state.
+    Failover {
+        /// Virtual time of the failure, s.
+        at_s: f64,
+    },
+    /// N gateways exchanging state every `sync_ms`.
+    Synced {
+        /// `replicas.sync_interval_ms`.
+        sync_ms: u64,
+    },
+}
+
+/// One row's setup.
+#[derive(Clone, Debug)]
+pub struct ReplicaCase {
+    /// Label in the table.
+    pub label: String,
+    /// Number of gateways.
+    pub gateways: usize,
+    /// Their deployment.
+    pub deployment: Deployment,
+}
+
+/// The exchange's simulated network.
+#[derive(Clone, Copy, Debug)]
+pub struct ExchangeNet {
+    /// Latency of a peer call, µs.
+    pub latency_us: u64,
+    /// Probability that a peer call is lost.
+    pub loss: f64,
+}
+
+/// One row of the comparison.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReplicaRow {
+    /// Case label.
+    pub case: String,
+    /// Gateways.
+    pub gateways: usize,
+    /// Max over time of the service difference (Table 2's), service units / s.
+    pub max_diff: f64,
+    /// Its mean.
+    pub avg_diff: f64,
+    /// Mean TTFT of the light clients, s.
+    pub light_ttft_s: Option<f64>,
+    /// Most requests in flight at the GPU at once, all gateways together.
+    pub max_in_flight: usize,
+    /// Requests that did not end "ok" (resets at a failover included), and unfinished ones.
+    pub failed: usize,
+}
+
+/// The cases of the comparison for `n` gateways (at least 2).
+pub fn cases(n: usize, failover_at_s: f64) -> Vec<ReplicaCase> {
+    let c = |label: &str, gateways, deployment| ReplicaCase { label: label.into(), gateways, deployment };
+    let mut v = vec![
+        c("single gateway", 1, Deployment::Single),
+        c("independent", n, Deployment::Independent),
+        c("active-passive", n, Deployment::ActivePassive),
+        c(&format!("failover at {failover_at_s} s"), n, Deployment::Failover { at_s: failover_at_s }),
+    ];
+    for d in [10, 100, 1000] {
+        v.push(c(&format!("synced {d} ms"), n, Deployment::Synced { sync_ms: d }));
+    }
+    v
+}
+
+/// Gateway of each item under a balancer (before any failover).
+pub fn assign(w: &ReproWorkload, n: usize, b: Balancer) -> Vec<usize> {
+    let mut seen: Vec<&str> = Vec::new();
+    w.items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| match b {
+            Balancer::RoundRobin => i % n,
+            Balancer::PerClient => {
+                let k = seen.iter().position(|c| *c == it.client).unwrap_or_else(|| {
+                    seen.push(it.client.as_str());
+                    seen.len() - 1
+                });
+                k % n
+            }
+        })
+        .collect()
+}
+
+/// The `replicas` key of gateway `g` of `n` syncing every `sync_ms`.
+pub fn replicas_config(g: usize, n: usize, sync_ms: u64) -> Value {
+    json!({"replicas": {"id": g + 1, "peers_cluster": PEERS_CLUSTER, "peers": n, "sync_interval_ms": sync_ms},
+           // The exchange runs on the tick: its resolution is `tick_ms`.
+           "tick_ms": sync_ms.min(50)})
+}
+
+/// Runs one case of workload `w` under VTC.
+pub fn run_case(
+    wasm: &[u8],
+    w: &ReproWorkload,
+    case: &ReplicaCase,
+    b: Balancer,
+    net: ExchangeNet,
+    opts: &ReproOptions,
+) -> Result<(ReplicaRow, CaseResult)> {
+    let t0 = std::time::Instant::now();
+    let p = PolicyCase::vtc();
+    let sc = repro::scenario(repro::filter_config(w, &p, opts), w.horizon_s, opts)?;
+    let n = case.gateways.max(1);
+    let to = assign(w, n, b);
+    let (extra, peers): (Vec<Value>, _) = match case.deployment {
+        Deployment::Synced { sync_ms } => (
+            (0..n).map(|g| replicas_config(g, n, sync_ms)).collect(),
+            Some(PeerExchange {
+                cluster: PEERS_CLUSTER.into(),
+                latency_us: net.latency_us,
+                loss: net.loss,
+                seed: opts.seed,
+            }),
+        ),
+        _ => (vec![json!({}); n], None),
+    };
+    let fail_at = match case.deployment {
+        Deployment::Failover { at_s } => Some((at_s * 1e6) as u64),
+        _ => None,
+    };
+    let gateway_of = |i: usize| match case.deployment {
+        Deployment::Single | Deployment::ActivePassive => 0,
+        Deployment::Failover { .. } => fail_at.is_some_and(|t| w.items[i].arrival_us >= t) as usize,
+        _ => to[i],
+    };
+    let mut sim = sc.build_gateways(wasm, &w.items, &extra, peers, gateway_of)?;
+    if peers_cluster_needed(&case.deployment) {
+        // The peers' calls need a declared cluster; the engine answers them itself.
+        sim.add_cluster(PEERS_CLUSTER, proxy_wasm_host::state::Cluster::Static(vec!["127.0.0.1:9901".into()]));
+    }
+    if let Some(t) = fail_at {
+        sim.run_until(t);
+        sim.kill_gateway(0);
+    }
+    sim.run();
+    let report = sc.report(&sim);
+    let records = sim.records();
+    let res = repro::finish(w, &p, sim, report, records, t0);
+    let row = ReplicaRow {
+        case: case.label.clone(),
+        gateways: n,
+        max_diff: res.row.max_diff,
+        avg_diff: res.row.avg_diff,
+        light_ttft_s: res.row.light_ttft_s,
+        max_in_flight: max_in_flight(&res.records),
+        failed: res.row.failed + res.row.unfinished,
+    };
+    Ok((row, res))
+}
+
+fn peers_cluster_needed(d: &Deployment) -> bool {
+    matches!(d, Deployment::Synced { .. })
+}
+
+/// Most requests dispatched to the GPU and not yet ended at any instant.
+pub fn max_in_flight(records: &[RequestRecord]) -> usize {
+    let mut ev: Vec<(u64, i32)> = Vec::with_capacity(2 * records.len());
+    for r in records {
+        if let Some(d) = r.dispatched_us {
+            ev.push((d, 1));
+            ev.push((r.end_us.unwrap_or(u64::MAX), -1));
+        }
+    }
+    // Ends before starts at the same instant.
+    ev.sort();
+    let (mut cur, mut max) = (0i64, 0i64);
+    for (_, d) in ev {
+        cur += d as i64;
+        max = max.max(cur);
+    }
+    max as usize
+}
+
+/// The table in Markdown.
+pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
+    let mut s = format!(
+        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Max in flight | Failed/unfinished |\n|---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        let ttft = r.light_ttft_s.map_or("-".into(), |t| format!("{t:.2}"));
+        s += &format!(
+            "| {} | {} | {:.2} | {:.2} | {} | {} | {} |\n",
+            r.case, r.gateways, r.max_diff, r.avg_diff, ttft, r.max_in_flight, r.failed
+        );
+    }
+    s
+}
