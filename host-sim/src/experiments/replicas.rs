@@ -75,10 +75,16 @@ pub struct ReplicaRow {
     pub avg_diff: f64,
     /// Mean TTFT of the light clients, s.
     pub light_ttft_s: Option<f64>,
+    /// Input + output tokens served per second (Table 2's throughput).
+    pub throughput: f64,
     /// Most requests in flight at the GPU at once, all gateways together.
     pub max_in_flight: usize,
     /// Requests that did not end "ok" (resets at a failover included), and unfinished ones.
     pub failed: usize,
+    /// Peer states fetched and taken, all gateways together (`sluice_replica_sync_ok`).
+    pub sync_ok: u64,
+    /// Peer calls that failed (`sluice_replica_sync_failed`).
+    pub sync_failed: u64,
 }
 
 /// The cases of the comparison for `n` gateways (at least 2).
@@ -167,6 +173,10 @@ pub fn run_case(
         sim.kill_gateway(0);
     }
     sim.run();
+    let metric = |name: &str| -> u64 {
+        (0..sim.gateways()).filter_map(|g| sim.gateway_host(g).metric(name)).map(|m| m.value).sum()
+    };
+    let (sync_ok, sync_failed) = (metric("sluice_replica_sync_ok"), metric("sluice_replica_sync_failed"));
     let report = sc.report(&sim);
     let records = sim.records();
     let res = repro::finish(w, &p, sim, report, records, t0);
@@ -176,8 +186,11 @@ pub fn run_case(
         max_diff: res.row.max_diff,
         avg_diff: res.row.avg_diff,
         light_ttft_s: res.row.light_ttft_s,
+        throughput: res.row.throughput,
         max_in_flight: max_in_flight(&res.records),
         failed: res.row.failed + res.row.unfinished,
+        sync_ok,
+        sync_failed,
     };
     Ok((row, res))
 }
@@ -208,13 +221,13 @@ pub fn max_in_flight(records: &[RequestRecord]) -> usize {
 /// The table in Markdown.
 pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
     let mut s = format!(
-        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Max in flight | Failed/unfinished |\n|---|---:|---:|---:|---:|---:|---:|\n"
+        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Throughput (tok/s) | Max in flight | Failed/unfinished | Syncs ok/failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for r in rows {
         let ttft = r.light_ttft_s.map_or("-".into(), |t| format!("{t:.2}"));
         s += &format!(
-            "| {} | {} | {:.2} | {:.2} | {} | {} | {} |\n",
-            r.case, r.gateways, r.max_diff, r.avg_diff, ttft, r.max_in_flight, r.failed
+            "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {} | {} | {}/{} |\n",
+            r.case, r.gateways, r.max_diff, r.avg_diff, ttft, r.throughput, r.max_in_flight, r.failed, r.sync_ok, r.sync_failed
         );
     }
     s

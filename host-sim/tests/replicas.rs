@@ -1,0 +1,75 @@
+//! Several gateway replicas in one simulation (`sluice-replicas`): the replicas exchange keeps
+//! the GPU's in-flight bound and VTC's fairness across gateways, and losing every exchange
+//! message degrades to independent gateways.
+//! `cargo test --release -p sluice-host-sim --test replicas`.
+
+mod common;
+
+use host_sim::experiments::replicas::{self, Balancer, Deployment, ExchangeNet, ReplicaCase, ReplicaRow};
+use host_sim::experiments::repro::{self, ReproOptions, ReproWorkload};
+use std::path::Path;
+
+fn opts() -> ReproOptions {
+    ReproOptions { quick: true, ..Default::default() }
+}
+
+fn overload() -> ReproWorkload {
+    let trace = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/traces/chatbot-arena-27-clients.csv"));
+    repro::seed_workloads(&opts(), trace).unwrap().into_iter().find(|w| w.name == "overload").unwrap()
+}
+
+fn run(w: &ReproWorkload, gateways: usize, deployment: Deployment, loss: f64) -> ReplicaRow {
+    run_counting(w, gateways, deployment, loss).0
+}
+
+/// The row and the number of requests reset by a gateway's death.
+fn run_counting(w: &ReproWorkload, gateways: usize, deployment: Deployment, loss: f64) -> (ReplicaRow, usize) {
+    let case = ReplicaCase { label: format!("{deployment:?}"), gateways, deployment };
+    let net = ExchangeNet { latency_us: 1000, loss };
+    let (row, res) = replicas::run_case(&common::filter_wasm(), w, &case, Balancer::RoundRobin, net, &opts()).unwrap();
+    assert_eq!(res.report.traps, 0, "{}: traps", case.label);
+    eprintln!("{row:?}");
+    let down = res.records.iter().filter(|r| r.outcome == "gateway_down").count();
+    (row, down)
+}
+
+#[test]
+fn synced_replicas_keep_the_bound_and_the_fairness_that_independent_ones_lose() {
+    let w = overload();
+    let single = run(&w, 1, Deployment::Single, 0.0);
+    let independent = run(&w, 2, Deployment::Independent, 0.0);
+    let synced = run(&w, 2, Deployment::Synced { sync_ms: 100 }, 0.0);
+    assert!(synced.sync_ok > 0 && synced.sync_failed == 0, "{synced:?}");
+    // Each independent gateway fills the GPU up to its own bound.
+    assert!(independent.max_in_flight as f64 > 1.5 * single.max_in_flight as f64, "{independent:?} vs {single:?}");
+    // Synced gateways count each other's requests: the pool's bound holds (a request of
+    // slack per gateway for the sync interval's staleness).
+    assert!(synced.max_in_flight <= single.max_in_flight + 2, "{synced:?} vs {single:?}");
+    // VTC orders by the global counters: the service difference stays near one gateway's.
+    assert!(synced.avg_diff < 0.5 * independent.avg_diff, "{synced:?} vs {independent:?}");
+    assert!(synced.avg_diff < 1.5 * single.avg_diff, "{synced:?} vs {single:?}");
+}
+
+#[test]
+fn losing_every_exchange_message_degrades_to_independent_gateways() {
+    let w = overload();
+    let independent = run(&w, 2, Deployment::Independent, 0.0);
+    let lost = run(&w, 2, Deployment::Synced { sync_ms: 100 }, 1.0);
+    assert_eq!(lost.sync_ok, 0, "{lost:?}");
+    assert!(lost.sync_failed > 0, "{lost:?}");
+    // Each gateway counts alone again: it fills the GPU to its own bound.
+    assert!(lost.max_in_flight as f64 >= 0.9 * independent.max_in_flight as f64, "{lost:?} vs {independent:?}");
+}
+
+#[test]
+fn a_failover_resets_the_dead_gateways_streams_and_the_standby_serves_the_rest() {
+    let w = overload();
+    let (active, none) = run_counting(&w, 2, Deployment::ActivePassive, 0.0);
+    let (failover, down) = run_counting(&w, 2, Deployment::Failover { at_s: 20.0 }, 0.0);
+    // The streams open on gateway 0 at the failure end without an answer.
+    assert_eq!(none, 0);
+    assert!(down > 0 && failover.failed >= active.failed, "{failover:?} vs {active:?}");
+    // Gateway 1 alone keeps the bound.
+    assert!(failover.max_in_flight <= active.max_in_flight, "{failover:?} vs {active:?}");
+    assert!(failover.throughput > 0.5 * active.throughput, "{failover:?} vs {active:?}");
+}
