@@ -227,7 +227,16 @@ pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
         let ttft = r.light_ttft_s.map_or("-".into(), |t| format!("{t:.2}"));
         s += &format!(
             "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {} | {} | {}/{} |\n",
-            r.case, r.gateways, r.max_diff, r.avg_diff, ttft, r.throughput, r.max_in_flight, r.failed, r.sync_ok, r.sync_failed
+            r.case,
+            r.gateways,
+            r.max_diff,
+            r.avg_diff,
+            ttft,
+            r.throughput,
+            r.max_in_flight,
+            r.failed,
+            r.sync_ok,
+            r.sync_failed
         );
     }
     s

@@ -408,7 +408,14 @@ impl Sim {
         for plugin in plugins {
             let host = Host::new(wasm, plugin)?;
             let n = host.vm_count();
-            gws.push(Gateway { host, ticks: vec![(0, 0); n], workers: plugin.workers.max(1), rr: 0, peer_rr: 0, up: true });
+            gws.push(Gateway {
+                host,
+                ticks: vec![(0, 0); n],
+                workers: plugin.workers.max(1),
+                rr: 0,
+                peer_rr: 0,
+                up: true,
+            });
         }
         let plugin = &plugins[0];
         let cfg_seed = cfg.seed;
@@ -1007,7 +1014,8 @@ impl Sim {
             return false;
         }
         // The old instance's streams cannot continue: their contexts die with it.
-        let open: Vec<usize> = self.by_ctx.iter().filter(|((gw, v, _), _)| *gw == g && *v == vm).map(|(_, &i)| i).collect();
+        let open: Vec<usize> =
+            self.by_ctx.iter().filter(|((gw, v, _), _)| *gw == g && *v == vm).map(|(_, &i)| i).collect();
         for i in open {
             let why = Some("wasm VM reloaded".to_string());
             self.local_reply(i, 503, "vm_failed", why, b"wasm VM reloaded".to_vec());
