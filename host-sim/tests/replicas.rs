@@ -72,4 +72,6 @@ fn a_failover_resets_the_dead_gateways_streams_and_the_standby_serves_the_rest()
     // Gateway 1 alone keeps the bound.
     assert!(failover.max_in_flight <= active.max_in_flight, "{failover:?} vs {active:?}");
     assert!(failover.throughput > 0.5 * active.throughput, "{failover:?} vs {active:?}");
+    // The standby delivers tokens after the failure.
+    assert!(failover.failover_gap_ms.is_some() && active.failover_gap_ms.is_none(), "{failover:?}");
 }

@@ -81,6 +81,10 @@ pub struct ReplicaRow {
     pub max_in_flight: usize,
     /// Requests that did not end "ok" (resets at a failover included), and unfinished ones.
     pub failed: usize,
+    /// Failover only: requests reset by the dead gateway.
+    pub reset_by_failover: usize,
+    /// Failover only: time from the failure to the first token the standby delivers, ms.
+    pub failover_gap_ms: Option<f64>,
     /// Peer states fetched and taken, all gateways together (`sluice_replica_sync_ok`).
     pub sync_ok: u64,
     /// Peer calls that failed (`sluice_replica_sync_failed`).
@@ -179,6 +183,12 @@ pub fn run_case(
     let (sync_ok, sync_failed) = (metric("sluice_replica_sync_ok"), metric("sluice_replica_sync_failed"));
     let report = sc.report(&sim);
     let records = sim.records();
+    let failover_gap_ms = fail_at.and_then(|t| {
+        let first =
+            records.iter().filter(|r| r.first_token_us.is_some_and(|f| f >= t)).filter_map(|r| r.first_token_us);
+        first.min().map(|f| (f - t) as f64 / 1000.0)
+    });
+    let reset_by_failover = records.iter().filter(|r| r.outcome == "gateway_down").count();
     let res = repro::finish(w, &p, sim, report, records, t0);
     let row = ReplicaRow {
         case: case.label.clone(),
@@ -189,6 +199,8 @@ pub fn run_case(
         throughput: res.row.throughput,
         max_in_flight: max_in_flight(&res.records),
         failed: res.row.failed + res.row.unfinished,
+        reset_by_failover,
+        failover_gap_ms,
         sync_ok,
         sync_failed,
     };
@@ -221,12 +233,13 @@ pub fn max_in_flight(records: &[RequestRecord]) -> usize {
 /// The table in Markdown.
 pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
     let mut s = format!(
-        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Throughput (tok/s) | Max in flight | Failed/unfinished | Syncs ok/failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Throughput (tok/s) | Max in flight | Failed/unfinished | Failover resets, gap (ms) | Syncs ok/failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for r in rows {
         let ttft = r.light_ttft_s.map_or("-".into(), |t| format!("{t:.2}"));
+        let gap = r.failover_gap_ms.map_or("-".into(), |g| format!("{}, {g:.0}", r.reset_by_failover));
         s += &format!(
-            "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {} | {} | {}/{} |\n",
+            "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {} | {} | {} | {}/{} |\n",
             r.case,
             r.gateways,
             r.max_diff,
@@ -235,6 +248,7 @@ pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
             r.throughput,
             r.max_in_flight,
             r.failed,
+            gap,
             r.sync_ok,
             r.sync_failed
         );
