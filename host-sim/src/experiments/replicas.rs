@@ -79,6 +79,8 @@ pub struct ReplicaRow {
     pub throughput: f64,
     /// Most requests in flight at the GPU at once, all gateways together.
     pub max_in_flight: usize,
+    /// Their time-weighted mean from the first dispatch to the last end.
+    pub mean_in_flight: f64,
     /// Requests that did not end "ok" (resets at a failover included), and unfinished ones.
     pub failed: usize,
     /// Failover only: requests reset by the dead gateway.
@@ -197,7 +199,8 @@ pub fn run_case(
         avg_diff: res.row.avg_diff,
         light_ttft_s: res.row.light_ttft_s,
         throughput: res.row.throughput,
-        max_in_flight: max_in_flight(&res.records),
+        max_in_flight: in_flight(&res.records).0,
+        mean_in_flight: (in_flight(&res.records).1 * 10.0).round() / 10.0,
         failed: res.row.failed + res.row.unfinished,
         reset_by_failover,
         failover_gap_ms,
@@ -211,8 +214,9 @@ fn peers_cluster_needed(d: &Deployment) -> bool {
     matches!(d, Deployment::Synced { .. })
 }
 
-/// Most requests dispatched to the GPU and not yet ended at any instant.
-pub fn max_in_flight(records: &[RequestRecord]) -> usize {
+/// Requests dispatched to the GPU and not yet ended: the most at any instant, and the
+/// time-weighted mean from the first dispatch to the last end.
+pub fn in_flight(records: &[RequestRecord]) -> (usize, f64) {
     let mut ev: Vec<(u64, i32)> = Vec::with_capacity(2 * records.len());
     for r in records {
         if let Some(d) = r.dispatched_us {
@@ -222,24 +226,31 @@ pub fn max_in_flight(records: &[RequestRecord]) -> usize {
     }
     // Ends before starts at the same instant.
     ev.sort();
-    let (mut cur, mut max) = (0i64, 0i64);
-    for (_, d) in ev {
+    let (mut cur, mut max, mut area, mut last) = (0i64, 0i64, 0f64, 0u64);
+    let (start, end) = match (ev.first(), ev.iter().rev().find(|(t, _)| *t < u64::MAX)) {
+        (Some(&(a, _)), Some(&(b, _))) => (a, b),
+        _ => return (0, 0.0),
+    };
+    for (t, d) in ev {
+        let t = t.min(end);
+        area += cur as f64 * (t.saturating_sub(last.max(start))) as f64;
+        last = t.max(last);
         cur += d as i64;
         max = max.max(cur);
     }
-    max as usize
+    (max as usize, if end > start { area / (end - start) as f64 } else { 0.0 })
 }
 
 /// The table in Markdown.
 pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
     let mut s = format!(
-        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Throughput (tok/s) | Max in flight | Failed/unfinished | Failover resets, gap (ms) | Syncs ok/failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Throughput (tok/s) | In flight max/mean | Failed/unfinished | Failover resets, gap (ms) | Syncs ok/failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for r in rows {
         let ttft = r.light_ttft_s.map_or("-".into(), |t| format!("{t:.2}"));
         let gap = r.failover_gap_ms.map_or("-".into(), |g| format!("{}, {g:.0}", r.reset_by_failover));
         s += &format!(
-            "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {} | {} | {} | {}/{} |\n",
+            "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {}/{:.1} | {} | {} | {}/{} |\n",
             r.case,
             r.gateways,
             r.max_diff,
@@ -247,6 +258,7 @@ pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
             ttft,
             r.throughput,
             r.max_in_flight,
+            r.mean_in_flight,
             r.failed,
             gap,
             r.sync_ok,

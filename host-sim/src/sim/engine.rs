@@ -319,6 +319,9 @@ pub struct PeerExchange {
     pub seed: u64,
 }
 
+/// An open http call: the call, its answer, or the peer gateway whose state answers it.
+type OpenCall = (HttpCallOut, Option<CallResponse>, Option<usize>);
+
 /// One gateway replica: an Envoy process with its workers and shared data.
 struct Gateway {
     host: Host,
@@ -348,7 +351,7 @@ pub struct Sim {
     by_addr: BTreeMap<String, usize>,
     /// Open http calls by (gateway, token): the call, its answer, or the peer gateway whose
     /// state answers it on delivery.
-    calls: BTreeMap<(usize, u32), (HttpCallOut, Option<CallResponse>, Option<usize>)>,
+    calls: BTreeMap<(usize, u32), OpenCall>,
     open: usize,
     events_run: u64,
     service: BTreeMap<String, Vec<u64>>,
