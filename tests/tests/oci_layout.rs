@@ -93,8 +93,13 @@ fn gunzip(bytes: &[u8]) -> Vec<u8> {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("gzip");
-    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    // Fed from another thread: a layer bigger than the pipe's buffer would otherwise block gzip
+    // on its full stdout while this thread blocks on its full stdin.
+    let mut stdin = child.stdin.take().unwrap();
+    let input = bytes.to_vec();
+    let feeder = std::thread::spawn(move || stdin.write_all(&input));
     let out = child.wait_with_output().unwrap();
+    feeder.join().unwrap().unwrap();
     assert!(out.status.success(), "the layer is not gzip");
     out.stdout
 }
