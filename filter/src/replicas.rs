@@ -9,13 +9,13 @@
 //! asks its peers for theirs through `peers_cluster`, and writes the live peers'
 //! in-flight counts per endpoint into shared data, where every worker's
 //! admission and routing add them to their own ([`peer_load`], [`PeerLoad::global`]),
-//! leaving room for the peers that want it ([`Exchange::reserve`]).
+//! each replica keeping to its share of the bound ([`Exchange::share`]).
 //!
 //! Off unless the configuration has `replicas`.
 
 use crate::shared::{self, Store};
 use serde::Deserialize;
-use sluice_policies::replicas::{Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState};
+use sluice_policies::replicas::{self, Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState};
 use std::collections::{BTreeMap, HashMap};
 
 /// Shared-data key of this replica's latest published state (JSON), which the
@@ -365,35 +365,26 @@ impl Exchange {
         self.peers.services(now)
     }
 
-    /// Slots of the pool this replica leaves free for its peers, beyond what they hold, as of
-    /// its last publication: each peer with demand (in flight or queued) is owed up to a fair
-    /// share `upper / (1 + such peers)`, capped by its demand; what room is left beyond that is
-    /// split between this replica and the peers that queue. Without it every replica would see
-    /// the same free room at once (a pool that just drained) and each would fill all of it.
-    pub fn reserve(&self, now: u64) -> u32 {
+    /// This replica's share of the pool's bound in millionths, as of its last publication and
+    /// the peers' latest states ([`sluice_policies::replicas::share`]: max-min fair by demand,
+    /// in flight plus queued). Without it every replica would see the same free room at once
+    /// (a pool that just drained) and each would fill all of it; with it each fills its share.
+    pub fn share(&self, now: u64) -> u32 {
         let own = self.own;
-        let peers: Vec<(u64, u64)> = self
+        let peers: Vec<u64> = self
             .peers
             .live(now)
-            .map(|s| (s.in_flight.values().map(|&n| u64::from(n)).sum::<u64>(), u64::from(s.queued)))
+            .map(|s| s.in_flight.values().map(|&n| u64::from(n)).sum::<u64>() + u64::from(s.queued))
             .collect();
-        let active = peers.iter().filter(|(i, q)| i + q > 0).count() as u64;
-        let fair = u64::from(own.upper) / (1 + active);
-        let mut reserve: u64 = peers.iter().map(|&(i, q)| (i + q).min(fair).saturating_sub(i)).sum();
-        let held: u64 = u64::from(own.in_flight) + peers.iter().map(|&(i, _)| i).sum::<u64>();
-        let room = u64::from(own.upper).saturating_sub(held);
-        let left = room.saturating_sub(reserve);
-        let queuing = peers.iter().filter(|&&(_, q)| q > 0).count() as u64;
-        reserve += left - left.div_ceil(1 + queuing);
-        // Owed shares stand even when the pool is full: the holder then refills less than it frees.
-        reserve.min(u64::from(own.upper)) as u32
+        let mine = replicas::share(u64::from(own.in_flight) + u64::from(own.queued), &peers, u64::from(own.upper));
+        (mine * f64::from(WHOLE)).round().clamp(1.0, f64::from(WHOLE)) as u32
     }
 
-    /// The live peers' in-flight counts per endpoint and the [`Exchange::reserve`], encoded for
-    /// [`PEER_LOAD_KEY`].
+    /// The live peers' in-flight counts per endpoint and this replica's [`Exchange::share`],
+    /// encoded for [`PEER_LOAD_KEY`].
     fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
         let mut out = now.to_le_bytes().to_vec();
-        out.extend_from_slice(&self.reserve(now).to_le_bytes());
+        out.extend_from_slice(&self.share(now).to_le_bytes());
         for e in endpoints {
             let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
             out.extend_from_slice(&n.to_le_bytes());
@@ -402,17 +393,26 @@ impl Exchange {
     }
 }
 
-/// What the peers hold and are owed, as the lease holder last wrote it.
+/// A whole pool in [`PeerLoad::share`]'s unit.
+pub const WHOLE: u32 = 1_000_000;
+
+/// What the peers hold and this replica's share, as the lease holder last wrote it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerLoad {
     /// The live peers' requests in flight, per endpoint.
     pub in_flight: Vec<u32>,
-    /// Slots left to the peers beyond those ([`Exchange::reserve`]): added to the stock the
-    /// admission band compares with its bounds, not to any endpoint.
-    pub reserve: u32,
+    /// This replica's share of the bound, in millionths ([`WHOLE`]; [`Exchange::share`]).
+    pub share: u32,
 }
 
 impl PeerLoad {
+    /// The stock the admission band compares with its bounds: the global one (own plus peers'),
+    /// or this replica's own scaled up by its share, whichever is larger, so that the replica
+    /// stays within its share of every bound and the replicas together within the bound.
+    pub fn stock(&self, own: u64, global: u64) -> u64 {
+        global.max((own * u64::from(WHOLE)).div_ceil(u64::from(self.share.max(1))))
+    }
+
     /// Own in-flight counts plus the peers' (what routing and the band read).
     pub fn global(&self, own: &[u32]) -> Vec<u32> {
         own.iter().zip(self.in_flight.iter().chain(std::iter::repeat(&0))).map(|(&a, &b)| a.saturating_add(b)).collect()
@@ -432,7 +432,7 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
     if now.saturating_sub(written) > max_age_ms {
         return None;
     }
-    Some(PeerLoad { reserve: word(8), in_flight: (0..endpoints).map(|k| word(12 + 4 * k)).collect() })
+    Some(PeerLoad { share: word(8).clamp(1, WHOLE), in_flight: (0..endpoints).map(|k| word(12 + 4 * k)).collect() })
 }
 
 /// The internal listener's answer.
@@ -616,8 +616,9 @@ mod tests {
         assert_eq!(ex.live(1020), 1);
     }
 
-    /// Replica 1's reserve after hearing peers 2 and 3 with these (in flight on endpoint 0, queued).
-    fn reserve_with(upper: u32, own: (u32, u32), peers: [(u32, u32); 2]) -> u32 {
+    /// Replica 1's share (in slots of `upper`) after hearing peers 2 and 3 with these (in
+    /// flight on endpoint 0, queued).
+    fn share_with(upper: u32, own: (u32, u32), peers: [(u32, u32); 2]) -> f64 {
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
         ex.tick(0, BTreeMap::new(), &eps, &[own.0, 0], own.1, upper);
@@ -627,24 +628,35 @@ mod tests {
             ex.sent(k as u32, 0);
             ex.answer(k as u32, 0, Some(&serde_json::to_vec(&s).unwrap()), &eps);
         }
-        ex.reserve(0)
+        f64::from(ex.share(0)) * f64::from(upper) / f64::from(WHOLE)
     }
 
     #[test]
-    fn the_room_is_shared_so_replicas_that_all_see_a_drained_pool_fill_it_once() {
-        // A drained pool of 3 and every replica queuing: each leaves 2 to the others, so the
-        // three together admit 3, not 9.
-        for own_queue in [0, 4] {
-            assert_eq!(reserve_with(3, (0, own_queue), [(0, 4), (0, 4)]), 2);
-        }
-        // Idle peers are owed nothing: a lone busy replica may fill the pool.
-        assert_eq!(reserve_with(3, (0, 4), [(0, 0), (0, 0)]), 0);
-        // A newcomer that queues behind a replica holding the whole pool is owed its share
-        // (3 / 2 = 1): the holder refills less than it frees until the newcomer has it.
-        assert_eq!(reserve_with(3, (3, 4), [(0, 4), (0, 0)]), 1);
-        assert_eq!(reserve_with(3, (2, 4), [(1, 4), (0, 0)]), 0, "the newcomer holds its share");
-        // Peers holding their share with nothing queued are owed nothing more; the rest is split.
-        assert_eq!(reserve_with(4, (0, 4), [(1, 0), (1, 2)]), 1);
+    fn the_bound_is_shared_so_replicas_that_all_see_a_drained_pool_fill_it_once() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-3;
+        // A drained pool of 30 and every replica queuing: a third each, so the three together
+        // admit 30, not 90.
+        assert!(close(share_with(30, (0, 40), [(0, 40), (0, 40)]), 10.0));
+        // Idle peers leave the bound to a lone busy replica (the slot each keeps aside).
+        assert!(close(share_with(30, (0, 40), [(0, 0), (0, 0)]), 30.0));
+        // A newcomer that queues behind a replica holding the whole pool gets half of it: the
+        // holder refills less than it frees until the newcomer holds its half.
+        assert!(close(share_with(30, (30, 4), [(0, 40), (0, 0)]), 15.0));
+        // A peer that wants 4 gets 4; the rest is this replica's.
+        assert!(close(share_with(30, (10, 40), [(4, 0), (0, 0)]), 26.0));
+        // Nobody queues: the room nobody wants is split three ways.
+        assert!(close(share_with(30, (3, 0), [(3, 0), (3, 0)]), 10.0));
+    }
+
+    #[test]
+    fn the_band_reads_the_larger_of_the_global_and_the_scaled_own_stock() {
+        let half = PeerLoad { in_flight: vec![], share: WHOLE / 2 };
+        assert_eq!(half.stock(5, 7), 10, "5 of a half share reads as 10 of the whole");
+        assert_eq!(half.stock(2, 12), 12, "peers over their share: the global count");
+        let whole = PeerLoad { in_flight: vec![], share: WHOLE };
+        assert_eq!(whole.stock(5, 9), 9);
+        let tiny = PeerLoad { in_flight: vec![], share: 1 };
+        assert_eq!(tiny.stock(1, 1), u64::from(WHOLE), "one slot of a sliver fills the band");
     }
 
     #[test]

@@ -610,7 +610,10 @@ impl<H: Host> Worker<H> {
     fn load_signals(&self, queued: u64) -> LoadSignals {
         let n = self.endpoints();
         let upper = self.cfg.bounds.upper_per_backend * n as f64;
-        let stock = shared::stock(&self.host, n) as f64;
+        let own = shared::stock(&self.host, n);
+        // With replicas: the stock the band reads (this replica's part of the global one).
+        let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
+        let stock = peers.map_or(own, |p| p.stock(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
@@ -644,13 +647,14 @@ impl<H: Host> Worker<H> {
         // With replicas, the band and the router count the live peers' requests too.
         let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
         let global = |load: &[u32]| peers.as_ref().map_or_else(|| load.to_vec(), |p| p.global(load));
-        let reserve = peers.as_ref().map_or(0, |p| u64::from(p.reserve));
-        let allowed = |load: &[u32]| {
-            let load = &global(load)[..];
+        let allowed = |own: &[u32]| {
+            let load = &global(own)[..];
             // The band scales with the endpoints that can take work: a hung
             // server's requests must not hold the others back.
-            let (ready, stock) = shared::ready_stock(load, |i| records[i].healthy(now));
-            let stock = stock + reserve;
+            let healthy = |i: usize| records[i].healthy(now);
+            let (ready, stock) = shared::ready_stock(load, healthy);
+            // A replica keeps to its share of the bound (and all of them to the bound).
+            let stock = peers.as_ref().map_or(stock, |p| p.stock(shared::ready_stock(own, healthy).1, stock));
             let band = if from_queue { bounds.may_pop(stock, ready) } else { bounds.may_bypass(stock, 0, ready) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
@@ -2105,6 +2109,20 @@ mod tests {
         }
         assert!(now > 100 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
         assert_eq!(pb.resumed.borrow().len(), 1, "B's request went once A went silent");
+    }
+
+    #[test]
+    fn a_replica_keeps_to_its_share_of_the_bound_while_a_peer_queues() {
+        // Replica A holds nothing but queues 5: it wants the whole pool (bound 2).
+        let a = br#"{"replica":1,"version":{"incarnation":1,"seq":1},"service":{},"in_flight":{},"queued":5}"#;
+        let admitted = |peer: Option<&[u8]>| {
+            let p = Rc::new(Process::default());
+            let mut b = vm(&p, 1, replica(2), 0);
+            sync(&mut b, 0, peer);
+            (1..=2).take_while(|&ctx| matches!(admit(&mut b, 10, ctx, "y"), Admission::Bypass(_))).count()
+        };
+        assert_eq!(admitted(None), 2, "alone, B fills the bound");
+        assert_eq!(admitted(Some(a)), 1, "beside a peer that queues, B keeps to half of it");
     }
 
     /// Replica B's order of its queue after hearing `peer_state` (if any): B holds the pool

@@ -324,3 +324,39 @@ impl Publisher {
         }
     }
 }
+
+/// This replica's share of the pool's bound, as a fraction in (0, 1], from the demands (requests
+/// in flight plus queued) of itself (`own`) and of its live peers: the bound is divided max-min
+/// fairly by demand (a replica that wants less than an equal part gets what it wants, the rest
+/// is split among the others), and what no replica wants is split equally among all of them.
+/// The shares of replicas that see the same demands sum to 1, so replicas that each hold at most
+/// their share hold at most the bound together, while a replica alone with demand gets all of it.
+/// A replica always keeps one slot (`1 / bound`) so that its first request can go out before its
+/// peers have heard its demand; the caller's check of the global in-flight count keeps that slot
+/// from overfilling a pool its peers already fill.
+pub fn share(own: u64, peers: &[u64], bound: u64) -> f64 {
+    if bound == 0 {
+        return 1.0;
+    }
+    let cap = bound as f64;
+    let n = peers.len() + 1;
+    let mut demands: Vec<u64> = peers.to_vec();
+    demands.push(own);
+    demands.sort_unstable();
+    // Max-min fair allocation: the smallest demands are met first, each up to an equal part of
+    // what remains; `level` ends as the part of every unmet demand.
+    let mut left = cap;
+    let mut level = cap;
+    for (k, &d) in demands.iter().enumerate() {
+        let part = left / (n - k) as f64;
+        if (d as f64) < part {
+            left -= d as f64;
+        } else {
+            level = part;
+            left = 0.0;
+            break;
+        }
+    }
+    let mine = (own as f64).min(level) + left / n as f64;
+    (mine.max(1.0) / cap).min(1.0)
+}

@@ -209,3 +209,61 @@ fn states_read_back_from_json() {
     let extra = text.replacen('{', "{\"extra\":1,", 1);
     assert!(serde_json::from_str::<ReplicaState>(&extra).unwrap_err().to_string().contains("extra"));
 }
+
+#[test]
+fn share_splits_the_bound_max_min_by_demand() {
+    use sluice_policies::replicas::share;
+    // Alone: the whole pool, whatever the demand.
+    assert_eq!(share(0, &[], 27), 1.0);
+    assert_eq!(share(100, &[], 27), 1.0);
+    // Two backlogged replicas: half each.
+    assert_eq!(share(100, &[100], 20), 0.5);
+    // A peer that wants 4 of 20 gets them; the other keeps the rest.
+    assert_eq!(share(100, &[4], 20), 16.0 / 20.0);
+    assert_eq!(share(4, &[100], 20), 4.0 / 20.0);
+    // What nobody wants is split equally: demands 2 and 4 of 20 leave 14, 7 each.
+    assert_eq!(share(2, &[4], 20), 9.0 / 20.0);
+    assert_eq!(share(4, &[2], 20), 11.0 / 20.0);
+    // An idle replica beside two backlogged ones keeps one slot; they split the bound.
+    assert_eq!(share(0, &[50, 50], 20), 1.0 / 20.0);
+    assert_eq!(share(50, &[50, 0], 20), 0.5);
+    assert_eq!(share(0, &[], 0), 1.0, "no bound, no limit");
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn shares_sum_to_the_bound_and_are_max_min_fair(
+        demands in prop::collection::vec(0u64..60, 1..6),
+        bound in 1u64..100,
+    ) {
+        use sluice_policies::replicas::share;
+        let shares: Vec<f64> = (0..demands.len())
+            .map(|i| {
+                let peers: Vec<u64> = demands.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, &d)| d).collect();
+                share(demands[i], &peers, bound)
+            })
+            .collect();
+        let slots: Vec<f64> = shares.iter().map(|s| s * bound as f64).collect();
+        let total: f64 = slots.iter().sum();
+        // Every replica may keep one slot; beyond those the shares never oversubscribe the bound.
+        let floor = slots.iter().filter(|&&s| (s - 1.0).abs() < 1e-9).count() as f64;
+        prop_assert!(total <= bound as f64 + floor + 1e-6, "{slots:?} over {bound}");
+        for (i, &d) in demands.iter().enumerate() {
+            prop_assert!(shares[i] > 0.0 && shares[i] <= 1.0);
+            // Demand that fits in an equal part is always met.
+            if d as f64 <= bound as f64 / demands.len() as f64 {
+                prop_assert!(slots[i] + 1e-9 >= d as f64, "replica {i} wants {d}, gets {}", slots[i]);
+            }
+            // Max-min: a replica with more demand never gets less than one with less.
+            for (j, &e) in demands.iter().enumerate() {
+                if d >= e {
+                    prop_assert!(slots[i] + 1e-9 >= slots[j].min(d as f64), "{demands:?} -> {slots:?}");
+                }
+            }
+        }
+        // Nothing is left idle: what no replica wants is handed out too.
+        prop_assert!(total + 1e-6 >= bound as f64, "{demands:?} -> {slots:?}");
+    }
+}
