@@ -243,16 +243,19 @@ pub enum Answer {
     Failed(String),
 }
 
-/// What this replica last published, and the pool's bound: what the room it leaves its peers
-/// is computed from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Own {
+/// What this replica publishes at a sync, read from its scheduler and shared data.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Local {
+    /// Cumulative service per tenant (the VTC counters' units).
+    pub service: BTreeMap<String, f64>,
+    /// Requests per tenant in flight or queued ([`replicas::share`]).
+    pub demand: BTreeMap<String, u32>,
+    /// Requests in flight per endpoint, indexed like the configured endpoints.
+    pub load: Vec<u32>,
+    /// Requests waiting in the queue.
+    pub queued: u32,
     /// Requests the pool may hold in all (the upper bound over every endpoint).
     pub upper: u32,
-    /// This replica's requests in flight, over every endpoint.
-    pub in_flight: u32,
-    /// Requests waiting in this replica's queue.
-    pub queued: u32,
 }
 
 /// The lease holder's side of the exchange.
@@ -263,7 +266,9 @@ pub struct Exchange {
     /// Calls in flight: token → when sent.
     calls: HashMap<u32, u64>,
     next_sync_ms: u64,
-    own: Own,
+    /// What was last published, and the bound: what the share is computed from.
+    demand: BTreeMap<String, u32>,
+    upper: u32,
 }
 
 impl Exchange {
@@ -275,7 +280,8 @@ impl Exchange {
             cfg: cfg.clone(),
             calls: HashMap::new(),
             next_sync_ms: 0,
-            own: Own::default(),
+            demand: BTreeMap::new(),
+            upper: 0,
         })
     }
 
@@ -290,19 +296,10 @@ impl Exchange {
     }
 
     /// Once per sync interval (`None` before it is due): publishes this
-    /// replica's `service` per tenant, `own_load` per endpoint (indexed like
-    /// `endpoints`) and its queue length, expires silent peers, and says how
-    /// many calls to send: `peers` less those still out, so that a hung peer
-    /// costs at most `peers` calls in flight. `upper`: the pool's bound in all.
-    pub fn tick(
-        &mut self,
-        now: u64,
-        service: BTreeMap<String, f64>,
-        endpoints: &[String],
-        own_load: &[u32],
-        queued: u32,
-        upper: u32,
-    ) -> Option<Sync> {
+    /// replica's [`Local`] state, expires silent peers, and says how many
+    /// calls to send: `peers` less those still out, so that a hung peer
+    /// costs at most `peers` calls in flight.
+    pub fn tick(&mut self, now: u64, local: Local, endpoints: &[String]) -> Option<Sync> {
         if !self.due(now) {
             return None;
         }
@@ -310,10 +307,12 @@ impl Exchange {
         // Envoy answers every call (a timeout is a failure), but a lost token must not hold a slot forever.
         let give_up = 2 * self.cfg.timeout_ms;
         self.calls.retain(|_, sent| now.saturating_sub(*sent) <= give_up);
-        let in_flight = endpoints.iter().zip(own_load).map(|(e, &n)| (e.clone(), n)).collect();
-        let mut state = self.publisher.publish(service, in_flight);
-        state.queued = queued;
-        self.own = Own { upper, in_flight: own_load.iter().fold(0u32, |a, &n| a.saturating_add(n)), queued };
+        let in_flight = endpoints.iter().zip(&local.load).map(|(e, &n)| (e.clone(), n)).collect();
+        let mut state = self.publisher.publish(local.service, in_flight);
+        state.queued = local.queued;
+        state.demand = local.demand;
+        self.demand = state.demand.clone();
+        self.upper = local.upper;
         let expired = self.peers.expire(now);
         Some(Sync {
             state: serde_json::to_vec(&state).unwrap_or_default(),
@@ -370,13 +369,8 @@ impl Exchange {
     /// in flight plus queued). Without it every replica would see the same free room at once
     /// (a pool that just drained) and each would fill all of it; with it each fills its share.
     pub fn share(&self, now: u64) -> u32 {
-        let own = self.own;
-        let peers: Vec<u64> = self
-            .peers
-            .live(now)
-            .map(|s| s.in_flight.values().map(|&n| u64::from(n)).sum::<u64>() + u64::from(s.queued))
-            .collect();
-        let mine = replicas::share(u64::from(own.in_flight) + u64::from(own.queued), &peers, u64::from(own.upper));
+        let peers = self.peers.live(now).map(|s| &s.demand);
+        let mine = replicas::share(&self.demand, peers, u64::from(self.upper));
         (mine * f64::from(WHOLE)).round().clamp(1.0, f64::from(WHOLE)) as u32
     }
 
@@ -499,13 +493,17 @@ mod tests {
         EPS.iter().map(|s| s.to_string()).collect()
     }
 
+    fn local(load: &[u32]) -> Local {
+        Local { load: load.to_vec(), ..Default::default() }
+    }
+
     fn state(replica: u64, incarnation: u64, seq: u64, load: [u32; 2]) -> Vec<u8> {
         let s = ReplicaState {
             replica,
             version: sluice_policies::replicas::Version { incarnation, seq },
             service: BTreeMap::from([("a".to_string(), 10.0)]),
             in_flight: EPS.iter().map(|e| e.to_string()).zip(load).collect(),
-            queued: 0,
+            ..Default::default()
         };
         serde_json::to_vec(&s).unwrap()
     }
@@ -565,17 +563,17 @@ mod tests {
     fn a_sync_publishes_once_per_interval_and_bounds_calls_in_flight() {
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
-        let s = ex.tick(0, BTreeMap::new(), &eps, &[2, 1], 0, 0).unwrap();
+        let s = ex.tick(0, local(&[2, 1]), &eps).unwrap();
         let mine: ReplicaState = serde_json::from_slice(&s.state).unwrap();
         assert_eq!((mine.replica, mine.version.incarnation, mine.version.seq), (1, 7, 1));
         assert_eq!(mine.in_flight[EPS[0]], 2);
         assert_eq!(s.calls, 3);
-        assert!(ex.tick(50, BTreeMap::new(), &eps, &[2, 1], 0, 0).is_none(), "not due");
+        assert!(ex.tick(50, local(&[2, 1]), &eps).is_none(), "not due");
         ex.sent(10, 0);
         ex.sent(11, 0);
-        assert_eq!(ex.tick(100, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap().calls, 1, "two still out");
+        assert_eq!(ex.tick(100, local(&[0, 0]), &eps).unwrap().calls, 1, "two still out");
         // Calls never answered are given up after twice the timeout.
-        assert_eq!(ex.tick(300, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap().calls, 3);
+        assert_eq!(ex.tick(300, local(&[0, 0]), &eps).unwrap().calls, 3);
         assert!(!ex.owns(10));
     }
 
@@ -585,7 +583,7 @@ mod tests {
         let mut ex = Exchange::new(&c, 7).unwrap();
         let eps = endpoints();
         let store = MapStore::default();
-        ex.tick(0, BTreeMap::new(), &eps, &[0, 0], 0, 0);
+        ex.tick(0, local(&[0, 0]), &eps);
         ex.sent(1, 0);
         ex.sent(2, 0);
         ex.sent(3, 0);
@@ -595,7 +593,7 @@ mod tests {
         }
         // One's own state comes back through a round-robin cluster: ignored.
         assert!(matches!(ex.answer(3, 10, Some(&state(1, 7, 1, [9, 9])), &eps), Some(Answer::Taken(Offer::Own, _))));
-        let s = ex.tick(100, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap();
+        let s = ex.tick(100, local(&[0, 0]), &eps).unwrap();
         store.set(PEER_LOAD_KEY, &s.peer_load, None);
         assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).map(|p| p.in_flight), Some(vec![4, 1]));
         assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).unwrap().global(&[1, 1]), vec![5, 2]);
@@ -609,22 +607,23 @@ mod tests {
         ex.answer(4, 500, Some(&state(3, 1, 2, [1, 0])), &eps);
         ex.sent(5, 1005);
         ex.answer(5, 1005, Some(&state(3, 1, 3, [0, 2])), &eps);
-        let s = ex.tick(1020, BTreeMap::new(), &eps, &[0, 0], 0, 0).unwrap();
+        let s = ex.tick(1020, local(&[0, 0]), &eps).unwrap();
         assert_eq!(s.expired, 1);
         store.set(PEER_LOAD_KEY, &s.peer_load, None);
         assert_eq!(peer_load(&store, 2, 1020, c.max_age_ms).map(|p| p.in_flight), Some(vec![0, 2]));
         assert_eq!(ex.live(1020), 1);
     }
 
-    /// Replica 1's share (in slots of `upper`) after hearing peers 2 and 3 with these (in
-    /// flight on endpoint 0, queued).
-    fn share_with(upper: u32, own: (u32, u32), peers: [(u32, u32); 2]) -> f64 {
+    /// Replica 1's share (in slots of `upper`) when it wants `own` and hears peers that want
+    /// `peers` (requests per tenant).
+    fn share_with(upper: u32, own: &[(&str, u32)], peers: &[&[(&str, u32)]]) -> f64 {
+        let demand = |pairs: &[(&str, u32)]| pairs.iter().map(|&(t, d)| (t.to_string(), d)).collect();
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
-        ex.tick(0, BTreeMap::new(), &eps, &[own.0, 0], own.1, upper);
-        for (k, (inflight, queued)) in peers.into_iter().enumerate() {
-            let mut s: ReplicaState = serde_json::from_slice(&state(k as u64 + 2, 1, 1, [inflight, 0])).unwrap();
-            s.queued = queued;
+        ex.tick(0, Local { demand: demand(own), upper, ..local(&[0, 0]) }, &eps);
+        for (k, pairs) in peers.iter().enumerate() {
+            let mut s: ReplicaState = serde_json::from_slice(&state(k as u64 + 2, 1, 1, [0, 0])).unwrap();
+            s.demand = demand(pairs);
             ex.sent(k as u32, 0);
             ex.answer(k as u32, 0, Some(&serde_json::to_vec(&s).unwrap()), &eps);
         }
@@ -634,18 +633,18 @@ mod tests {
     #[test]
     fn the_bound_is_shared_so_replicas_that_all_see_a_drained_pool_fill_it_once() {
         let close = |a: f64, b: f64| (a - b).abs() < 1e-3;
-        // A drained pool of 30 and every replica queuing: a third each, so the three together
-        // admit 30, not 90.
-        assert!(close(share_with(30, (0, 40), [(0, 40), (0, 40)]), 10.0));
-        // Idle peers leave the bound to a lone busy replica (the slot each keeps aside).
-        assert!(close(share_with(30, (0, 40), [(0, 0), (0, 0)]), 30.0));
-        // A newcomer that queues behind a replica holding the whole pool gets half of it: the
-        // holder refills less than it frees until the newcomer holds its half.
-        assert!(close(share_with(30, (30, 4), [(0, 40), (0, 0)]), 15.0));
-        // A peer that wants 4 gets 4; the rest is this replica's.
-        assert!(close(share_with(30, (10, 40), [(4, 0), (0, 0)]), 26.0));
+        // A drained pool of 30 and a tenant queuing on every replica: a third each, so the
+        // three together admit 30, not 90.
+        assert!(close(share_with(30, &[("a", 40)], &[&[("b", 40)], &[("c", 40)]]), 10.0));
+        // Idle peers leave the bound to a lone busy replica (each keeps one slot aside).
+        assert!(close(share_with(30, &[("a", 40)], &[&[], &[]]), 30.0));
+        // A tenant on two replicas gets the same part as one on a single replica: a third
+        // of the pool each, the spread one's third halved between its two replicas.
+        assert!(close(share_with(30, &[("a", 40), ("s", 40)], &[&[("s", 40)], &[("b", 40)]]), 15.0));
+        // A tenant that wants 4 gets 4; the rest is this replica's.
+        assert!(close(share_with(30, &[("a", 40)], &[&[("b", 4)], &[]]), 26.0));
         // Nobody queues: the room nobody wants is split three ways.
-        assert!(close(share_with(30, (3, 0), [(3, 0), (3, 0)]), 10.0));
+        assert!(close(share_with(30, &[("a", 3)], &[&[("b", 3)], &[("c", 3)]]), 10.0));
     }
 
     #[test]

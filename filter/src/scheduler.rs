@@ -635,6 +635,27 @@ impl Scheduler {
             .collect()
     }
 
+    /// Requests per tenant in flight (dispatched or bypassed, not yet done) or
+    /// queued, in every band: what this replica wants of the pool, published
+    /// to the other replicas (`replicas`). O(tenants + running + queued).
+    pub fn demand(&self) -> BTreeMap<String, u32> {
+        let q = &self.queue;
+        let mut out: BTreeMap<String, u32> = BTreeMap::new();
+        let mut add = |flow: FlowId, n: usize| {
+            if let (Some(name), true) = (q.flow_name(flow), n > 0) {
+                let d = out.entry(name.to_owned()).or_insert(0);
+                *d = d.saturating_add(n.min(u32::MAX as usize) as u32);
+            }
+        };
+        for r in self.running.values() {
+            add(r.flow, 1);
+        }
+        for (flow, _) in q.tenants().iter() {
+            add(flow, Criticality::ALL.into_iter().map(|b| q.band(b).flow_requests(flow).count()).sum());
+        }
+        out
+    }
+
     /// The live peers' service per tenant (`replicas`): every band's VTC
     /// orders by counter + this offset. Only tenants whose value changed
     /// since the last call are touched (a tenant absent now, e.g. its peers
@@ -756,6 +777,20 @@ mod tests {
         assert_eq!(dispatched(&out), vec![0, 1, 2]);
         assert_eq!(out.iter().map(|(w, _)| *w).collect::<Vec<_>>(), vec![0, 1, 0]);
         assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn demand_counts_each_tenants_requests_running_and_queued() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        for ctx in 0..4 {
+            s.on_message(enqueue(0, ctx, "a", ctx as u64), 0, &mut out);
+        }
+        s.on_message(enqueue(1, 10, "b", 10), 0, &mut out);
+        s.pump(0, &mut slots(2), &mut out);
+        let demand = s.demand();
+        assert_eq!(demand, BTreeMap::from([("a".into(), 4), ("b".into(), 1)]), "{out:?}");
+        assert_eq!(s.running(), 2, "two of them dispatched, still counted");
     }
 
     #[test]

@@ -13,7 +13,7 @@
 use crate::config::{Config, NoEndpoint};
 use crate::openai::{self, BodyEdit};
 use crate::outcome::Outcome;
-use crate::replicas::{self, Answer, Exchange};
+use crate::replicas::{self, Answer, Exchange, Local};
 use crate::scheduler::{band_code, band_of_code, Scheduler, Slot};
 use crate::shared::{self, Lease, Permit, Store};
 use crate::slo::SloHeaders;
@@ -1275,14 +1275,15 @@ impl<H: Host> Worker<H> {
                 }
             }
         }
-        let own = shared::load(&self.host, self.cfg.endpoints.len());
-        let queued = self.role.as_ref().map_or(0, |r| r.scheduler.len()) as u32;
-        let upper = (self.cfg.bounds.upper_per_backend * own.len() as f64).round() as u32;
+        let load = shared::load(&self.host, self.cfg.endpoints.len());
+        let upper = (self.cfg.bounds.upper_per_backend * load.len() as f64).round() as u32;
         let Some(SchedulerRole { scheduler, exchange: Some(ex), .. }) = self.role.as_mut() else { return };
         if !ex.due(now) {
             return;
         }
-        let Some(sync) = ex.tick(now, scheduler.service(), &self.cfg.endpoints, &own, queued, upper) else { return };
+        let queued = scheduler.len() as u32;
+        let local = Local { service: scheduler.service(), demand: scheduler.demand(), load, queued, upper };
+        let Some(sync) = ex.tick(now, local, &self.cfg.endpoints) else { return };
         // VTC orders by global counters: own + the live peers' service (expired peers dropped).
         scheduler.set_peer_service(ex.peer_services(now));
         self.host.set(replicas::STATE_KEY, &sync.state, None);
@@ -2113,8 +2114,8 @@ mod tests {
 
     #[test]
     fn a_replica_keeps_to_its_share_of_the_bound_while_a_peer_queues() {
-        // Replica A holds nothing but queues 5: it wants the whole pool (bound 2).
-        let a = br#"{"replica":1,"version":{"incarnation":1,"seq":1},"service":{},"in_flight":{},"queued":5}"#;
+        // Replica A holds nothing but tenant x queues 5 there: x wants the whole pool (bound 2).
+        let a = br#"{"replica":1,"version":{"incarnation":1,"seq":1},"service":{},"in_flight":{},"queued":5,"demand":{"x":5}}"#;
         let admitted = |peer: Option<&[u8]>| {
             let p = Rc::new(Process::default());
             let mut b = vm(&p, 1, replica(2), 0);

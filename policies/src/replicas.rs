@@ -51,9 +51,13 @@ pub struct ReplicaState {
     pub service: BTreeMap<String, f64>,
     /// Requests this replica holds in flight, per endpoint (`ip:port`).
     pub in_flight: BTreeMap<String, u32>,
-    /// Requests waiting in this replica's queue: its demand for more of the pool (0 when absent).
+    /// Requests waiting in this replica's queue (0 when absent).
     #[serde(default)]
     pub queued: u32,
+    /// Requests per tenant in flight or queued on this replica: what it wants of the pool
+    /// ([`share`]; empty when absent).
+    #[serde(default)]
+    pub demand: BTreeMap<String, u32>,
 }
 
 /// Bounds on what a replica accepts from its peers (hostile or broken peers cannot grow it).
@@ -95,11 +99,11 @@ impl ReplicaState {
     /// Refuses a state that breaks the limits or carries a service that is negative or not
     /// finite; the error names what is wrong.
     pub fn validate(&self, limits: &Limits) -> Result<(), String> {
-        if self.service.len() > limits.max_tenants {
+        if self.service.len() > limits.max_tenants || self.demand.len() > limits.max_tenants {
             return Err(format!(
                 "replica {}: {} tenants, at most {}",
                 self.replica,
-                self.service.len(),
+                self.service.len().max(self.demand.len()),
                 limits.max_tenants
             ));
         }
@@ -125,6 +129,7 @@ impl ReplicaState {
             .then_with(|| cmp_service(&self.service, &other.service))
             .then_with(|| self.in_flight.cmp(&other.in_flight))
             .then_with(|| self.queued.cmp(&other.queued))
+            .then_with(|| self.demand.cmp(&other.demand))
     }
 }
 
@@ -275,10 +280,12 @@ impl Peers {
         let mut expired = 0;
         for e in self.entries.values_mut() {
             let stale = now_ms.saturating_sub(e.heard_ms) > max_age;
-            if stale && !(e.state.service.is_empty() && e.state.in_flight.is_empty() && e.state.queued == 0) {
-                e.state.service.clear();
-                e.state.in_flight.clear();
-                e.state.queued = 0;
+            let st = &mut e.state;
+            if stale && !(st.service.is_empty() && st.in_flight.is_empty() && st.queued == 0 && st.demand.is_empty()) {
+                st.service.clear();
+                st.in_flight.clear();
+                st.demand.clear();
+                st.queued = 0;
                 expired += 1;
             }
         }
@@ -321,42 +328,63 @@ impl Publisher {
             service,
             in_flight,
             queued: 0,
+            demand: BTreeMap::new(),
         }
     }
 }
 
-/// This replica's share of the pool's bound, as a fraction in (0, 1], from the demands (requests
-/// in flight plus queued) of itself (`own`) and of its live peers: the bound is divided max-min
-/// fairly by demand (a replica that wants less than an equal part gets what it wants, the rest
-/// is split among the others), and what no replica wants is split equally among all of them.
-/// The shares of replicas that see the same demands sum to 1, so replicas that each hold at most
-/// their share hold at most the bound together, while a replica alone with demand gets all of it.
-/// A replica always keeps one slot (`1 / bound`) so that its first request can go out before its
-/// peers have heard its demand; the caller's check of the global in-flight count keeps that slot
-/// from overfilling a pool its peers already fill.
-pub fn share(own: u64, peers: &[u64], bound: u64) -> f64 {
+/// This replica's share of the pool's bound, as a fraction in (0, 1], from what every replica
+/// wants per tenant (requests in flight plus queued): `own` is this replica's demand, `peers`
+/// the live peers'. The bound is divided max-min fairly between *tenants* by their global demand
+/// (a tenant that wants less than an equal part gets what it wants, the rest is split among the
+/// others), each tenant's part is split between the replicas in proportion to its demand there,
+/// and what no tenant wants is split equally between the replicas. A replica's share is the sum
+/// of its parts. So a tenant gets the same part of the pool whether its requests arrive through
+/// one replica or several, the shares of replicas that see the same demands sum to 1 (together
+/// they hold at most the bound), and a replica alone with demand gets all of it.
+///
+/// A replica always keeps one slot (`1 / bound`) so that its first request can go out before
+/// its peers have heard its demand; the caller's check of the global in-flight count keeps that
+/// slot from overfilling a pool its peers already fill.
+pub fn share<'a>(
+    own: &BTreeMap<String, u32>,
+    peers: impl IntoIterator<Item = &'a BTreeMap<String, u32>>,
+    bound: u64,
+) -> f64 {
     if bound == 0 {
         return 1.0;
     }
     let cap = bound as f64;
-    let n = peers.len() + 1;
-    let mut demands: Vec<u64> = peers.to_vec();
-    demands.push(own);
-    demands.sort_unstable();
-    // Max-min fair allocation: the smallest demands are met first, each up to an equal part of
-    // what remains; `level` ends as the part of every unmet demand.
-    let mut left = cap;
-    let mut level = cap;
-    for (k, &d) in demands.iter().enumerate() {
-        let part = left / (n - k) as f64;
-        if (d as f64) < part {
-            left -= d as f64;
-        } else {
-            level = part;
-            left = 0.0;
-            break;
+    let mut replicas = 1usize;
+    let mut total: BTreeMap<&str, u64> = own.iter().map(|(t, &d)| (t.as_str(), u64::from(d))).collect();
+    for demand in peers {
+        replicas += 1;
+        for (t, &d) in demand {
+            *total.entry(t.as_str()).or_insert(0) += u64::from(d);
         }
     }
-    let mine = (own as f64).min(level) + left / n as f64;
+    let mut demands: Vec<u64> = total.values().copied().filter(|&d| d > 0).collect();
+    let (level, left) = max_min(&mut demands, cap);
+    let mine: f64 = own
+        .iter()
+        .filter(|&(_, &d)| d > 0)
+        .map(|(t, &d)| (total[t.as_str()] as f64).min(level) * f64::from(d) / total[t.as_str()] as f64)
+        .sum::<f64>()
+        + left / replicas as f64;
     (mine.max(1.0) / cap).min(1.0)
+}
+
+/// Max-min fair allocation of `cap` among `demands` (reordered): the part of every demand that
+/// is not met in full (infinite when all are), and what is left once all parts are given.
+fn max_min(demands: &mut [u64], cap: f64) -> (f64, f64) {
+    demands.sort_unstable();
+    let mut left = cap;
+    for (k, &d) in demands.iter().enumerate() {
+        let part = left / (demands.len() - k) as f64;
+        if (d as f64) >= part {
+            return (part, 0.0);
+        }
+        left -= d as f64;
+    }
+    (f64::INFINITY, left)
 }

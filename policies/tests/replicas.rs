@@ -27,7 +27,7 @@ fn state(r: ReplicaId, incarnation: u64, seq: u64) -> ReplicaState {
         (0..3).map(|t| (format!("t{t}"), (r * 1000 + incarnation * 100 + seq * (t + 1)) as f64)).collect();
     let in_flight: BTreeMap<String, u32> =
         (0..2).map(|e| (format!("10.0.0.{e}:8000"), (r + seq + e) as u32 % 7)).collect();
-    ReplicaState { replica: r, version: Version { incarnation, seq }, service, in_flight, queued: 0 }
+    ReplicaState { replica: r, version: Version { incarnation, seq }, service, in_flight, ..Default::default() }
 }
 
 /// A state of replicas 0..4 (0 is the viewer itself) and a time it is heard.
@@ -210,60 +210,77 @@ fn states_read_back_from_json() {
     assert!(serde_json::from_str::<ReplicaState>(&extra).unwrap_err().to_string().contains("extra"));
 }
 
+/// Demand per tenant, from `(tenant, requests)` pairs.
+fn demand(pairs: &[(&str, u32)]) -> BTreeMap<String, u32> {
+    pairs.iter().map(|&(t, d)| (t.to_string(), d)).collect()
+}
+
+/// Replica `i`'s share in slots of `bound` when the replicas want `demands`.
+fn slots(demands: &[BTreeMap<String, u32>], i: usize, bound: u64) -> f64 {
+    let peers = demands.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, d)| d);
+    sluice_policies::replicas::share(&demands[i], peers, bound) * bound as f64
+}
+
 #[test]
-fn share_splits_the_bound_max_min_by_demand() {
-    use sluice_policies::replicas::share;
+fn share_splits_the_bound_max_min_between_tenants() {
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
     // Alone: the whole pool, whatever the demand.
-    assert_eq!(share(0, &[], 27), 1.0);
-    assert_eq!(share(100, &[], 27), 1.0);
-    // Two backlogged replicas: half each.
-    assert_eq!(share(100, &[100], 20), 0.5);
-    // A peer that wants 4 of 20 gets them; the other keeps the rest.
-    assert_eq!(share(100, &[4], 20), 16.0 / 20.0);
-    assert_eq!(share(4, &[100], 20), 4.0 / 20.0);
+    assert!(close(slots(&[demand(&[])], 0, 27), 27.0));
+    assert!(close(slots(&[demand(&[("a", 100)])], 0, 27), 27.0));
+    // Two backlogged replicas, a tenant each: half each.
+    let two = [demand(&[("a", 100)]), demand(&[("b", 100)])];
+    assert!(close(slots(&two, 0, 20), 10.0) && close(slots(&two, 1, 20), 10.0));
+    // A tenant that wants 4 of 20 gets them; the other tenant keeps the rest.
+    let small = [demand(&[("a", 100)]), demand(&[("b", 4)])];
+    assert!(close(slots(&small, 0, 20), 16.0) && close(slots(&small, 1, 20), 4.0));
     // What nobody wants is split equally: demands 2 and 4 of 20 leave 14, 7 each.
-    assert_eq!(share(2, &[4], 20), 9.0 / 20.0);
-    assert_eq!(share(4, &[2], 20), 11.0 / 20.0);
+    let light = [demand(&[("a", 2)]), demand(&[("b", 4)])];
+    assert!(close(slots(&light, 0, 20), 9.0) && close(slots(&light, 1, 20), 11.0));
+    // A flood through A, a tenant spread over A, B and C, a modest one through B (bound 12):
+    // modest gets its 2, flood and spread 5 each; spread's 5 go a third to each replica.
+    let mixed = [
+        demand(&[("flood", 50), ("spread", 10)]),
+        demand(&[("spread", 10), ("modest", 2)]),
+        demand(&[("spread", 10)]),
+    ];
+    let got: Vec<f64> = (0..3).map(|i| slots(&mixed, i, 12)).collect();
+    let want = [5.0 + 5.0 / 3.0, 2.0 + 5.0 / 3.0, 5.0 / 3.0];
+    assert!(got.iter().zip(want).all(|(&g, w)| close(g, w)), "{got:?}");
     // An idle replica beside two backlogged ones keeps one slot; they split the bound.
-    assert_eq!(share(0, &[50, 50], 20), 1.0 / 20.0);
-    assert_eq!(share(50, &[50, 0], 20), 0.5);
-    assert_eq!(share(0, &[], 0), 1.0, "no bound, no limit");
+    let idle = [demand(&[]), demand(&[("a", 50)]), demand(&[("b", 50)])];
+    assert!(close(slots(&idle, 0, 20), 1.0) && close(slots(&idle, 1, 20), 10.0));
+    assert_eq!(sluice_policies::replicas::share(&demand(&[]), [], 0), 1.0, "no bound, no limit");
 }
 
 proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn shares_sum_to_the_bound_and_are_max_min_fair(
-        demands in prop::collection::vec(0u64..60, 1..6),
+    fn shares_sum_to_the_bound_and_tenants_get_max_min_fair_parts(
+        demands in prop::collection::vec(prop::collection::vec((0usize..4, 0u32..40), 0..4), 1..5),
         bound in 1u64..100,
     ) {
-        use sluice_policies::replicas::share;
-        let shares: Vec<f64> = (0..demands.len())
-            .map(|i| {
-                let peers: Vec<u64> = demands.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, &d)| d).collect();
-                share(demands[i], &peers, bound)
-            })
+        let demands: Vec<BTreeMap<String, u32>> = demands
+            .iter()
+            .map(|pairs| pairs.iter().map(|&(t, d)| (format!("t{t}"), d)).collect())
             .collect();
-        let slots: Vec<f64> = shares.iter().map(|s| s * bound as f64).collect();
+        let slots: Vec<f64> = (0..demands.len()).map(|i| slots(&demands, i, bound)).collect();
         let total: f64 = slots.iter().sum();
-        // Every replica may keep one slot; beyond those the shares never oversubscribe the bound.
-        let floor = slots.iter().filter(|&&s| (s - 1.0).abs() < 1e-9).count() as f64;
-        prop_assert!(total <= bound as f64 + floor + 1e-6, "{slots:?} over {bound}");
-        for (i, &d) in demands.iter().enumerate() {
-            prop_assert!(shares[i] > 0.0 && shares[i] <= 1.0);
-            // Demand that fits in an equal part is always met.
-            if d as f64 <= bound as f64 / demands.len() as f64 {
-                prop_assert!(slots[i] + 1e-9 >= d as f64, "replica {i} wants {d}, gets {}", slots[i]);
-            }
-            // Max-min: a replica with more demand never gets less than one with less.
-            for (j, &e) in demands.iter().enumerate() {
-                if d >= e {
-                    prop_assert!(slots[i] + 1e-9 >= slots[j].min(d as f64), "{demands:?} -> {slots:?}");
-                }
-            }
-        }
-        // Nothing is left idle: what no replica wants is handed out too.
+        // Every replica may keep one slot; beyond those the shares never oversubscribe the bound,
+        // and nothing is left idle: what no tenant wants is handed out too.
+        let floors = slots.len() as f64;
+        prop_assert!(total <= bound as f64 + floors + 1e-6, "{slots:?} over {bound}");
         prop_assert!(total + 1e-6 >= bound as f64, "{demands:?} -> {slots:?}");
+        for (i, d) in demands.iter().enumerate() {
+            prop_assert!(slots[i] > 0.0 && slots[i] <= bound as f64 + 1e-9);
+            // Demand that fits in an equal part of the bound per tenant is always met.
+            let tenants: std::collections::BTreeSet<&String> =
+                demands.iter().flat_map(|d| d.iter().filter(|(_, &n)| n > 0).map(|(t, _)| t)).collect();
+            let equal = bound as f64 / tenants.len().max(1) as f64;
+            let fits: f64 = d.iter().filter(|(t, _)| {
+                demands.iter().map(|o| o.get(*t).copied().unwrap_or(0) as f64).sum::<f64>() <= equal
+            }).map(|(_, &n)| n as f64).sum();
+            prop_assert!(slots[i] + 1e-9 >= fits, "replica {i} wants {d:?} ({fits} fits), gets {}", slots[i]);
+        }
     }
 }
