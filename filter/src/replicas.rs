@@ -266,9 +266,14 @@ pub struct Exchange {
     /// Calls in flight: token → when sent.
     calls: HashMap<u32, u64>,
     next_sync_ms: u64,
-    /// What was last published, and the bound: what the share is computed from.
-    demand: BTreeMap<String, u32>,
+    /// When this incarnation began: until `max_age_ms` later, peers not heard yet may exist.
+    started_ms: Option<u64>,
+    /// The slots computed at the last two publications ([`Exchange::slots`]).
+    slots: [u32; 2],
+    /// The bound they are slots of.
     upper: u32,
+    /// The demand last published (before smoothing).
+    last_demand: BTreeMap<String, u32>,
 }
 
 impl Exchange {
@@ -280,8 +285,10 @@ impl Exchange {
             cfg: cfg.clone(),
             calls: HashMap::new(),
             next_sync_ms: 0,
-            demand: BTreeMap::new(),
+            started_ms: None,
+            slots: [0; 2],
             upper: 0,
+            last_demand: BTreeMap::new(),
         })
     }
 
@@ -307,13 +314,34 @@ impl Exchange {
         // Envoy answers every call (a timeout is a failure), but a lost token must not hold a slot forever.
         let give_up = 2 * self.cfg.timeout_ms;
         self.calls.retain(|_, sent| now.saturating_sub(*sent) <= give_up);
+        let expired = self.peers.expire(now);
+        let first = self.started_ms.is_none();
+        let started = *self.started_ms.get_or_insert(now);
+        // A tenant's demand counts for two publications: one that sends a request at a time is
+        // often between two of them at a sync, and would lose its part every other interval.
+        let mut demand = local.demand.clone();
+        for (t, &d) in &self.last_demand {
+            let e = demand.entry(t.clone()).or_insert(0);
+            *e = (*e).max(d);
+        }
+        self.last_demand = local.demand;
+        let peers = self.peers.live(now).map(|s| (s.replica, &s.demand));
+        let mut slots = replicas::slots(self.cfg.id, &demand, peers, local.upper.into());
+        // A replica that just started, and has not heard every configured peer yet, takes no
+        // more than an equal part of the bound: the others may be there, busy.
+        let unheard = self.peers.live(now).count() + 1 < self.cfg.peers as usize;
+        if now < started + self.cfg.max_age_ms && unheard {
+            slots = slots.min((u64::from(local.upper) / u64::from(self.cfg.peers)).max(1));
+        }
+        let slots = slots.min(u64::from(u32::MAX)) as u32;
+        self.slots = if first || self.upper != local.upper { [slots; 2] } else { [self.slots[1], slots] };
+        self.upper = local.upper;
+        let wanted: u64 = demand.values().map(|&d| u64::from(d)).sum();
         let in_flight = endpoints.iter().zip(&local.load).map(|(e, &n)| (e.clone(), n)).collect();
         let mut state = self.publisher.publish(local.service, in_flight);
         state.queued = local.queued;
-        state.demand = local.demand;
-        self.demand = state.demand.clone();
-        self.upper = local.upper;
-        let expired = self.peers.expire(now);
+        state.demand = demand;
+        state.claim = u64::from(slots).min(wanted) as u32;
         Some(Sync {
             state: serde_json::to_vec(&state).unwrap_or_default(),
             peer_load: self.peer_load(now, endpoints),
@@ -364,21 +392,35 @@ impl Exchange {
         self.peers.services(now)
     }
 
-    /// This replica's share of the pool's bound in millionths, as of its last publication and
-    /// the peers' latest states ([`sluice_policies::replicas::share`]: max-min fair by demand,
-    /// in flight plus queued). Without it every replica would see the same free room at once
-    /// (a pool that just drained) and each would fill all of it; with it each fills its share.
-    pub fn share(&self, now: u64) -> u32 {
-        let peers = self.peers.live(now).map(|s| &s.demand);
-        let mine = replicas::share(&self.demand, peers, u64::from(self.upper));
-        (mine * f64::from(WHOLE)).round().clamp(1.0, f64::from(WHOLE)) as u32
+    /// The slots of the pool's bound this replica may fill, computed at its last publication
+    /// from its demand and the live peers' latest ([`sluice_policies::replicas::slots`]:
+    /// max-min fair between tenants by their demand, in flight plus queued, over all replicas).
+    /// Without them every replica would see the same free room at once (a pool that just
+    /// drained) and each would fill all of it.
+    pub fn slots(&self) -> u32 {
+        self.slots[1]
     }
 
-    /// The live peers' in-flight counts per endpoint and this replica's [`Exchange::share`],
-    /// encoded for [`PEER_LOAD_KEY`].
+    /// What the replica may fill: the lesser of its last two [`Exchange::slots`]. A part that
+    /// grows is used only once the peers had an interval to hear the claim that goes with it,
+    /// and the peers leave free what they heard claimed: so replicas whose views of each other
+    /// lag by at most an interval hold at most the bound together.
+    pub fn limit(&self) -> u32 {
+        self.slots[0].min(self.slots[1])
+    }
+
+    /// The live peers' in-flight counts per endpoint, this replica's [`Exchange::limit`] and what
+    /// the peers claim beyond what they hold, encoded for [`PEER_LOAD_KEY`].
     fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
+        let reserved: u64 = self
+            .peers
+            .live(now)
+            .map(|s| u64::from(s.claim).saturating_sub(s.in_flight.values().map(|&n| u64::from(n)).sum()))
+            .sum();
         let mut out = now.to_le_bytes().to_vec();
-        out.extend_from_slice(&self.share(now).to_le_bytes());
+        out.extend_from_slice(&self.limit().to_le_bytes());
+        out.extend_from_slice(&self.upper.to_le_bytes());
+        out.extend_from_slice(&(reserved.min(u64::from(u32::MAX)) as u32).to_le_bytes());
         for e in endpoints {
             let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
             out.extend_from_slice(&n.to_le_bytes());
@@ -387,24 +429,32 @@ impl Exchange {
     }
 }
 
-/// A whole pool in [`PeerLoad::share`]'s unit.
-pub const WHOLE: u32 = 1_000_000;
-
-/// What the peers hold and this replica's share, as the lease holder last wrote it.
+/// What the peers hold and claim and this replica's part of the bound, as the lease holder
+/// last wrote it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerLoad {
     /// The live peers' requests in flight, per endpoint.
     pub in_flight: Vec<u32>,
-    /// This replica's share of the bound, in millionths ([`WHOLE`]; [`Exchange::share`]).
-    pub share: u32,
+    /// The slots this replica may fill ([`Exchange::limit`]) ...
+    pub slots: u32,
+    /// ... of this bound (0: no part, the band alone decides).
+    pub upper: u32,
+    /// Slots the live peers claimed beyond what they hold: left free for them.
+    pub reserved: u32,
 }
 
 impl PeerLoad {
-    /// The stock the admission band compares with its bounds: the global one (own plus peers'),
-    /// or this replica's own scaled up by its share, whichever is larger, so that the replica
-    /// stays within its share of every bound and the replicas together within the bound.
+    /// The stock the admission band compares with its bounds: the global one (own plus peers',
+    /// plus what the peers claimed and do not hold yet), or this replica's own scaled to the
+    /// whole bound, whichever is larger. Scaled so that one more request is allowed exactly while
+    /// `own + 1 <= slots` against the full bound (and proportionally against a lower one): the
+    /// replica stays within its slots and the replicas together within the bound.
     pub fn stock(&self, own: u64, global: u64) -> u64 {
-        global.max((own * u64::from(WHOLE)).div_ceil(u64::from(self.share.max(1))))
+        let global = global + u64::from(self.reserved);
+        if self.slots == 0 || self.upper == 0 {
+            return global;
+        }
+        global.max(((own + 1) * u64::from(self.upper)).div_ceil(u64::from(self.slots)) - 1)
     }
 
     /// Own in-flight counts plus the peers' (what routing and the band read).
@@ -418,7 +468,7 @@ impl PeerLoad {
 /// died: every worker falls back to local state).
 pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64) -> Option<PeerLoad> {
     let (Some(b), _) = store.get(PEER_LOAD_KEY) else { return None };
-    if b.len() != 12 + 4 * endpoints {
+    if b.len() != 20 + 4 * endpoints {
         return None;
     }
     let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -426,7 +476,12 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
     if now.saturating_sub(written) > max_age_ms {
         return None;
     }
-    Some(PeerLoad { share: word(8).clamp(1, WHOLE), in_flight: (0..endpoints).map(|k| word(12 + 4 * k)).collect() })
+    Some(PeerLoad {
+        slots: word(8),
+        upper: word(12),
+        reserved: word(16),
+        in_flight: (0..endpoints).map(|k| word(20 + 4 * k)).collect(),
+    })
 }
 
 /// The internal listener's answer.
@@ -614,48 +669,75 @@ mod tests {
         assert_eq!(ex.live(1020), 1);
     }
 
-    /// Replica 1's share (in slots of `upper`) when it wants `own` and hears peers that want
-    /// `peers` (requests per tenant).
-    fn share_with(upper: u32, own: &[(&str, u32)], peers: &[&[(&str, u32)]]) -> f64 {
+    /// Replica 1's exchange after hearing peers that want `peers` (requests per tenant and
+    /// claims) at 2000 ms, past its start-up period, and publishing at 2000 ms wanting `own`.
+    fn heard(upper: u32, own: &[(&str, u32)], peers: &[(&[(&str, u32)], u32)]) -> (Exchange, Sync) {
         let demand = |pairs: &[(&str, u32)]| pairs.iter().map(|&(t, d)| (t.to_string(), d)).collect();
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
         ex.tick(0, Local { demand: demand(own), upper, ..local(&[0, 0]) }, &eps);
-        for (k, pairs) in peers.iter().enumerate() {
+        for (k, (pairs, claim)) in peers.iter().enumerate() {
             let mut s: ReplicaState = serde_json::from_slice(&state(k as u64 + 2, 1, 1, [0, 0])).unwrap();
             s.demand = demand(pairs);
-            ex.sent(k as u32, 0);
-            ex.answer(k as u32, 0, Some(&serde_json::to_vec(&s).unwrap()), &eps);
+            s.claim = *claim;
+            ex.sent(k as u32, 2000);
+            ex.answer(k as u32, 2000, Some(&serde_json::to_vec(&s).unwrap()), &eps);
         }
-        f64::from(ex.share(0)) * f64::from(upper) / f64::from(WHOLE)
+        let sync = ex.tick(2000, Local { demand: demand(own), upper, ..local(&[0, 0]) }, &eps).unwrap();
+        (ex, sync)
+    }
+
+    /// Replica 1's slots of `upper` (see [`heard`]).
+    fn slots_with(upper: u32, own: &[(&str, u32)], peers: &[&[(&str, u32)]]) -> u32 {
+        let peers: Vec<(&[(&str, u32)], u32)> = peers.iter().map(|&p| (p, 0)).collect();
+        heard(upper, own, &peers).0.slots()
+    }
+
+    #[test]
+    fn a_growing_part_waits_an_interval_and_peers_claims_are_left_free() {
+        let (ex, sync) = heard(30, &[("a", 40)], &[(&[("b", 5)], 5), (&[("c", 2)], 8)]);
+        // a gets 30 - 5 - 2 = 23 slots; its start-up part (a third: two configured peers not
+        // heard yet) is what it may fill until its peers heard the larger claim.
+        assert_eq!((ex.slots(), ex.limit()), (23, 10));
+        let state: ReplicaState = serde_json::from_slice(&sync.state).unwrap();
+        assert_eq!(state.claim, 23, "its claim: its slots, at most its demand");
+        let store = MapStore::default();
+        store.set(PEER_LOAD_KEY, &sync.peer_load, None);
+        let load = peer_load(&store, 2, 2000, cfg().max_age_ms).unwrap();
+        assert_eq!((load.slots, load.upper), (10, 30));
+        assert_eq!(load.reserved, 5 + 8, "the peers hold nothing yet: all they claimed is left free");
+        // A replica that wants little claims no more than it wants.
+        let (_, sync) = heard(30, &[("a", 2)], &[]);
+        let state: ReplicaState = serde_json::from_slice(&sync.state).unwrap();
+        assert_eq!(state.claim, 2);
     }
 
     #[test]
     fn the_bound_is_shared_so_replicas_that_all_see_a_drained_pool_fill_it_once() {
-        let close = |a: f64, b: f64| (a - b).abs() < 1e-3;
         // A drained pool of 30 and a tenant queuing on every replica: a third each, so the
         // three together admit 30, not 90.
-        assert!(close(share_with(30, &[("a", 40)], &[&[("b", 40)], &[("c", 40)]]), 10.0));
+        assert_eq!(slots_with(30, &[("a", 40)], &[&[("b", 40)], &[("c", 40)]]), 10);
         // Idle peers leave the bound to a lone busy replica (each keeps one slot aside).
-        assert!(close(share_with(30, &[("a", 40)], &[&[], &[]]), 30.0));
+        assert_eq!(slots_with(30, &[("a", 40)], &[&[], &[]]), 30);
         // A tenant on two replicas gets the same part as one on a single replica: a third
         // of the pool each, the spread one's third halved between its two replicas.
-        assert!(close(share_with(30, &[("a", 40), ("s", 40)], &[&[("s", 40)], &[("b", 40)]]), 15.0));
+        assert_eq!(slots_with(30, &[("a", 40), ("s", 40)], &[&[("s", 40)], &[("b", 40)]]), 15);
         // A tenant that wants 4 gets 4; the rest is this replica's.
-        assert!(close(share_with(30, &[("a", 40)], &[&[("b", 4)], &[]]), 26.0));
+        assert_eq!(slots_with(30, &[("a", 40)], &[&[("b", 4)], &[]]), 26);
         // Nobody queues: the room nobody wants is split three ways.
-        assert!(close(share_with(30, &[("a", 3)], &[&[("b", 3)], &[("c", 3)]]), 10.0));
+        assert_eq!(slots_with(30, &[("a", 3)], &[&[("b", 3)], &[("c", 3)]]), 10);
     }
 
     #[test]
     fn the_band_reads_the_larger_of_the_global_and_the_scaled_own_stock() {
-        let half = PeerLoad { in_flight: vec![], share: WHOLE / 2 };
-        assert_eq!(half.stock(5, 7), 10, "5 of a half share reads as 10 of the whole");
-        assert_eq!(half.stock(2, 12), 12, "peers over their share: the global count");
-        let whole = PeerLoad { in_flight: vec![], share: WHOLE };
-        assert_eq!(whole.stock(5, 9), 9);
-        let tiny = PeerLoad { in_flight: vec![], share: 1 };
-        assert_eq!(tiny.stock(1, 1), u64::from(WHOLE), "one slot of a sliver fills the band");
+        let part = |slots, reserved| PeerLoad { in_flight: vec![], slots, upper: 10, reserved };
+        // 2 of 10 slots: the first two requests pass a band of 10, the third does not.
+        assert!(part(2, 0).stock(0, 0) < 10 && part(2, 0).stock(1, 1) < 10);
+        assert!(part(2, 0).stock(2, 2) >= 10);
+        assert_eq!(part(2, 0).stock(1, 9), 9, "peers over their part: the global count");
+        assert_eq!(part(2, 3).stock(0, 5), 8, "what the peers claimed and do not hold counts");
+        assert_eq!(part(10, 0).stock(4, 4), 4, "the whole bound: the stock itself");
+        assert_eq!(part(0, 0).stock(4, 6), 6, "no part: the global stock");
     }
 
     #[test]

@@ -613,7 +613,8 @@ impl<H: Host> Worker<H> {
         let own = shared::stock(&self.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
         let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
-        let stock = peers.map_or(own, |p| p.stock(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
+        let stock =
+            peers.map_or(own, |p| p.stock(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
@@ -2092,38 +2093,48 @@ mod tests {
         assert_eq!(sync(&mut a, 0, None), 2, "`peers` calls per interval");
         assert_eq!(sync(&mut b, 0, None), 2);
         assert_eq!(metric(&pb, "sluice_replica_sync_failed"), 2);
-        // Replica A fills the pool's bound (1 per endpoint) by itself.
-        assert!(matches!(admit(&mut a, 10, 1, "x"), Admission::Bypass(_)));
-        assert!(matches!(admit(&mut a, 10, 2, "x"), Admission::Bypass(_)));
-        sync(&mut a, 100, None);
+        // Past its start-up period (max_age_ms, when peers it has not heard may still exist),
+        // replica A alone fills the pool's bound (1 per endpoint) by itself.
+        sync(&mut a, 1000, None);
+        sync(&mut a, 1100, None);
+        assert!(matches!(admit(&mut a, 1110, 1, "x"), Admission::Bypass(_)));
+        assert!(matches!(admit(&mut a, 1110, 2, "x"), Admission::Bypass(_)));
+        sync(&mut a, 1200, None);
         let (Some(state_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
         // B hears it: its first request waits, although B itself holds nothing.
-        sync(&mut b, 100, Some(&state_a));
+        sync(&mut b, 1200, Some(&state_a));
         assert!(metric(&pb, "sluice_replica_sync_ok") >= 1);
-        assert_eq!(admit(&mut b, 110, 1, "y"), Admission::Queued);
+        assert_eq!(admit(&mut b, 1210, 1, "y"), Admission::Queued);
         // A repeats the same state (it stopped publishing): no longer news. Past
         // max_age_ms (10 intervals) A stops counting and B's queue moves.
-        let mut now = 200;
-        while pb.resumed.borrow().is_empty() && now <= 100 + 1000 + 200 {
+        let mut now = 1300;
+        while pb.resumed.borrow().is_empty() && now <= 1200 + 1000 + 200 {
             sync(&mut b, now, Some(&state_a));
             now += 100;
         }
-        assert!(now > 100 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
+        assert!(now > 1200 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
         assert_eq!(pb.resumed.borrow().len(), 1, "B's request went once A went silent");
     }
 
     #[test]
     fn a_replica_keeps_to_its_share_of_the_bound_while_a_peer_queues() {
         // Replica A holds nothing but tenant x queues 5 there: x wants the whole pool (bound 2).
-        let a = br#"{"replica":1,"version":{"incarnation":1,"seq":1},"service":{},"in_flight":{},"queued":5,"demand":{"x":5}}"#;
-        let admitted = |peer: Option<&[u8]>| {
+        let a = |seq: u64| {
+            format!(
+                r#"{{"replica":1,"version":{{"incarnation":1,"seq":{seq}}},"service":{{}},"in_flight":{{}},"queued":5,"demand":{{"x":5}}}}"#
+            )
+        };
+        let admitted = |peer: bool| {
             let p = Rc::new(Process::default());
             let mut b = vm(&p, 1, replica(2), 0);
-            sync(&mut b, 0, peer);
-            (1..=2).take_while(|&ctx| matches!(admit(&mut b, 10, ctx, "y"), Admission::Bypass(_))).count()
+            // Two publications past the start-up period, each after hearing A (if `peer`).
+            for (seq, now) in [(1, 0), (2, 1000), (3, 1100)] {
+                sync(&mut b, now, peer.then(|| a(seq)).as_deref().map(str::as_bytes));
+            }
+            (1..=2).take_while(|&ctx| matches!(admit(&mut b, 1110, ctx, "y"), Admission::Bypass(_))).count()
         };
-        assert_eq!(admitted(None), 2, "alone, B fills the bound");
-        assert_eq!(admitted(Some(a)), 1, "beside a peer that queues, B keeps to half of it");
+        assert_eq!(admitted(false), 2, "alone, B fills the bound");
+        assert_eq!(admitted(true), 1, "beside a peer that queues, B keeps to half of it");
     }
 
     /// Replica B's order of its queue after hearing `peer_state` (if any): B holds the pool

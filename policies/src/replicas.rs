@@ -58,6 +58,10 @@ pub struct ReplicaState {
     /// ([`share`]; empty when absent).
     #[serde(default)]
     pub demand: BTreeMap<String, u32>,
+    /// Requests this replica may hold until its next state (its part of the bound, at most its
+    /// demand): its peers leave that many free beyond what it holds (0 when absent).
+    #[serde(default)]
+    pub claim: u32,
 }
 
 /// Bounds on what a replica accepts from its peers (hostile or broken peers cannot grow it).
@@ -130,6 +134,7 @@ impl ReplicaState {
             .then_with(|| self.in_flight.cmp(&other.in_flight))
             .then_with(|| self.queued.cmp(&other.queued))
             .then_with(|| self.demand.cmp(&other.demand))
+            .then_with(|| self.claim.cmp(&other.claim))
     }
 }
 
@@ -281,11 +286,13 @@ impl Peers {
         for e in self.entries.values_mut() {
             let stale = now_ms.saturating_sub(e.heard_ms) > max_age;
             let st = &mut e.state;
-            if stale && !(st.service.is_empty() && st.in_flight.is_empty() && st.queued == 0 && st.demand.is_empty()) {
+            let empty = st.service.is_empty() && st.in_flight.is_empty() && st.demand.is_empty();
+            if stale && !(empty && st.queued == 0 && st.claim == 0) {
                 st.service.clear();
                 st.in_flight.clear();
                 st.demand.clear();
                 st.queued = 0;
+                st.claim = 0;
                 expired += 1;
             }
         }
@@ -329,49 +336,72 @@ impl Publisher {
             in_flight,
             queued: 0,
             demand: BTreeMap::new(),
+            claim: 0,
         }
     }
 }
 
-/// This replica's share of the pool's bound, as a fraction in (0, 1], from what every replica
-/// wants per tenant (requests in flight plus queued): `own` is this replica's demand, `peers`
-/// the live peers'. The bound is divided max-min fairly between *tenants* by their global demand
-/// (a tenant that wants less than an equal part gets what it wants, the rest is split among the
-/// others), each tenant's part is split between the replicas in proportion to its demand there,
-/// and what no tenant wants is split equally between the replicas. A replica's share is the sum
-/// of its parts. So a tenant gets the same part of the pool whether its requests arrive through
-/// one replica or several, the shares of replicas that see the same demands sum to 1 (together
-/// they hold at most the bound), and a replica alone with demand gets all of it.
+/// What one replica wants of the pool: requests per tenant, in flight or queued.
+pub type Demand = BTreeMap<String, u32>;
+
+/// The slots of the pool's `bound` that replica `me` may fill, from what every replica wants
+/// per tenant: `own` is its demand, `peers` the live peers' (by replica id). The bound is
+/// divided max-min fairly between *tenants* by their global demand (a tenant that wants less
+/// than an equal part gets what it wants, the rest is split among the others), each tenant's
+/// part is split between the replicas in proportion to its demand there, and what no tenant
+/// wants is split equally between the replicas. Those fractional parts are rounded to whole
+/// slots by largest remainder (ties to the smaller replica id), so replicas that see the same
+/// demands get slots that sum to exactly the bound: together they hold at most the bound, a
+/// tenant gets the same part whether its requests arrive through one replica or several, and a
+/// replica alone with demand gets all of it.
 ///
-/// A replica always keeps one slot (`1 / bound`) so that its first request can go out before
-/// its peers have heard its demand; the caller's check of the global in-flight count keeps that
-/// slot from overfilling a pool its peers already fill.
-pub fn share<'a>(
-    own: &BTreeMap<String, u32>,
-    peers: impl IntoIterator<Item = &'a BTreeMap<String, u32>>,
+/// A replica always keeps one slot so that its first request can go out before its peers have
+/// heard its demand; the caller's check of the global in-flight count keeps that slot from
+/// overfilling a pool its peers already fill.
+pub fn slots<'a>(
+    me: ReplicaId,
+    own: &Demand,
+    peers: impl IntoIterator<Item = (ReplicaId, &'a Demand)>,
     bound: u64,
-) -> f64 {
+) -> u64 {
     if bound == 0 {
-        return 1.0;
+        return 0;
     }
-    let cap = bound as f64;
-    let mut replicas = 1usize;
-    let mut total: BTreeMap<&str, u64> = own.iter().map(|(t, &d)| (t.as_str(), u64::from(d))).collect();
-    for demand in peers {
-        replicas += 1;
-        for (t, &d) in demand {
+    let mut replicas: Vec<(ReplicaId, &Demand)> = peers.into_iter().filter(|&(id, _)| id != me).collect();
+    replicas.push((me, own));
+    let mut total: BTreeMap<&str, u64> = BTreeMap::new();
+    for (_, demand) in &replicas {
+        for (t, &d) in demand.iter() {
             *total.entry(t.as_str()).or_insert(0) += u64::from(d);
         }
     }
     let mut demands: Vec<u64> = total.values().copied().filter(|&d| d > 0).collect();
-    let (level, left) = max_min(&mut demands, cap);
-    let mine: f64 = own
+    let (level, left) = max_min(&mut demands, bound as f64);
+    let n = replicas.len() as f64;
+    let part = |demand: &Demand| -> f64 {
+        demand
+            .iter()
+            .filter(|&(_, &d)| d > 0)
+            .map(|(t, &d)| {
+                let all = total[t.as_str()] as f64;
+                all.min(level) * f64::from(d) / all
+            })
+            .sum::<f64>()
+            + left / n
+    };
+    // Largest remainder: whole parts first, then one more slot each to the largest fractions.
+    let mut parts: Vec<(ReplicaId, u64, f64)> = replicas
         .iter()
-        .filter(|&(_, &d)| d > 0)
-        .map(|(t, &d)| (total[t.as_str()] as f64).min(level) * f64::from(d) / total[t.as_str()] as f64)
-        .sum::<f64>()
-        + left / replicas as f64;
-    (mine.max(1.0) / cap).min(1.0)
+        .map(|&(id, d)| {
+            let p = part(d).max(0.0);
+            (id, p.floor() as u64, p - p.floor())
+        })
+        .collect();
+    let given: u64 = parts.iter().map(|p| p.1).sum();
+    parts.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)));
+    let extra = bound.saturating_sub(given) as usize;
+    let mine = parts.iter().position(|p| p.0 == me).map_or(0, |k| parts[k].1 + u64::from(k < extra));
+    mine.clamp(1, bound)
 }
 
 /// Max-min fair allocation of `cap` among `demands` (reordered): the part of every demand that

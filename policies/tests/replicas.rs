@@ -215,48 +215,45 @@ fn demand(pairs: &[(&str, u32)]) -> BTreeMap<String, u32> {
     pairs.iter().map(|&(t, d)| (t.to_string(), d)).collect()
 }
 
-/// Replica `i`'s share in slots of `bound` when the replicas want `demands`.
-fn slots(demands: &[BTreeMap<String, u32>], i: usize, bound: u64) -> f64 {
-    let peers = demands.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, d)| d);
-    sluice_policies::replicas::share(&demands[i], peers, bound) * bound as f64
+/// Replica `i`'s slots of `bound` when the replicas (ids 0, 1, ...) want `demands`.
+fn slots(demands: &[BTreeMap<String, u32>], i: usize, bound: u64) -> u64 {
+    let peers = demands.iter().enumerate().filter(|&(j, _)| j != i).map(|(j, d)| (j as u64, d));
+    sluice_policies::replicas::slots(i as u64, &demands[i], peers, bound)
 }
 
 #[test]
-fn share_splits_the_bound_max_min_between_tenants() {
-    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+fn slots_split_the_bound_max_min_between_tenants() {
+    let all = |demands: &[BTreeMap<String, u32>], bound: u64| -> Vec<u64> {
+        (0..demands.len()).map(|i| slots(demands, i, bound)).collect()
+    };
     // Alone: the whole pool, whatever the demand.
-    assert!(close(slots(&[demand(&[])], 0, 27), 27.0));
-    assert!(close(slots(&[demand(&[("a", 100)])], 0, 27), 27.0));
+    assert_eq!(all(&[demand(&[])], 27), [27]);
+    assert_eq!(all(&[demand(&[("a", 100)])], 27), [27]);
     // Two backlogged replicas, a tenant each: half each.
-    let two = [demand(&[("a", 100)]), demand(&[("b", 100)])];
-    assert!(close(slots(&two, 0, 20), 10.0) && close(slots(&two, 1, 20), 10.0));
+    assert_eq!(all(&[demand(&[("a", 100)]), demand(&[("b", 100)])], 20), [10, 10]);
     // A tenant that wants 4 of 20 gets them; the other tenant keeps the rest.
-    let small = [demand(&[("a", 100)]), demand(&[("b", 4)])];
-    assert!(close(slots(&small, 0, 20), 16.0) && close(slots(&small, 1, 20), 4.0));
+    assert_eq!(all(&[demand(&[("a", 100)]), demand(&[("b", 4)])], 20), [16, 4]);
     // What nobody wants is split equally: demands 2 and 4 of 20 leave 14, 7 each.
-    let light = [demand(&[("a", 2)]), demand(&[("b", 4)])];
-    assert!(close(slots(&light, 0, 20), 9.0) && close(slots(&light, 1, 20), 11.0));
+    assert_eq!(all(&[demand(&[("a", 2)]), demand(&[("b", 4)])], 20), [9, 11]);
     // A flood through A, a tenant spread over A, B and C, a modest one through B (bound 12):
-    // modest gets its 2, flood and spread 5 each; spread's 5 go a third to each replica.
-    let mixed = [
-        demand(&[("flood", 50), ("spread", 10)]),
-        demand(&[("spread", 10), ("modest", 2)]),
-        demand(&[("spread", 10)]),
-    ];
-    let got: Vec<f64> = (0..3).map(|i| slots(&mixed, i, 12)).collect();
-    let want = [5.0 + 5.0 / 3.0, 2.0 + 5.0 / 3.0, 5.0 / 3.0];
-    assert!(got.iter().zip(want).all(|(&g, w)| close(g, w)), "{got:?}");
+    // modest gets its 2, flood and spread 5 each; spread's 5 go a third to each replica:
+    // 6.67, 3.67 and 1.67, rounded by largest remainder to a sum of 12.
+    let mixed =
+        [demand(&[("flood", 50), ("spread", 10)]), demand(&[("spread", 10), ("modest", 2)]), demand(&[("spread", 10)])];
+    assert_eq!(all(&mixed, 12), [7, 4, 1]);
+    // Equal remainders go to the smaller replica id: three equal replicas share 10 as 4, 3, 3.
+    let equal = [demand(&[("a", 9)]), demand(&[("b", 9)]), demand(&[("c", 9)])];
+    assert_eq!(all(&equal, 10), [4, 3, 3]);
     // An idle replica beside two backlogged ones keeps one slot; they split the bound.
-    let idle = [demand(&[]), demand(&[("a", 50)]), demand(&[("b", 50)])];
-    assert!(close(slots(&idle, 0, 20), 1.0) && close(slots(&idle, 1, 20), 10.0));
-    assert_eq!(sluice_policies::replicas::share(&demand(&[]), [], 0), 1.0, "no bound, no limit");
+    assert_eq!(all(&[demand(&[]), demand(&[("a", 50)]), demand(&[("b", 50)])], 20), [1, 10, 10]);
+    assert_eq!(sluice_policies::replicas::slots(0, &demand(&[]), [], 0), 0, "no bound");
 }
 
 proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn shares_sum_to_the_bound_and_tenants_get_max_min_fair_parts(
+    fn slots_sum_to_the_bound_and_tenants_get_max_min_fair_parts(
         demands in prop::collection::vec(prop::collection::vec((0usize..4, 0u32..40), 0..4), 1..5),
         bound in 1u64..100,
     ) {
@@ -264,23 +261,21 @@ proptest! {
             .iter()
             .map(|pairs| pairs.iter().map(|&(t, d)| (format!("t{t}"), d)).collect())
             .collect();
-        let slots: Vec<f64> = (0..demands.len()).map(|i| slots(&demands, i, bound)).collect();
-        let total: f64 = slots.iter().sum();
-        // Every replica may keep one slot; beyond those the shares never oversubscribe the bound,
-        // and nothing is left idle: what no tenant wants is handed out too.
-        let floors = slots.len() as f64;
-        prop_assert!(total <= bound as f64 + floors + 1e-6, "{slots:?} over {bound}");
-        prop_assert!(total + 1e-6 >= bound as f64, "{demands:?} -> {slots:?}");
+        let got: Vec<u64> = (0..demands.len()).map(|i| slots(&demands, i, bound)).collect();
+        let total: u64 = got.iter().sum();
+        // Exactly the bound, but for the one slot a replica left with none keeps.
+        let kept = got.iter().filter(|&&s| s == 1).count() as u64;
+        prop_assert!(total >= bound && total <= bound + kept, "{demands:?} -> {got:?} of {bound}");
+        let tenants: std::collections::BTreeSet<&String> =
+            demands.iter().flat_map(|d| d.iter().filter(|(_, &n)| n > 0).map(|(t, _)| t)).collect();
+        let equal = bound as f64 / tenants.len().max(1) as f64;
         for (i, d) in demands.iter().enumerate() {
-            prop_assert!(slots[i] > 0.0 && slots[i] <= bound as f64 + 1e-9);
-            // Demand that fits in an equal part of the bound per tenant is always met.
-            let tenants: std::collections::BTreeSet<&String> =
-                demands.iter().flat_map(|d| d.iter().filter(|(_, &n)| n > 0).map(|(t, _)| t)).collect();
-            let equal = bound as f64 / tenants.len().max(1) as f64;
+            prop_assert!(got[i] >= 1 && got[i] <= bound);
+            // Demand that fits in an equal part of the bound per tenant is met (to the slot).
             let fits: f64 = d.iter().filter(|(t, _)| {
                 demands.iter().map(|o| o.get(*t).copied().unwrap_or(0) as f64).sum::<f64>() <= equal
             }).map(|(_, &n)| n as f64).sum();
-            prop_assert!(slots[i] + 1e-9 >= fits, "replica {i} wants {d:?} ({fits} fits), gets {}", slots[i]);
+            prop_assert!(got[i] as f64 + 1.0 > fits, "replica {i} wants {d:?} ({fits} fits), gets {}", got[i]);
         }
     }
 }
