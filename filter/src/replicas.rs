@@ -248,7 +248,7 @@ pub enum Answer {
 pub struct Local {
     /// Cumulative service per tenant (the VTC counters' units).
     pub service: BTreeMap<String, f64>,
-    /// Requests per tenant in flight or queued ([`replicas::share`]).
+    /// Requests per tenant in flight or queued ([`replicas::slots`]).
     pub demand: BTreeMap<String, u32>,
     /// Requests in flight per endpoint, indexed like the configured endpoints.
     pub load: Vec<u32>,
@@ -256,6 +256,9 @@ pub struct Local {
     pub queued: u32,
     /// Requests the pool may hold in all (the upper bound over every endpoint).
     pub upper: u32,
+    /// The band's bound for dispatches from the queue over every endpoint (the lower bound,
+    /// at most `upper`): what a peer's claim is scaled to when the queue dispatches.
+    pub lower: f64,
 }
 
 /// The lease holder's side of the exchange.
@@ -268,12 +271,15 @@ pub struct Exchange {
     next_sync_ms: u64,
     /// When this incarnation began: until `max_age_ms` later, peers not heard yet may exist.
     started_ms: Option<u64>,
-    /// The slots computed at the last two publications ([`Exchange::slots`]).
-    slots: [u32; 2],
-    /// The bound they are slots of.
+    /// The slots computed at the last [`WINDOW`] publications, oldest first ([`Exchange::slots`]).
+    slots: [u32; WINDOW],
+    /// The bounds they are slots of: upper, and lower (see [`Local`]).
     upper: u32,
-    /// The demand last published (before smoothing).
-    last_demand: BTreeMap<String, u32>,
+    lower: f64,
+    /// This replica's tenants' parts, in slots rounded up ([`Exchange::tenant_parts`]).
+    tenant_parts: BTreeMap<String, u32>,
+    /// The demand of the publications before the last one (before smoothing), newest last.
+    last_demand: [BTreeMap<String, u32>; WINDOW - 1],
 }
 
 impl Exchange {
@@ -286,9 +292,11 @@ impl Exchange {
             calls: HashMap::new(),
             next_sync_ms: 0,
             started_ms: None,
-            slots: [0; 2],
+            slots: [0; WINDOW],
             upper: 0,
-            last_demand: BTreeMap::new(),
+            lower: 0.0,
+            last_demand: Default::default(),
+            tenant_parts: BTreeMap::new(),
         })
     }
 
@@ -317,16 +325,20 @@ impl Exchange {
         let expired = self.peers.expire(now);
         let first = self.started_ms.is_none();
         let started = *self.started_ms.get_or_insert(now);
-        // A tenant's demand counts for two publications: one that sends a request at a time is
-        // often between two of them at a sync, and would lose its part every other interval.
+        // A tenant's demand counts for WINDOW publications, as long as a part takes to be
+        // used: one that sends a request at a time is often between two of them at a sync, and
+        // would lose its part every other interval.
         let mut demand = local.demand.clone();
-        for (t, &d) in &self.last_demand {
+        for (t, &d) in self.last_demand.iter().flatten() {
             let e = demand.entry(t.clone()).or_insert(0);
             *e = (*e).max(d);
         }
-        self.last_demand = local.demand;
+        self.last_demand.rotate_left(1);
+        self.last_demand[WINDOW - 2] = local.demand;
         let peers = self.peers.live(now).map(|s| (s.replica, &s.demand));
         let mut slots = replicas::slots(self.cfg.id, &demand, peers, local.upper.into());
+        let parts = replicas::tenant_parts(&demand, self.peers.live(now).map(|s| &s.demand), local.upper.into());
+        self.tenant_parts = parts.into_iter().map(|(t, p)| (t, p.ceil().min(f64::from(u32::MAX)) as u32)).collect();
         // A replica that just started, and has not heard every configured peer yet, takes no
         // more than an equal part of the bound: the others may be there, busy.
         let unheard = self.peers.live(now).count() + 1 < self.cfg.peers as usize;
@@ -334,14 +346,20 @@ impl Exchange {
             slots = slots.min((u64::from(local.upper) / u64::from(self.cfg.peers)).max(1));
         }
         let slots = slots.min(u64::from(u32::MAX)) as u32;
-        self.slots = if first || self.upper != local.upper { [slots; 2] } else { [self.slots[1], slots] };
-        self.upper = local.upper;
-        let wanted: u64 = demand.values().map(|&d| u64::from(d)).sum();
+        if first || self.upper != local.upper {
+            self.slots = [slots; WINDOW];
+        } else {
+            self.slots.rotate_left(1);
+            self.slots[WINDOW - 1] = slots;
+        }
+        (self.upper, self.lower) = (local.upper, local.lower.min(f64::from(local.upper)));
         let in_flight = endpoints.iter().zip(&local.load).map(|(e, &n)| (e.clone(), n)).collect();
         let mut state = self.publisher.publish(local.service, in_flight);
         state.queued = local.queued;
+        // An idle replica claims nothing: its first request (its one slot) goes out unreserved,
+        // a transient of one request per replica that wakes up.
+        state.claim = if demand.values().any(|&d| d > 0) { slots } else { 0 };
         state.demand = demand;
-        state.claim = u64::from(slots).min(wanted) as u32;
         Some(Sync {
             state: serde_json::to_vec(&state).unwrap_or_default(),
             peer_load: self.peer_load(now, endpoints),
@@ -398,29 +416,45 @@ impl Exchange {
     /// Without them every replica would see the same free room at once (a pool that just
     /// drained) and each would fill all of it.
     pub fn slots(&self) -> u32 {
-        self.slots[1]
+        self.slots[WINDOW - 1]
     }
 
-    /// What the replica may fill: the lesser of its last two [`Exchange::slots`]. A part that
-    /// grows is used only once the peers had an interval to hear the claim that goes with it,
-    /// and the peers leave free what they heard claimed: so replicas whose views of each other
-    /// lag by at most an interval hold at most the bound together.
+    /// Each of this replica's tenants' part of the bound here, in slots rounded up, as of its
+    /// last publication ([`sluice_policies::replicas::tenant_parts`]): what the scheduler holds
+    /// back for a tenant that sends one request at a time
+    /// ([`crate::scheduler::Scheduler::set_tenant_parts`]).
+    pub fn tenant_parts(&self) -> &BTreeMap<String, u32> {
+        &self.tenant_parts
+    }
+
+    /// What the replica may fill: the least of its last [`WINDOW`] [`Exchange::slots`]. Each
+    /// is published as its claim, and a peer leaves a replica's claim free (beyond what it
+    /// holds). A claim published at a sync reaches every live peer within two intervals (the
+    /// peer fetches within one, the answer lands within its latency), so by the third
+    /// publication every peer holds a claim at least this limit: replicas together hold at most
+    /// the bound, at the cost of a part that grows being used two intervals late.
     pub fn limit(&self) -> u32 {
-        self.slots[0].min(self.slots[1])
+        self.slots.iter().copied().min().unwrap_or(0)
     }
 
     /// The live peers' in-flight counts per endpoint, this replica's [`Exchange::limit`] and what
     /// the peers claim beyond what they hold, encoded for [`PEER_LOAD_KEY`].
     fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
-        let reserved: u64 = self
-            .peers
-            .live(now)
-            .map(|s| u64::from(s.claim).saturating_sub(s.in_flight.values().map(|&n| u64::from(n)).sum()))
-            .sum();
+        // A peer's claim, scaled to each bound the band compares with, less what it holds.
+        let scale = if self.upper > 0 { self.lower / f64::from(self.upper) } else { 1.0 };
+        let mut reserved = [0u64; 2];
+        for s in self.peers.live(now) {
+            let held: u64 = s.in_flight.values().map(|&n| u64::from(n)).sum();
+            let claim = u64::from(s.claim);
+            reserved[0] += ((claim as f64 * scale).floor() as u64).saturating_sub(held);
+            reserved[1] += claim.saturating_sub(held);
+        }
         let mut out = now.to_le_bytes().to_vec();
         out.extend_from_slice(&self.limit().to_le_bytes());
         out.extend_from_slice(&self.upper.to_le_bytes());
-        out.extend_from_slice(&(reserved.min(u64::from(u32::MAX)) as u32).to_le_bytes());
+        for r in reserved {
+            out.extend_from_slice(&(r.min(u64::from(u32::MAX)) as u32).to_le_bytes());
+        }
         for e in endpoints {
             let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
             out.extend_from_slice(&n.to_le_bytes());
@@ -428,6 +462,9 @@ impl Exchange {
         out
     }
 }
+
+/// Publications a part takes to be used ([`Exchange::limit`]).
+pub const WINDOW: usize = 3;
 
 /// What the peers hold and claim and this replica's part of the bound, as the lease holder
 /// last wrote it.
@@ -439,8 +476,9 @@ pub struct PeerLoad {
     pub slots: u32,
     /// ... of this bound (0: no part, the band alone decides).
     pub upper: u32,
-    /// Slots the live peers claimed beyond what they hold: left free for them.
-    pub reserved: u32,
+    /// Slots the live peers claimed beyond what they hold, left free for them: scaled to the
+    /// bound the queue dispatches under, and to the upper bound (bypass).
+    pub reserved: [u32; 2],
 }
 
 impl PeerLoad {
@@ -449,8 +487,9 @@ impl PeerLoad {
     /// whole bound, whichever is larger. Scaled so that one more request is allowed exactly while
     /// `own + 1 <= slots` against the full bound (and proportionally against a lower one): the
     /// replica stays within its slots and the replicas together within the bound.
-    pub fn stock(&self, own: u64, global: u64) -> u64 {
-        let global = global + u64::from(self.reserved);
+    /// `from_queue`: the band's check for a dispatch from the queue (else a bypass).
+    pub fn stock(&self, own: u64, global: u64, from_queue: bool) -> u64 {
+        let global = global + u64::from(self.reserved[usize::from(!from_queue)]);
         if self.slots == 0 || self.upper == 0 {
             return global;
         }
@@ -468,7 +507,7 @@ impl PeerLoad {
 /// died: every worker falls back to local state).
 pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64) -> Option<PeerLoad> {
     let (Some(b), _) = store.get(PEER_LOAD_KEY) else { return None };
-    if b.len() != 20 + 4 * endpoints {
+    if b.len() != 24 + 4 * endpoints {
         return None;
     }
     let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -479,8 +518,8 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
     Some(PeerLoad {
         slots: word(8),
         upper: word(12),
-        reserved: word(16),
-        in_flight: (0..endpoints).map(|k| word(20 + 4 * k)).collect(),
+        reserved: [word(16), word(20)],
+        in_flight: (0..endpoints).map(|k| word(24 + 4 * k)).collect(),
     })
 }
 
@@ -675,7 +714,7 @@ mod tests {
         let demand = |pairs: &[(&str, u32)]| pairs.iter().map(|&(t, d)| (t.to_string(), d)).collect();
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
-        ex.tick(0, Local { demand: demand(own), upper, ..local(&[0, 0]) }, &eps);
+        ex.tick(0, Local { demand: demand(own), upper, lower: f64::from(upper), ..local(&[0, 0]) }, &eps);
         for (k, (pairs, claim)) in peers.iter().enumerate() {
             let mut s: ReplicaState = serde_json::from_slice(&state(k as u64 + 2, 1, 1, [0, 0])).unwrap();
             s.demand = demand(pairs);
@@ -683,7 +722,9 @@ mod tests {
             ex.sent(k as u32, 2000);
             ex.answer(k as u32, 2000, Some(&serde_json::to_vec(&s).unwrap()), &eps);
         }
-        let sync = ex.tick(2000, Local { demand: demand(own), upper, ..local(&[0, 0]) }, &eps).unwrap();
+        let sync = ex
+            .tick(2000, Local { demand: demand(own), upper, lower: f64::from(upper), ..local(&[0, 0]) }, &eps)
+            .unwrap();
         (ex, sync)
     }
 
@@ -694,22 +735,45 @@ mod tests {
     }
 
     #[test]
-    fn a_growing_part_waits_an_interval_and_peers_claims_are_left_free() {
+    fn a_growing_part_waits_two_intervals_and_peers_claims_are_left_free() {
         let (ex, sync) = heard(30, &[("a", 40)], &[(&[("b", 5)], 5), (&[("c", 2)], 8)]);
         // a gets 30 - 5 - 2 = 23 slots; its start-up part (a third: two configured peers not
-        // heard yet) is what it may fill until its peers heard the larger claim.
+        // heard yet) is what it may fill until its peers have surely heard the larger claim.
         assert_eq!((ex.slots(), ex.limit()), (23, 10));
         let state: ReplicaState = serde_json::from_slice(&sync.state).unwrap();
-        assert_eq!(state.claim, 23, "its claim: its slots, at most its demand");
+        assert_eq!(state.claim, 23, "its claim: its slots");
         let store = MapStore::default();
         store.set(PEER_LOAD_KEY, &sync.peer_load, None);
         let load = peer_load(&store, 2, 2000, cfg().max_age_ms).unwrap();
         assert_eq!((load.slots, load.upper), (10, 30));
-        assert_eq!(load.reserved, 5 + 8, "the peers hold nothing yet: all they claimed is left free");
-        // A replica that wants little claims no more than it wants.
-        let (_, sync) = heard(30, &[("a", 2)], &[]);
-        let state: ReplicaState = serde_json::from_slice(&sync.state).unwrap();
-        assert_eq!(state.claim, 2);
+        assert_eq!(load.reserved, [5 + 8; 2], "the peers hold nothing yet: all they claimed is left free");
+        // The third publication at 23 lifts the limit.
+        let mut ex = ex;
+        let eps = endpoints();
+        let again = |ex: &mut Exchange, now| {
+            let demand = BTreeMap::from([("a".to_string(), 40)]);
+            ex.tick(now, Local { demand, upper: 30, lower: 30.0, ..local(&[0, 0]) }, &eps).unwrap()
+        };
+        again(&mut ex, 2100);
+        assert_eq!(ex.limit(), 10);
+        again(&mut ex, 2200);
+        assert_eq!(ex.limit(), 23);
+    }
+
+    #[test]
+    fn claims_are_scaled_to_the_bound_the_queue_dispatches_under() {
+        // A peer claims 10 of 30 and holds 2; the queue dispatches below 24 of 30.
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        let eps = endpoints();
+        let mut s: ReplicaState = serde_json::from_slice(&state(2, 1, 1, [2, 0])).unwrap();
+        s.claim = 10;
+        ex.sent(1, 0);
+        ex.answer(1, 0, Some(&serde_json::to_vec(&s).unwrap()), &eps);
+        let sync = ex.tick(10, Local { upper: 30, lower: 24.0, ..local(&[0, 0]) }, &eps).unwrap();
+        let store = MapStore::default();
+        store.set(PEER_LOAD_KEY, &sync.peer_load, None);
+        let load = peer_load(&store, 2, 10, cfg().max_age_ms).unwrap();
+        assert_eq!(load.reserved, [8 - 2, 10 - 2], "24 / 30 of the claim for the queue, all of it for a bypass");
     }
 
     #[test]
@@ -730,14 +794,14 @@ mod tests {
 
     #[test]
     fn the_band_reads_the_larger_of_the_global_and_the_scaled_own_stock() {
-        let part = |slots, reserved| PeerLoad { in_flight: vec![], slots, upper: 10, reserved };
+        let part = |slots, reserved| PeerLoad { in_flight: vec![], slots, upper: 10, reserved: [reserved; 2] };
         // 2 of 10 slots: the first two requests pass a band of 10, the third does not.
-        assert!(part(2, 0).stock(0, 0) < 10 && part(2, 0).stock(1, 1) < 10);
-        assert!(part(2, 0).stock(2, 2) >= 10);
-        assert_eq!(part(2, 0).stock(1, 9), 9, "peers over their part: the global count");
-        assert_eq!(part(2, 3).stock(0, 5), 8, "what the peers claimed and do not hold counts");
-        assert_eq!(part(10, 0).stock(4, 4), 4, "the whole bound: the stock itself");
-        assert_eq!(part(0, 0).stock(4, 6), 6, "no part: the global stock");
+        assert!(part(2, 0).stock(0, 0, true) < 10 && part(2, 0).stock(1, 1, true) < 10);
+        assert!(part(2, 0).stock(2, 2, true) >= 10);
+        assert_eq!(part(2, 0).stock(1, 9, true), 9, "peers over their part: the global count");
+        assert_eq!(part(2, 3).stock(0, 5, false), 8, "what the peers claimed and do not hold counts");
+        assert_eq!(part(10, 0).stock(4, 4, true), 4, "the whole bound: the stock itself");
+        assert_eq!(part(0, 0).stock(4, 6, true), 6, "no part: the global stock");
     }
 
     #[test]

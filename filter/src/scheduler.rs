@@ -86,7 +86,8 @@ impl<P> Slot<P> {
 
 /// What the scheduler asks of the stock and the router for the next request
 /// (its id, which names the worker the slot is held for, and its routing facts).
-pub type Acquire<'a> = &'a mut dyn FnMut(u64, &RouteInfo) -> Slot;
+/// (request, its route, slots held back for the replica's other tenants) → slot.
+pub type Acquire<'a> = &'a mut dyn FnMut(u64, &RouteInfo, u32) -> Slot;
 
 /// A dispatched request whose charges are still to come.
 struct Running {
@@ -144,6 +145,8 @@ pub struct Scheduler {
     counters: bool,
     /// The peers' service per tenant last applied as VTC offsets (`replicas`).
     peer_service: BTreeMap<String, f64>,
+    /// Each tenant's part of the pool on this replica, in slots (`replicas`).
+    tenant_parts: BTreeMap<String, u32>,
     slo: Option<SloState>,
     /// The in-flow ordering ranks by deadline (EDF, slack).
     by_deadline: bool,
@@ -190,6 +193,7 @@ impl Scheduler {
             running: HashMap::new(),
             counters,
             peer_service: BTreeMap::new(),
+            tenant_parts: BTreeMap::new(),
             slo,
             by_deadline,
         }
@@ -504,7 +508,8 @@ impl Scheduler {
         let mut drops = 0;
         let drop_z = self.slo.as_ref().and_then(|s| s.drop_z);
         let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair) && drop_z.is_none();
-        while let Some(next) = self.queue.peek().map(|(_, r)| r.id) {
+        let light = self.light_tenants();
+        while let Some((next, flow)) = self.queue.peek().map(|(_, r)| (r.id, r.flow)) {
             if demotes && drops < MAX_DROPS_PER_PUMP && self.unattainable_now(next, now_ms, 0.0) {
                 drops += 1;
                 self.demote(next);
@@ -519,7 +524,8 @@ impl Scheduler {
                 out.push((worker_of(next), ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }));
                 continue;
             }
-            let msg = match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE)) {
+            let held = light.iter().filter(|l| l.0 != flow).map(|l| l.1).sum();
+            let msg = match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE), held) {
                 Slot::Wait => break,
                 Slot::Granted(endpoint) => {
                     let (band, r) = self.queue.pop().expect("peeked a request");
@@ -541,6 +547,41 @@ impl Scheduler {
             self.routes.remove(&next);
             out.push((worker_of(next), msg));
         }
+    }
+
+    /// Sets each tenant's part of the pool on this replica (`replicas`: its part of the global
+    /// max-min split, rounded up), from which [`Scheduler::pump`] holds slots back.
+    pub fn set_tenant_parts(&mut self, parts: BTreeMap<String, u32>) {
+        self.tenant_parts = parts;
+    }
+
+    /// The tenants with a part here and nothing queued, and how many slots of their part they
+    /// do not use now: a dispatch for another tenant leaves those free. A tenant that sends one
+    /// request at a time has nothing queued between two of them, and without this the next
+    /// tenant in the queue would take its slot each time, so that each of its requests waits
+    /// for a slot to free on this replica alone (the others' slots are theirs). Work conserving
+    /// only within a sync interval: a tenant that stopped keeps its part until its demand, and
+    /// so its part, goes (a few intervals). O(parts + running × such tenants).
+    fn light_tenants(&self) -> Vec<(FlowId, u32)> {
+        if self.tenant_parts.is_empty() {
+            return Vec::new();
+        }
+        let q = &self.queue;
+        let mut light: Vec<(FlowId, u32)> = self
+            .tenant_parts
+            .iter()
+            .filter_map(|(name, &part)| {
+                let flow = q.tenants().get(name)?;
+                let queued = Criticality::ALL.into_iter().any(|b| q.band(b).flow_requests(flow).next().is_some());
+                (!queued).then_some((flow, part))
+            })
+            .collect();
+        for r in self.running.values() {
+            if let Some(l) = light.iter_mut().find(|l| l.0 == r.flow) {
+                l.1 = l.1.saturating_sub(1);
+            }
+        }
+        light
     }
 
     /// Rejects every request that waited longer than the TTL.
@@ -747,8 +788,8 @@ mod tests {
     }
 
     /// Grants up to `n` slots on endpoint 0, then says wait.
-    fn slots(mut n: usize) -> impl FnMut(u64, &RouteInfo) -> Slot {
-        move |_, _| {
+    fn slots(mut n: usize) -> impl FnMut(u64, &RouteInfo, u32) -> Slot {
+        move |_, _, _| {
             if n == 0 {
                 return Slot::Wait;
             }
@@ -791,6 +832,42 @@ mod tests {
         let demand = s.demand();
         assert_eq!(demand, BTreeMap::from([("a".into(), 4), ("b".into(), 1)]), "{out:?}");
         assert_eq!(s.running(), 2, "two of them dispatched, still counted");
+    }
+
+    #[test]
+    fn a_light_tenants_part_is_held_back_from_the_others() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        s.set_tenant_parts(BTreeMap::from([("modest".into(), 1), ("spread".into(), 1)]));
+        // modest is known but has nothing queued nor running: its slot is held from spread.
+        s.on_message(enqueue(0, 1, "modest", 1), 0, &mut out);
+        s.pump(0, &mut slots(1), &mut out);
+        s.on_message(charge(1, "modest", 10, 5, true), 0, &mut out);
+        for ctx in 2..4 {
+            s.on_message(enqueue(0, ctx, "spread", ctx as u64), 0, &mut out);
+        }
+        let mut held = Vec::new();
+        s.pump(
+            0,
+            &mut |req, _, h| {
+                held.push((req, h));
+                Slot::Wait
+            },
+            &mut out,
+        );
+        assert_eq!(held, [(2, 1)], "spread's head sees modest's slot held");
+        // Once modest queues, nothing is held for it: it competes in the queue.
+        s.on_message(enqueue(0, 4, "modest", 4), 0, &mut out);
+        held.clear();
+        s.pump(
+            0,
+            &mut |req, _, h| {
+                held.push((req, h));
+                Slot::Wait
+            },
+            &mut out,
+        );
+        assert_eq!(held, [(2, 0)], "nothing held for a tenant that queues");
     }
 
     #[test]
@@ -924,7 +1001,7 @@ mod tests {
         let mut seen = Vec::new();
         s.pump(
             0,
-            &mut |_, r: &RouteInfo| {
+            &mut |_, r: &RouteInfo, _| {
                 seen.push(r.model.clone());
                 if r.model == "a" {
                     Slot::NoEndpoint
@@ -952,7 +1029,7 @@ mod tests {
         s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
         let a = s.queue.tenants().get("a").unwrap();
         let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
-        s.pump(0, &mut |_, _| Slot::NoEndpoint, &mut out);
+        s.pump(0, &mut |_, _, _| Slot::NoEndpoint, &mut out);
         assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint })]);
         assert_eq!(
             s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a)),

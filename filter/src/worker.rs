@@ -458,7 +458,7 @@ impl<H: Host> Worker<H> {
         let req_id = self.request_id(ctx);
         let band = band_code(band);
         if may_bypass {
-            match self.take_slot(self.worker, req_id, &route, false) {
+            match self.take_slot(self.worker, req_id, &route, None) {
                 Slot::Granted(permit) => {
                     let endpoint = permit.endpoint();
                     self.host.add(Metric::Bypassed, 1);
@@ -613,8 +613,9 @@ impl<H: Host> Worker<H> {
         let own = shared::stock(&self.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
         let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
-        let stock =
-            peers.map_or(own, |p| p.stock(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
+        let stock = peers
+            .map_or(own, |p| p.stock(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>(), true))
+            as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
@@ -628,7 +629,13 @@ impl<H: Host> Worker<H> {
     /// in-flight counts of this very attempt, so each decision sees the ones
     /// before it (the predicted load, and a pool that fills up between two
     /// scrapes).
-    fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, from_queue: bool) -> Slot<Permit> {
+    ///
+    /// `queue`: for a dispatch from the queue, the slots the scheduler holds back for this
+    /// replica's other tenants (`replicas`; see [`Scheduler::set_tenant_parts`]); `None` for a
+    /// bypass.
+    fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, queue: Option<u32>) -> Slot<Permit> {
+        let from_queue = queue.is_some();
+        let held = u64::from(queue.unwrap_or(0));
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
         let now = self.now;
@@ -655,7 +662,9 @@ impl<H: Host> Worker<H> {
             let healthy = |i: usize| records[i].healthy(now);
             let (ready, stock) = shared::ready_stock(load, healthy);
             // A replica keeps to its share of the bound (and all of them to the bound).
-            let stock = peers.as_ref().map_or(stock, |p| p.stock(shared::ready_stock(own, healthy).1, stock));
+            let stock = peers
+                .as_ref()
+                .map_or(stock, |p| p.stock(shared::ready_stock(own, healthy).1 + held, stock + held, from_queue));
             let band = if from_queue { bounds.may_pop(stock, ready) } else { bounds.may_bypass(stock, 0, ready) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
@@ -886,8 +895,8 @@ impl<H: Host> Worker<H> {
         role.scheduler.pump(
             self.now,
             // The Dispatch message carries the permit to the stream's worker.
-            &mut |req, route| {
-                self.take_slot(crate::scheduler::worker_of(req), req, route, true).map(Permit::into_message)
+            &mut |req, route, held| {
+                self.take_slot(crate::scheduler::worker_of(req), req, route, Some(held)).map(Permit::into_message)
             },
             &mut out,
         );
@@ -1283,10 +1292,12 @@ impl<H: Host> Worker<H> {
             return;
         }
         let queued = scheduler.len() as u32;
-        let local = Local { service: scheduler.service(), demand: scheduler.demand(), load, queued, upper };
+        let lower = self.cfg.bounds.lower_per_backend * load.len() as f64;
+        let local = Local { service: scheduler.service(), demand: scheduler.demand(), load, queued, upper, lower };
         let Some(sync) = ex.tick(now, local, &self.cfg.endpoints) else { return };
         // VTC orders by global counters: own + the live peers' service (expired peers dropped).
         scheduler.set_peer_service(ex.peer_services(now));
+        scheduler.set_tenant_parts(ex.tenant_parts().clone());
         self.host.set(replicas::STATE_KEY, &sync.state, None);
         self.host.set(replicas::PEER_LOAD_KEY, &sync.peer_load, None);
         self.host.record(Metric::ReplicaPeersLive, ex.live(now) as u64);
@@ -2093,26 +2104,28 @@ mod tests {
         assert_eq!(sync(&mut a, 0, None), 2, "`peers` calls per interval");
         assert_eq!(sync(&mut b, 0, None), 2);
         assert_eq!(metric(&pb, "sluice_replica_sync_failed"), 2);
-        // Past its start-up period (max_age_ms, when peers it has not heard may still exist),
-        // replica A alone fills the pool's bound (1 per endpoint) by itself.
-        sync(&mut a, 1000, None);
-        sync(&mut a, 1100, None);
-        assert!(matches!(admit(&mut a, 1110, 1, "x"), Admission::Bypass(_)));
-        assert!(matches!(admit(&mut a, 1110, 2, "x"), Admission::Bypass(_)));
-        sync(&mut a, 1200, None);
+        // Past its start-up period (max_age_ms, when peers it has not heard may still exist)
+        // and once its part is used (three publications), replica A alone fills the pool's
+        // bound (1 per endpoint) by itself.
+        for now in [1000, 1100, 1200] {
+            sync(&mut a, now, None);
+        }
+        assert!(matches!(admit(&mut a, 1210, 1, "x"), Admission::Bypass(_)));
+        assert!(matches!(admit(&mut a, 1210, 2, "x"), Admission::Bypass(_)));
+        sync(&mut a, 1300, None);
         let (Some(state_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
         // B hears it: its first request waits, although B itself holds nothing.
-        sync(&mut b, 1200, Some(&state_a));
+        sync(&mut b, 1300, Some(&state_a));
         assert!(metric(&pb, "sluice_replica_sync_ok") >= 1);
-        assert_eq!(admit(&mut b, 1210, 1, "y"), Admission::Queued);
+        assert_eq!(admit(&mut b, 1310, 1, "y"), Admission::Queued);
         // A repeats the same state (it stopped publishing): no longer news. Past
         // max_age_ms (10 intervals) A stops counting and B's queue moves.
-        let mut now = 1300;
-        while pb.resumed.borrow().is_empty() && now <= 1200 + 1000 + 200 {
+        let mut now = 1400;
+        while pb.resumed.borrow().is_empty() && now <= 1300 + 1000 + 200 {
             sync(&mut b, now, Some(&state_a));
             now += 100;
         }
-        assert!(now > 1200 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
+        assert!(now > 1300 + 1000, "A counted until it was silent for max_age_ms (released at {now})");
         assert_eq!(pb.resumed.borrow().len(), 1, "B's request went once A went silent");
     }
 
@@ -2127,11 +2140,11 @@ mod tests {
         let admitted = |peer: bool| {
             let p = Rc::new(Process::default());
             let mut b = vm(&p, 1, replica(2), 0);
-            // Two publications past the start-up period, each after hearing A (if `peer`).
-            for (seq, now) in [(1, 0), (2, 1000), (3, 1100)] {
+            // Three publications past the start-up period, each after hearing A (if `peer`).
+            for (seq, now) in [(1, 0), (2, 1000), (3, 1100), (4, 1200)] {
                 sync(&mut b, now, peer.then(|| a(seq)).as_deref().map(str::as_bytes));
             }
-            (1..=2).take_while(|&ctx| matches!(admit(&mut b, 1110, ctx, "y"), Admission::Bypass(_))).count()
+            (1..=2).take_while(|&ctx| matches!(admit(&mut b, 1210, ctx, "y"), Admission::Bypass(_))).count()
         };
         assert_eq!(admitted(false), 2, "alone, B fills the bound");
         assert_eq!(admitted(true), 1, "beside a peer that queues, B keeps to half of it");

@@ -58,8 +58,8 @@ pub struct ReplicaState {
     /// ([`share`]; empty when absent).
     #[serde(default)]
     pub demand: BTreeMap<String, u32>,
-    /// Requests this replica may hold until its next state (its part of the bound, at most its
-    /// demand): its peers leave that many free beyond what it holds (0 when absent).
+    /// The slots of the bound this replica claims as of this state ([`slots`]): its peers leave
+    /// that many free beyond what it holds (0 when absent).
     #[serde(default)]
     pub claim: u32,
 }
@@ -369,31 +369,13 @@ pub fn slots<'a>(
     }
     let mut replicas: Vec<(ReplicaId, &Demand)> = peers.into_iter().filter(|&(id, _)| id != me).collect();
     replicas.push((me, own));
-    let mut total: BTreeMap<&str, u64> = BTreeMap::new();
-    for (_, demand) in &replicas {
-        for (t, &d) in demand.iter() {
-            *total.entry(t.as_str()).or_insert(0) += u64::from(d);
-        }
-    }
-    let mut demands: Vec<u64> = total.values().copied().filter(|&d| d > 0).collect();
-    let (level, left) = max_min(&mut demands, bound as f64);
-    let n = replicas.len() as f64;
-    let part = |demand: &Demand| -> f64 {
-        demand
-            .iter()
-            .filter(|&(_, &d)| d > 0)
-            .map(|(t, &d)| {
-                let all = total[t.as_str()] as f64;
-                all.min(level) * f64::from(d) / all
-            })
-            .sum::<f64>()
-            + left / n
-    };
+    let split = Split::new(replicas.iter().map(|r| r.1), bound);
+    let left = split.left / replicas.len() as f64;
     // Largest remainder: whole parts first, then one more slot each to the largest fractions.
     let mut parts: Vec<(ReplicaId, u64, f64)> = replicas
         .iter()
         .map(|&(id, d)| {
-            let p = part(d).max(0.0);
+            let p = (split.parts(d).values().sum::<f64>() + left).max(0.0);
             (id, p.floor() as u64, p - p.floor())
         })
         .collect();
@@ -402,6 +384,52 @@ pub fn slots<'a>(
     let extra = bound.saturating_sub(given) as usize;
     let mine = parts.iter().position(|p| p.0 == me).map_or(0, |k| parts[k].1 + u64::from(k < extra));
     mine.clamp(1, bound)
+}
+
+/// Each of `own`'s tenants' part of the bound on this replica, in slots (fractional, before
+/// the room nobody wants is shared out): what [`slots`] adds up, per tenant.
+pub fn tenant_parts<'a>(
+    own: &'a Demand,
+    peers: impl IntoIterator<Item = &'a Demand>,
+    bound: u64,
+) -> BTreeMap<String, f64> {
+    Split::new(peers.into_iter().chain(std::iter::once(own)), bound).parts(own)
+}
+
+/// The max-min split of a bound between tenants by their global demand.
+struct Split {
+    /// Global demand per tenant.
+    total: BTreeMap<String, u64>,
+    /// The part of every tenant whose demand is not met in full (infinite when all are).
+    level: f64,
+    /// What no tenant wants.
+    left: f64,
+}
+
+impl Split {
+    fn new<'a>(demands: impl IntoIterator<Item = &'a Demand>, bound: u64) -> Split {
+        let mut total: BTreeMap<String, u64> = BTreeMap::new();
+        for demand in demands {
+            for (t, &d) in demand {
+                *total.entry(t.clone()).or_insert(0) += u64::from(d);
+            }
+        }
+        let mut demands: Vec<u64> = total.values().copied().filter(|&d| d > 0).collect();
+        let (level, left) = max_min(&mut demands, bound as f64);
+        Split { total, level, left }
+    }
+
+    /// One replica's tenants' parts: each tenant's part split in proportion to its demand there.
+    fn parts(&self, demand: &Demand) -> BTreeMap<String, f64> {
+        demand
+            .iter()
+            .filter(|&(_, &d)| d > 0)
+            .map(|(t, &d)| {
+                let all = self.total[t] as f64;
+                (t.clone(), all.min(self.level) * f64::from(d) / all)
+            })
+            .collect()
+    }
 }
 
 /// Max-min fair allocation of `cap` among `demands` (reordered): the part of every demand that

@@ -247,6 +247,10 @@ fn slots_split_the_bound_max_min_between_tenants() {
     // An idle replica beside two backlogged ones keeps one slot; they split the bound.
     assert_eq!(all(&[demand(&[]), demand(&[("a", 50)]), demand(&[("b", 50)])], 20), [1, 10, 10]);
     assert_eq!(sluice_policies::replicas::slots(0, &demand(&[]), [], 0), 0, "no bound");
+    // Per tenant on B: modest its 2, spread a third of its 5.
+    let parts = sluice_policies::replicas::tenant_parts(&mixed[1], [&mixed[0], &mixed[2]], 12);
+    assert_eq!(parts.len(), 2);
+    assert!((parts["modest"] - 2.0).abs() < 1e-9 && (parts["spread"] - 5.0 / 3.0).abs() < 1e-9, "{parts:?}");
 }
 
 proptest! {

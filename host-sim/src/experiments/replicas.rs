@@ -102,7 +102,7 @@ pub fn cases(n: usize, failover_at_s: f64) -> Vec<ReplicaCase> {
         c("active-passive", n, Deployment::ActivePassive),
         c(&format!("failover at {failover_at_s} s"), n, Deployment::Failover { at_s: failover_at_s }),
     ];
-    for d in [10, 100, 1000] {
+    for d in [10, 30, 100, 300, 1000] {
         v.push(c(&format!("synced {d} ms"), n, Deployment::Synced { sync_ms: d }));
     }
     v
