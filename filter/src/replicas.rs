@@ -257,7 +257,7 @@ pub struct Local {
     /// Requests the pool may hold in all (the upper bound over every endpoint).
     pub upper: u32,
     /// The band's bound for dispatches from the queue over every endpoint (the lower bound,
-    /// at most `upper`): what a peer's claim is scaled to when the queue dispatches.
+    /// at most `upper`), which the replicas share too.
     pub lower: f64,
 }
 
@@ -272,10 +272,9 @@ pub struct Exchange {
     /// When this incarnation began: until `max_age_ms` later, peers not heard yet may exist.
     started_ms: Option<u64>,
     /// The slots computed at the last [`WINDOW`] publications, oldest first ([`Exchange::slots`]).
-    slots: [u32; WINDOW],
-    /// The bounds they are slots of: upper, and lower (see [`Local`]).
-    upper: u32,
-    lower: f64,
+    slots: [[u32; 2]; WINDOW],
+    /// The bounds they are slots of ([`QUEUE`] and [`BYPASS`]).
+    bounds: [u32; 2],
     /// This replica's tenants' parts, in slots rounded up ([`Exchange::tenant_parts`]).
     tenant_parts: BTreeMap<String, u32>,
     /// The demand of the publications before the last one (before smoothing), newest last.
@@ -292,9 +291,8 @@ impl Exchange {
             calls: HashMap::new(),
             next_sync_ms: 0,
             started_ms: None,
-            slots: [0; WINDOW],
-            upper: 0,
-            lower: 0.0,
+            slots: [[0; 2]; WINDOW],
+            bounds: [0; 2],
             last_demand: Default::default(),
             tenant_parts: BTreeMap::new(),
         })
@@ -335,30 +333,35 @@ impl Exchange {
         }
         self.last_demand.rotate_left(1);
         self.last_demand[WINDOW - 2] = local.demand;
-        let peers = self.peers.live(now).map(|s| (s.replica, &s.demand));
-        let mut slots = replicas::slots(self.cfg.id, &demand, peers, local.upper.into());
+        let bounds = [queue_bound(local.lower, local.upper), local.upper];
+        let starting =
+            now < started + self.cfg.max_age_ms && self.peers.live(now).count() + 1 < self.cfg.peers as usize;
+        let slots = bounds.map(|bound| {
+            let peers = self.peers.live(now).map(|s| (s.replica, &s.demand));
+            let slots = replicas::slots(self.cfg.id, &demand, peers, bound.into());
+            // A replica that just started, and has not heard every configured peer yet, takes
+            // no more than an equal part of the bound: the others may be there, busy.
+            let slots = if starting { slots.min((u64::from(bound) / u64::from(self.cfg.peers)).max(1)) } else { slots };
+            slots.min(u64::from(u32::MAX)) as u32
+        });
+        let slots = [slots[QUEUE].min(slots[BYPASS]), slots[BYPASS]];
         let parts = replicas::tenant_parts(&demand, self.peers.live(now).map(|s| &s.demand), local.upper.into());
         self.tenant_parts = parts.into_iter().map(|(t, p)| (t, p.ceil().min(f64::from(u32::MAX)) as u32)).collect();
-        // A replica that just started, and has not heard every configured peer yet, takes no
-        // more than an equal part of the bound: the others may be there, busy.
-        let unheard = self.peers.live(now).count() + 1 < self.cfg.peers as usize;
-        if now < started + self.cfg.max_age_ms && unheard {
-            slots = slots.min((u64::from(local.upper) / u64::from(self.cfg.peers)).max(1));
-        }
-        let slots = slots.min(u64::from(u32::MAX)) as u32;
-        if first || self.upper != local.upper {
+        if first || self.bounds != bounds {
             self.slots = [slots; WINDOW];
         } else {
             self.slots.rotate_left(1);
             self.slots[WINDOW - 1] = slots;
         }
-        (self.upper, self.lower) = (local.upper, local.lower.min(f64::from(local.upper)));
+        self.bounds = bounds;
         let in_flight = endpoints.iter().zip(&local.load).map(|(e, &n)| (e.clone(), n)).collect();
         let mut state = self.publisher.publish(local.service, in_flight);
         state.queued = local.queued;
         // An idle replica claims nothing: its first request (its one slot) goes out unreserved,
         // a transient of one request per replica that wakes up.
-        state.claim = if demand.values().any(|&d| d > 0) { slots } else { 0 };
+        if demand.values().any(|&d| d > 0) {
+            (state.claim_queue, state.claim) = (slots[QUEUE], slots[BYPASS]);
+        }
         state.demand = demand;
         Some(Sync {
             state: serde_json::to_vec(&state).unwrap_or_default(),
@@ -410,12 +413,12 @@ impl Exchange {
         self.peers.services(now)
     }
 
-    /// The slots of the pool's bound this replica may fill, computed at its last publication
-    /// from its demand and the live peers' latest ([`sluice_policies::replicas::slots`]:
-    /// max-min fair between tenants by their demand, in flight plus queued, over all replicas).
-    /// Without them every replica would see the same free room at once (a pool that just
-    /// drained) and each would fill all of it.
-    pub fn slots(&self) -> u32 {
+    /// The slots of the pool's bounds ([`QUEUE`] and [`BYPASS`]) this replica may fill,
+    /// computed at its last publication from its demand and the live peers' latest
+    /// ([`sluice_policies::replicas::slots`]: max-min fair between tenants by their demand, in
+    /// flight plus queued, over all replicas). Without them every replica would see the same free
+    /// room at once (a pool that just drained) and each would fill all of it.
+    pub fn slots(&self) -> [u32; 2] {
         self.slots[WINDOW - 1]
     }
 
@@ -427,33 +430,29 @@ impl Exchange {
         &self.tenant_parts
     }
 
-    /// What the replica may fill: the least of its last [`WINDOW`] [`Exchange::slots`]. Each
-    /// is published as its claim, and a peer leaves a replica's claim free (beyond what it
-    /// holds). A claim published at a sync reaches every live peer within two intervals (the
-    /// peer fetches within one, the answer lands within its latency), so by the third
+    /// What the replica may fill: the least of its last [`WINDOW`] [`Exchange::slots`], per
+    /// bound. Each is published as its claim, and a peer leaves a replica's claim free (beyond
+    /// what it holds). A claim published at a sync reaches every live peer within two intervals
+    /// (the peer fetches within one, the answer lands within its latency), so by the third
     /// publication every peer holds a claim at least this limit: replicas together hold at most
     /// the bound, at the cost of a part that grows being used two intervals late.
-    pub fn limit(&self) -> u32 {
-        self.slots.iter().copied().min().unwrap_or(0)
+    pub fn limit(&self) -> [u32; 2] {
+        [QUEUE, BYPASS].map(|i| self.slots.iter().map(|s| s[i]).min().unwrap_or(0))
     }
 
     /// The live peers' in-flight counts per endpoint, this replica's [`Exchange::limit`] and what
     /// the peers claim beyond what they hold, encoded for [`PEER_LOAD_KEY`].
     fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
-        // A peer's claim, scaled to each bound the band compares with, less what it holds.
-        let scale = if self.upper > 0 { self.lower / f64::from(self.upper) } else { 1.0 };
         let mut reserved = [0u64; 2];
         for s in self.peers.live(now) {
             let held: u64 = s.in_flight.values().map(|&n| u64::from(n)).sum();
-            let claim = u64::from(s.claim);
-            reserved[0] += ((claim as f64 * scale).floor() as u64).saturating_sub(held);
-            reserved[1] += claim.saturating_sub(held);
+            reserved[QUEUE] += u64::from(s.claim_queue).saturating_sub(held);
+            reserved[BYPASS] += u64::from(s.claim).saturating_sub(held);
         }
         let mut out = now.to_le_bytes().to_vec();
-        out.extend_from_slice(&self.limit().to_le_bytes());
-        out.extend_from_slice(&self.upper.to_le_bytes());
-        for r in reserved {
-            out.extend_from_slice(&(r.min(u64::from(u32::MAX)) as u32).to_le_bytes());
+        let words = self.limit().into_iter().chain([self.bounds[BYPASS]]).map(u64::from).chain(reserved);
+        for w in words {
+            out.extend_from_slice(&(w.min(u64::from(u32::MAX)) as u32).to_le_bytes());
         }
         for e in endpoints {
             let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
@@ -465,6 +464,20 @@ impl Exchange {
 
 /// Publications a part takes to be used ([`Exchange::limit`]).
 pub const WINDOW: usize = 3;
+/// Index of the bound under which the queue dispatches (the band's lower one) in pairs of slots.
+pub const QUEUE: usize = 0;
+/// Index of the bound under which requests bypass the queue (the upper one).
+pub const BYPASS: usize = 1;
+
+/// The most requests the band lets the queue fill under a lower bound of `lower` (it dispatches
+/// while the stock is under it), at most `upper`.
+pub fn queue_bound(lower: f64, upper: u32) -> u32 {
+    // NaN and non-positive bounds let the queue fill nothing.
+    if lower.is_nan() || lower <= 0.0 {
+        return 0;
+    }
+    (((lower - 1e-9).floor() + 1.0) as u64).min(u64::from(upper)) as u32
+}
 
 /// What the peers hold and claim and this replica's part of the bound, as the lease holder
 /// last wrote it.
@@ -472,28 +485,37 @@ pub const WINDOW: usize = 3;
 pub struct PeerLoad {
     /// The live peers' requests in flight, per endpoint.
     pub in_flight: Vec<u32>,
-    /// The slots this replica may fill ([`Exchange::limit`]) ...
-    pub slots: u32,
-    /// ... of this bound (0: no part, the band alone decides).
+    /// The slots this replica may fill under the queue's bound and the upper one
+    /// ([`Exchange::limit`]; 0: no part, the band alone decides).
+    pub slots: [u32; 2],
+    /// The upper bound, over every endpoint.
     pub upper: u32,
-    /// Slots the live peers claimed beyond what they hold, left free for them: scaled to the
-    /// bound the queue dispatches under, and to the upper bound (bypass).
+    /// Slots the live peers claimed beyond what they hold, left free for them, per bound.
     pub reserved: [u32; 2],
 }
 
 impl PeerLoad {
-    /// The stock the admission band compares with its bounds: the global one (own plus peers',
-    /// plus what the peers claimed and do not hold yet), or this replica's own scaled to the
-    /// whole bound, whichever is larger. Scaled so that one more request is allowed exactly while
-    /// `own + 1 <= slots` against the full bound (and proportionally against a lower one): the
-    /// replica stays within its slots and the replicas together within the bound.
-    /// `from_queue`: the band's check for a dispatch from the queue (else a bypass).
+    /// The stock the admission band compares with its bounds (`from_queue`: the check for a
+    /// dispatch from the queue, else for a bypass): the global one (own plus peers' in flight,
+    /// plus what the peers claimed and do not hold yet), or, once this replica holds its slots
+    /// under that bound, more than any bound.
     pub fn stock(&self, own: u64, global: u64, from_queue: bool) -> u64 {
-        let global = global + u64::from(self.reserved[usize::from(!from_queue)]);
-        if self.slots == 0 || self.upper == 0 {
-            return global;
+        let i = if from_queue { QUEUE } else { BYPASS };
+        if self.slots[i] > 0 && own >= u64::from(self.slots[i]) {
+            return u64::MAX / 4;
         }
-        global.max(((own + 1) * u64::from(self.upper)).div_ceil(u64::from(self.slots)) - 1)
+        global + u64::from(self.reserved[i])
+    }
+
+    /// The stock the overload ladder reads as load: the global one, or this replica's own
+    /// scaled to the whole bound by its slots, whichever is larger.
+    pub fn load(&self, own: u64, global: u64) -> u64 {
+        let scaled = if self.slots[BYPASS] > 0 {
+            (own * u64::from(self.upper)).div_ceil(u64::from(self.slots[BYPASS]))
+        } else {
+            0
+        };
+        (global + u64::from(self.reserved[QUEUE])).max(scaled)
     }
 
     /// Own in-flight counts plus the peers' (what routing and the band read).
@@ -507,7 +529,7 @@ impl PeerLoad {
 /// died: every worker falls back to local state).
 pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64) -> Option<PeerLoad> {
     let (Some(b), _) = store.get(PEER_LOAD_KEY) else { return None };
-    if b.len() != 24 + 4 * endpoints {
+    if b.len() != 28 + 4 * endpoints {
         return None;
     }
     let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -516,10 +538,10 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
         return None;
     }
     Some(PeerLoad {
-        slots: word(8),
-        upper: word(12),
-        reserved: [word(16), word(20)],
-        in_flight: (0..endpoints).map(|k| word(24 + 4 * k)).collect(),
+        slots: [word(8), word(12)],
+        upper: word(16),
+        reserved: [word(20), word(24)],
+        in_flight: (0..endpoints).map(|k| word(28 + 4 * k)).collect(),
     })
 }
 
@@ -731,7 +753,7 @@ mod tests {
     /// Replica 1's slots of `upper` (see [`heard`]).
     fn slots_with(upper: u32, own: &[(&str, u32)], peers: &[&[(&str, u32)]]) -> u32 {
         let peers: Vec<(&[(&str, u32)], u32)> = peers.iter().map(|&p| (p, 0)).collect();
-        heard(upper, own, &peers).0.slots()
+        heard(upper, own, &peers).0.slots()[BYPASS]
     }
 
     #[test]
@@ -739,14 +761,14 @@ mod tests {
         let (ex, sync) = heard(30, &[("a", 40)], &[(&[("b", 5)], 5), (&[("c", 2)], 8)]);
         // a gets 30 - 5 - 2 = 23 slots; its start-up part (a third: two configured peers not
         // heard yet) is what it may fill until its peers have surely heard the larger claim.
-        assert_eq!((ex.slots(), ex.limit()), (23, 10));
+        assert_eq!((ex.slots(), ex.limit()), ([23, 23], [10, 10]));
         let state: ReplicaState = serde_json::from_slice(&sync.state).unwrap();
-        assert_eq!(state.claim, 23, "its claim: its slots");
+        assert_eq!((state.claim, state.claim_queue), (23, 23), "its claims: its slots");
         let store = MapStore::default();
         store.set(PEER_LOAD_KEY, &sync.peer_load, None);
         let load = peer_load(&store, 2, 2000, cfg().max_age_ms).unwrap();
-        assert_eq!((load.slots, load.upper), (10, 30));
-        assert_eq!(load.reserved, [5 + 8; 2], "the peers hold nothing yet: all they claimed is left free");
+        assert_eq!((load.slots, load.upper), ([10, 10], 30));
+        assert_eq!(load.reserved, [0, 5 + 8], "the peers hold nothing yet: what they claimed is left free");
         // The third publication at 23 lifts the limit.
         let mut ex = ex;
         let eps = endpoints();
@@ -755,25 +777,33 @@ mod tests {
             ex.tick(now, Local { demand, upper: 30, lower: 30.0, ..local(&[0, 0]) }, &eps).unwrap()
         };
         again(&mut ex, 2100);
-        assert_eq!(ex.limit(), 10);
+        assert_eq!(ex.limit(), [10, 10]);
         again(&mut ex, 2200);
-        assert_eq!(ex.limit(), 23);
+        assert_eq!(ex.limit(), [23, 23]);
     }
 
     #[test]
-    fn claims_are_scaled_to_the_bound_the_queue_dispatches_under() {
-        // A peer claims 10 of 30 and holds 2; the queue dispatches below 24 of 30.
+    fn the_queues_bound_is_shared_too() {
+        // The queue dispatches under 24.5 of 30: it may fill 25, and a replica's part of it is
+        // rounded on its own, not scaled from its part of 30.
+        assert_eq!(queue_bound(24.5, 30), 25);
+        assert_eq!(queue_bound(24.0, 30), 24);
+        assert_eq!(queue_bound(0.0, 30), 0);
+        let demand = |t: &str| BTreeMap::from([(t.to_string(), 40)]);
         let mut ex = Exchange::new(&cfg(), 7).unwrap();
         let eps = endpoints();
+        ex.tick(0, local(&[0, 0]), &eps);
         let mut s: ReplicaState = serde_json::from_slice(&state(2, 1, 1, [2, 0])).unwrap();
-        s.claim = 10;
-        ex.sent(1, 0);
-        ex.answer(1, 0, Some(&serde_json::to_vec(&s).unwrap()), &eps);
-        let sync = ex.tick(10, Local { upper: 30, lower: 24.0, ..local(&[0, 0]) }, &eps).unwrap();
+        (s.demand, s.claim, s.claim_queue) = (demand("b"), 15, 12);
+        ex.sent(1, 2000);
+        ex.answer(1, 2000, Some(&serde_json::to_vec(&s).unwrap()), &eps);
+        let sync =
+            ex.tick(2000, Local { demand: demand("a"), upper: 30, lower: 24.5, ..local(&[0, 0]) }, &eps).unwrap();
+        assert_eq!(ex.slots(), [13, 15], "half of 25 rounded up (a tie goes to the smaller id), half of 30");
         let store = MapStore::default();
         store.set(PEER_LOAD_KEY, &sync.peer_load, None);
-        let load = peer_load(&store, 2, 10, cfg().max_age_ms).unwrap();
-        assert_eq!(load.reserved, [8 - 2, 10 - 2], "24 / 30 of the claim for the queue, all of it for a bypass");
+        let load = peer_load(&store, 2, 2000, cfg().max_age_ms).unwrap();
+        assert_eq!(load.reserved, [12 - 2, 15 - 2], "each claim less what the peer holds");
     }
 
     #[test]
@@ -793,15 +823,16 @@ mod tests {
     }
 
     #[test]
-    fn the_band_reads_the_larger_of_the_global_and_the_scaled_own_stock() {
-        let part = |slots, reserved| PeerLoad { in_flight: vec![], slots, upper: 10, reserved: [reserved; 2] };
-        // 2 of 10 slots: the first two requests pass a band of 10, the third does not.
-        assert!(part(2, 0).stock(0, 0, true) < 10 && part(2, 0).stock(1, 1, true) < 10);
-        assert!(part(2, 0).stock(2, 2, true) >= 10);
-        assert_eq!(part(2, 0).stock(1, 9, true), 9, "peers over their part: the global count");
-        assert_eq!(part(2, 3).stock(0, 5, false), 8, "what the peers claimed and do not hold counts");
-        assert_eq!(part(10, 0).stock(4, 4, true), 4, "the whole bound: the stock itself");
-        assert_eq!(part(0, 0).stock(4, 6, true), 6, "no part: the global stock");
+    fn the_band_reads_the_global_stock_until_the_replica_holds_its_slots() {
+        let load = PeerLoad { in_flight: vec![], slots: [2, 3], upper: 10, reserved: [1, 4] };
+        assert_eq!(load.stock(1, 5, true), 6, "under its slots: global plus what peers claimed");
+        assert_eq!(load.stock(1, 5, false), 9);
+        assert!(load.stock(2, 5, true) > 1000, "its two slots for the queue are full");
+        assert_eq!(load.stock(2, 5, false), 9, "a bypass may still take the third");
+        assert!(load.stock(3, 5, false) > 1000);
+        let none = PeerLoad { in_flight: vec![], slots: [0, 0], upper: 0, reserved: [0, 0] };
+        assert_eq!(none.stock(7, 7, true), 7, "no part: the global stock");
+        assert_eq!(load.load(3, 3), 10, "the ladder: 3 of 3 slots reads as the whole bound");
     }
 
     #[test]

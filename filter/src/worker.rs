@@ -613,9 +613,8 @@ impl<H: Host> Worker<H> {
         let own = shared::stock(&self.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
         let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
-        let stock = peers
-            .map_or(own, |p| p.stock(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>(), true))
-            as f64;
+        let stock =
+            peers.map_or(own, |p| p.load(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,

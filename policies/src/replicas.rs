@@ -62,6 +62,9 @@ pub struct ReplicaState {
     /// that many free beyond what it holds (0 when absent).
     #[serde(default)]
     pub claim: u32,
+    /// The same for the lower bound under which queues dispatch (0 when absent).
+    #[serde(default)]
+    pub claim_queue: u32,
 }
 
 /// Bounds on what a replica accepts from its peers (hostile or broken peers cannot grow it).
@@ -135,6 +138,7 @@ impl ReplicaState {
             .then_with(|| self.queued.cmp(&other.queued))
             .then_with(|| self.demand.cmp(&other.demand))
             .then_with(|| self.claim.cmp(&other.claim))
+            .then_with(|| self.claim_queue.cmp(&other.claim_queue))
     }
 }
 
@@ -287,12 +291,13 @@ impl Peers {
             let stale = now_ms.saturating_sub(e.heard_ms) > max_age;
             let st = &mut e.state;
             let empty = st.service.is_empty() && st.in_flight.is_empty() && st.demand.is_empty();
-            if stale && !(empty && st.queued == 0 && st.claim == 0) {
+            if stale && !(empty && st.queued == 0 && st.claim == 0 && st.claim_queue == 0) {
                 st.service.clear();
                 st.in_flight.clear();
                 st.demand.clear();
                 st.queued = 0;
                 st.claim = 0;
+                st.claim_queue = 0;
                 expired += 1;
             }
         }
@@ -337,6 +342,7 @@ impl Publisher {
             queued: 0,
             demand: BTreeMap::new(),
             claim: 0,
+            claim_queue: 0,
         }
     }
 }
