@@ -87,7 +87,13 @@ async fn backend_in_flight(addr: SocketAddr) -> anyhow::Result<f64> {
     Ok(value("vllm:num_requests_running") + value("vllm:num_requests_waiting"))
 }
 
-fn internal(envoy: &Envoy) -> SocketAddr {
+/// GET of the replica state at `addr` with `headers`.
+async fn get_state(addr: SocketAddr, headers: &[(&str, &str)]) -> anyhow::Result<raw_http::RawResponse> {
+    raw_http::request(addr, "GET", "/sluice/replica-state", headers, b"", Duration::from_secs(5)).await
+}
+
+/// The address of a replica's internal listener.
+fn addr_internal(envoy: &Envoy) -> SocketAddr {
     let port =
         envoy.config_yaml.split("name: replicas").nth(1).and_then(|rest| {
             rest.split("port_value: ").nth(1).and_then(|p| p.split(|c: char| !c.is_ascii_digit()).next())
@@ -104,15 +110,7 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
     // The internal listener serves the state with the secret only; the client listener never does.
     let wait = Instant::now() + Duration::from_secs(10);
     let state: Value = loop {
-        let r = raw_http::request(
-            internal(&envoys[0]),
-            "GET",
-            "/sluice/replica-state",
-            &[SECRET],
-            b"",
-            Duration::from_secs(5),
-        )
-        .await?;
+        let r = get_state(addr_internal(&envoys[0]), &[SECRET]).await?;
         if r.status == 200 {
             break serde_json::from_str(&r.text())?;
         }
@@ -120,13 +118,10 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(state["replica"], 1, "{state}");
-    let r = raw_http::request(internal(&envoys[0]), "GET", "/sluice/replica-state", &[], b"", Duration::from_secs(5))
-        .await?;
+    let r = get_state(addr_internal(&envoys[0]), &[]).await?;
     assert_eq!(r.status, 403, "{r:?}");
     assert_json_error(&r.text());
-    let r =
-        raw_http::request(envoys[0].listener, "GET", "/sluice/replica-state", &[SECRET], b"", Duration::from_secs(5))
-            .await?;
+    let r = get_state(envoys[0].listener, &[SECRET]).await?;
     assert_eq!(r.status, 404, "the client listener must not serve the state: {r:?}");
     assert!(!r.text().contains("\"version\""), "{r:?}");
     for e in &envoys {
@@ -320,18 +315,7 @@ async fn vtc_orders_by_global_service_a_flood_through_both_replicas_yields_to_a_
     }
     let (flood_a, flood_b, modest_b) = (served[0], served[1], served[2]);
     eprintln!("served: flood through A {flood_a}, flood through B {flood_b}, modest through B {modest_b}");
-    let state: Value = {
-        let r = raw_http::request(
-            internal(&envoys[0]),
-            "GET",
-            "/sluice/replica-state",
-            &[SECRET],
-            b"",
-            Duration::from_secs(5),
-        )
-        .await?;
-        serde_json::from_str(&r.text())?
-    };
+    let state: Value = serde_json::from_str(&get_state(addr_internal(&envoys[0]), &[SECRET]).await?.text())?;
     assert!(state["service"]["flood"].as_f64().unwrap_or(0.0) > 0.0, "A publishes flood's service: {state}");
     assert!(flood_a > 0 && modest_b > 0, "{served:?}");
     // B alone would split its part evenly (12 and 13 with the offsets switched off); with A's
