@@ -117,6 +117,13 @@ impl Cell {
         let (f, none) = (self.get(p), self.get(Path::None));
         (f.p50_us() - none.p50_us(), f.p99_us() - none.p99_us())
     }
+    /// One path's row: requests, failed, req/s, p50 and p99 µs, and what the path adds to the
+    /// unfiltered one's p50 and p99 (the figures every table prints).
+    fn row(&self, p: Path) -> (usize, usize, f64, f64, f64, f64, f64) {
+        let f = self.get(p);
+        let (a50, a99) = self.added(p);
+        (f.summary.requests, f.failed, f.summary.requests_per_s, f.p50_us(), f.p99_us(), a50, a99)
+    }
     /// A filter over the floor: (added p50, req/s, added p99, p99).
     fn ratios(&self, filter: Path) -> (f64, f64, f64, f64) {
         let (s, f) = (self.get(filter), self.get(Path::Floor));
@@ -242,18 +249,11 @@ fn print_cell(c: &Cell) {
         "{:<34} {:>9} {:>7} {:>9} {:>9} {:>9} {:>11} {:>11}",
         "path", "requests", "failed", "req/s", "p50 µs", "p99 µs", "+p50 µs", "+p99 µs"
     );
-    for &(p, ref f) in &c.figures {
-        let (a50, a99) = c.added(p);
+    for &(p, _) in &c.figures {
+        let (requests, failed, rps, p50, p99, a50, a99) = c.row(p);
         println!(
-            "{:<34} {:>9} {:>7} {:>9.0} {:>9.0} {:>9.0} {:>11.0} {:>11.0}",
-            p.name(),
-            f.summary.requests,
-            f.failed,
-            f.summary.requests_per_s,
-            f.p50_us(),
-            f.p99_us(),
-            a50,
-            a99
+            "{:<34} {requests:>9} {failed:>7} {rps:>9.0} {p50:>9.0} {p99:>9.0} {a50:>11.0} {a99:>11.0}",
+            p.name()
         );
     }
     for filter in c.filters() {
@@ -280,34 +280,22 @@ fn write_tables(out: &std::path::Path, header: &str, cells: &[Cell]) -> Result<(
     );
     for c in cells {
         let none_rps = c.get(Path::None).summary.requests_per_s;
-        for &(p, ref f) in &c.figures {
-            let (a50, a99) = c.added(p);
+        for &(p, _) in &c.figures {
+            let (requests, failed, rps, p50, p99, a50, a99) = c.row(p);
+            let added = |a: f64| if p == Path::None { "-".into() } else { format!("{a:+.0}") };
+            let (conc, clients) = (c.envoy_concurrency, c.clients);
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {} | {} | {:.0} % |",
-                c.envoy_concurrency,
-                c.clients,
+                "| {conc} | {clients} | {} | {rps:.0} | {p50:.0} | {p99:.0} | {} | {} | {:.0} % |",
                 p.name(),
-                f.summary.requests_per_s,
-                f.p50_us(),
-                f.p99_us(),
-                if p == Path::None { "-".into() } else { format!("{a50:+.0}") },
-                if p == Path::None { "-".into() } else { format!("{a99:+.0}") },
-                f.summary.requests_per_s / none_rps * 100.0
+                added(a50),
+                added(a99),
+                rps / none_rps * 100.0
             );
+            let path = format!("{p:?}").to_lowercase();
             let _ = writeln!(
                 csv,
-                "{},{},{},{},{},{:.1},{:.1},{:.1},{:.1},{:.1}",
-                c.envoy_concurrency,
-                c.clients,
-                format!("{p:?}").to_lowercase(),
-                f.summary.requests,
-                f.failed,
-                f.summary.requests_per_s,
-                f.p50_us(),
-                f.p99_us(),
-                a50,
-                a99
+                "{conc},{clients},{path},{requests},{failed},{rps:.1},{p50:.1},{p99:.1},{a50:.1},{a99:.1}"
             );
         }
     }
