@@ -24,6 +24,9 @@ pub const STATE_KEY: &str = "sluice.replicas.state";
 /// Shared-data key of the live peers' in-flight counts per endpoint, with the
 /// time they were written.
 pub const PEER_LOAD_KEY: &str = "sluice.replicas.peer_load";
+/// Shared-data key of the slots the scheduler holds back for light tenants, per tenant
+/// ([`crate::scheduler::Scheduler::held_parts`]), which bypasses respect too ([`held_for`]).
+pub const HELD_KEY: &str = "sluice.replicas.held";
 /// Shared-data key of the last incarnation published by this process.
 pub const INCARNATION_KEY: &str = "sluice.replicas.incarnation";
 /// Largest peer answer parsed; a longer one counts as a failed sync.
@@ -545,6 +548,19 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
     })
 }
 
+/// [`HELD_KEY`]'s value for these held parts.
+pub fn encode_held(held: &[(String, u32)]) -> Vec<u8> {
+    serde_json::to_vec(held).unwrap_or_default()
+}
+
+/// Slots held back for light tenants other than `tenant` (0 when nothing is stored or it
+/// cannot be read): what a bypass of `tenant` must leave free.
+pub fn held_for(store: &dyn Store, tenant: &str) -> u32 {
+    let (Some(b), _) = store.get(HELD_KEY) else { return 0 };
+    let held: Vec<(String, u32)> = serde_json::from_slice(&b).unwrap_or_default();
+    held.iter().filter(|(t, _)| t != tenant).fold(0u32, |a, (_, n)| a.saturating_add(*n))
+}
+
 /// The internal listener's answer.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Reply {
@@ -833,6 +849,17 @@ mod tests {
         let none = PeerLoad { in_flight: vec![], slots: [0, 0], upper: 0, reserved: [0, 0] };
         assert_eq!(none.stock(7, 7, true), 7, "no part: the global stock");
         assert_eq!(load.load(3, 3), 10, "the ladder: 3 of 3 slots reads as the whole bound");
+    }
+
+    #[test]
+    fn a_bypass_leaves_the_other_light_tenants_parts_free() {
+        let store = MapStore::default();
+        assert_eq!(held_for(&store, "y"), 0, "nothing stored");
+        store.set(HELD_KEY, &encode_held(&[("modest".into(), 1), ("x".into(), 2)]), None);
+        assert_eq!(held_for(&store, "y"), 3);
+        assert_eq!(held_for(&store, "modest"), 2, "a tenant's own part is not held from it");
+        store.set(HELD_KEY, b"garbage", None);
+        assert_eq!(held_for(&store, "y"), 0);
     }
 
     #[test]

@@ -563,25 +563,34 @@ impl Scheduler {
     /// only within a sync interval: a tenant that stopped keeps its part until its demand, and
     /// so its part, goes (a few intervals). O(parts + running × such tenants).
     fn light_tenants(&self) -> Vec<(FlowId, u32)> {
-        if self.tenant_parts.is_empty() {
-            return Vec::new();
-        }
+        self.light_parts().map(|(flow, _, held)| (flow, held)).collect()
+    }
+
+    /// [`Scheduler::light_tenants`] by name, for the workers' bypass
+    /// (`replicas::HELD_KEY`): a tenant with nothing held is left out.
+    pub fn held_parts(&self) -> Vec<(String, u32)> {
+        self.light_parts().filter(|l| l.2 > 0).map(|(_, name, held)| (name.to_owned(), held)).collect()
+    }
+
+    fn light_parts(&self) -> impl Iterator<Item = (FlowId, &str, u32)> + '_ {
         let q = &self.queue;
-        let mut light: Vec<(FlowId, u32)> = self
+        let mut light: Vec<(FlowId, &str, u32)> = self
             .tenant_parts
             .iter()
             .filter_map(|(name, &part)| {
                 let flow = q.tenants().get(name)?;
                 let queued = Criticality::ALL.into_iter().any(|b| q.band(b).flow_requests(flow).next().is_some());
-                (!queued).then_some((flow, part))
+                (!queued).then_some((flow, name.as_str(), part))
             })
             .collect();
-        for r in self.running.values() {
-            if let Some(l) = light.iter_mut().find(|l| l.0 == r.flow) {
-                l.1 = l.1.saturating_sub(1);
+        if !light.is_empty() {
+            for r in self.running.values() {
+                if let Some(l) = light.iter_mut().find(|l| l.0 == r.flow) {
+                    l.2 = l.2.saturating_sub(1);
+                }
             }
         }
-        light
+        light.into_iter()
     }
 
     /// Rejects every request that waited longer than the TTL.

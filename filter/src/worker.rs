@@ -283,6 +283,8 @@ struct SchedulerRole {
     saved_ms: u64,
     /// The exchange with the other gateway replicas (`replicas`).
     exchange: Option<Exchange>,
+    /// The held parts last written to shared data (`replicas::HELD_KEY`).
+    published_held: Vec<(String, u32)>,
 }
 
 /// One VM's worker: the streams it holds, its half of the scheduler lease,
@@ -458,7 +460,8 @@ impl<H: Host> Worker<H> {
         let req_id = self.request_id(ctx);
         let band = band_code(band);
         if may_bypass {
-            match self.take_slot(self.worker, req_id, &route, None) {
+            let held = if self.cfg.replicas.is_some() { replicas::held_for(&self.host, &tenant) } else { 0 };
+            match self.take_slot(self.worker, req_id, &route, false, held) {
                 Slot::Granted(permit) => {
                     let endpoint = permit.endpoint();
                     self.host.add(Metric::Bypassed, 1);
@@ -629,12 +632,11 @@ impl<H: Host> Worker<H> {
     /// before it (the predicted load, and a pool that fills up between two
     /// scrapes).
     ///
-    /// `queue`: for a dispatch from the queue, the slots the scheduler holds back for this
-    /// replica's other tenants (`replicas`; see [`Scheduler::set_tenant_parts`]); `None` for a
-    /// bypass.
-    fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, queue: Option<u32>) -> Slot<Permit> {
-        let from_queue = queue.is_some();
-        let held = u64::from(queue.unwrap_or(0));
+    /// `from_queue`: a dispatch from the queue, else a bypass. `held`: the slots held back for
+    /// this replica's light tenants other than the request's (`replicas`; see
+    /// [`Scheduler::set_tenant_parts`]).
+    fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, from_queue: bool, held: u32) -> Slot<Permit> {
+        let held = u64::from(held);
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
         let now = self.now;
@@ -808,7 +810,13 @@ impl<H: Host> Worker<H> {
                 return;
             }
             log::info!("worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
-            self.role = Some(SchedulerRole { scheduler, published_len: None, saved_ms: now, exchange: None });
+            self.role = Some(SchedulerRole {
+                scheduler,
+                published_len: None,
+                saved_ms: now,
+                exchange: None,
+                published_held: Vec::new(),
+            });
         } else if !holder && self.role.is_some() {
             log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
             self.role = None;
@@ -895,10 +903,18 @@ impl<H: Host> Worker<H> {
             self.now,
             // The Dispatch message carries the permit to the stream's worker.
             &mut |req, route, held| {
-                self.take_slot(crate::scheduler::worker_of(req), req, route, Some(held)).map(Permit::into_message)
+                self.take_slot(crate::scheduler::worker_of(req), req, route, true, held).map(Permit::into_message)
             },
             &mut out,
         );
+        if self.cfg.replicas.is_some() {
+            // The workers' bypasses leave the light tenants' parts free too.
+            let held = role.scheduler.held_parts();
+            if held != role.published_held {
+                self.host.set(replicas::HELD_KEY, &replicas::encode_held(&held), None);
+                role.published_held = held;
+            }
+        }
         let len = role.scheduler.len();
         if role.published_len != Some(len) {
             role.published_len = Some(len);
