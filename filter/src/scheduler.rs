@@ -508,7 +508,7 @@ impl Scheduler {
         let mut drops = 0;
         let drop_z = self.slo.as_ref().and_then(|s| s.drop_z);
         let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair) && drop_z.is_none();
-        let light = self.light_tenants();
+        let light: Vec<(FlowId, u32)> = self.light_parts().into_iter().map(|(flow, _, held)| (flow, held)).collect();
         while let Some((next, flow)) = self.queue.peek().map(|(_, r)| (r.id, r.flow)) {
             if demotes && drops < MAX_DROPS_PER_PUMP && self.unattainable_now(next, now_ms, 0.0) {
                 drops += 1;
@@ -562,17 +562,7 @@ impl Scheduler {
     /// for a slot to free on this replica alone (the others' slots are theirs). Work conserving
     /// only within a sync interval: a tenant that stopped keeps its part until its demand, and
     /// so its part, goes (a few intervals). O(parts + running × such tenants).
-    fn light_tenants(&self) -> Vec<(FlowId, u32)> {
-        self.light_parts().map(|(flow, _, held)| (flow, held)).collect()
-    }
-
-    /// [`Scheduler::light_tenants`] by name, for the workers' bypass
-    /// (`replicas::HELD_KEY`): a tenant with nothing held is left out.
-    pub fn held_parts(&self) -> Vec<(String, u32)> {
-        self.light_parts().filter(|l| l.2 > 0).map(|(_, name, held)| (name.to_owned(), held)).collect()
-    }
-
-    fn light_parts(&self) -> impl Iterator<Item = (FlowId, &str, u32)> + '_ {
+    fn light_parts(&self) -> Vec<(FlowId, &str, u32)> {
         let q = &self.queue;
         let mut light: Vec<(FlowId, &str, u32)> = self
             .tenant_parts
@@ -590,7 +580,13 @@ impl Scheduler {
                 }
             }
         }
-        light.into_iter()
+        light
+    }
+
+    /// [`Scheduler::light_parts`] by name, for the workers' bypass
+    /// (`replicas::HELD_KEY`): a tenant with nothing held is left out.
+    pub fn held_parts(&self) -> Vec<(String, u32)> {
+        self.light_parts().into_iter().filter(|l| l.2 > 0).map(|(_, name, held)| (name.to_owned(), held)).collect()
     }
 
     /// Rejects every request that waited longer than the TTL.
