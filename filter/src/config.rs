@@ -4,7 +4,8 @@ use crate::openai::PrefixHashing;
 use crate::replicas::{RawReplicas, ReplicasConfig};
 use crate::slo::{SloConfig, SloOrder};
 use serde::Deserialize;
-use sluice_policies::admission::StockBounds;
+use sluice_policies::admission::{Bounds, StockBounds};
+use sluice_policies::capacity::Headroom;
 use sluice_policies::bands::{BandLimits, Criticality, MinShares};
 use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
@@ -302,8 +303,11 @@ struct RawConfig {
     flow_capacity: usize,
     #[serde(default = "default_queue_ttl_ms")]
     queue_ttl_ms: u64,
-    #[serde(default = "default_watermark")]
-    watermark_per_backend: f64,
+    #[serde(default)]
+    watermark_per_backend: Option<f64>,
+    /// `null` turns learning off.
+    #[serde(default = "default_learned_limit")]
+    learned_limit: Option<Headroom>,
     #[serde(default = "default_deviation")]
     percentage_deviation_for_bounds: f64,
     #[serde(default)]
@@ -364,8 +368,8 @@ fn default_flow_capacity() -> usize {
 fn default_queue_ttl_ms() -> u64 {
     QueueLimits::default().ttl_ms
 }
-fn default_watermark() -> f64 {
-    2.0
+fn default_learned_limit() -> Option<Headroom> {
+    Some(Headroom::default())
 }
 fn default_deviation() -> f64 {
     0.1
@@ -432,8 +436,13 @@ pub struct Config {
     /// queued or running requests are never forgotten, so the count may
     /// exceed the cap while more than that many are busy.
     pub max_tenants: usize,
-    /// Stock hysteresis band per backend.
-    pub bounds: StockBounds,
+    /// The stock bounds: an operator's cap per backend, if any, and the
+    /// margin bypasses get over a learned limit.
+    pub bounds: Bounds,
+    /// How each endpoint's in-flight limit is learned from its engine
+    /// ([`sluice_policies::capacity`]); `None`: not learned, the cap (or,
+    /// without one, only the scraped saturation) bounds the stock.
+    pub learned_limit: Option<Headroom>,
     /// Value of `retry-after` on rejects.
     pub retry_after_s: u32,
     /// Timer period for expiry and the scheduler lease.
@@ -622,16 +631,24 @@ impl Config {
                 tenant_headers.push(h);
             }
         }
-        let bounds = match (raw.lower_bound_per_backend, raw.upper_bound_per_backend) {
-            (None, None) => StockBounds::from_watermark(raw.watermark_per_backend, raw.percentage_deviation_for_bounds),
-            (Some(l), Some(u)) => StockBounds::explicit(l, u),
+        let deviation = raw.percentage_deviation_for_bounds;
+        // Explicit bounds win over a watermark, as they always did.
+        let cap = match (raw.lower_bound_per_backend, raw.upper_bound_per_backend, raw.watermark_per_backend) {
+            (None, None, None) => None,
+            (None, None, Some(w)) => Some(StockBounds::from_watermark(w, deviation)),
+            (Some(l), Some(u), _) => Some(StockBounds::explicit(l, u)),
             _ => {
                 return Err(
                     "fields `lower_bound_per_backend` and `upper_bound_per_backend` must be given together".into()
                 )
             }
         }
+        .transpose()
         .map_err(|e| format!("field {e}"))?;
+        let bounds = Bounds::new(cap, deviation).map_err(|e| format!("field {e}"))?;
+        if let Some(h) = &raw.learned_limit {
+            h.validate("learned_limit")?;
+        }
         let replicas = match raw.replicas {
             Some(r) => Some(r.build(raw.max_tenants, |var| std::env::var(var).ok())?),
             None => None,
@@ -660,6 +677,7 @@ impl Config {
             max_tenant_bytes: raw.max_tenant_bytes,
             max_tenants: raw.max_tenants,
             bounds,
+            learned_limit: raw.learned_limit,
             retry_after_s: raw.retry_after_s,
             tick_ms: raw.tick_ms,
         })
@@ -690,8 +708,14 @@ mod tests {
         assert!(c.band_min_share.is_strict(), "strict priority between bands");
         assert_eq!(c.engine_priority, None, "the body goes as the client sent it");
         assert!(c.criticality_header.is_none() && c.overload.is_none() && c.replicas.is_none());
-        assert!((c.bounds.upper_per_backend - 2.2).abs() < 1e-9);
-        assert!((c.bounds.lower_per_backend - 1.8).abs() < 1e-9);
+        assert_eq!(c.bounds.cap, None, "no fixed cap: the engine's limit is learned");
+        assert_eq!(c.learned_limit, Some(Headroom::default()));
+        let capped = Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"watermark_per_backend":2}"#).unwrap();
+        let cap = capped.bounds.cap.unwrap();
+        assert!((cap.upper_per_backend - 2.2).abs() < 1e-9);
+        assert!((cap.lower_per_backend - 1.8).abs() < 1e-9);
+        let off = Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"learned_limit":null}"#).unwrap();
+        assert_eq!(off.learned_limit, None);
     }
 
     #[test]
@@ -890,12 +914,12 @@ mod tests {
     }
 
     #[test]
-    fn explicit_bounds_override_the_watermark() {
+    fn explicit_bounds_are_a_cap() {
         let c = Config::from_json(
             br#"{"endpoints":["127.0.0.1:1"],"lower_bound_per_backend":1,"upper_bound_per_backend":4,"tenant_header":"X-Tenant"}"#,
         )
         .unwrap();
-        assert_eq!(c.bounds, StockBounds::explicit(1.0, 4.0).unwrap());
+        assert_eq!(c.bounds.cap, Some(StockBounds::explicit(1.0, 4.0).unwrap()));
         assert_eq!(c.tenant_header, "x-tenant");
     }
 }

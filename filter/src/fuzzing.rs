@@ -309,6 +309,7 @@ fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
         metrics: Some(m),
         age_ms: 10,
         healthy: true,
+        full: false,
     };
     let mut scratch = Scratch::default();
     for pool in

@@ -5,6 +5,8 @@
 //! no atomic create-if-absent and no delete, so every value here is a fixed
 //! binary layout that an absent key reads as zero.
 
+use sluice_policies::admission::{Band, PoolBand};
+use sluice_policies::capacity::Progress;
 use sluice_policies::routing::{EndpointMetrics, EndpointView};
 
 /// The part of the shared-data API the filter needs; the proxy-wasm host in
@@ -283,23 +285,18 @@ pub fn acquire(
     })
 }
 
-/// The endpoints that can take work and the stock they hold, for the
-/// admission band: `(ready endpoints, stock on them)`. Stock held by an
-/// unhealthy endpoint (a hung or dead server) does not count against the
-/// healthy ones; when none is healthy, every endpoint counts (fail open).
-pub fn ready_stock(load: &[u32], healthy: impl Fn(usize) -> bool) -> (usize, u64) {
-    let (mut ready, mut stock) = (0, 0);
-    for (i, &n) in load.iter().enumerate() {
-        if healthy(i) {
-            ready += 1;
-            stock += n as u64;
-        }
-    }
-    if ready == 0 {
-        (load.len(), load.iter().map(|&n| n as u64).sum())
-    } else {
-        (ready, stock)
-    }
+/// The admission band of the endpoints that can take work, and the stock it
+/// compares: `(their band, stock on them)`. Stock held by an unhealthy
+/// endpoint (a hung or dead server) does not count against the healthy ones;
+/// when none is healthy, every endpoint counts (fail open). An endpoint's
+/// stock counts up to its upper bound only: one over its limit (the limit
+/// fell while it ran) must not keep the others from filling theirs.
+pub fn ready_stock(load: &[u32], healthy: impl Fn(usize) -> bool, bands: &[Band]) -> (PoolBand, u64) {
+    let any = (0..load.len()).any(&healthy);
+    let ready = |i: usize| !any || healthy(i);
+    let pool = PoolBand::of((0..load.len()).filter(|&i| ready(i)).map(|i| bands[i]));
+    let stock = (0..load.len()).filter(|&i| ready(i)).map(|i| (f64::from(load[i]).min(bands[i].upper.ceil())) as u64).sum();
+    (pool, stock)
 }
 
 /// What the gateway knows of one endpoint's health and load.
@@ -332,6 +329,7 @@ impl EndpointRecord {
             metrics: self.metrics.as_ref(),
             age_ms: now_ms.saturating_sub(self.scraped_ms),
             healthy: self.healthy(now_ms),
+            full: false,
         }
     }
 }
@@ -430,9 +428,56 @@ fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u6
     .unwrap_or(0)
 }
 
-/// Records that `worker` is alive at `now_ms` (on every tick).
-pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64) {
-    write_u64(store, &format!("{ALIVE_PREFIX}{worker}"), now_ms);
+/// Records that `worker` is alive at `now_ms` (on every tick), with what it
+/// sees of its requests on each endpoint: the lease holder learns the
+/// engines' limits from them ([`sluice_policies::capacity`]).
+pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64, progress: &[Progress]) {
+    let mut b = Vec::with_capacity(8 + 8 * progress.len());
+    b.extend_from_slice(&now_ms.to_le_bytes());
+    for p in progress {
+        b.extend_from_slice(&p.in_flight.to_le_bytes());
+        b.extend_from_slice(&p.unstarted.to_le_bytes());
+    }
+    store.set(&format!("{ALIVE_PREFIX}{worker}"), &b, None);
+}
+
+/// What the workers holding slots reported of their requests in their last
+/// heartbeats, summed per endpoint. Workers silent for longer than
+/// `fresh_ms` are left out (they died, or stall; their slots are reclaimed
+/// later), and so is a heartbeat written for another number of endpoints.
+pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64) -> Vec<Progress> {
+    let mut sum = vec![Progress::default(); endpoints];
+    let rows = store.get(LOAD_KEY).0;
+    for w in whole_rows(rows.as_deref(), endpoints).chunks_exact(4 * (endpoints + 1)).map(u32_at) {
+        let Some(b) = store.get(&format!("{ALIVE_PREFIX}{w}")).0 else { continue };
+        if b.len() != 8 + 8 * endpoints || now_ms.saturating_sub(read_u64(Some(&b))) > fresh_ms {
+            continue;
+        }
+        for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(8)) {
+            *s = s.add(Progress { in_flight: u32_at(c), unstarted: u32_at(&c[4..]) });
+        }
+    }
+    sum
+}
+
+/// Where the lease holder keeps each endpoint's learned batch
+/// ([`sluice_policies::capacity::Capacity`]), read by every worker each tick
+/// and by a new lease holder.
+pub const CAPACITY_KEY: &str = "sluice.capacity";
+
+/// Each endpoint's learned batch, as last written; `None` before any, or
+/// when written for another number of endpoints.
+pub fn read_batches(store: &dyn Store, endpoints: usize) -> Option<Vec<f64>> {
+    let b = store.get(CAPACITY_KEY).0?;
+    (b.len() == 8 * endpoints).then(|| {
+        b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+    })
+}
+
+/// Writes each endpoint's learned batch.
+pub fn write_batches(store: &dyn Store, batches: &[f64]) {
+    let b: Vec<u8> = batches.iter().flat_map(|v| v.to_le_bytes()).collect();
+    store.set(CAPACITY_KEY, &b, None);
 }
 
 /// Drops the slots of every worker whose last heartbeat is older than
@@ -569,9 +614,12 @@ pub(crate) mod tests {
 
     #[test]
     fn stock_on_sick_endpoints_does_not_count() {
-        assert_eq!(ready_stock(&[2, 1, 0], |_| true), (3, 3));
-        assert_eq!(ready_stock(&[2, 1, 0], |i| i != 0), (2, 1), "endpoint 0 is hung with two requests");
-        assert_eq!(ready_stock(&[2, 1, 0], |_| false), (3, 3), "none healthy: all count");
+        let b = [Band { lower: 2.0, upper: 3.0 }; 3];
+        let (all, two) = (PoolBand { lower: 6.0, upper: 9.0 }, PoolBand { lower: 4.0, upper: 6.0 });
+        assert_eq!(ready_stock(&[2, 1, 0], |_| true, &b), (all, 3));
+        assert_eq!(ready_stock(&[2, 1, 0], |i| i != 0, &b), (two, 1), "endpoint 0 is hung with two requests");
+        assert_eq!(ready_stock(&[2, 1, 0], |_| false, &b), (all, 3), "none healthy: all count");
+        assert_eq!(ready_stock(&[9, 0, 0], |_| true, &b), (all, 3), "over its limit, it counts up to it");
     }
 
     #[test]
@@ -598,12 +646,12 @@ pub(crate) mod tests {
     #[test]
     fn slots_of_a_dead_worker_are_reclaimed_once() {
         let s = MapStore::default();
-        heartbeat(&s, 1, 0);
-        heartbeat(&s, 2, 0);
+        heartbeat(&s, 1, 0, &[]);
+        heartbeat(&s, 2, 0, &[]);
         let permits: Vec<Permit> =
             [1, 1, 2].map(|owner| acquire(&s, 2, owner, |_| true, least_loaded).unwrap().0).into();
         assert_eq!(stock(&s, 2), 3);
-        heartbeat(&s, 2, 900);
+        heartbeat(&s, 2, 900, &[]);
         assert_eq!(reclaim_dead(&s, 2, 1000, 500), vec![(1, 2)], "worker 1 stopped ticking");
         assert_eq!(load(&s, 2), vec![1, 0], "worker 2's slot on endpoint 0 stays");
         let mut permits = permits.into_iter();

@@ -19,7 +19,9 @@ use crate::shared::{self, Lease, Permit, Store};
 use crate::slo::SloHeaders;
 use crate::wire::{decode_entry, encode_batch, Deadline, RouteInfo, ToScheduler, ToWorker};
 use hashbrown::HashMap;
+use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::bands::Criticality;
+use sluice_policies::capacity::{Capacity, Progress};
 use sluice_policies::overload::{LadderDecision, LoadSignals, OverloadLadder, SizeClass, TailWindow};
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView, RouteContext, Scratch};
 use std::rc::Rc;
@@ -140,6 +142,8 @@ pub enum Metric {
     ReplicaSyncFailed,
     /// Peers counting now.
     ReplicaPeersLive,
+    /// The in-flight limits learned for the endpoints, added up (`learned_limit`).
+    InFlightLimit,
 }
 
 impl Metric {
@@ -150,7 +154,7 @@ impl Metric {
             .into_iter()
             .chain(Outcome::ALL.into_iter().map(Rejected))
             .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
-            .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive])
+            .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive, InFlightLimit])
     }
 
     /// Its position in [`Metric::all`].
@@ -174,6 +178,7 @@ impl Metric {
             Metric::ReplicaSyncOk => 13 + outcomes,
             Metric::ReplicaSyncFailed => 14 + outcomes,
             Metric::ReplicaPeersLive => 15 + outcomes,
+            Metric::InFlightLimit => 16 + outcomes,
         }
     }
 
@@ -197,13 +202,16 @@ impl Metric {
             Metric::ReplicaSyncOk => "sluice_replica_sync_ok",
             Metric::ReplicaSyncFailed => "sluice_replica_sync_failed",
             Metric::ReplicaPeersLive => "sluice_replica_peers_live",
+            Metric::InFlightLimit => "sluice_in_flight_limit",
         }
     }
 
     /// How it is kept.
     pub fn kind(self) -> MetricKind {
         match self {
-            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive => MetricKind::Gauge,
+            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => {
+                MetricKind::Gauge
+            }
             Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
             _ => MetricKind::Counter,
         }
@@ -249,12 +257,15 @@ enum Stream {
     /// `sent_to`, and is sent again when the scheduler changes, or on the next
     /// tick while it could not be delivered (`None`: no scheduler yet).
     /// `held_ms`: how long the overload ladder held it before that.
-    Queued { enqueue: ToScheduler, arrival_ms: u64, sent_to: Option<u32>, held_ms: u64 },
+    /// `streamed`: the client asked for an SSE stream.
+    Queued { enqueue: ToScheduler, arrival_ms: u64, sent_to: Option<u32>, held_ms: u64, streamed: bool },
     /// Sent to a backend at `sent_ms`; holds one unit of stock. `first_seen`:
     /// its first output was reported (the estimator's prefill sample).
     /// `ttft_from_ms`: where its TTFT is counted from for the ladder's tail
     /// signal (arrival plus time held), until its first response bytes;
-    /// `objective_ms`: its TTFT objective.
+    /// `objective_ms`: its TTFT objective. `unstarted`: streamed, and its
+    /// first response bytes have not come back (the engine has not run its
+    /// prefill yet; see [`sluice_policies::capacity`]).
     Dispatched {
         tenant: String,
         band: u8,
@@ -263,6 +274,7 @@ enum Stream {
         first_seen: bool,
         ttft_from_ms: Option<u64>,
         objective_ms: Option<u32>,
+        unstarted: bool,
     },
 }
 
@@ -273,11 +285,14 @@ struct Held {
     enqueue: ToScheduler,
     arrival_ms: u64,
     class: SizeClass,
+    streamed: bool,
 }
 
 /// This VM's half of the scheduler lease.
 struct SchedulerRole {
     scheduler: Scheduler,
+    /// Each endpoint's learned batch (with `learned_limit`).
+    capacity: Vec<Capacity>,
     published_len: Option<usize>,
     /// When the counters were last saved to shared data.
     saved_ms: u64,
@@ -327,6 +342,12 @@ pub struct Worker<H: Host> {
     tail: TailWindow,
     /// Their p95 as of the last tick: the ladder's tail signal.
     tail_ratio: f64,
+    /// This VM's requests in flight per endpoint, and those not started
+    /// yet: published with its heartbeat for the lease holder's learning.
+    progress: Vec<Progress>,
+    /// Each endpoint's learned in-flight limit as of the last tick (`None`:
+    /// learning is off).
+    limits: Vec<Option<f64>>,
 }
 
 /// What admission decided for a request whose body was read.
@@ -481,6 +502,7 @@ impl<H: Host> Worker<H> {
                     self.write_engine_priority(ctx, band);
                     let (sent_ms, ttft_from_ms) = (self.now, Some(self.now));
                     let objective_ms = deadline.map(|d| d.ttft_ms);
+                    let unstarted = self.track_sent(endpoint, req.stream);
                     let stream = Stream::Dispatched {
                         tenant,
                         band,
@@ -489,6 +511,7 @@ impl<H: Host> Worker<H> {
                         first_seen: false,
                         ttft_from_ms,
                         objective_ms,
+                        unstarted,
                     };
                     self.streams.insert(ctx, stream);
                     return Admission::Bypass(endpoint);
@@ -510,20 +533,30 @@ impl<H: Host> Worker<H> {
         };
         if let Some(class) = deferred {
             self.host.add(Metric::Deferred, 1);
-            self.held.insert(ctx, Held { enqueue, arrival_ms, class });
+            self.held.insert(ctx, Held { enqueue, arrival_ms, class, streamed: req.stream });
             return Admission::Held;
         }
-        self.enqueue(ctx, enqueue, arrival_ms, 0);
+        self.enqueue(ctx, enqueue, arrival_ms, 0, req.stream);
         Admission::Queued
     }
 
     /// Sends a paused request to the scheduler and keeps it as queued.
-    fn enqueue(&mut self, ctx: u32, enqueue: ToScheduler, arrival_ms: u64, held_ms: u64) {
+    fn enqueue(&mut self, ctx: u32, enqueue: ToScheduler, arrival_ms: u64, held_ms: u64, streamed: bool) {
         // Undelivered (no VM holds the scheduler role yet, or the lease is
         // changing hands): it stays paused and goes on the next tick.
         let sent_to = self.send_to_scheduler(&enqueue).then_some(self.epoch);
         self.host.add(Metric::Queued, 1);
-        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms });
+        self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms, streamed });
+    }
+
+    /// Counts a request sent to `endpoint`; returns whether it is an
+    /// unstarted stream (streamed: its first bytes will say when it started).
+    fn track_sent(&mut self, endpoint: u32, streamed: bool) -> bool {
+        if let Some(p) = self.progress.get_mut(endpoint as usize) {
+            p.in_flight += 1;
+            p.unstarted += u32::from(streamed);
+        }
+        streamed
     }
 
     /// The request's first-token deadline: its objective (the `"slo"`
@@ -560,7 +593,15 @@ impl<H: Host> Worker<H> {
     /// window as a fraction of its objective. Requests without an objective
     /// are not sampled.
     pub fn first_response_bytes(&mut self, ctx: u32) {
-        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, .. }) = self.streams.get_mut(&ctx) else { return };
+        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, .. }) = self.streams.get_mut(&ctx)
+        else {
+            return;
+        };
+        if std::mem::take(unstarted) {
+            if let Some(p) = self.progress.get_mut(permit.endpoint() as usize) {
+                p.unstarted = p.unstarted.saturating_sub(1);
+            }
+        }
         let (Some(from), objective) = (ttft_from_ms.take(), *objective_ms) else { return };
         if let Some(objective) = objective {
             let ttft = self.now.saturating_sub(from);
@@ -594,8 +635,8 @@ impl<H: Host> Worker<H> {
             match ladder.decide(severity, class) {
                 LadderDecision::Admit if released < MAX_RELEASED_PER_TICK => {
                     released += 1;
-                    if let Some(Held { enqueue, arrival_ms, .. }) = self.unhold(ctx) {
-                        self.enqueue(ctx, enqueue, arrival_ms, self.now.saturating_sub(arrival_ms));
+                    if let Some(Held { enqueue, arrival_ms, streamed, .. }) = self.unhold(ctx) {
+                        self.enqueue(ctx, enqueue, arrival_ms, self.now.saturating_sub(arrival_ms), streamed);
                     }
                 }
                 LadderDecision::Reject if self.replies_left > 0 => {
@@ -612,7 +653,7 @@ impl<H: Host> Worker<H> {
     /// queue over its capacity, and the p95 of recent TTFT over objective.
     fn load_signals(&self, queued: u64) -> LoadSignals {
         let n = self.endpoints();
-        let upper = self.cfg.bounds.upper_per_backend * n as f64;
+        let upper = self.pool_band().upper;
         let own = shared::stock(&self.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
         let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
@@ -622,6 +663,51 @@ impl<H: Host> Worker<H> {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
             tail_ratio: self.tail_ratio,
+        }
+    }
+
+    /// The band of the whole pool: every endpoint's, added up.
+    fn pool_band(&self) -> PoolBand {
+        PoolBand::of(self.limits.iter().map(|&l| self.cfg.bounds.band(l)))
+    }
+
+    /// Each endpoint's in-flight limit. The lease holder learns it from
+    /// every worker's heartbeat (what each sees of its requests there: see
+    /// [`sluice_policies::capacity`]) and saves it; the other workers read
+    /// it once a tick.
+    fn learn_limits(&mut self) {
+        let Some(h) = self.cfg.learned_limit else { return };
+        let (n, now) = (self.endpoints(), self.now);
+        match self.role.as_mut() {
+            Some(role) => {
+                let mut progress = shared::progress(&self.host, n, now, self.lease_ms);
+                // With replicas, the engines also run the peers' requests: what this
+                // replica sees of its own is taken as a sample of the whole.
+                let max_age_ms = self.cfg.replicas.as_ref().map(|r| r.max_age_ms);
+                if let Some(peers) = max_age_ms.and_then(|age| replicas::peer_load(&self.host, n, now, age)) {
+                    for (p, &theirs) in progress.iter_mut().zip(&peers.in_flight) {
+                        let all = p.in_flight.saturating_add(theirs);
+                        let unstarted = u64::from(p.unstarted) * u64::from(all) / u64::from(p.in_flight.max(1));
+                        *p = Progress { in_flight: all, unstarted: unstarted.min(u64::from(all)) as u32 };
+                    }
+                }
+                let before: Vec<f64> = role.capacity.iter().map(Capacity::batch).collect();
+                for (c, p) in role.capacity.iter_mut().zip(progress) {
+                    c.observe(p, &h);
+                }
+                let batches: Vec<f64> = role.capacity.iter().map(Capacity::batch).collect();
+                if batches != before {
+                    shared::write_batches(&self.host, &batches);
+                }
+                self.limits = role.capacity.iter().map(|c| Some(c.limit(&h))).collect();
+                let total: f64 = self.limits.iter().flatten().sum();
+                self.host.record(Metric::InFlightLimit, total.round() as u64);
+            }
+            None => {
+                if let Some(b) = shared::read_batches(&self.host, n) {
+                    self.limits = b.into_iter().map(|b| Some(Capacity::from_batch(b).limit(&h))).collect();
+                }
+            }
         }
     }
 
@@ -644,15 +730,19 @@ impl<H: Host> Worker<H> {
         let scraping = routing.scrape_cluster.is_some();
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&self.host, n);
+        // Each endpoint's band: the learned limit under the operator's cap.
+        let bands: Vec<Band> = self.limits.iter().map(|&l| cfg.bounds.band(l)).collect();
         let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
             (0..n)
-                .map(|i| match &records[i] {
-                    r if scraping => r.view(load[i], now),
-                    r => EndpointView { in_flight: load[i], healthy: r.healthy(now), ..Default::default() },
+                .map(|i| {
+                    let full = !bands[i].has_room(load[i], from_queue);
+                    match &records[i] {
+                        r if scraping => EndpointView { full, ..r.view(load[i], now) },
+                        r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
+                    }
                 })
                 .collect()
         };
-        let bounds = cfg.bounds;
         // With replicas, the band and the router count the live peers' requests too.
         let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
         let global = |load: &[u32]| peers.as_ref().map_or_else(|| load.to_vec(), |p| p.global(load));
@@ -661,12 +751,12 @@ impl<H: Host> Worker<H> {
             // The band scales with the endpoints that can take work: a hung
             // server's requests must not hold the others back.
             let healthy = |i: usize| records[i].healthy(now);
-            let (ready, stock) = shared::ready_stock(load, healthy);
+            let (pool, stock) = shared::ready_stock(load, healthy, &bands);
             // A replica keeps to its share of the bound (and all of them to the bound).
-            let stock = peers
-                .as_ref()
-                .map_or(stock, |p| p.stock(shared::ready_stock(own, healthy).1 + held, stock + held, from_queue));
-            let band = if from_queue { bounds.may_pop(stock, ready) } else { bounds.may_bypass(stock, 0, ready) };
+            let stock = peers.as_ref().map_or(stock, |p| {
+                p.stock(shared::ready_stock(own, healthy, &bands).1 + held, stock + held, from_queue)
+            });
+            let band = if from_queue { pool.may_pop(stock) } else { pool.may_bypass(stock, 0) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
             band && !(stock > 0 && scraping && routing.saturation.pool_saturated(&views(load)))
@@ -683,8 +773,12 @@ impl<H: Host> Worker<H> {
             let pool = views(load);
             let cx = RouteContext { request, pool: &pool, index, now_ms: now };
             let chosen = routing.router.pick(&cx, random, scratch);
-            no_endpoint = chosen.is_none() && routing.on_no_endpoint == NoEndpoint::Reject;
-            chosen.or_else(|| if no_endpoint { None } else { shared::least_loaded(load) })
+            // None healthy (not merely all full): reject, or fail open to the least loaded with room.
+            let none_healthy = chosen.is_none() && !pool.iter().any(|e| e.healthy);
+            no_endpoint = none_healthy && routing.on_no_endpoint == NoEndpoint::Reject;
+            let room: Vec<u32> = pool.iter().map(|e| if e.full { u32::MAX } else { e.in_flight }).collect();
+            let fallback = || shared::least_loaded(&room).filter(|&i| !pool[i].full);
+            chosen.or_else(|| if none_healthy && !no_endpoint { fallback() } else { None })
         };
         match shared::acquire(&self.host, n, owner, allowed, pick) {
             Some((permit, stock)) => {
@@ -724,8 +818,12 @@ impl<H: Host> Worker<H> {
             return;
         }
         match self.streams.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, .. }) => {
+            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, unstarted, .. }) => {
                 let endpoint = permit.endpoint();
+                if let Some(p) = self.progress.get_mut(endpoint as usize) {
+                    p.in_flight = p.in_flight.saturating_sub(1);
+                    p.unstarted = p.unstarted.saturating_sub(u32::from(unstarted));
+                }
                 if upstream_failed {
                     let until = self.now + self.cfg.routing.quarantine_ms;
                     log::warn!(
@@ -805,6 +903,10 @@ impl<H: Host> Worker<H> {
         if holder && self.role.is_none() {
             let mut scheduler = Scheduler::new(&self.cfg);
             scheduler.restore_from(&self.host);
+            // What the last holder learned of the engines carries over.
+            let n = self.endpoints();
+            let batches = shared::read_batches(&self.host, n).unwrap_or_else(|| vec![0.0; n]);
+            let capacity = batches.into_iter().map(Capacity::from_batch).collect();
             if self.host.register_queue(SCHEDULER_QUEUE).is_none() {
                 log::error!("cannot register the scheduler queue");
                 return;
@@ -812,6 +914,7 @@ impl<H: Host> Worker<H> {
             log::info!("worker {} is now the scheduler (epoch {})", self.worker, lease.epoch);
             self.role = Some(SchedulerRole {
                 scheduler,
+                capacity,
                 published_len: None,
                 saved_ms: now,
                 exchange: None,
@@ -989,13 +1092,23 @@ impl<H: Host> Worker<H> {
                 enqueue: ToScheduler::Enqueue { tenant, band, deadline, .. },
                 arrival_ms,
                 held_ms,
+                streamed,
                 ..
             }) = self.streams.remove(&ctx)
             {
                 let (sent_ms, ttft_from_ms) = (self.now, Some(arrival_ms.saturating_add(held_ms)));
                 let objective_ms = deadline.map(|d| d.ttft_ms);
-                let stream =
-                    Stream::Dispatched { tenant, band, permit, sent_ms, first_seen: false, ttft_from_ms, objective_ms };
+                let unstarted = self.track_sent(endpoint, streamed);
+                let stream = Stream::Dispatched {
+                    tenant,
+                    band,
+                    permit,
+                    sent_ms,
+                    first_seen: false,
+                    ttft_from_ms,
+                    objective_ms,
+                    unstarted,
+                };
                 self.streams.insert(ctx, stream);
                 self.host.add(Metric::Dispatched, 1);
                 self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival_ms));
@@ -1103,7 +1216,8 @@ impl<H: Host> Worker<H> {
         let now = self.now;
         // The lease first, before any work that could make it lapse.
         self.claim_lease(now);
-        shared::heartbeat(&self.host, self.worker, now);
+        shared::heartbeat(&self.host, self.worker, now, &self.progress);
+        self.learn_limits();
         self.resend_queued();
         self.flush_charges();
         // The tail signal, once per tick: admissions until the next one read it.
@@ -1181,8 +1295,10 @@ impl<H: Host> Worker<H> {
         let worker =
             shared::increment(&host, shared::WORKERS_KEY).ok_or("cannot take a worker number from shared data")? as u32;
         let queue = host.register_queue(&worker_queue_name(worker)).ok_or("cannot register a worker queue")?;
-        shared::heartbeat(&host, worker, now);
         let n = cfg.endpoints.len();
+        shared::heartbeat(&host, worker, now, &vec![Progress::default(); n]);
+        // Until the lease holder has learned anything: an engine seen running nothing.
+        let initial_limit = cfg.learned_limit.map(|h| Capacity::default().limit(&h));
         let lease_ms = (20 * cfg.tick_ms).max(1000);
         let tail = TailWindow::new(&cfg.overload.unwrap_or_default());
         let speculative_ttl_ms = cfg.routing.speculative_ttl_ms;
@@ -1208,6 +1324,8 @@ impl<H: Host> Worker<H> {
             held: HashMap::new(),
             tail,
             tail_ratio: 0.0,
+            progress: vec![Progress::default(); n],
+            limits: vec![initial_limit; n],
         })
     }
 
@@ -1301,13 +1419,14 @@ impl<H: Host> Worker<H> {
             }
         }
         let load = shared::load(&self.host, self.cfg.endpoints.len());
-        let upper = (self.cfg.bounds.upper_per_backend * load.len() as f64).round() as u32;
+        let band = self.pool_band();
+        let upper = band.upper.round().min(f64::from(u32::MAX)) as u32;
         let Some(SchedulerRole { scheduler, exchange: Some(ex), .. }) = self.role.as_mut() else { return };
         if !ex.due(now) {
             return;
         }
         let queued = scheduler.len() as u32;
-        let lower = self.cfg.bounds.lower_per_backend * load.len() as f64;
+        let lower = band.lower;
         let local = Local { service: scheduler.service(), demand: scheduler.demand(), load, queued, upper, lower };
         let Some(sync) = ex.tick(now, local, &self.cfg.endpoints) else { return };
         // VTC orders by global counters: own + the live peers' service (expired peers dropped).
@@ -1460,6 +1579,8 @@ mod tests {
         fn record(&self, metric: Metric, value: u64) {
             if metric.kind() == MetricKind::Histogram {
                 self.0.recorded.borrow_mut().entry(metric.name()).or_default().push(value);
+            } else {
+                self.0.metrics.borrow_mut().insert(metric.name(), value);
             }
         }
     }
@@ -1469,6 +1590,8 @@ mod tests {
             "endpoints": ["127.0.0.1:1", "127.0.0.1:2"],
             "policy": "fcfs",
             "lower_bound_per_backend": 1, "upper_bound_per_backend": 1,
+            // Fixed bounds unless a test learns them.
+            "learned_limit": null,
         });
         c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         Config::from_json(c.to_string().as_bytes()).unwrap()
@@ -1509,8 +1632,8 @@ mod tests {
 
     /// `n` slots on endpoint 0 held by a live worker 9 that this test plays.
     fn foreign_stock(p: &Rc<Process>, endpoints: usize, n: usize) -> Vec<Permit> {
-        shared::heartbeat(&p.store, 9, 0);
-        (0..n).map(|_| shared::acquire(&p.store, endpoints, 9, |_| true, |_| Some(0)).unwrap().0).collect()
+        shared::heartbeat(&p.store, 9, 0, &[]);
+        (0..n).map(|_| shared::acquire(&p.store, endpoints, 9, |_| true, shared::least_loaded).unwrap().0).collect()
     }
 
     /// Admits stream `ctx` of VM `w` (tag `vm`) in `band` with this body, which the host buffers.
@@ -1745,21 +1868,107 @@ mod tests {
     fn stock_stuck_on_a_sick_endpoint_does_not_block_the_healthy_one() {
         let p = Rc::new(Process::default());
         let mut w = vm(&p, 1, config(serde_json::json!({})), 0);
-        // A hung server holds two requests: the band of two slots is full.
-        shared::heartbeat(&p.store, 9, 0);
+        // A hung server holds two requests, over its one slot: the pool's two slots
+        // are taken, but only one of them counts there.
+        shared::heartbeat(&p.store, 9, 0, &[]);
         let _stuck: Vec<Permit> =
             (0..2).map(|_| shared::acquire(&p.store, 2, 9, |_| true, |_| Some(0)).unwrap().0).collect();
-        assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Queued);
-        w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
-        assert!(p.resumed.borrow().is_empty(), "the band is full");
-        // Its scrapes fail: it no longer counts, and the other endpoint is free.
+        assert_eq!(endpoint_of(admit(&mut w, 0, 1, "a")), 1, "the healthy one takes it");
+        assert_eq!(admit(&mut w, 0, 2, "a"), Admission::Queued, "now both are full");
+        // Its scrapes fail: it no longer counts at all, and its slot is not given to anyone.
         shared::update_record(&p.store, 2, 0, |r| r.failures = 1);
         w.on_tick(100);
         w.on_queue_ready(100, queue_id(&p, "sluice.worker.1"));
-        assert_eq!(*p.resumed.borrow(), vec![(1, 1, "127.0.0.1:2".to_string())], "the oldest goes to the healthy one");
+        assert!(p.resumed.borrow().is_empty(), "{:?}", p.resumed.borrow());
     }
 
     const STANDARD: Criticality = Criticality::Standard;
+
+    /// Admits a streamed request of tenant `a`.
+    fn admit_streamed(w: &mut Worker<Vm>, now: u64, ctx: u32) -> Admission {
+        let body = br#"{"model":"m","prompt":"hi","stream":true}"#;
+        let req = openai::parse_request(body, openai::PrefixHashing::OFF).unwrap();
+        let who = Admit { tenant: "a".into(), band: STANDARD, route: RouteInfo::default(), slo: SloHeaders::default() };
+        w.at(now).admit(ctx, who, &req)
+    }
+
+    fn learning(extra: serde_json::Value) -> Config {
+        let mut c = serde_json::json!({
+            "lower_bound_per_backend": null, "upper_bound_per_backend": null,
+            "learned_limit": {"headroom_fraction": 0.125, "min_headroom": 4},
+        });
+        c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        config(c)
+    }
+
+    #[test]
+    fn the_in_flight_limit_grows_with_what_the_engine_starts() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+        w.on_tick(0);
+        // Nothing learned yet: a limit of four (the least headroom), and bypasses
+        // 10 % over it (`percentage_deviation_for_bounds`): five go, the sixth waits.
+        for ctx in 1..=5 {
+            assert_eq!(admit_streamed(&mut w, 1, ctx), Admission::Bypass(0), "{ctx}");
+        }
+        assert_eq!(admit_streamed(&mut w, 1, 6), Admission::Queued);
+        // The engine started them all: it takes five, so the limit is 9.
+        for ctx in 1..=5 {
+            w.at(20).first_response_bytes(ctx);
+        }
+        w.on_tick(50);
+        w.on_queue_ready(50, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(p.resumed.borrow().len(), 1, "the queued one went");
+        assert_eq!(metric(&p, "sluice_in_flight_limit"), 9);
+        // Six in flight, bypasses up to 9.9.
+        for ctx in 7..=10 {
+            assert_eq!(admit_streamed(&mut w, 51, ctx), Admission::Bypass(0), "{ctx}");
+        }
+        assert_eq!(admit_streamed(&mut w, 51, 11), Admission::Queued);
+        // Another worker reads the same limit on its tick.
+        let mut other = vm(&p, 2, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 51);
+        other.on_tick(60);
+        assert_eq!(other.limits, vec![Some(9.0)]);
+    }
+
+    #[test]
+    fn an_engine_that_stops_starting_requests_holds_the_rest_in_the_gateway() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+        w.on_tick(0);
+        let mut ctx = 0;
+        let mut now = 0;
+        // The engine runs at most 32: it starts what it is sent up to that.
+        for _ in 0..40 {
+            now += 50;
+            while matches!(admit_streamed(&mut w, now, ctx + 1), Admission::Bypass(_)) {
+                ctx += 1;
+                if ctx <= 32 {
+                    w.at(now).first_response_bytes(ctx);
+                }
+            }
+            // The last one waits in the queue; drop it from the test's view.
+            w.at(now).finish(ctx + 1, 0, false);
+            w.on_tick(now);
+        }
+        let limit = w.limits[0].unwrap();
+        // Batch 32 learned, plus a headroom of 4; bypasses go 10 % over that.
+        assert_eq!(limit, 36.0);
+        assert_eq!(ctx, 40, "in flight: the batch, its headroom and the margin");
+    }
+
+    #[test]
+    fn a_cap_stays_a_cap_over_the_learned_limit() {
+        let p = Rc::new(Process::default());
+        let cfg = learning(serde_json::json!({"endpoints": ["127.0.0.1:1"], "watermark_per_backend": 2}));
+        let mut w = vm(&p, 1, cfg, 0);
+        w.on_tick(0);
+        assert!(matches!(admit_streamed(&mut w, 1, 1), Admission::Bypass(_)));
+        assert!(matches!(admit_streamed(&mut w, 1, 2), Admission::Bypass(_)));
+        assert!(matches!(admit_streamed(&mut w, 1, 3), Admission::Bypass(_)));
+        assert_eq!(admit_streamed(&mut w, 1, 4), Admission::Queued, "the watermark caps bypasses at 2.2");
+    }
+
 
     #[test]
     fn short_and_medium_requests_pass_the_ladder_and_buckets_go_by_expected_output() {
@@ -1793,7 +2002,7 @@ mod tests {
         assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(200)), Admission::Queued, "medium is not deferred");
         assert_eq!((metric(&p, "sluice_requests_deferred"), metric(&p, "sluice_requests_queued")), (1, 1));
         for t in [50, 100, 150] {
-            shared::heartbeat(&p.store, 9, t);
+            shared::heartbeat(&p.store, 9, t, &[]);
             w.on_tick(t);
         }
         assert_eq!(metric(&p, "sluice_requests_queued"), 1, "still held: the scheduler never heard of it");
@@ -1845,7 +2054,7 @@ mod tests {
         assert_eq!(metric(&p, "sluice_requests_cancelled_in_queue"), 1);
         w.on_tick(1000);
         assert!(p.replies.borrow().is_empty(), "not yet past the TTL");
-        shared::heartbeat(&p.store, 9, 1001);
+        shared::heartbeat(&p.store, 9, 1001, &[]);
         w.on_tick(1001);
         assert_eq!(*p.replies.borrow(), vec![(1, 1, 503, "rejected-ttl-expired".to_string())]);
         assert!(w.held.is_empty() && w.streams.is_empty());
@@ -2035,20 +2244,23 @@ mod tests {
         let p = Rc::new(Process::default());
         let cfg = scraping(serde_json::json!({
             "endpoints": ["127.0.0.1:1", "127.0.0.1:2"],
-            "lower_bound_per_backend": 1, "upper_bound_per_backend": 1,
+            "lower_bound_per_backend": 2, "upper_bound_per_backend": 2,
         }));
         let mut w = vm(&p, 1, cfg, 0);
         scrape(&mut w, 50, |e| if e == 0 { vllm(0, 1, 0.1) } else { vllm(3, 8, 0.5) });
         assert_eq!(endpoint_of(admit_route(&mut w, 60, 1, &[])), 0);
         assert_eq!(endpoint_of(admit_route(&mut w, 60, 2, &[])), 0);
-        assert_eq!(admit_route(&mut w, 60, 3, &[]), Admission::Queued, "the band is full");
+        assert_eq!(endpoint_of(admit_route(&mut w, 60, 3, &[])), 1, "endpoint 0 is at its bound");
+        assert_eq!(endpoint_of(admit_route(&mut w, 60, 4, &[])), 1);
+        assert_eq!(admit_route(&mut w, 60, 5, &[]), Admission::Queued, "the band is full");
         w.on_queue_ready(60, queue_id(&p, SCHEDULER_QUEUE));
-        // When it enqueued, endpoint 0 looked best; by the time a slot frees up, endpoint 1 does.
+        // When it enqueued, endpoint 0 looked best; by the time slots free up, endpoint 1 does.
         scrape(&mut w, 100, |e| if e == 0 { vllm(4, 8, 0.7) } else { vllm(0, 0, 0.0) });
         w.at(110).finish(1, 0, false);
+        w.at(110).finish(3, 0, false);
         w.on_queue_ready(110, queue_id(&p, SCHEDULER_QUEUE));
         w.on_queue_ready(110, queue_id(&p, "sluice.worker.1"));
-        assert_eq!(*p.resumed.borrow(), vec![(1, 3, "127.0.0.1:2".to_string())]);
+        assert_eq!(*p.resumed.borrow(), vec![(1, 5, "127.0.0.1:2".to_string())]);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! oracle policies) and inside the proxy-wasm filter.
 //!
 //! A queued request meets the layers in this order:
-//! [`admission`] (may it bypass the queue, must it wait, is there room) →
+//! [`admission`] (may it bypass the queue, must it wait, is there room; each
+//! endpoint's room learned by [`capacity`]) →
 //! [`alloc`] (which tenant or flow is served next) → the FIFO order inside a flow,
 //! kept by [`queue::FairQueue`].
 
@@ -13,6 +14,7 @@ pub mod admission;
 pub mod alloc;
 pub mod bands;
 pub mod bench;
+pub mod capacity;
 pub mod order;
 pub mod overload;
 pub mod prom;

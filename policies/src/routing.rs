@@ -34,6 +34,9 @@ pub struct EndpointView<'a> {
     pub age_ms: u64,
     /// False after failed scrapes or connection resets, until a scrape succeeds.
     pub healthy: bool,
+    /// At its in-flight limit ([`crate::admission::Band`]): it takes no new
+    /// request, whatever the scores.
+    pub full: bool,
 }
 
 /// An endpoint's load as predicted at decision time.
@@ -201,15 +204,15 @@ pub struct Router {
 }
 
 impl Router {
-    /// Picks an endpoint, or `None` when none is healthy. `random` is a
-    /// uniform value in [0, 1) for the random draws.
+    /// Picks an endpoint, or `None` when none is healthy with room. `random`
+    /// is a uniform value in [0, 1) for the random draws.
     pub fn pick(&self, cx: &RouteContext<'_>, random: f64, scratch: &mut Scratch) -> Option<usize> {
         let pool = cx.pool;
         let Scratch { candidates, scores, totals } = scratch;
-        // Filters: healthy endpoints; for the scoring pickers, the
+        // Filters: healthy endpoints with room; for the scoring pickers, the
         // unsaturated ones among them when there are any.
         candidates.clear();
-        candidates.extend((0..pool.len()).filter(|&i| pool[i].healthy));
+        candidates.extend((0..pool.len()).filter(|&i| pool[i].healthy && !pool[i].full));
         if self.picker.scores() {
             if let Some(t) = self.saturation {
                 if candidates.iter().any(|&i| !t.saturated(&pool[i])) {
@@ -251,7 +254,7 @@ mod tests {
     }
 
     fn view(metrics: &EndpointMetrics, in_flight: u32) -> EndpointView<'_> {
-        EndpointView { in_flight, in_flight_at_scrape: in_flight, metrics: Some(metrics), age_ms: 10, healthy: true }
+        EndpointView { in_flight, in_flight_at_scrape: in_flight, metrics: Some(metrics), age_ms: 10, healthy: true, full: false }
     }
 
     /// Picks with a fresh scratch at time 0.

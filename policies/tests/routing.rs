@@ -47,6 +47,7 @@ fn burst(
                 metrics: Some(&metrics[i]),
                 age_ms: 10,
                 healthy: true,
+                full: false,
             })
             .collect()
     };
