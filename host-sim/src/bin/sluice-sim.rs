@@ -95,6 +95,15 @@ struct Cli {
     /// Draw a progress bar on stderr even when it is not a terminal (it is drawn on a terminal anyway).
     #[arg(long)]
     progress: bool,
+    /// Send the same workload with no gateway in front of the backends: each Envoy worker takes
+    /// them in turn (round-robin), the baseline for throughput. Runs `--floor-wasm` instead of
+    /// the filter.
+    #[arg(long)]
+    no_gateway: bool,
+    /// The round-robin filter for `--no-gateway` (`cargo build -p sluice-floor-filter --target
+    /// wasm32-wasip1 --release`).
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_floor_filter.wasm")]
+    floor_wasm: PathBuf,
 }
 
 fn main() {
@@ -180,12 +189,18 @@ fn run(cli: Cli) -> Result<()> {
     if !(cli.tick_jitter_ms >= 0.0 && cli.tick_jitter_ms.is_finite()) {
         bail!("--tick-jitter-ms must be >= 0");
     }
-    let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading the filter module {}", cli.wasm.display()))?;
+    let module = if cli.no_gateway { &cli.floor_wasm } else { &cli.wasm };
+    let wasm = std::fs::read(module).with_context(|| format!("reading the filter module {}", module.display()))?;
+    // With no gateway, the module only takes the backends in turn.
+    let round_robin = cli.no_gateway.then(|| host_sim::sim::scenario::round_robin_config(&sc));
 
     let wall = Instant::now();
     let items = sc.work_items(&base)?;
     let (cas_rate, jitter_us) = (cli.cas_conflict_rate, (cli.tick_jitter_ms * 1000.0) as u64);
     let mut sim = sc.build_with(&wasm, &items, |p, g| {
+        if let Some(c) = round_robin {
+            p.configuration = c;
+        }
         p.cas_conflict_rate = cas_rate;
         g.tick_jitter_us = jitter_us;
     })?;

@@ -203,6 +203,9 @@ pub struct BackendReport {
     pub swaps: u64,
     /// Prompt tokens found in the prefix cache / prompt tokens looked up (0 without lookups).
     pub prefix_hit_rate: f64,
+    /// Output tokens per iteration: the mean batch the engine decoded (each running
+    /// sequence makes one token an iteration), what a bound on in-flight requests limits.
+    pub mean_batch: f64,
 }
 
 /// The report of one run.
@@ -306,6 +309,11 @@ impl Report {
                         0.0
                     },
                     busy_fraction: if end > 0 { round3(m.busy_us as f64 / end as f64) } else { 0.0 },
+                    mean_batch: if m.iterations > 0 {
+                        round3(m.generation_tokens_total as f64 / m.iterations as f64)
+                    } else {
+                        0.0
+                    },
                 })
             })
             .collect();

@@ -72,6 +72,13 @@ pub struct Scenario {
     pub service_prices: Option<ServicePrices>,
 }
 
+/// The plugin configuration of the round-robin floor filter (`tests/floor-filter`) for this
+/// scenario's backends: their addresses, separated by commas. It stands for the pool with no
+/// gateway in front (`sluice-sim --no-gateway`).
+pub fn round_robin_config(sc: &Scenario) -> Vec<u8> {
+    sc.backend_addresses().join(",").into_bytes()
+}
+
 /// The backends of a scenario, group after group, at `10.0.0.<1..>:<port of the group>`.
 #[derive(Clone, Debug)]
 pub struct BackendPool {

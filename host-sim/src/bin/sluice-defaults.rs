@@ -1,0 +1,182 @@
+//! `sluice-defaults`: the shipped defaults measured against the same pool with no gateway, on
+//! each simulated GPU profile, and the fairness they keep on the demo's flood.
+//!
+//! Every row runs in virtual time (deterministic; the machine does not matter). "no gateway"
+//! sends the workload to the backends in turn (the round-robin floor filter), the throughput a
+//! gateway must not lose; "watermark 2" is the fixed bound sluice shipped before it learned
+//! each engine's limit; "default" is the configuration with nothing set but `policy`; "+ scrape"
+//! adds `routing.scrape_cluster`, as the reference configs do.
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use host_sim::sim::report::Report;
+use host_sim::sim::scenario::round_robin_config;
+use host_sim::Scenario;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+
+/// Measure the default in-flight bound against no gateway, per GPU profile.
+#[derive(Parser, Debug)]
+#[command(name = "sluice-defaults", version)]
+struct Cli {
+    /// The filter module.
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
+    wasm: PathBuf,
+    /// The round-robin floor filter that stands for no gateway
+    /// (`cargo build -p sluice-floor-filter --target wasm32-wasip1 --release`).
+    #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_floor_filter.wasm")]
+    floor_wasm: PathBuf,
+    /// Only the first 120 s of each trace and 40 s of the flood.
+    #[arg(long)]
+    quick: bool,
+    /// Only the workloads whose name contains this.
+    #[arg(long)]
+    only: Option<String>,
+}
+
+/// A workload on a pool.
+struct Case {
+    name: &'static str,
+    profile: &'static str,
+    backends: usize,
+    workload: Value,
+}
+
+/// The configurations compared, as filter-config overrides (`None`: no gateway).
+const VARIANTS: [(&str, Option<&str>); 4] = [
+    ("no gateway", None),
+    ("watermark 2 (old default)", Some(r#"{"watermark_per_backend": 2, "learned_limit": null}"#)),
+    ("default", Some("{}")),
+    ("default + scrape", Some(r#"{"routing": {"scrape_cluster": "model_servers"}}"#)),
+];
+
+fn trace(format: &str, file: &str, max_arrival_s: Option<f64>) -> Value {
+    let path = format!("{}/traces/{file}", env!("CARGO_MANIFEST_DIR"));
+    let mut w = json!({"kind": "trace", "format": format, "path": path});
+    if let Some(s) = max_arrival_s {
+        w["max_arrival_s"] = json!(s);
+    }
+    w
+}
+
+fn flood(duration_s: f64) -> Value {
+    json!({"kind": "synthetic", "duration_s": duration_s, "clients": [
+        {"name": "flood", "rate": 100, "prompt_tokens": 24, "output_tokens": 64},
+        {"name": "modest", "rate": 1, "prompt_tokens": 24, "output_tokens": 64},
+    ]})
+}
+
+fn cases(quick: bool) -> Vec<Case> {
+    let cut = quick.then_some(120.0);
+    let conv = || trace("azure-csv", "azure-llm-2023-conv.csv", cut.or(Some(600.0)));
+    vec![
+        Case {
+            name: "arena",
+            profile: "llama2-7b-a10g",
+            backends: 1,
+            workload: trace("vtc-csv", "chatbot-arena-27-clients.csv", cut),
+        },
+        Case { name: "azure-conv", profile: "llama3-8b-h100", backends: 2, workload: conv() },
+        Case {
+            name: "azure-code",
+            profile: "llama3-8b-h100",
+            backends: 4,
+            workload: trace("azure-csv", "azure-llm-2023-code.csv", cut.or(Some(600.0))),
+        },
+        Case { name: "azure-conv", profile: "llama3-8b-a100", backends: 2, workload: conv() },
+        Case { name: "azure-conv", profile: "llama3-8b-a10g", backends: 4, workload: conv() },
+        Case { name: "flood", profile: "llama2-7b-a10g", backends: 4, workload: flood(if quick { 40.0 } else { 80.0 }) },
+    ]
+}
+
+/// One run's figures.
+struct Row {
+    report: Report,
+}
+
+impl Row {
+    fn rejected(&self) -> usize {
+        self.report.outcomes.iter().filter(|(k, _)| k.as_str() != "ok").map(|(_, v)| v).sum()
+    }
+
+    fn mean_batch(&self) -> f64 {
+        let b = &self.report.backends;
+        b.iter().map(|b| b.mean_batch).sum::<f64>() / b.len().max(1) as f64
+    }
+
+    fn modest_ttft_p50_s(&self) -> f64 {
+        self.report.clients.get("modest").map_or(f64::NAN, |c| c.ttft_ms.p50 / 1e3)
+    }
+}
+
+fn run(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &[u8]) -> Result<Row> {
+    let mut filter = json!({"policy": policy, "queue_ttl_ms": 30_000});
+    if let Some(o) = overrides {
+        let o: Value = serde_json::from_str(o).expect("valid override");
+        filter.as_object_mut().expect("object").extend(o.as_object().expect("object").clone());
+    }
+    let sc = json!({
+        "seed": 1,
+        "workers": 2,
+        "filter_config": filter,
+        "backends": {"count": case.backends, "profile": case.profile},
+        "workload": case.workload,
+    });
+    let sc = Scenario::from_json(&sc.to_string())?;
+    sc.validate()?;
+    let items = sc.work_items(std::path::Path::new(""))?;
+    let rr = overrides.is_none().then(|| round_robin_config(&sc));
+    let module = if rr.is_some() { floor } else { wasm };
+    let mut sim = sc.build_with(module, &items, |p, _| {
+        if let Some(c) = rr {
+            p.configuration = c;
+        }
+    })?;
+    sim.run();
+    Ok(Row { report: sc.report(&sim) })
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    let (wasm, floor) = (read(&cli.wasm)?, read(&cli.floor_wasm)?);
+    println!("| workload | pool | configuration | output tok/s | vs no gateway | not ok | TTFT p50 s | TTFT p99 s | mean batch |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut fairness = Vec::new();
+    for case in cases(cli.quick) {
+        if cli.only.as_deref().is_some_and(|o| !case.name.contains(o)) {
+            continue;
+        }
+        let pool = format!("{} × {}", case.backends, case.profile);
+        let mut base = None;
+        for (label, overrides) in VARIANTS {
+            eprintln!("{} on {pool}: {label}", case.name);
+            let r = run(&case, "vtc", overrides, &wasm, &floor)?;
+            let tps = r.report.output_tokens_per_s;
+            let base_tps = *base.get_or_insert(tps);
+            let t = &r.report.ttft_ms;
+            println!(
+                "| {} | {pool} | {label} | {tps:.0} | {:.2} | {} | {:.2} | {:.2} | {:.1} |",
+                case.name,
+                tps / base_tps,
+                r.rejected(),
+                t.p50 / 1e3,
+                t.p99 / 1e3,
+                r.mean_batch()
+            );
+            if case.name == "flood" && overrides.is_some() {
+                let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
+                fairness.push((label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s()));
+            }
+        }
+    }
+    if !fairness.is_empty() {
+        println!();
+        println!("| flood, configuration | output tok/s (vtc) | modest TTFT p50 fcfs → vtc | ratio |");
+        println!("|---|---|---|---|");
+        for (label, tps, fcfs, vtc) in fairness {
+            println!("| {label} | {tps:.0} | {fcfs:.2} s → {vtc:.2} s | {:.1}× |", fcfs / vtc);
+        }
+    }
+    Ok(())
+}
