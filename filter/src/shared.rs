@@ -428,15 +428,19 @@ fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u6
     .unwrap_or(0)
 }
 
+/// Bytes of one endpoint's [`Progress`] in a heartbeat.
+const PROGRESS_BYTES: usize = 16;
+
 /// Records that `worker` is alive at `now_ms` (on every tick), with what it
 /// sees of its requests on each endpoint: the lease holder learns the
 /// engines' limits from them ([`sluice_policies::capacity`]).
 pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64, progress: &[Progress]) {
-    let mut b = Vec::with_capacity(8 + 8 * progress.len());
+    let mut b = Vec::with_capacity(8 + PROGRESS_BYTES * progress.len());
     b.extend_from_slice(&now_ms.to_le_bytes());
     for p in progress {
-        b.extend_from_slice(&p.in_flight.to_le_bytes());
-        b.extend_from_slice(&p.unstarted.to_le_bytes());
+        for v in [p.in_flight, p.unstarted, p.waiting, p.pipeline] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
     }
     store.set(&format!("{ALIVE_PREFIX}{worker}"), &b, None);
 }
@@ -450,33 +454,42 @@ pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64)
     let rows = store.get(LOAD_KEY).0;
     for w in whole_rows(rows.as_deref(), endpoints).chunks_exact(4 * (endpoints + 1)).map(u32_at) {
         let Some(b) = store.get(&format!("{ALIVE_PREFIX}{w}")).0 else { continue };
-        if b.len() != 8 + 8 * endpoints || now_ms.saturating_sub(read_u64(Some(&b))) > fresh_ms {
+        if b.len() != 8 + PROGRESS_BYTES * endpoints || now_ms.saturating_sub(read_u64(Some(&b))) > fresh_ms {
             continue;
         }
-        for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(8)) {
-            *s = s.add(Progress { in_flight: u32_at(c), unstarted: u32_at(&c[4..]) });
+        for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(PROGRESS_BYTES)) {
+            let at = |k: usize| u32_at(&c[4 * k..]);
+            *s = s.add(Progress { in_flight: at(0), unstarted: at(1), waiting: at(2), pipeline: at(3) });
         }
     }
     sum
 }
 
-/// Where the lease holder keeps each endpoint's learned batch
-/// ([`sluice_policies::capacity::Capacity`]), read by every worker each tick
-/// and by a new lease holder.
+/// Where the lease holder keeps what it learned of each endpoint
+/// ([`sluice_policies::capacity::Capacity`]): its batch (to carry over to a
+/// new lease holder) and its in-flight limit (read by every worker each tick).
 pub const CAPACITY_KEY: &str = "sluice.capacity";
 
-/// Each endpoint's learned batch, as last written; `None` before any, or
-/// when written for another number of endpoints.
-pub fn read_batches(store: &dyn Store, endpoints: usize) -> Option<Vec<f64>> {
-    let b = store.get(CAPACITY_KEY).0?;
-    (b.len() == 8 * endpoints).then(|| {
-        b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
-    })
+/// One endpoint's learned batch and in-flight limit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Learned {
+    /// The engine's batch, as estimated.
+    pub batch: f64,
+    /// The in-flight limit.
+    pub limit: f64,
 }
 
-/// Writes each endpoint's learned batch.
-pub fn write_batches(store: &dyn Store, batches: &[f64]) {
-    let b: Vec<u8> = batches.iter().flat_map(|v| v.to_le_bytes()).collect();
+/// What was learned of each endpoint, as last written; `None` before
+/// anything was, or when written for another number of endpoints.
+pub fn read_learned(store: &dyn Store, endpoints: usize) -> Option<Vec<Learned>> {
+    let b = store.get(CAPACITY_KEY).0?;
+    let f = |c: &[u8]| f64::from_le_bytes(c.try_into().expect("8 bytes"));
+    (b.len() == 16 * endpoints).then(|| b.chunks_exact(16).map(|c| Learned { batch: f(&c[..8]), limit: f(&c[8..]) }).collect())
+}
+
+/// Writes what was learned of each endpoint.
+pub fn write_learned(store: &dyn Store, learned: &[Learned]) {
+    let b: Vec<u8> = learned.iter().flat_map(|l| [l.batch.to_le_bytes(), l.limit.to_le_bytes()]).flatten().collect();
     store.set(CAPACITY_KEY, &b, None);
 }
 

@@ -21,7 +21,7 @@ use crate::wire::{decode_entry, encode_batch, Deadline, RouteInfo, ToScheduler, 
 use hashbrown::HashMap;
 use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::bands::Criticality;
-use sluice_policies::capacity::{Capacity, Progress};
+use sluice_policies::capacity::{Capacity, Pace, Progress};
 use sluice_policies::overload::{LadderDecision, LoadSignals, OverloadLadder, SizeClass, TailWindow};
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView, RouteContext, Scratch};
 use std::rc::Rc;
@@ -275,6 +275,8 @@ enum Stream {
         ttft_from_ms: Option<u64>,
         objective_ms: Option<u32>,
         unstarted: bool,
+        prompt_tokens: u32,
+        last_token_ms: Option<u64>,
     },
 }
 
@@ -348,6 +350,10 @@ pub struct Worker<H: Host> {
     /// Each endpoint's learned in-flight limit as of the last tick (`None`:
     /// learning is off).
     limits: Vec<Option<f64>>,
+    /// Each endpoint's pace as this VM's streams show it.
+    pace: Vec<Pace>,
+    /// When the start rates last took a sample.
+    paced_ms: u64,
 }
 
 /// What admission decided for a request whose body was read.
@@ -512,6 +518,8 @@ impl<H: Host> Worker<H> {
                         ttft_from_ms,
                         objective_ms,
                         unstarted,
+                        prompt_tokens: req.prompt_tokens,
+                        last_token_ms: None,
                     };
                     self.streams.insert(ctx, stream);
                     return Admission::Bypass(endpoint);
@@ -593,13 +601,16 @@ impl<H: Host> Worker<H> {
     /// window as a fraction of its objective. Requests without an objective
     /// are not sampled.
     pub fn first_response_bytes(&mut self, ctx: u32) {
-        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, .. }) = self.streams.get_mut(&ctx)
+        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, prompt_tokens, .. }) =
+            self.streams.get_mut(&ctx)
         else {
             return;
         };
+        let e = permit.endpoint() as usize;
         if std::mem::take(unstarted) {
-            if let Some(p) = self.progress.get_mut(permit.endpoint() as usize) {
+            if let (Some(p), Some(pace)) = (self.progress.get_mut(e), self.pace.get_mut(e)) {
                 p.unstarted = p.unstarted.saturating_sub(1);
+                pace.started(*prompt_tokens);
             }
         }
         let (Some(from), objective) = (ttft_from_ms.take(), *objective_ms) else { return };
@@ -671,6 +682,30 @@ impl<H: Host> Worker<H> {
         PoolBand::of(self.limits.iter().map(|&l| self.cfg.bounds.band(l)))
     }
 
+    /// The heartbeat, with what this VM sees of its requests on each endpoint
+    /// (in flight, unstarted, waiting past their allowance, the pipeline):
+    /// the lease holder learns the limits from every worker's.
+    fn publish_progress(&mut self) {
+        let now = self.now;
+        if self.cfg.learned_limit.is_some() {
+            let elapsed = now.saturating_sub(std::mem::replace(&mut self.paced_ms, now));
+            for (p, pace) in self.progress.iter_mut().zip(self.pace.iter_mut()) {
+                p.waiting = 0;
+                p.pipeline = pace.pipeline(elapsed);
+            }
+            for s in self.streams.values() {
+                if let Stream::Dispatched { unstarted: true, sent_ms, permit, prompt_tokens, .. } = s {
+                    let e = permit.endpoint() as usize;
+                    let late = self.pace.get(e).and_then(|p| p.allowance_ms(*prompt_tokens));
+                    if late.is_some_and(|ms| now.saturating_sub(*sent_ms) as f64 > ms) {
+                        self.progress[e].waiting += 1;
+                    }
+                }
+            }
+        }
+        shared::heartbeat(&self.host, self.worker, now, &self.progress);
+    }
+
     /// Each endpoint's in-flight limit. The lease holder learns it from
     /// every worker's heartbeat (what each sees of its requests there: see
     /// [`sluice_policies::capacity`]) and saves it; the other workers read
@@ -687,25 +722,35 @@ impl<H: Host> Worker<H> {
                 if let Some(peers) = max_age_ms.and_then(|age| replicas::peer_load(&self.host, n, now, age)) {
                     for (p, &theirs) in progress.iter_mut().zip(&peers.in_flight) {
                         let all = p.in_flight.saturating_add(theirs);
-                        let unstarted = u64::from(p.unstarted) * u64::from(all) / u64::from(p.in_flight.max(1));
-                        *p = Progress { in_flight: all, unstarted: unstarted.min(u64::from(all)) as u32 };
+                        let scale = |n: u32| {
+                            (u64::from(n) * u64::from(all) / u64::from(p.in_flight.max(1))).min(u64::from(all)) as u32
+                        };
+                        *p = Progress {
+                            in_flight: all,
+                            unstarted: scale(p.unstarted),
+                            waiting: scale(p.waiting),
+                            pipeline: scale(p.pipeline),
+                        };
                     }
                 }
-                let before: Vec<f64> = role.capacity.iter().map(Capacity::batch).collect();
+                let learned = |c: &[Capacity]| -> Vec<shared::Learned> {
+                    c.iter().map(|c| shared::Learned { batch: c.batch(), limit: c.limit(&h) }).collect()
+                };
+                let before = learned(&role.capacity);
                 for (c, p) in role.capacity.iter_mut().zip(progress) {
                     c.observe(p, &h);
                 }
-                let batches: Vec<f64> = role.capacity.iter().map(Capacity::batch).collect();
-                if batches != before {
-                    shared::write_batches(&self.host, &batches);
+                let after = learned(&role.capacity);
+                if after != before {
+                    shared::write_learned(&self.host, &after);
                 }
-                self.limits = role.capacity.iter().map(|c| Some(c.limit(&h))).collect();
+                self.limits = after.iter().map(|l| Some(l.limit)).collect();
                 let total: f64 = self.limits.iter().flatten().sum();
                 self.host.record(Metric::InFlightLimit, total.round() as u64);
             }
             None => {
-                if let Some(b) = shared::read_batches(&self.host, n) {
-                    self.limits = b.into_iter().map(|b| Some(Capacity::from_batch(b).limit(&h))).collect();
+                if let Some(learned) = shared::read_learned(&self.host, n) {
+                    self.limits = learned.into_iter().map(|l| Some(l.limit)).collect();
                 }
             }
         }
@@ -873,7 +918,16 @@ impl<H: Host> Worker<H> {
 
     pub fn charge(&mut self, ctx: u32, tokens: u32) {
         let (now, req) = (self.now, self.request_id(ctx));
-        if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, .. }) = self.streams.get_mut(&ctx) {
+        if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, .. }) =
+            self.streams.get_mut(&ctx)
+        {
+            if tokens > 0 {
+                // The engine's pace: the time its iterations take at the batch it runs now.
+                if let (Some(last), Some(pace)) = (*last_token_ms, self.pace.get_mut(permit.endpoint() as usize)) {
+                    pace.tokens(tokens, now.saturating_sub(last));
+                }
+                *last_token_ms = Some(now);
+            }
             let first = !*first_seen && tokens > 0;
             *first_seen |= first;
             if first {
@@ -905,8 +959,11 @@ impl<H: Host> Worker<H> {
             scheduler.restore_from(&self.host);
             // What the last holder learned of the engines carries over.
             let n = self.endpoints();
-            let batches = shared::read_batches(&self.host, n).unwrap_or_else(|| vec![0.0; n]);
-            let capacity = batches.into_iter().map(Capacity::from_batch).collect();
+            let learned = shared::read_learned(&self.host, n);
+            let capacity = match learned {
+                Some(l) => l.into_iter().map(|l| Capacity::from_batch(l.batch)).collect(),
+                None => vec![Capacity::default(); n],
+            };
             if self.host.register_queue(SCHEDULER_QUEUE).is_none() {
                 log::error!("cannot register the scheduler queue");
                 return;
@@ -1089,7 +1146,7 @@ impl<H: Host> Worker<H> {
         }
         if resumable.is_some() && self.host.resume(ctx, &self.cfg.endpoints[endpoint as usize], extra) {
             if let Some(Stream::Queued {
-                enqueue: ToScheduler::Enqueue { tenant, band, deadline, .. },
+                enqueue: ToScheduler::Enqueue { tenant, band, deadline, input_tokens, .. },
                 arrival_ms,
                 held_ms,
                 streamed,
@@ -1108,6 +1165,8 @@ impl<H: Host> Worker<H> {
                     ttft_from_ms,
                     objective_ms,
                     unstarted,
+                    prompt_tokens: input_tokens,
+                    last_token_ms: None,
                 };
                 self.streams.insert(ctx, stream);
                 self.host.add(Metric::Dispatched, 1);
@@ -1216,7 +1275,7 @@ impl<H: Host> Worker<H> {
         let now = self.now;
         // The lease first, before any work that could make it lapse.
         self.claim_lease(now);
-        shared::heartbeat(&self.host, self.worker, now, &self.progress);
+        self.publish_progress();
         self.learn_limits();
         self.resend_queued();
         self.flush_charges();
@@ -1326,6 +1385,8 @@ impl<H: Host> Worker<H> {
             tail_ratio: 0.0,
             progress: vec![Progress::default(); n],
             limits: vec![initial_limit; n],
+            pace: vec![Pace::default(); n],
+            paced_ms: now,
         })
     }
 
@@ -1894,8 +1955,7 @@ mod tests {
 
     fn learning(extra: serde_json::Value) -> Config {
         let mut c = serde_json::json!({
-            "lower_bound_per_backend": null, "upper_bound_per_backend": null,
-            "learned_limit": {"headroom_fraction": 0.125, "min_headroom": 4},
+            "lower_bound_per_backend": null, "upper_bound_per_backend": null, "learned_limit": {},
         });
         c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         config(c)
@@ -1904,31 +1964,31 @@ mod tests {
     #[test]
     fn the_in_flight_limit_grows_with_what_the_engine_starts() {
         let p = Rc::new(Process::default());
-        let mut w = vm(&p, 1, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+        let one = || learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]}));
+        let mut w = vm(&p, 1, one(), 0);
         w.on_tick(0);
-        // Nothing learned yet: a limit of four (the least headroom), and bypasses
-        // 10 % over it (`percentage_deviation_for_bounds`): five go, the sixth waits.
-        for ctx in 1..=5 {
+        // Nothing learned yet: a limit of one (the least headroom), and bypasses
+        // 10 % over it (`percentage_deviation_for_bounds`): two go, the third waits.
+        assert_eq!(metric(&p, "sluice_in_flight_limit"), 1);
+        for ctx in 1..=2 {
             assert_eq!(admit_streamed(&mut w, 1, ctx), Admission::Bypass(0), "{ctx}");
         }
-        assert_eq!(admit_streamed(&mut w, 1, 6), Admission::Queued);
-        // The engine started them all: it takes five, so the limit is 9.
-        for ctx in 1..=5 {
+        assert_eq!(admit_streamed(&mut w, 1, 3), Admission::Queued);
+        // The engine started both and streams their tokens: it takes what it is sent.
+        for ctx in 1..=2 {
             w.at(20).first_response_bytes(ctx);
+            w.at(20).charge(ctx, 1);
+            w.at(40).charge(ctx, 1);
         }
         w.on_tick(50);
         w.on_queue_ready(50, queue_id(&p, "sluice.worker.1"));
         assert_eq!(p.resumed.borrow().len(), 1, "the queued one went");
-        assert_eq!(metric(&p, "sluice_in_flight_limit"), 9);
-        // Six in flight, bypasses up to 9.9.
-        for ctx in 7..=10 {
-            assert_eq!(admit_streamed(&mut w, 51, ctx), Admission::Bypass(0), "{ctx}");
-        }
-        assert_eq!(admit_streamed(&mut w, 51, 11), Admission::Queued);
+        let limit = metric(&p, "sluice_in_flight_limit");
+        assert!(limit >= 4, "slow start doubles what the engine started: {limit}");
         // Another worker reads the same limit on its tick.
-        let mut other = vm(&p, 2, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 51);
+        let mut other = vm(&p, 2, one(), 51);
         other.on_tick(60);
-        assert_eq!(other.limits, vec![Some(9.0)]);
+        assert_eq!(other.limits, w.limits);
     }
 
     #[test]
@@ -1936,33 +1996,43 @@ mod tests {
         let p = Rc::new(Process::default());
         let mut w = vm(&p, 1, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
         w.on_tick(0);
-        let mut ctx = 0;
-        let mut now = 0;
-        // The engine runs at most 32: it starts what it is sent up to that.
-        for _ in 0..40 {
+        let (mut ctx, mut now) = (0, 0);
+        let mut sent_late = 0;
+        // The engine runs at most 32, streaming a token to each every 50 ms; it
+        // never starts the others.
+        for round in 0..80 {
             now += 50;
             while matches!(admit_streamed(&mut w, now, ctx + 1), Admission::Bypass(_)) {
                 ctx += 1;
+                sent_late += usize::from(round >= 60);
                 if ctx <= 32 {
                     w.at(now).first_response_bytes(ctx);
                 }
             }
-            // The last one waits in the queue; drop it from the test's view.
+            // The one that had to wait leaves: this test only watches the bypasses.
             w.at(now).finish(ctx + 1, 0, false);
+            for started in 1..=ctx.min(32) {
+                w.at(now).charge(started, 1);
+            }
             w.on_tick(now);
         }
         let limit = w.limits[0].unwrap();
-        // Batch 32 learned, plus a headroom of 4; bypasses go 10 % over that.
-        assert_eq!(limit, 36.0);
-        assert_eq!(ctx, 40, "in flight: the batch, its headroom and the margin");
+        assert!((32.0..=36.0).contains(&limit), "the batch of 32, a request of headroom: {limit}");
+        assert_eq!(sent_late, 0, "nothing more is sent to a full engine");
+        // Slow start doubled what the engine had started before the first requests
+        // outstayed their allowance, and the pipeline of starts came on top.
+        assert!(ctx <= 96, "{ctx} sent");
     }
 
     #[test]
     fn a_cap_stays_a_cap_over_the_learned_limit() {
         let p = Rc::new(Process::default());
         let cfg = learning(serde_json::json!({"endpoints": ["127.0.0.1:1"], "watermark_per_backend": 2}));
+        // An engine learned to run 100 at once.
+        shared::write_learned(&p.store, &[shared::Learned { batch: 100.0, limit: 104.0 }]);
         let mut w = vm(&p, 1, cfg, 0);
         w.on_tick(0);
+        assert!(w.limits[0].unwrap() > 100.0);
         assert!(matches!(admit_streamed(&mut w, 1, 1), Admission::Bypass(_)));
         assert!(matches!(admit_streamed(&mut w, 1, 2), Admission::Bypass(_)));
         assert!(matches!(admit_streamed(&mut w, 1, 3), Admission::Bypass(_)));
