@@ -429,7 +429,7 @@ fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u6
 }
 
 /// Bytes of one endpoint's [`Progress`] in a heartbeat.
-const PROGRESS_BYTES: usize = 16;
+const PROGRESS_BYTES: usize = 12;
 
 /// Records that `worker` is alive at `now_ms` (on every tick), with what it
 /// sees of its requests on each endpoint: the lease holder learns the
@@ -438,7 +438,7 @@ pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64, progress: &[Progre
     let mut b = Vec::with_capacity(8 + PROGRESS_BYTES * progress.len());
     b.extend_from_slice(&now_ms.to_le_bytes());
     for p in progress {
-        for v in [p.in_flight, p.unstarted, p.waiting, p.pipeline] {
+        for v in [p.in_flight, p.unstarted, p.waiting] {
             b.extend_from_slice(&v.to_le_bytes());
         }
     }
@@ -459,7 +459,7 @@ pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64)
         }
         for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(PROGRESS_BYTES)) {
             let at = |k: usize| u32_at(&c[4 * k..]);
-            *s = s.add(Progress { in_flight: at(0), unstarted: at(1), waiting: at(2), pipeline: at(3) });
+            *s = s.add(Progress { in_flight: at(0), unstarted: at(1), waiting: at(2) });
         }
     }
     sum
@@ -473,8 +473,8 @@ pub const CAPACITY_KEY: &str = "sluice.capacity";
 /// One endpoint's learned batch and in-flight limit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Learned {
-    /// The engine's batch, as estimated.
-    pub batch: f64,
+    /// The engine's batch, once it was seen full (stored as -1 before).
+    pub batch: Option<f64>,
     /// The in-flight limit.
     pub limit: f64,
 }
@@ -484,12 +484,15 @@ pub struct Learned {
 pub fn read_learned(store: &dyn Store, endpoints: usize) -> Option<Vec<Learned>> {
     let b = store.get(CAPACITY_KEY).0?;
     let f = |c: &[u8]| f64::from_le_bytes(c.try_into().expect("8 bytes"));
-    (b.len() == 16 * endpoints).then(|| b.chunks_exact(16).map(|c| Learned { batch: f(&c[..8]), limit: f(&c[8..]) }).collect())
+    let batch = |v: f64| (v >= 0.0).then_some(v);
+    (b.len() == 16 * endpoints)
+        .then(|| b.chunks_exact(16).map(|c| Learned { batch: batch(f(&c[..8])), limit: f(&c[8..]) }).collect())
 }
 
 /// Writes what was learned of each endpoint.
 pub fn write_learned(store: &dyn Store, learned: &[Learned]) {
-    let b: Vec<u8> = learned.iter().flat_map(|l| [l.batch.to_le_bytes(), l.limit.to_le_bytes()]).flatten().collect();
+    let b: Vec<u8> =
+        learned.iter().flat_map(|l| [l.batch.unwrap_or(-1.0).to_le_bytes(), l.limit.to_le_bytes()]).flatten().collect();
     store.set(CAPACITY_KEY, &b, None);
 }
 

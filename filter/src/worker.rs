@@ -344,16 +344,11 @@ pub struct Worker<H: Host> {
     tail: TailWindow,
     /// Their p95 as of the last tick: the ladder's tail signal.
     tail_ratio: f64,
-    /// This VM's requests in flight per endpoint, and those not started
-    /// yet: published with its heartbeat for the lease holder's learning.
-    progress: Vec<Progress>,
     /// Each endpoint's learned in-flight limit as of the last tick (`None`:
     /// learning is off).
     limits: Vec<Option<f64>>,
     /// Each endpoint's pace as this VM's streams show it.
     pace: Vec<Pace>,
-    /// When the start rates last took a sample.
-    paced_ms: u64,
 }
 
 /// What admission decided for a request whose body was read.
@@ -508,7 +503,7 @@ impl<H: Host> Worker<H> {
                     self.write_engine_priority(ctx, band);
                     let (sent_ms, ttft_from_ms) = (self.now, Some(self.now));
                     let objective_ms = deadline.map(|d| d.ttft_ms);
-                    let unstarted = self.track_sent(endpoint, req.stream);
+                    let unstarted = req.stream;
                     let stream = Stream::Dispatched {
                         tenant,
                         band,
@@ -557,15 +552,6 @@ impl<H: Host> Worker<H> {
         self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms, streamed });
     }
 
-    /// Counts a request sent to `endpoint`; returns whether it is an
-    /// unstarted stream (streamed: its first bytes will say when it started).
-    fn track_sent(&mut self, endpoint: u32, streamed: bool) -> bool {
-        if let Some(p) = self.progress.get_mut(endpoint as usize) {
-            p.in_flight += 1;
-            p.unstarted += u32::from(streamed);
-        }
-        streamed
-    }
 
     /// The request's first-token deadline: its objective (the `"slo"`
     /// sources, else its band's `ttft_slo_ms`) from its arrival here, less
@@ -601,18 +587,10 @@ impl<H: Host> Worker<H> {
     /// window as a fraction of its objective. Requests without an objective
     /// are not sampled.
     pub fn first_response_bytes(&mut self, ctx: u32) {
-        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, prompt_tokens, .. }) =
-            self.streams.get_mut(&ctx)
-        else {
+        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, .. }) = self.streams.get_mut(&ctx) else {
             return;
         };
-        let e = permit.endpoint() as usize;
-        if std::mem::take(unstarted) {
-            if let (Some(p), Some(pace)) = (self.progress.get_mut(e), self.pace.get_mut(e)) {
-                p.unstarted = p.unstarted.saturating_sub(1);
-                pace.started(*prompt_tokens);
-            }
-        }
+        *unstarted = false;
         let (Some(from), objective) = (ttft_from_ms.take(), *objective_ms) else { return };
         if let Some(objective) = objective {
             let ttft = self.now.saturating_sub(from);
@@ -683,27 +661,39 @@ impl<H: Host> Worker<H> {
     }
 
     /// The heartbeat, with what this VM sees of its requests on each endpoint
-    /// (in flight, unstarted, waiting past their allowance, the pipeline):
-    /// the lease holder learns the limits from every worker's.
+    /// (in flight, not streaming now, waiting past their allowance): the
+    /// lease holder learns the limits from every worker's.
     fn publish_progress(&mut self) {
-        let now = self.now;
+        let (now, n) = (self.now, self.endpoints());
+        let mut progress = vec![Progress::default(); n];
         if self.cfg.learned_limit.is_some() {
-            let elapsed = now.saturating_sub(std::mem::replace(&mut self.paced_ms, now));
-            for (p, pace) in self.progress.iter_mut().zip(self.pace.iter_mut()) {
-                p.waiting = 0;
-                p.pipeline = pace.pipeline(elapsed);
-            }
             for s in self.streams.values() {
-                if let Stream::Dispatched { unstarted: true, sent_ms, permit, prompt_tokens, .. } = s {
-                    let e = permit.endpoint() as usize;
-                    let late = self.pace.get(e).and_then(|p| p.allowance_ms(*prompt_tokens));
-                    if late.is_some_and(|ms| now.saturating_sub(*sent_ms) as f64 > ms) {
-                        self.progress[e].waiting += 1;
-                    }
+                let Stream::Dispatched { unstarted, sent_ms, permit, prompt_tokens, last_token_ms, .. } = s else {
+                    continue;
+                };
+                let e = permit.endpoint() as usize;
+                let (Some(p), Some(pace)) = (progress.get_mut(e), self.pace.get(e)) else { continue };
+                p.in_flight += 1;
+                // Streamed requests not streaming now: not started yet, or
+                // preempted (no tokens for longer than an allowance while the
+                // engine streams to others).
+                let (quiet_since, allowance) = match (unstarted, last_token_ms) {
+                    (true, _) => (*sent_ms, pace.allowance_ms(*prompt_tokens)),
+                    (false, Some(t)) => (*t, pace.allowance_ms(0)),
+                    (false, None) => continue,
+                };
+                let late = allowance.is_some_and(|ms| now.saturating_sub(quiet_since) as f64 > ms);
+                if *unstarted || late {
+                    p.unstarted += 1;
+                }
+                // Judged only while the engine streams to someone: a long
+                // prefill that pauses every stream is not a queue.
+                if late && pace.streaming(now) {
+                    p.waiting += 1;
                 }
             }
         }
-        shared::heartbeat(&self.host, self.worker, now, &self.progress);
+        shared::heartbeat(&self.host, self.worker, now, &progress);
     }
 
     /// Each endpoint's in-flight limit. The lease holder learns it from
@@ -725,20 +715,16 @@ impl<H: Host> Worker<H> {
                         let scale = |n: u32| {
                             (u64::from(n) * u64::from(all) / u64::from(p.in_flight.max(1))).min(u64::from(all)) as u32
                         };
-                        *p = Progress {
-                            in_flight: all,
-                            unstarted: scale(p.unstarted),
-                            waiting: scale(p.waiting),
-                            pipeline: scale(p.pipeline),
-                        };
+                        *p = Progress { in_flight: all, unstarted: scale(p.unstarted), waiting: scale(p.waiting) };
                     }
                 }
                 let learned = |c: &[Capacity]| -> Vec<shared::Learned> {
                     c.iter().map(|c| shared::Learned { batch: c.batch(), limit: c.limit(&h) }).collect()
                 };
                 let before = learned(&role.capacity);
-                for (c, p) in role.capacity.iter_mut().zip(progress) {
+                for (e, (c, p)) in role.capacity.iter_mut().zip(progress).enumerate() {
                     c.observe(p, &h);
+                    log::debug!("learned {e}: {p:?} -> batch {:?} limit {:.1}", c.batch(), c.limit(&h));
                 }
                 let after = learned(&role.capacity);
                 if after != before {
@@ -863,12 +849,8 @@ impl<H: Host> Worker<H> {
             return;
         }
         match self.streams.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, unstarted, .. }) => {
+            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, .. }) => {
                 let endpoint = permit.endpoint();
-                if let Some(p) = self.progress.get_mut(endpoint as usize) {
-                    p.in_flight = p.in_flight.saturating_sub(1);
-                    p.unstarted = p.unstarted.saturating_sub(u32::from(unstarted));
-                }
                 if upstream_failed {
                     let until = self.now + self.cfg.routing.quarantine_ms;
                     log::warn!(
@@ -923,8 +905,8 @@ impl<H: Host> Worker<H> {
         {
             if tokens > 0 {
                 // The engine's pace: the time its iterations take at the batch it runs now.
-                if let (Some(last), Some(pace)) = (*last_token_ms, self.pace.get_mut(permit.endpoint() as usize)) {
-                    pace.tokens(tokens, now.saturating_sub(last));
+                if let Some(pace) = self.pace.get_mut(permit.endpoint() as usize) {
+                    pace.tokens(tokens, last_token_ms.map(|last| now.saturating_sub(last)), now);
                 }
                 *last_token_ms = Some(now);
             }
@@ -1155,7 +1137,7 @@ impl<H: Host> Worker<H> {
             {
                 let (sent_ms, ttft_from_ms) = (self.now, Some(arrival_ms.saturating_add(held_ms)));
                 let objective_ms = deadline.map(|d| d.ttft_ms);
-                let unstarted = self.track_sent(endpoint, streamed);
+                let unstarted = streamed;
                 let stream = Stream::Dispatched {
                     tenant,
                     band,
@@ -1356,7 +1338,7 @@ impl<H: Host> Worker<H> {
         let queue = host.register_queue(&worker_queue_name(worker)).ok_or("cannot register a worker queue")?;
         let n = cfg.endpoints.len();
         shared::heartbeat(&host, worker, now, &vec![Progress::default(); n]);
-        // Until the lease holder has learned anything: an engine seen running nothing.
+        // Until the lease holder has learned anything: slow start from nothing.
         let initial_limit = cfg.learned_limit.map(|h| Capacity::default().limit(&h));
         let lease_ms = (20 * cfg.tick_ms).max(1000);
         let tail = TailWindow::new(&cfg.overload.unwrap_or_default());
@@ -1383,10 +1365,8 @@ impl<H: Host> Worker<H> {
             held: HashMap::new(),
             tail,
             tail_ratio: 0.0,
-            progress: vec![Progress::default(); n],
             limits: vec![initial_limit; n],
             pace: vec![Pace::default(); n],
-            paced_ms: now,
         })
     }
 
@@ -2029,7 +2009,7 @@ mod tests {
         let p = Rc::new(Process::default());
         let cfg = learning(serde_json::json!({"endpoints": ["127.0.0.1:1"], "watermark_per_backend": 2}));
         // An engine learned to run 100 at once.
-        shared::write_learned(&p.store, &[shared::Learned { batch: 100.0, limit: 104.0 }]);
+        shared::write_learned(&p.store, &[shared::Learned { batch: Some(100.0), limit: 104.0 }]);
         let mut w = vm(&p, 1, cfg, 0);
         w.on_tick(0);
         assert!(w.limits[0].unwrap() > 100.0);

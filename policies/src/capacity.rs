@@ -45,15 +45,14 @@
 pub struct Progress {
     /// Requests in flight there.
     pub in_flight: u32,
-    /// Of those, streamed requests whose first bytes have not come back.
+    /// Of those, streamed requests not streaming now: no first bytes yet, or
+    /// no tokens for longer than an allowance (preempted, back in the
+    /// engine's queue).
     pub unstarted: u32,
-    /// Of those, the ones sent longer ago than their [`StartAllowance`]: the
-    /// engine keeps them waiting.
+    /// Of those, the ones quiet for longer than their allowance
+    /// ([`Pace::allowance_ms`]) while the engine streams to others: it keeps
+    /// them waiting.
     pub waiting: u32,
-    /// Requests the engine starts within one allowance at its recent pace
-    /// (starts per second times the allowance): how many are on their way
-    /// into its batch at any moment when it turns requests over.
-    pub pipeline: u32,
 }
 
 impl Progress {
@@ -63,7 +62,6 @@ impl Progress {
             in_flight: self.in_flight.saturating_add(o.in_flight),
             unstarted: self.unstarted.saturating_add(o.unstarted),
             waiting: self.waiting.saturating_add(o.waiting),
-            pipeline: self.pipeline.saturating_add(o.pipeline),
         }
     }
 }
@@ -109,104 +107,101 @@ impl Headroom {
 /// sums over endpoints stay exact in `f64` and fit the `u32` counts.
 pub const MAX_BATCH: f64 = 1e6;
 
-/// The learned batch of one endpoint (0 until it has been seen to run anything).
+/// The learned batch of one endpoint.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Capacity {
-    batch: f64,
-    /// Slow start: until the engine is seen full.
-    probing: bool,
-    /// Observations in a row in which one more request was added and the
-    /// engine took it: past [`CALM_TO_PROBE`], slow start again.
+    /// The engine's batch, once it was seen full; `None`: slow start.
+    batch: Option<f64>,
+    /// Requests the engine was seen to start, at the last observation.
+    started: f64,
+    /// Observations in a row in which the limit bound, nothing waited and
+    /// the batch grew: past [`CALM_TO_PROBE`], each probe doubles.
     calm: u32,
-    /// Requests on their way into the batch ([`Progress::pipeline`]) at the
-    /// last observation: the limit leaves room for them, or an engine that
-    /// turns requests over fast would never be full.
-    pipeline: f64,
+    /// The last probe.
+    step: f64,
 }
 
 /// One more request an observation is a slow way to find a bigger engine
 /// (a new backend behind the same address, shorter requests that leave room
-/// in the KV cache): after this many in a row, the doubling starts again.
+/// in the KV cache): after this many in a row, the probes double.
 const CALM_TO_PROBE: u32 = 20;
+
+/// Calm observations between two probes of one request.
+const PROBE_EVERY: u32 = 16;
+
+/// During slow start, at least this many requests beyond those started.
+const MIN_PROBE: f64 = 4.0;
 
 impl Default for Capacity {
     fn default() -> Self {
-        Capacity { batch: 0.0, probing: true, calm: 0, pipeline: 0.0 }
+        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0 }
     }
 }
 
 impl Capacity {
-    /// Starts from a batch estimate saved earlier (clamped to a sane range).
-    pub fn from_batch(batch: f64) -> Capacity {
-        let batch = if batch.is_finite() { batch.clamp(0.0, MAX_BATCH) } else { 0.0 };
-        Capacity { batch, probing: batch == 0.0, calm: 0, pipeline: 0.0 }
+    /// Starts from a batch estimate saved earlier (`None`, or not a sane
+    /// number: slow start).
+    pub fn from_batch(batch: Option<f64>) -> Capacity {
+        let batch = batch.filter(|b| b.is_finite() && *b >= 0.0).map(|b| b.min(MAX_BATCH));
+        Capacity { batch, ..Capacity::default() }
     }
 
-    /// The estimated batch: requests the engine runs at once.
-    pub fn batch(&self) -> f64 {
+    /// The estimated batch: requests the engine runs at once, once it was
+    /// seen full (`None` during slow start).
+    pub fn batch(&self) -> Option<f64> {
         self.batch
     }
 
-    /// The in-flight limit: the batch, the requests on their way into it,
-    /// and the headroom.
+    /// The in-flight limit: the batch and its headroom; during slow start,
+    /// twice what the engine was seen to start (at least [`MIN_PROBE`] more),
+    /// so that it doubles once a round trip of dispatch to first token.
     pub fn limit(&self, h: &Headroom) -> f64 {
-        self.batch + self.pipeline + h.of(self.batch)
+        match self.batch {
+            Some(b) => b + h.of(b),
+            None => self.started + self.started.max(MIN_PROBE) + h.of(self.started),
+        }
     }
 
     /// Takes one observation of the endpoint.
     pub fn observe(&mut self, p: Progress, h: &Headroom) {
         let waiting = p.waiting.min(p.in_flight);
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
-        // The ones the engine was seen to start.
-        let started = f64::from(p.in_flight - unstarted);
-        let headroom = h.of(self.batch);
         // Only a limit that requests run into says anything about the engine.
         let binding = p.in_flight > 0 && f64::from(p.in_flight) + 1.0 >= self.limit(h);
-        self.pipeline = f64::from(p.pipeline).min(MAX_BATCH);
-        if f64::from(waiting) > headroom {
-            // Full: what it started is what it runs (the young ones may yet wait).
-            self.batch = started;
-            self.probing = false;
-            self.calm = 0;
-        } else {
-            self.batch = self.batch.max(started);
-            if binding {
-                // The limit binds and the engine keeps up: probe past what it runs.
-                if self.probing {
-                    // Slow start: double what the engine was seen to start, once a round trip.
-                    self.batch = self.batch.max(2.0 * started).max(1.0);
-                } else if waiting == 0 && started > self.batch - headroom {
-                    // Once it was seen full, one at a time, while nothing waits and
-                    // the engine started nearly all it was thought to run: each
-                    // probe may leave a request waiting until one leaves the batch.
-                    self.batch += 1.0;
-                    self.calm += 1;
-                    self.probing = self.calm >= CALM_TO_PROBE;
-                } else {
-                    self.calm = 0;
-                }
+        self.started = f64::from(p.in_flight - unstarted);
+        // What the engine runs when it keeps some waiting: the ones it
+        // started and the ones it is prefilling (some young ones may yet
+        // wait; the next observations take them off).
+        let running = f64::from(p.in_flight - waiting);
+        let full = f64::from(waiting) > h.of(self.batch.unwrap_or(running));
+        let calm = binding && waiting == 0 && !full;
+        self.calm = if calm { self.calm.saturating_add(1) } else { 0 };
+        self.batch = match self.batch {
+            _ if full => Some(self.batch.map_or(running, |b| b.min(running))),
+            // Probe one more at a time while nothing waits. After a long calm in
+            // which the engine started nearly all it was given, it may have
+            // grown: the probes double until something waits.
+            Some(b) if calm => {
+                let grew = self.calm > CALM_TO_PROBE && self.started >= b - h.of(b);
+                self.step = if grew { self.step * 2.0 } else { 1.0 };
+                Some(if grew || self.calm % PROBE_EVERY == 0 { b + self.step } else { b })
             }
+            b => b,
         }
-        self.batch = self.batch.min(MAX_BATCH);
+        .map(|b| b.min(MAX_BATCH));
     }
 }
 
 /// What one worker sees of an endpoint's pace, from the streams it serves:
 /// the time between output tokens (an engine iteration, at the batch it
-/// runs now), and how fast it starts requests. From them: how long a
-/// streamed request may go without first bytes before it counts as waiting
-/// ([`Pace::allowance_ms`]), and how many requests are on their way into the
-/// batch at any moment ([`Pace::pipeline`]).
+/// runs now). From it: how long a streamed request may go quiet before it
+/// counts as waiting ([`Pace::allowance_ms`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Pace {
     /// Mean time between two output tokens of a stream, ms (`None` before any).
     token_ms: Option<f64>,
-    /// Mean starts per ms.
-    start_rate: f64,
-    /// Mean prompt of the requests started, tokens.
-    prompt: f64,
-    /// Starts since the last [`Pace::pipeline`].
-    starts: u32,
+    /// When any stream last got tokens, ms.
+    last_token_ms: u64,
 }
 
 /// Iterations allowed beyond the prefill chunks: the one under way when the
@@ -217,50 +212,38 @@ const ALLOWED_ITERATIONS: f64 = 3.0;
 const CHUNK_TOKENS: f64 = 512.0;
 /// Network and server overheads around the engine (tokenizing, the HTTP hops), ms.
 const OVERHEAD_MS: f64 = 10.0;
-/// Weight of a new sample in the means.
+/// Weight of a new sample in the mean.
 const ALPHA: f64 = 1.0 / 16.0;
 
-fn mean(m: &mut f64, sample: f64) {
-    *m += ALPHA * (sample - *m);
-}
-
 impl Pace {
-    /// A stream got `tokens` more tokens `gap_ms` after its previous ones.
-    pub fn tokens(&mut self, tokens: u32, gap_ms: u64) {
+    /// A stream got `tokens` more tokens at `now_ms`, `gap_ms` after its
+    /// previous ones (`None`: its first).
+    pub fn tokens(&mut self, tokens: u32, gap_ms: Option<u64>, now_ms: u64) {
         if tokens == 0 {
             return;
         }
-        let sample = gap_ms as f64 / f64::from(tokens);
+        self.last_token_ms = self.last_token_ms.max(now_ms);
+        let Some(gap) = gap_ms else { return };
+        let sample = gap as f64 / f64::from(tokens);
         match &mut self.token_ms {
-            Some(m) => mean(m, sample),
+            Some(m) => *m += ALPHA * (sample - *m),
             None => self.token_ms = Some(sample),
         }
     }
 
-    /// A streamed request with `prompt_tokens` (estimated) got its first bytes.
-    pub fn started(&mut self, prompt_tokens: u32) {
-        self.starts = self.starts.saturating_add(1);
-        mean(&mut self.prompt, f64::from(prompt_tokens));
+    /// Did some stream get tokens within an allowance before `now_ms`? When
+    /// none did, the engine is paused (a long prefill), not queueing.
+    pub fn streaming(&self, now_ms: u64) -> bool {
+        self.allowance_ms(0).is_some_and(|ms| (now_ms.saturating_sub(self.last_token_ms) as f64) <= ms)
     }
 
     /// How long a request with `prompt_tokens` may go without first bytes
-    /// before it counts as waiting, ms: a few of the engine's current
-    /// iterations, one more per prefill chunk; `None` before any token was
-    /// seen (then nothing counts as waiting).
+    /// (0: without its next tokens) before it counts as waiting, ms: a few
+    /// of the engine's current iterations, one more per prefill chunk;
+    /// `None` before any token was seen (then nothing counts as waiting).
     pub fn allowance_ms(&self, prompt_tokens: u32) -> Option<f64> {
         let t = self.token_ms?;
         Some(OVERHEAD_MS + t * (ALLOWED_ITERATIONS + (f64::from(prompt_tokens) / CHUNK_TOKENS).ceil()))
-    }
-
-    /// Folds the starts of the last `elapsed_ms` into the start rate and
-    /// returns the requests started within one allowance at that rate
-    /// (Little's law: those on their way into the batch at any moment).
-    pub fn pipeline(&mut self, elapsed_ms: u64) -> u32 {
-        if elapsed_ms > 0 {
-            mean(&mut self.start_rate, f64::from(std::mem::take(&mut self.starts)) / elapsed_ms as f64);
-        }
-        let allowance = self.allowance_ms(self.prompt.round() as u32).unwrap_or(0.0);
-        (self.start_rate * allowance).ceil().min(MAX_BATCH) as u32
     }
 }
 
@@ -271,38 +254,37 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// A toy engine: runs at most `max` requests, each for `life` rounds on
-    /// average (spread from half to one and a half of it);
-    /// starts waiting ones (oldest first) when there is room, `delay` rounds
-    /// after they were sent at the soonest. The gateway keeps the limit in
-    /// flight (it always has work). Returns the estimate, and per round the
-    /// engine's queue and its batch.
+    /// average (spread from half to one and a half of it); admits waiting
+    /// ones (oldest first) when there is room, and streams their first bytes
+    /// `delay` rounds later (their prefill). A request unstarted for more
+    /// than `delay` rounds is waiting. The gateway keeps the limit in flight
+    /// (it always has work). Returns the estimate, and per round the engine's
+    /// queue and its batch.
     fn run(max: usize, life: usize, delay: usize, rounds: usize, h: &Headroom) -> (Capacity, Vec<u32>, Vec<usize>) {
         let mut c = Capacity::default();
-        // End round of each running request; send round of each unstarted one.
-        let (mut running, mut sent) = (Vec::new(), std::collections::VecDeque::new());
-        let (mut started_so_far, mut rate) = (0usize, 0.0f64);
+        // Admission and end round of each admitted request; send round of each queued one.
+        let (mut admitted, mut queued) = (Vec::<(usize, usize)>::new(), std::collections::VecDeque::new());
         let (mut queue, mut batch) = (Vec::new(), Vec::new());
+        let mut n = 0usize;
         for round in 0..rounds {
-            running.retain(|&end| end > round);
-            let before = started_so_far;
-            while running.len() < max && sent.front().is_some_and(|&t| t + delay <= round) {
-                sent.pop_front();
-                started_so_far += 1;
-                running.push(round + life / 2 + (started_so_far * 37) % life.max(1));
+            admitted.retain(|&(_, end)| end > round);
+            while admitted.len() < max && !queued.is_empty() {
+                queued.pop_front();
+                n += 1;
+                admitted.push((round, round + delay + life / 2 + (n * 37) % life.max(1)));
             }
-            // The worker's mean start rate times the allowance.
-            rate += ((started_so_far - before) as f64 - rate) / 8.0;
-            // Young: sent this round or within `delay` before it.
-            let pipeline = (rate * (delay + 1) as f64).ceil() as u32;
             let limit = c.limit(h).floor() as usize;
-            for _ in (running.len() + sent.len())..limit {
-                sent.push_back(round);
+            for _ in (admitted.len() + queued.len())..limit {
+                queued.push_back(round);
             }
-            let waiting = sent.iter().filter(|&&t| t + delay < round).count() as u32;
-            let in_flight = (running.len() + sent.len()) as u32;
-            c.observe(Progress { in_flight, unstarted: sent.len() as u32, waiting, pipeline }, h);
-            queue.push(waiting);
-            batch.push(running.len());
+            let prefilling = admitted.iter().filter(|&&(at, _)| at + delay > round).count();
+            // Queued past the allowance (a send this round or the last is young).
+            let waiting = queued.iter().filter(|&&t| t + 1 < round).count() as u32;
+            let in_flight = (admitted.len() + queued.len()) as u32;
+            let unstarted = (prefilling + queued.len()) as u32;
+            c.observe(Progress { in_flight, unstarted, waiting }, h);
+            queue.push(queued.len() as u32);
+            batch.push(admitted.len());
         }
         (c, queue, batch)
     }
@@ -319,35 +301,47 @@ mod tests {
                 let queued = mean(queue[late].iter().map(|&q| f64::from(q)).collect());
                 let at = format!("max {max}, life {life}, delay {delay}: batch {full:.1}, queue {queued:.1}, {c:?}");
                 assert!(full >= max as f64 * 0.95, "{at}");
-                assert!(queued <= h.of(max as f64) + 2.0, "{at}");
+                // The headroom and a probe, and what the engine admits within an
+                // allowance (queued that briefly, a request is not seen waiting).
+                let admitted_per_round = max as f64 / life as f64;
+                assert!(queued <= h.of(max as f64) + 2.0 + 3.0 * admitted_per_round, "{at}");
             }
         }
     }
 
     #[test]
-    fn growth_doubles_each_round_trip() {
+    fn slow_start_doubles_each_round_trip() {
         let h = Headroom::default();
         for delay in [1, 3] {
-            let (_, _, batch) = run(100_000, 1000, delay, 12 * (delay + 1), &h);
+            let (c, _, batch) = run(100_000, 1000, delay, 9 * (delay + 2), &h);
             assert!(*batch.last().unwrap() >= 1000, "delay {delay}: {batch:?}");
+            assert_eq!(c.batch(), None, "never full");
         }
         // Nothing starts: the estimate does not run away.
         let (c, _, _) = run(0, 10, 1, 100, &h);
-        assert!(c.limit(&h) <= 2.0, "{}", c.limit(&h));
+        assert!(c.limit(&h) <= 6.0, "{}", c.limit(&h));
     }
 
     #[test]
     fn a_full_engine_brings_the_estimate_down_to_what_it_runs() {
         let h = Headroom::default();
-        let mut c = Capacity::from_batch(200.0);
-        c.observe(Progress { in_flight: 150, unstarted: 60, waiting: 60, pipeline: 0 }, &h);
-        assert_eq!(c.batch(), 90.0);
+        let mut c = Capacity::from_batch(Some(200.0));
+        c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, &h);
+        assert_eq!(c.batch(), Some(90.0));
         // Within the headroom (2.8 of 90), and not binding: it stays.
-        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2, pipeline: 0 }, &h);
-        assert_eq!(c.batch(), 90.0);
-        // Binding, nothing waits, the engine started nearly all: one more.
-        c.observe(Progress { in_flight: 92, unstarted: 1, waiting: 0, pipeline: 0 }, &h);
-        assert_eq!(c.batch(), 92.0);
+        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, &h);
+        assert_eq!(c.batch(), Some(90.0));
+        // Binding, nothing waits: one more every few such observations.
+        let mut probes = Vec::new();
+        for _ in 0..CALM_TO_PROBE + 4 {
+            let n = c.limit(&h) as u32;
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, &h);
+            probes.push(c.batch().unwrap());
+        }
+        let ones = f64::from(CALM_TO_PROBE / PROBE_EVERY);
+        // A long calm in which the engine started all it was given: the probes double.
+        assert_eq!(probes[CALM_TO_PROBE as usize - 1], 90.0 + ones, "{probes:?}");
+        assert_eq!(c.batch(), Some(90.0 + ones + 2.0 + 4.0 + 8.0 + 16.0), "{probes:?}");
     }
 
     #[test]
@@ -356,57 +350,49 @@ mod tests {
         let mut c = Capacity::default();
         for _ in 0..40 {
             let n = c.limit(&h).floor() as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, pipeline: 0 }, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, &h);
         }
-        assert!(c.batch() > 10_000.0, "{}", c.batch());
+        assert!(c.limit(&h) > 10_000.0, "{}", c.limit(&h));
     }
 
     #[test]
     fn the_allowance_is_a_few_iterations_of_the_current_pace() {
         let mut a = Pace::default();
         assert_eq!(a.allowance_ms(100), None, "nothing counts as waiting before the pace is known");
-        a.tokens(4, 80);
+        a.tokens(4, Some(80), 80);
         assert_eq!(a.allowance_ms(100), Some(10.0 + 20.0 * 4.0));
         assert_eq!(a.allowance_ms(4000), Some(10.0 + 20.0 * 11.0), "a long prompt is prefilled in chunks");
         for _ in 0..200 {
-            a.tokens(1, 40);
+            a.tokens(1, Some(40), 1000);
         }
         assert!((a.allowance_ms(1).unwrap() - 170.0).abs() < 1.0, "{:?}", a.allowance_ms(1));
-        a.tokens(0, 1_000_000);
+        a.tokens(0, Some(1_000_000), 1000);
         assert!((a.allowance_ms(1).unwrap() - 170.0).abs() < 1.0, "no tokens, no sample");
     }
 
     #[test]
-    fn the_pipeline_is_the_starts_within_one_allowance() {
+    fn an_engine_streaming_to_nobody_is_paused_not_queueing() {
         let mut a = Pace::default();
+        assert!(!a.streaming(0));
         for _ in 0..200 {
-            a.tokens(1, 40);
+            a.tokens(1, Some(40), 1000);
         }
-        // 10 starts per 50 ms tick: 0.2 per ms, over an allowance of 170 ms.
-        let mut pipeline = 0;
-        for _ in 0..200 {
-            for _ in 0..10 {
-                a.started(100);
-            }
-            pipeline = a.pipeline(50);
-        }
-        assert_eq!(pipeline, 34);
-        a.pipeline(0);
-        assert_eq!(a.pipeline(0), 34, "no time, no sample");
+        assert!(a.streaming(1100) && !a.streaming(1200), "quiet for longer than an allowance");
     }
 
     #[test]
     fn hostile_counts_stay_in_range() {
         let h = Headroom::default();
-        let mut c = Capacity::from_batch(f64::NAN);
-        assert_eq!(c.batch(), 0.0);
-        c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX, pipeline: u32::MAX }, &h);
-        assert_eq!(c.batch(), 0.0);
-        for _ in 0..64 {
-            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0, pipeline: 0 }, &h);
+        assert_eq!(Capacity::from_batch(Some(f64::NAN)).batch(), None);
+        assert_eq!(Capacity::from_batch(Some(-1.0)).batch(), None);
+        assert_eq!(Capacity::from_batch(Some(f64::INFINITY)).batch(), None);
+        let mut c = Capacity::from_batch(Some(10.0));
+        c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, &h);
+        assert_eq!(c.batch(), Some(0.0));
+        for _ in 0..200 {
+            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, &h);
         }
-        assert_eq!(c.batch(), MAX_BATCH);
-        assert_eq!(Capacity::from_batch(f64::INFINITY).batch(), 0.0);
+        assert_eq!(c.batch(), Some(MAX_BATCH));
         assert!(Headroom { fraction: -1.0, min: 4.0 }.validate("x").unwrap_err().contains("x.headroom_fraction"));
         assert!(Headroom { fraction: 0.1, min: 0.0 }.validate("x").unwrap_err().contains("x.min_headroom"));
     }
