@@ -1947,15 +1947,15 @@ mod tests {
         let one = || learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]}));
         let mut w = vm(&p, 1, one(), 0);
         w.on_tick(0);
-        // Nothing learned yet: a limit of one (the least headroom), and bypasses
-        // 10 % over it (`percentage_deviation_for_bounds`): two go, the third waits.
-        assert_eq!(metric(&p, "sluice_in_flight_limit"), 1);
-        for ctx in 1..=2 {
+        // Nothing learned yet: slow start from nothing (four requests and a
+        // headroom of one), bypasses 10 % over it (`percentage_deviation_for_bounds`).
+        assert_eq!(metric(&p, "sluice_in_flight_limit"), 5);
+        for ctx in 1..=6 {
             assert_eq!(admit_streamed(&mut w, 1, ctx), Admission::Bypass(0), "{ctx}");
         }
-        assert_eq!(admit_streamed(&mut w, 1, 3), Admission::Queued);
-        // The engine started both and streams their tokens: it takes what it is sent.
-        for ctx in 1..=2 {
+        assert_eq!(admit_streamed(&mut w, 1, 7), Admission::Queued);
+        // The engine started all six and streams their tokens: slow start doubles.
+        for ctx in 1..=6 {
             w.at(20).first_response_bytes(ctx);
             w.at(20).charge(ctx, 1);
             w.at(40).charge(ctx, 1);
@@ -1963,8 +1963,7 @@ mod tests {
         w.on_tick(50);
         w.on_queue_ready(50, queue_id(&p, "sluice.worker.1"));
         assert_eq!(p.resumed.borrow().len(), 1, "the queued one went");
-        let limit = metric(&p, "sluice_in_flight_limit");
-        assert!(limit >= 4, "slow start doubles what the engine started: {limit}");
+        assert_eq!(metric(&p, "sluice_in_flight_limit"), 13, "twice the six started, and a headroom of one");
         // Another worker reads the same limit on its tick.
         let mut other = vm(&p, 2, one(), 51);
         other.on_tick(60);
