@@ -1,0 +1,63 @@
+//! The shipped defaults fill an engine's batch: with nothing configured but the endpoints, an
+//! overloaded backend runs close to its batch limit, and the gateway still holds the rest in its
+//! own queue, where fairness is decided. Heterogeneous pools get a limit per endpoint.
+
+mod common;
+
+use host_sim::sim::report::Report;
+use host_sim::Scenario;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// A flood of streamed chats, more than `backends` can serve, with `filter` as the whole
+/// plugin configuration (the endpoints are filled in).
+fn flood(filter: Value, backends: Value, rate: f64) -> Report {
+    let sc = json!({
+        "seed": 7,
+        "workers": 2,
+        "filter_config": filter,
+        "backends": backends,
+        "workload": {"kind": "synthetic", "duration_s": 12, "clients": [
+            {"name": "flood", "rate": rate, "prompt_tokens": 128, "output_tokens": 64},
+            {"name": "modest", "rate": 1, "prompt_tokens": 128, "output_tokens": 64},
+        ]},
+    });
+    let sc = Scenario::from_json(&sc.to_string()).unwrap();
+    let (sim, report) = sc.run(&common::filter_wasm(), Path::new("")).unwrap();
+    assert!(sim.host().traps().is_empty());
+    report
+}
+
+fn h100(count: usize, max_num_seqs: u32) -> Value {
+    json!({"count": count, "profile": "llama3-8b-h100", "overrides": {"max_num_seqs": max_num_seqs}})
+}
+
+#[test]
+fn the_default_configuration_runs_a_batch_of_64_nearly_full() {
+    for (name, filter) in [("defaults", json!({})), ("scraping", json!({"routing": {"scrape_cluster": "model_servers"}}))] {
+        let r = flood(filter, h100(1, 64), 300.0);
+        let batch = r.backends[0].mean_batch;
+        assert!(batch > 48.0, "{name}: mean batch {batch} of 64");
+        // The rest waited in the gateway, where the policy orders it.
+        assert!(r.filter_metrics["sluice_requests_queued"] > 100, "{name}: {:?}", r.filter_metrics);
+        let limit = r.filter_metrics["sluice_in_flight_limit"];
+        assert!((64..=80).contains(&limit), "{name}: learned limit {limit}");
+    }
+}
+
+#[test]
+fn a_configured_watermark_still_caps_the_engine() {
+    let r = flood(json!({"watermark_per_backend": 8}), h100(1, 64), 300.0);
+    assert!(r.backends[0].mean_batch <= 8.8, "{:?}", r.backends[0]);
+}
+
+#[test]
+fn each_endpoint_of_a_heterogeneous_pool_gets_its_own_limit() {
+    let pool = json!([
+        {"count": 1, "profile": "llama3-8b-h100", "overrides": {"max_num_seqs": 64}},
+        {"count": 1, "profile": "llama3-8b-h100", "port": 8001, "overrides": {"max_num_seqs": 16}},
+    ]);
+    let r = flood(json!({}), pool, 400.0);
+    let (big, small) = (r.backends[0].mean_batch, r.backends[1].mean_batch);
+    assert!(big > 48.0 && small > 12.0, "mean batches {big} of 64 and {small} of 16");
+}
