@@ -137,7 +137,6 @@ pub fn default_plugin_config(endpoints: &[String], policy: &str) -> Value {
         "total_capacity": 1000,
         "flow_capacity": 100,
         "queue_ttl_ms": 30_000,
-        "watermark_per_backend": 2,
         "percentage_deviation_for_bounds": 0.1,
         "retry_after_s": 1,
         "tick_ms": 50

@@ -485,6 +485,8 @@ pub fn filter_config(w: &ReproWorkload, p: &PolicyCase, opts: &ReproOptions) -> 
     json!({
         "policy": p.policy,
         "watermark_per_backend": opts.watermark.unwrap_or_else(|| default_watermark(&w.items)),
+        // The experiment's bound is the watermark it sizes, not one learned from the GPU.
+        "learned_limit": null,
         "queue_ttl_ms": ttl,
         "total_capacity": 200_000,
         "flow_capacity": flow_cap,
@@ -942,6 +944,7 @@ pub fn run_bands(
     let config = json!({
         "policy": policy.policy,
         "watermark_per_backend": 16,
+        "learned_limit": null,
         "queue_ttl_ms": NO_TTL_MS,
         "total_capacity": BANDS_TOTAL_CAPACITY,
         "flow_capacity": BANDS_FLOW_CAPACITY,

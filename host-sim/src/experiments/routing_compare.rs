@@ -486,6 +486,8 @@ impl RunConfig {
             "critical_reserve": 0,
             "queue_ttl_ms": 86_400_000u64,
             "watermark_per_backend": self.watermark_per_backend,
+            // The comparison's bound is its watermark, the same for every picker.
+            "learned_limit": null,
             "tick_ms": self.scrape_interval_ms.clamp(1, 10_000),
             "routing": routing,
         })

@@ -306,6 +306,10 @@ impl Pool {
         if c.get("watermark_per_backend").is_none() {
             c["watermark_per_backend"] = serde_json::json!(self.watermark_for(items));
         }
+        // The experiment's bound is the watermark it sizes, not one learned from the GPU.
+        if c.get("learned_limit").is_none() {
+            c["learned_limit"] = serde_json::Value::Null;
+        }
         c
     }
 }

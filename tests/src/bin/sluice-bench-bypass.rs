@@ -160,7 +160,7 @@ async fn run(args: Args) -> Result<()> {
     // A watermark far above the load keeps every request on the bypass path.
     let pc = with_overrides(
         default_plugin_config(std::slice::from_ref(&endpoint), "vtc"),
-        json!({"watermark_per_backend": 10_000}),
+        json!({"watermark_per_backend": 10_000, "learned_limit": null}),
     );
     // The instant backend answers one token whatever max_tokens says.
     let mut req = ChatRequest::chat(Some("bench"), 1);

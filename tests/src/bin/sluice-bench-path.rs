@@ -293,7 +293,7 @@ fn prompt_config(endpoint: &str, hashing: bool) -> Value {
     }
     with_overrides(
         default_plugin_config(&[endpoint.to_string()], "vtc"),
-        json!({"watermark_per_backend": 10_000, "max_body_bytes": 2 << 20, "routing": routing}),
+        json!({"watermark_per_backend": 10_000, "learned_limit": null, "max_body_bytes": 2 << 20, "routing": routing}),
     )
 }
 
