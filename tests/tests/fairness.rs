@@ -25,9 +25,12 @@ struct Run {
 }
 
 async fn run(policy: &str, flood_rate: f64, workers: u32) -> anyhow::Result<Run> {
-    // Two backends at ~5 ms per token, about 4 requests in flight in total (watermark 2 per
-    // backend): roughly 20 requests/s of capacity, which a flood of 40/s saturates.
-    let rig = rig(&format!("fair-{policy}"), backends(2, 0.2), policy, json!({"flow_capacity": 40}), workers).await?;
+    // Two backends at ~5 ms per token, about 4 requests in flight in total (a cap of 2 per
+    // backend, far under what the engines batch: the learned limit would let them serve a
+    // flood two cores can send, and no queue would form): roughly 20 requests/s of capacity,
+    // which a flood of 40/s saturates.
+    let cap = json!({"flow_capacity": 40, "watermark_per_backend": 2});
+    let rig = rig(&format!("fair-{policy}"), backends(2, 0.2), policy, cap, workers).await?;
     let client = LoadClient::new(Duration::from_secs(60));
     let loads = [
         TenantLoad { request: ChatRequest::chat(Some("flood"), MAX_TOKENS), rate_per_s: flood_rate },

@@ -526,7 +526,7 @@ async fn a_stopped_backend_does_not_stall_the_pool() -> Result<()> {
     let pc = with_overrides(
         default_plugin_config(&endpoints, "fcfs"),
         json!({
-            "lower_bound_per_backend": 1, "upper_bound_per_backend": 1, "queue_ttl_ms": 15_000,
+            "lower_bound_per_backend": 2, "upper_bound_per_backend": 2, "queue_ttl_ms": 15_000,
             "routing": {"scrape_cluster": "model_servers", "scrape_timeout_ms": 300, "quarantine_ms": 500,
                         "session_header": "x-session", "weights": {"prefix": 0, "session": 100}}
         }),
@@ -539,7 +539,7 @@ async fn a_stopped_backend_does_not_stall_the_pool() -> Result<()> {
         .await?;
     let addr = envoy.listener;
 
-    // Two long requests of one session take the pool's two slots, both on one backend.
+    // Two long requests of one session take the two slots of one backend.
     let hold = [("x-session", "pin"), (TENANT_HEADER, "holder")];
     let (s1, h1) = open_stream(addr, &hold, 480).await?;
     let (s2, h2) = open_stream(addr, &hold, 480).await?;
@@ -552,7 +552,8 @@ async fn a_stopped_backend_does_not_stall_the_pool() -> Result<()> {
     assert_eq!(s.get("sluice_stock"), Some(2.0), "both slots held: {}", s.sluice_summary());
 
     stopped.freeze();
-    // Requests sent now: the stopped backend holds every slot of the pool as configured.
+    // Requests sent now: the stopped backend holds every slot of its own band, and its stock
+    // counts neither against the healthy one's band nor in the pool's.
     let client = LoadClient::new(Duration::from_secs(60));
     let tasks: Vec<_> = (0..6)
         .map(|_| {

@@ -4,8 +4,9 @@
 //! Every row runs in virtual time (deterministic; the machine does not matter). "no gateway"
 //! sends the workload to the backends in turn (the round-robin floor filter), the throughput a
 //! gateway must not lose; "watermark 2" is the fixed bound sluice shipped before it learned
-//! each engine's limit; "default" is the configuration with nothing set but `policy`; "+ scrape"
-//! adds `routing.scrape_cluster`, as the reference configs do.
+//! each engine's limit; "watermark 1000" bounds nothing (every request goes to the engine at
+//! once, as with no gateway, but through the filter); "default" is the configuration with
+//! nothing set but `policy`; "+ scrape" adds `routing.scrape_cluster`, as the reference configs do.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -43,9 +44,10 @@ struct Case {
 }
 
 /// The configurations compared, as filter-config overrides (`None`: no gateway).
-const VARIANTS: [(&str, Option<&str>); 4] = [
+const VARIANTS: [(&str, Option<&str>); 5] = [
     ("no gateway", None),
     ("watermark 2 (old default)", Some(r#"{"watermark_per_backend": 2, "learned_limit": null}"#)),
+    ("watermark 1000 (no bound)", Some(r#"{"watermark_per_backend": 1000, "learned_limit": null}"#)),
     ("default", Some("{}")),
     ("default + scrape", Some(r#"{"routing": {"scrape_cluster": "model_servers"}}"#)),
 ];
