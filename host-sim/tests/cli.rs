@@ -99,3 +99,37 @@ fn dir_with_filter() -> std::path::PathBuf {
     std::fs::write(&p, common::filter_wasm()).unwrap();
     p
 }
+
+/// The round-robin floor filter (`tests/floor-filter`), the pool with no gateway.
+fn floor_wasm() -> std::path::PathBuf {
+    common::build_wasm("sluice-floor-filter", "sluice_floor_filter")
+}
+
+#[test]
+fn no_gateway_sends_the_workload_to_the_backends_in_turn() {
+    let sc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scenarios/synthetic-mixed.json");
+    let out = sim()
+        .args(["--scenario", sc.to_str().unwrap(), "--no-gateway", "--floor-wasm", floor_wasm().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Nothing is held back, refused or counted by the filter: every request reaches the GPU.
+    assert_eq!(v["outcomes"]["ok"], v["requests"], "{}", v["outcomes"]);
+    assert_eq!(v["filter_metrics"].as_object().map(|m| m.len()), Some(0), "{}", v["filter_metrics"]);
+}
+
+#[test]
+fn sluice_defaults_prints_the_no_gateway_row_first() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice-defaults"))
+        .args(["--quick", "--only", "azure-code"])
+        .args(["--wasm", dir_with_filter().to_str().unwrap(), "--floor-wasm", floor_wasm().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<&str> = table.lines().filter(|l| l.starts_with("| azure-code")).collect();
+    assert_eq!(rows.len(), 5, "{table}");
+    assert!(rows[0].contains("| no gateway |") && rows[0].contains("| 1.00 |"), "{table}");
+    assert!(rows[3].contains("| default |"), "{table}");
+}
