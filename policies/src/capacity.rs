@@ -162,12 +162,14 @@ impl Capacity {
         }
     }
 
-    /// Takes one observation of the endpoint.
-    pub fn observe(&mut self, p: Progress, h: &Headroom) {
+    /// Takes one observation of the endpoint. `held_back`: requests wait in
+    /// the gateway's queue (the limit holds them back even when other bounds,
+    /// such as a replica's share, keep the stock a little under it).
+    pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom) {
         let waiting = p.waiting.min(p.in_flight);
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
         // Only a limit that requests run into says anything about the engine.
-        let binding = p.in_flight > 0 && f64::from(p.in_flight) + 1.0 >= self.limit(h);
+        let binding = p.in_flight > 0 && (held_back || f64::from(p.in_flight) + 1.0 >= self.limit(h));
         self.started = f64::from(p.in_flight - unstarted);
         // What the engine runs when it keeps some waiting: the ones it
         // started and the ones it is prefilling (some young ones may yet
@@ -282,7 +284,7 @@ mod tests {
             let waiting = queued.iter().filter(|&&t| t + 1 < round).count() as u32;
             let in_flight = (admitted.len() + queued.len()) as u32;
             let unstarted = (prefilling + queued.len()) as u32;
-            c.observe(Progress { in_flight, unstarted, waiting }, h);
+            c.observe(Progress { in_flight, unstarted, waiting }, false, h);
             queue.push(queued.len() as u32);
             batch.push(admitted.len());
         }
@@ -326,16 +328,16 @@ mod tests {
     fn a_full_engine_brings_the_estimate_down_to_what_it_runs() {
         let h = Headroom::default();
         let mut c = Capacity::from_batch(Some(200.0));
-        c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, &h);
+        c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, false, &h);
         assert_eq!(c.batch(), Some(90.0));
         // Within the headroom (2.8 of 90), and not binding: it stays.
-        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, &h);
+        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, false, &h);
         assert_eq!(c.batch(), Some(90.0));
         // Binding, nothing waits: one more every few such observations.
         let mut probes = Vec::new();
         for _ in 0..CALM_TO_PROBE + 4 {
             let n = c.limit(&h) as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, false, &h);
             probes.push(c.batch().unwrap());
         }
         let ones = f64::from(CALM_TO_PROBE / PROBE_EVERY);
@@ -345,12 +347,28 @@ mod tests {
     }
 
     #[test]
+    fn requests_held_back_in_the_gateway_make_the_limit_bind() {
+        let h = Headroom::default();
+        let mut c = Capacity::from_batch(Some(50.0));
+        // Another bound (a replica's share) keeps the stock at 45: the limit does not bind...
+        for _ in 0..8 {
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0 }, false, &h);
+        }
+        assert_eq!(c.batch(), Some(50.0));
+        // ...unless requests wait in the gateway meanwhile: then it probes.
+        for _ in 0..2 * PROBE_EVERY {
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0 }, true, &h);
+        }
+        assert_eq!(c.batch(), Some(52.0));
+    }
+
+    #[test]
     fn unstreamed_requests_never_hold_the_limit_down() {
         let h = Headroom::default();
         let mut c = Capacity::default();
         for _ in 0..40 {
             let n = c.limit(&h).floor() as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, false, &h);
         }
         assert!(c.limit(&h) > 10_000.0, "{}", c.limit(&h));
     }
@@ -387,10 +405,10 @@ mod tests {
         assert_eq!(Capacity::from_batch(Some(-1.0)).batch(), None);
         assert_eq!(Capacity::from_batch(Some(f64::INFINITY)).batch(), None);
         let mut c = Capacity::from_batch(Some(10.0));
-        c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, &h);
+        c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, false, &h);
         assert_eq!(c.batch(), Some(0.0));
         for _ in 0..200 {
-            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, &h);
+            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, false, &h);
         }
         assert_eq!(c.batch(), Some(MAX_BATCH));
         assert!(Headroom { fraction: -1.0, min: 4.0 }.validate("x").unwrap_err().contains("x.headroom_fraction"));
