@@ -10,23 +10,32 @@
 //! enough that waiting happens where fairness is decided.
 //!
 //! A streamed response's first bytes come back once the engine ran the
-//! request's prefill. A request admitted at once gets them within a few
-//! engine iterations; one that waits in the engine's queue gets them only
-//! when a running request leaves. So the gateway can count the requests an
-//! engine keeps waiting, without scraping: those streamed, sent longer ago
-//! than their [`StartAllowance`] (a few iterations, measured from the
-//! streams' own token pace), with no first bytes yet.
+//! request's prefill, and its tokens keep coming while it is in the batch. A
+//! request admitted at once gets them within a few engine iterations; one
+//! that waits in the engine's queue (or was preempted back into it) gets
+//! none until a running request leaves. So the gateway can count the
+//! requests an engine keeps waiting, without scraping: streamed ones quiet
+//! for longer than their allowance ([`Pace::allowance_ms`]: a few iterations
+//! at the streams' own token pace), judged only while the engine streams to
+//! someone (a long prefill pauses every stream and is not a queue).
 //!
 //! [`Capacity`] keeps an estimate of the engine's batch from those counts,
 //! as TCP keeps a window:
 //!
-//! - *more than the headroom waiting:* the engine is full; the estimate
-//!   falls to what it runs now (in flight less waiting), and nothing more is
-//!   sent until the queue drains below the headroom;
-//! - *otherwise, and the limit binds:* the engine keeps up; the estimate grows
-//!   past what it runs by a step that doubles each time the engine has
-//!   started everything the estimate allowed (slow start, once per round trip
-//!   of dispatch to first token), and falls back to one on a full engine.
+//! - *slow start* (nothing known yet): the limit is twice what the engine
+//!   was seen to start, so it doubles once a round trip of dispatch to first
+//!   token, and only as the engine proves it takes what it is sent;
+//! - *full* (more waiting than the [`Headroom`]): the batch is what the
+//!   engine runs now (in flight less waiting), and nothing more is sent until
+//!   its queue drains below the headroom;
+//! - *calm* (the limit binds and nothing waits): one more request every
+//!   [`PROBE_EVERY`] such observations; after [`CALM_TO_PROBE`] in a row in
+//!   which the engine started nearly all it was given, probes that double
+//!   until something waits. The probes are rare because a KV cache fills as
+//!   its sequences grow: a probe that succeeds now may preempt seconds later,
+//!   and a preempted request waits in the engine's queue ahead of everyone.
+//!
+//! The limit is the batch plus the headroom.
 //!
 //! Delay-based limits (Envoy's adaptive concurrency, gradient limiters)
 //! compare latency with a minimum; an engine's step time grows with its
@@ -124,13 +133,13 @@ pub struct Capacity {
 /// One more request an observation is a slow way to find a bigger engine
 /// (a new backend behind the same address, shorter requests that leave room
 /// in the KV cache): after this many in a row, the probes double.
-const CALM_TO_PROBE: u32 = 20;
+pub const CALM_TO_PROBE: u32 = 20;
 
 /// Calm observations between two probes of one request.
-const PROBE_EVERY: u32 = 16;
+pub const PROBE_EVERY: u32 = 16;
 
 /// During slow start, at least this many requests beyond those started.
-const MIN_PROBE: f64 = 4.0;
+pub const MIN_PROBE: f64 = 4.0;
 
 impl Default for Capacity {
     fn default() -> Self {
