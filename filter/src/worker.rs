@@ -280,6 +280,36 @@ enum Stream {
     },
 }
 
+/// How a request left the gateway, for its [`Stream::Dispatched`] entry.
+struct Sent {
+    /// When it was sent.
+    now: u64,
+    /// Where its TTFT counts from (arrival plus time held).
+    ttft_from_ms: u64,
+    /// Its TTFT objective.
+    objective_ms: Option<u32>,
+    /// The client asked for an SSE stream.
+    streamed: bool,
+}
+
+impl Stream {
+    /// The entry of a request sent to a backend on `permit`.
+    fn dispatched(tenant: String, band: u8, permit: Permit, sent: Sent, prompt_tokens: u32) -> Stream {
+        Stream::Dispatched {
+            tenant,
+            band,
+            permit,
+            sent_ms: sent.now,
+            first_seen: false,
+            ttft_from_ms: Some(sent.ttft_from_ms),
+            objective_ms: sent.objective_ms,
+            unstarted: sent.streamed,
+            prompt_tokens,
+            last_token_ms: None,
+        }
+    }
+}
+
 /// A request the overload ladder deferred: paused, and not sent to the
 /// scheduler until severity lets its class through.
 struct Held {
@@ -501,22 +531,9 @@ impl<H: Host> Worker<H> {
                         tenant: tenant.clone(),
                     });
                     self.write_engine_priority(ctx, band);
-                    let (sent_ms, ttft_from_ms) = (self.now, Some(self.now));
                     let objective_ms = deadline.map(|d| d.ttft_ms);
-                    let unstarted = req.stream;
-                    let stream = Stream::Dispatched {
-                        tenant,
-                        band,
-                        permit,
-                        sent_ms,
-                        first_seen: false,
-                        ttft_from_ms,
-                        objective_ms,
-                        unstarted,
-                        prompt_tokens: req.prompt_tokens,
-                        last_token_ms: None,
-                    };
-                    self.streams.insert(ctx, stream);
+                    let sent = Sent { now: self.now, ttft_from_ms: self.now, objective_ms, streamed: req.stream };
+                    self.streams.insert(ctx, Stream::dispatched(tenant, band, permit, sent, req.prompt_tokens));
                     return Admission::Bypass(endpoint);
                 }
                 Slot::NoEndpoint => return Admission::NoEndpoint,
@@ -1138,22 +1155,10 @@ impl<H: Host> Worker<H> {
                 ..
             }) = self.streams.remove(&ctx)
             {
-                let (sent_ms, ttft_from_ms) = (self.now, Some(arrival_ms.saturating_add(held_ms)));
                 let objective_ms = deadline.map(|d| d.ttft_ms);
-                let unstarted = streamed;
-                let stream = Stream::Dispatched {
-                    tenant,
-                    band,
-                    permit,
-                    sent_ms,
-                    first_seen: false,
-                    ttft_from_ms,
-                    objective_ms,
-                    unstarted,
-                    prompt_tokens: input_tokens,
-                    last_token_ms: None,
-                };
-                self.streams.insert(ctx, stream);
+                let ttft_from_ms = arrival_ms.saturating_add(held_ms);
+                let sent = Sent { now: self.now, ttft_from_ms, objective_ms, streamed };
+                self.streams.insert(ctx, Stream::dispatched(tenant, band, permit, sent, input_tokens));
                 self.host.add(Metric::Dispatched, 1);
                 self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival_ms));
                 return;
