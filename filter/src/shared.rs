@@ -459,7 +459,7 @@ pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64)
         }
         for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(PROGRESS_BYTES)) {
             let at = |k: usize| u32_at(&c[4 * k..]);
-            *s = s.add(Progress { in_flight: at(0), unstarted: at(1), waiting: at(2) });
+            *s = *s + Progress { in_flight: at(0), unstarted: at(1), waiting: at(2) };
         }
     }
     sum

@@ -741,7 +741,7 @@ impl<H: Host> Worker<H> {
                 let before = learned(&role.capacity);
                 // A replica's share keeps its stock a little under the limit: requests
                 // waiting in its queue are what says the limit holds them back.
-                let held_back = self.cfg.replicas.is_some() && role.scheduler.len() > 0;
+                let held_back = self.cfg.replicas.is_some() && !role.scheduler.is_empty();
                 for (e, (c, p)) in role.capacity.iter_mut().zip(progress).enumerate() {
                     c.observe(p, held_back, &h);
                     log::debug!("learned {e}: {p:?} -> batch {:?} limit {:.1}", c.batch(), c.limit(&h));

@@ -64,9 +64,11 @@ pub struct Progress {
     pub waiting: u32,
 }
 
-impl Progress {
-    /// Adds another worker's view of the same endpoint.
-    pub fn add(self, o: Progress) -> Progress {
+impl std::ops::Add for Progress {
+    type Output = Progress;
+
+    /// Another worker's view of the same endpoint, added.
+    fn add(self, o: Progress) -> Progress {
         Progress {
             in_flight: self.in_flight.saturating_add(o.in_flight),
             unstarted: self.unstarted.saturating_add(o.unstarted),
@@ -195,7 +197,7 @@ impl Capacity {
             Some(b) if calm => {
                 let grew = self.calm > CALM_TO_PROBE && self.started >= b - h.of(b);
                 self.step = if grew { self.step * 2.0 } else { 1.0 };
-                Some(if grew || self.calm % PROBE_EVERY == 0 { b + self.step } else { b })
+                Some(if grew || self.calm.is_multiple_of(PROBE_EVERY) { b + self.step } else { b })
             }
             b => b,
         }
