@@ -76,7 +76,7 @@ class Scenario:
 
     duration_s: float = 20.0
     warmup_s: float = 3.0
-    flood_concurrency: int = 12
+    flood_concurrency: int = 20
     modest_interval_s: float = 1.0
     max_tokens: int = 64
     bound_per_backend: int = 2  # sluice's in-flight bound, explicit and under vLLM's --max-num-seqs
