@@ -49,7 +49,7 @@ def test_openai_sdk_chat_and_completions(gateway):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=9, stream=True,
         stream_options={"include_usage": True}, extra_body=ignore_eos))
-    # vLLM: a role chunk, one chunk per token (the last with finish_reason), then the usage chunk.
+    # vLLM: a role chunk, the tokens (the last chunk with finish_reason), then the usage chunk.
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
@@ -60,7 +60,8 @@ def test_openai_sdk_chat_and_completions(gateway):
     chunks = list(client.completions.create(model=MODEL, prompt="The gateway", max_tokens=6, stream=True,
                                             stream_options={"include_usage": True}, extra_body=ignore_eos))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
-    assert sum(1 for c in chunks if c.choices) == 6
+    # Usually one chunk per token, but a busy server sends the tokens it has in one chunk.
+    assert 1 <= sum(1 for c in chunks if c.choices) <= 6
 
     # All four went through the filter's scheduling, each released once it ended.
     harness.wait_for(lambda: envoy.stat("sluice_requests_completed") == 4, 30,
@@ -77,8 +78,10 @@ def test_raw_streaming_keeps_vllm_framing(gateway, engines):
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
     events = [line for line in r.text.split("\n\n") if line]
-    assert events[-1] == "data: [DONE]" and '"choices":[]' in events[-2] and '"usage"' in events[-2]
-    assert len(events) == 1 + 4 + 2  # role chunk, four tokens, usage, [DONE]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and '"choices":[]' in events[-2] and '"completion_tokens":4' in events[-2]
+    # A role chunk, then 1 to 4 chunks for the four tokens (several may share one under load).
+    assert '"role":"assistant","content":""' in events[0] and 1 + 1 + 2 <= len(events) <= 1 + 4 + 2
 
 
 # --- scraping ---------------------------------------------------------------------------------
