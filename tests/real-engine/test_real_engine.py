@@ -127,7 +127,10 @@ def test_engine_priority_lets_critical_jump_vllm_queue(gateway, engines, engine_
     async def scenario():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             send = lambda tenant, n: asyncio.create_task(stream_chat(client, envoy.url, tenant, chat_body(n)))
-            running = [send("bulk", 600) for _ in range(MAX_NUM_SEQS)]
+            # Lengths 100 tokens apart, so the batch frees one slot at a time: each slot that frees
+            # goes to the one request vLLM's scheduler ranks first (freed together, the waiting
+            # requests would all start in one step and their first tokens tie).
+            running = [send("bulk", 600 + 100 * i) for i in range(MAX_NUM_SEQS)]
             await wait_async(lambda: a.load()[0] == MAX_NUM_SEQS, 120, "a full batch", a.proc)
             waiting = [send("bulk", 16) for _ in range(3)]
             await wait_async(lambda: a.load() == (MAX_NUM_SEQS, 3), 120, "3 waiting in vLLM", a.proc)
