@@ -127,19 +127,24 @@ def test_engine_priority_lets_critical_jump_vllm_queue(gateway, engines, engine_
     async def scenario():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             send = lambda tenant, n: asyncio.create_task(stream_chat(client, envoy.url, tenant, chat_body(n)))
-            # Lengths 100 tokens apart, so the batch frees one slot at a time: each slot that frees
-            # goes to the one request vLLM's scheduler ranks first (freed together, the waiting
-            # requests would all start in one step and their first tokens tie).
+            # The batch frees one slot every 100 tokens (freed together, the waiting requests would
+            # start in one step and their first tokens tie), and each waiting request holds the
+            # slot it gets longer than that: the waiting ones (and the critical one) start about 100
+            # decode steps apart,
+            # in the order vLLM's scheduler ranks them, far beyond the client's timing noise.
             running = [send("bulk", 600 + 100 * i) for i in range(MAX_NUM_SEQS)]
             await wait_async(lambda: a.load()[0] == MAX_NUM_SEQS, 120, "a full batch", a.proc)
-            waiting = [send("bulk", 16) for _ in range(3)]
+            waiting = [send("bulk", 300) for _ in range(3)]
             await wait_async(lambda: a.load() == (MAX_NUM_SEQS, 3), 120, "3 waiting in vLLM", a.proc)
-            vip = await send("vip", 16)
+            vip = await send("vip", 300)  # as long as the waiting ones: it too holds its slot
             return vip, await asyncio.gather(*waiting), await asyncio.gather(*running)
 
     vip, waiting, running = asyncio.run(scenario())
     for o in [vip, *waiting, *running]:
         assert o.status == 200 and not o.error and o.first_token is not None, o
+    t0 = vip.sent
+    print(f"\n[engine_priority={engine_priority}] first tokens, s after the critical request was sent: "
+          f"critical {vip.first_token - t0:.2f}, waiting {[round(o.first_token - t0, 2) for o in waiting]}")
     if engine_priority:
         assert all(vip.first_token < o.first_token for o in waiting), (vip, waiting)
     else:
