@@ -128,10 +128,9 @@ def test_engine_priority_lets_critical_jump_vllm_queue(gateway, engines, engine_
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             send = lambda tenant, n: asyncio.create_task(stream_chat(client, envoy.url, tenant, chat_body(n)))
             # The batch frees one slot every 100 tokens (freed together, the waiting requests would
-            # start in one step and their first tokens tie), and each waiting request holds the
-            # slot it gets longer than that: the waiting ones (and the critical one) start about 100
-            # decode steps apart,
-            # in the order vLLM's scheduler ranks them, far beyond the client's timing noise.
+            # start in one step and their first tokens tie), and each queued request holds the slot
+            # it gets longer than that: they start about 100 decode steps apart, in the order
+            # vLLM's scheduler ranks them, far beyond the client's timing noise.
             running = [send("bulk", 600 + 100 * i) for i in range(MAX_NUM_SEQS)]
             await wait_async(lambda: a.load()[0] == MAX_NUM_SEQS, 120, "a full batch", a.proc)
             waiting = [send("bulk", 300) for _ in range(3)]
