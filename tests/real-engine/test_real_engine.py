@@ -24,8 +24,10 @@ def sdk(envoy, tenant="sdk"):
 
 
 def explicit_bound(n: int) -> dict:
-    """Plugin keys for an in-flight bound of `n` per backend, independent of the default bound."""
-    return {"lower_bound_per_backend": n, "upper_bound_per_backend": n, "watermark_per_backend": None}
+    """Plugin keys for a fixed in-flight bound of `n` per backend, instead of the limit learned
+    from the engine (which would keep vLLM's own queue short)."""
+    return {"lower_bound_per_backend": n, "upper_bound_per_backend": n, "watermark_per_backend": None,
+            "learned_limit": None}
 
 
 async def wait_async(check, timeout_s, what, proc=None):
