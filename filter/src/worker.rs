@@ -782,11 +782,12 @@ impl<H: Host> Worker<H> {
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&self.host, n);
         // Each endpoint's band: the learned limit under the operator's cap.
-        let bands: Vec<Band> = self.limits.iter().map(|&l| cfg.bounds.band(l)).collect();
+        let limits = &self.limits;
+        let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
         let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
             (0..n)
                 .map(|i| {
-                    let full = !bands[i].has_room(load[i], from_queue);
+                    let full = !band(i).has_room(load[i], from_queue);
                     match &records[i] {
                         r if scraping => EndpointView { full, ..r.view(load[i], now) },
                         r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
@@ -802,10 +803,10 @@ impl<H: Host> Worker<H> {
             // The band scales with the endpoints that can take work: a hung
             // server's requests must not hold the others back.
             let healthy = |i: usize| records[i].healthy(now);
-            let (pool, stock) = shared::ready_stock(load, healthy, &bands);
+            let (pool, stock) = shared::ready_stock(load, healthy, band);
             // A replica keeps to its share of the bound (and all of them to the bound).
             let stock = peers.as_ref().map_or(stock, |p| {
-                p.stock(shared::ready_stock(own, healthy, &bands).1 + held, stock + held, from_queue)
+                p.stock(shared::ready_stock(own, healthy, band).1 + held, stock + held, from_queue)
             });
             let band = if from_queue { pool.may_pop(stock) } else { pool.may_bypass(stock, 0) };
             // Full GPUs hold requests back; but never all of them, or nothing
