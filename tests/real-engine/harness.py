@@ -30,6 +30,12 @@ MODEL_DIR = WORK / "model"
 MODEL = "tiny"  # --served-model-name of every vLLM server
 TARGET_DIR = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
 FILTER_WASM = TARGET_DIR / "wasm32-wasip1" / "release" / "sluice_filter.wasm"
+# The round-robin floor filter (tests/floor-filter): the same Envoy, no scheduling.
+FLOOR_WASM = TARGET_DIR / "wasm32-wasip1" / "release" / "sluice_floor_filter.wasm"
+BUILD_HINT = {
+    FILTER_WASM: "run `bash scripts/setup.sh` first",
+    FLOOR_WASM: "run `cargo build -p sluice-floor-filter --target wasm32-wasip1 --release` first",
+}
 ENVOY_BIN = REPO / ".venv" / "bin" / "envoy"
 REFERENCE_ENVOY = REPO / "envoy" / "envoy.yaml"
 
@@ -88,6 +94,21 @@ class Process:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the processes now in its group (a vLLM server's engine and
+        helpers included), from /proc; what exited children used is not counted."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            # After the command: state ppid pgrp ... utime (14th field overall) stime (15th).
+            if int(fields[2]) == self.popen.pid:
+                total += int(fields[11]) + int(fields[12])
+        return total / tick
 
     def check_alive(self, what: str) -> None:
         if self.popen.poll() is not None:
@@ -205,6 +226,14 @@ class Vllm:
                 total += float(line.rpartition(" ")[2])
         return total
 
+    def server_load(self) -> float:
+        """Requests in progress in the API server (vLLM's `/load`; needs
+        `--enable-server-load-tracking`): what a gateway has sent and not seen end, including
+        those not yet in the engine's scheduler."""
+        r = httpx.get(f"{self.url}/load", timeout=30)
+        r.raise_for_status()
+        return float(r.json()["server_load"])
+
     def load(self) -> tuple[float, float]:
         m = self.metrics()
         return m.get("vllm:num_requests_running", 0.0), m.get("vllm:num_requests_waiting", 0.0)
@@ -252,15 +281,16 @@ def plugin_config(endpoints: list[str], **overrides) -> dict:
     return pc
 
 
-def render_envoy(plugin: dict, listener_port: int, admin_port: int) -> str:
+def render_envoy(plugin: dict | str, listener_port: int, admin_port: int, wasm: Path = FILTER_WASM) -> str:
     """envoy/envoy.yaml with this run's ports, the filter's absolute path and `plugin`: the routes,
-    clusters and filter settings under test are the reference ones."""
+    clusters and filter settings under test are the reference ones. `wasm` may name another filter
+    (the floor filter), whose configuration `plugin` then is, as a string."""
     b = yaml.safe_load(REFERENCE_ENVOY.read_text())
     b["admin"]["address"]["socket_address"]["port_value"] = admin_port
     b["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listener_port
     cfg = _filter_config(b)
-    cfg["vm_config"]["code"]["local"]["filename"] = str(FILTER_WASM)
-    cfg["configuration"]["value"] = json.dumps(plugin, indent=2)
+    cfg["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    cfg["configuration"]["value"] = plugin if isinstance(plugin, str) else json.dumps(plugin, indent=2)
     return yaml.safe_dump(b, sort_keys=False)
 
 
@@ -270,7 +300,7 @@ class Envoy:
     proc: Process
     port: int
     admin_port: int
-    plugin: dict = field(repr=False)
+    plugin: dict | str = field(repr=False)
 
     @property
     def url(self) -> str:
@@ -289,13 +319,14 @@ class Envoy:
         self.proc.stop()
 
 
-def start_envoy(name: str, plugin: dict, concurrency: int = 2) -> Envoy:
-    for missing in (p for p in (ENVOY_BIN, FILTER_WASM) if not p.exists()):
-        raise FileNotFoundError(f"{missing} is missing: run `bash scripts/setup.sh` first")
+def start_envoy(name: str, plugin: dict | str, concurrency: int = 2, wasm: Path = FILTER_WASM) -> Envoy:
+    """Envoy with `wasm` (the sluice filter unless told) configured with `plugin`."""
+    for missing in (p for p in (ENVOY_BIN, wasm) if not p.exists()):
+        raise FileNotFoundError(f"{missing} is missing: {BUILD_HINT.get(missing, 'run `bash scripts/setup.sh` first')}")
     port, admin = free_port(), free_port()
     cfg = WORK / "configs" / f"{name}.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
-    cfg.write_text(render_envoy(plugin, port, admin))
+    cfg.write_text(render_envoy(plugin, port, admin, wasm))
     proc = Process(name, [str(ENVOY_BIN), "-c", str(cfg), "--concurrency", str(concurrency),
                           "--disable-hot-restart", "--log-level", "info"])
     envoy = Envoy(name, proc, port, admin, plugin)
