@@ -31,8 +31,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -244,22 +247,32 @@ def print_fairness(runs: list[dict]) -> None:
             print(f"| {rep} | {_ms(by['fcfs'])} ms → {_ms(by['vtc'])} ms | {by['fcfs'] / by['vtc']:.1f}× |")
 
 
+def provenance() -> str:
+    """The commit, whether the Rust sources differ from it, and the filters' hashes."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=harness.REPO, capture_output=True, text=True).stdout.strip()
+    dirty = git("status", "--porcelain", "--", "filter", "policies", "tests/floor-filter")
+    wasm = ", ".join(f"{w.name} sha256 {hashlib.sha256(w.read_bytes()).hexdigest()[:12]}"
+                     for w in (harness.FILTER_WASM, harness.FLOOR_WASM) if w.exists())
+    return (f"commit {git('rev-parse', '--short', 'HEAD')}{' (filter sources modified)' if dirty else ''}; "
+            f"{wasm}; {os.cpu_count()} CPUs")
+
+
 def main() -> None:
     lp, sc = ClosedLoop(), Scenario()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="a,b,c,d", help="throughput configurations, in order (empty: none)")
     p.add_argument("--repeats", type=int, default=2, help="rounds of every configuration (and fairness pair)")
-    p.add_argument("--concurrency", type=int, default=lp.concurrency, help="closed-loop streams outstanding")
-    p.add_argument("--max-tokens", type=int, default=lp.max_tokens, help="max_tokens of the throughput load")
-    p.add_argument("--warmup", type=float, default=lp.warmup_s, help="seconds of load before the window")
-    p.add_argument("--duration", type=float, default=lp.duration_s, help="seconds of the measurement window")
-    p.add_argument("--ramp", type=float, default=lp.ramp_s, help="seconds over which the streams start")
+    p.add_argument("--concurrency", type=int, default=320, help="closed-loop streams outstanding")
+    p.add_argument("--max-tokens", type=int, default=512, help="max_tokens of the throughput load")
+    p.add_argument("--warmup", type=float, default=60.0, help="seconds of load before the window")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of the measurement window")
+    p.add_argument("--ramp", type=float, default=40.0, help="seconds over which the streams start")
     p.add_argument("--fairness", action=argparse.BooleanOptionalAction, default=True, help="run part 2")
-    p.add_argument("--flood-concurrency", type=int, default=400, help="requests the flood keeps outstanding")
-    p.add_argument("--flood-max-tokens", type=int, default=128, help="max_tokens of the flood's requests")
+    p.add_argument("--flood-concurrency", type=int, default=320, help="requests the flood keeps outstanding")
+    p.add_argument("--flood-max-tokens", type=int, default=512, help="max_tokens of the flood's requests")
     p.add_argument("--modest-max-tokens", type=int, default=sc.max_tokens, help="max_tokens of the modest tenant's")
-    p.add_argument("--flood-ramp", type=float, default=20.0, help="seconds over which the flood's streams start")
-    p.add_argument("--fair-warmup", type=float, default=20.0, help="seconds of flood before the modest tenant starts")
+    p.add_argument("--flood-ramp", type=float, default=40.0, help="seconds over which the flood's streams start")
+    p.add_argument("--fair-warmup", type=float, default=60.0, help="seconds of flood before the modest tenant starts")
     p.add_argument("--fair-duration", type=float, default=40.0, help="seconds the modest tenant sends")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's batch (default: vLLM's own)")
     p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples of the queues")
@@ -278,9 +291,11 @@ def main() -> None:
     engine_args = ["--enable-server-load-tracking"]
     if a.max_num_seqs is not None:
         engine_args += ["--max-num-seqs", str(a.max_num_seqs)]
+    print(provenance(), flush=True)
     print(f"vLLM args: {' '.join(harness.VLLM_ARGS + engine_args)}; env {harness.VLLM_ENV}", flush=True)
     servers = [harness.start_vllm(f"bench-vllm-{n}", engine_args) for n in ("a", "b")]
-    results: dict = {"args": vars(a) | {"json": str(a.json)}, "throughput": [], "fairness": []}
+    results: dict = {"args": vars(a) | {"json": str(a.json)}, "provenance": provenance(),
+                     "throughput": [], "fairness": []}
     begun = time.monotonic()
     try:
         harness.wait_ready(servers)
