@@ -12,7 +12,10 @@ tiny local model. Prints markdown tables:
        set the destination; the same Envoy, no scheduling);
    (c) through Envoy + sluice with the reference plugin configuration (envoy/envoy.yaml:
        defaults + routing.scrape_cluster);
-   (d) through Envoy + sluice with only `endpoints` and `policy` (no scraping).
+   (d) through Envoy + sluice with only `endpoints` and `policy` (no scraping);
+   (e) a diagnostic, not a default (`--configs a,b,c,d,e`): (d) with `learned_limit: null`, so
+       sluice sets no in-flight bound at all (everything takes the bypass path): what the filter
+       costs without the learned limit.
    Output tokens/s is vLLM's own `vllm:generation_tokens_total` over a fixed window after the
    warm-up; TTFT (client side) of the requests sent in the window; CPU of each component.
 2. Fairness with defaults: load.py's two-tenant Scenario (a flood tenant in a closed loop, a
@@ -49,6 +52,7 @@ CONFIGS = {
     "b": "Envoy + floor filter (round robin)",
     "c": "Envoy + sluice, reference config (scrape)",
     "d": "Envoy + sluice, endpoints + policy only",
+    "e": "diagnostic: Envoy + sluice, learning off, no bound",
 }
 
 
@@ -59,8 +63,11 @@ def gateway_for(config: str, endpoints: list[str], name: str) -> harness.Envoy |
         return harness.start_envoy(name, ",".join(endpoints), wasm=harness.FLOOR_WASM)
     if config == "c":
         return harness.start_envoy(name, harness.plugin_config(endpoints))
+    policy = harness.reference_plugin_config()["policy"]
     if config == "d":
-        return harness.start_envoy(name, {"endpoints": endpoints, "policy": harness.reference_plugin_config()["policy"]})
+        return harness.start_envoy(name, {"endpoints": endpoints, "policy": policy})
+    if config == "e":  # not a default: the filter's path without any in-flight bound
+        return harness.start_envoy(name, {"endpoints": endpoints, "policy": policy, "learned_limit": None})
     raise ValueError(config)
 
 
@@ -102,7 +109,7 @@ def throughput_run(config: str, rep: int, servers: list[harness.Vllm], load: Clo
         s.wait_idle()
     endpoints = [s.endpoint for s in servers]
     envoy = gateway_for(config, endpoints, f"bench-{config}-{rep}")
-    sluice = config in ("c", "d")
+    sluice = config in ("c", "d", "e")
     sampler = Sampler(servers, envoy if sluice else None, sample_every_s, server_load=True)
     procs = {"vllm": [s.proc for s in servers], "envoy": [envoy.proc] if envoy else []}
     marks: dict[bool, dict] = {}
@@ -254,7 +261,7 @@ def provenance() -> str:
     wasm = ", ".join(f"{w.name} sha256 {hashlib.sha256(w.read_bytes()).hexdigest()[:12]}"
                      for w in (harness.FILTER_WASM, harness.FLOOR_WASM) if w.exists())
     return (f"commit {git('rev-parse', '--short', 'HEAD')}{' (filter sources modified)' if dirty else ''}; "
-            f"{wasm}; {os.cpu_count()} CPUs")
+            f"{wasm}; {os.cpu_count()} CPUs; niceness {os.getpriority(os.PRIO_PROCESS, 0)}")
 
 
 def main() -> None:
@@ -275,6 +282,9 @@ def main() -> None:
     p.add_argument("--fair-warmup", type=float, default=60.0, help="seconds of flood before the modest tenant starts")
     p.add_argument("--fair-duration", type=float, default=40.0, help="seconds the modest tenant sends")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's batch (default: vLLM's own)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="added to the niceness of everything this starts (negative, as root: ahead of "
+                        "other work on the machine; vLLM, Envoy and the client keep equal priorities)")
     p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples of the queues")
     p.add_argument("--json", type=Path, default=harness.WORK / "bench-defaults.json",
                    help="where the raw results and time series go")
@@ -285,6 +295,8 @@ def main() -> None:
                                    max_tokens=a.modest_max_tokens, flood_max_tokens=a.flood_max_tokens,
                                    flood_ramp_s=a.flood_ramp, warmup_s=a.fair_warmup, duration_s=a.fair_duration)
     configs = [c for c in a.configs.split(",") if c]
+    if a.nice:
+        os.nice(a.nice)  # this thread's niceness, inherited by every process and thread it starts
     harness.exit_on_sigterm()
     build_model.build(harness.MODEL_DIR)
     # /load counts the requests in each API server (what the gateway sent it), a counter only.
