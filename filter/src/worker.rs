@@ -379,6 +379,8 @@ pub struct Worker<H: Host> {
     limits: Vec<Option<f64>>,
     /// Each endpoint's pace as this VM's streams show it.
     pace: Vec<Pace>,
+    /// When this VM last wrote its heartbeat.
+    beat_ms: u64,
 }
 
 /// What admission decided for a request whose body was read.
@@ -699,18 +701,31 @@ impl<H: Host> Worker<H> {
                     (false, Some(t)) => (*t, pace.allowance_ms(0)),
                     (false, None) => continue,
                 };
-                let late = allowance.is_some_and(|ms| now.saturating_sub(quiet_since) as f64 > ms);
+                let due = allowance.map(|ms| quiet_since as f64 + ms);
+                let late = due.is_some_and(|due| now as f64 > due);
                 if *unstarted || late {
                     p.unstarted += 1;
                 }
-                // Judged only while the engine streams to someone: a long
-                // prefill that pauses every stream is not a queue.
-                if late && pace.streaming(now) {
+                // Waiting only if the engine streamed to others after this one
+                // was due: a long prefill, or a stall of the engine or of this
+                // proxy's thread, that quiets every stream is not a queue.
+                if late && due.is_some_and(|due| pace.streamed_after(due)) {
                     p.waiting += 1;
                 }
             }
         }
         shared::heartbeat(&self.host, self.worker, now, &progress);
+        self.beat_ms = now;
+    }
+
+    /// Writes the heartbeat from a stream's callback when the timer fell
+    /// behind: a loaded Envoy can run a worker's streams for seconds without
+    /// its tick, and a worker that serves must not look dead (its slots
+    /// would be reclaimed while its requests still run).
+    fn keep_alive(&mut self) {
+        if self.now.saturating_sub(self.beat_ms) >= self.lease_ms / 2 {
+            self.publish_progress();
+        }
     }
 
     /// Each endpoint's in-flight limit. The lease holder learns it from
@@ -773,6 +788,7 @@ impl<H: Host> Worker<H> {
     /// this replica's light tenants other than the request's (`replicas`; see
     /// [`Scheduler::set_tenant_parts`]).
     fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, from_queue: bool, held: u32) -> Slot<Permit> {
+        self.keep_alive();
         let held = u64::from(held);
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
@@ -920,6 +936,7 @@ impl<H: Host> Worker<H> {
     }
 
     pub fn charge(&mut self, ctx: u32, tokens: u32) {
+        self.keep_alive();
         let (now, req) = (self.now, self.request_id(ctx));
         if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, .. }) =
             self.streams.get_mut(&ctx)
@@ -1376,6 +1393,7 @@ impl<H: Host> Worker<H> {
             tail_ratio: 0.0,
             limits: vec![initial_limit; n],
             pace: vec![Pace::default(); n],
+            beat_ms: now,
         })
     }
 
@@ -1827,6 +1845,25 @@ mod tests {
         assert_eq!(shared::stock(&p.store, 1), 1);
         live.at(t).finish(7, 0, false);
         assert_eq!(shared::stock(&p.store, 1), 0);
+    }
+
+    #[test]
+    fn a_worker_that_streams_without_ticks_keeps_its_slots() {
+        // A loaded Envoy ran a worker's streams for seconds without its tick:
+        // its slots were reclaimed while its requests still ran (real vLLM, 2 cores).
+        let p = Rc::new(Process::default());
+        let cfg = || config(serde_json::json!({"endpoints": ["127.0.0.1:1"]}));
+        let mut busy = vm(&p, 1, cfg(), 0);
+        let mut live = vm(&p, 2, cfg(), 0);
+        assert_eq!(admit(&mut busy, 0, 7, "a"), Admission::Bypass(0));
+        let mut t = 0;
+        while t < 10 * live.lease_ms {
+            t += 100;
+            busy.at(t).charge(7, 1);
+            live.on_tick(t);
+        }
+        assert_eq!(p.metrics.borrow().get("sluice_slots_reclaimed").copied().unwrap_or(0), 0);
+        assert_eq!(shared::stock(&p.store, 1), 1, "the busy worker's slot is still counted");
     }
 
     #[test]

@@ -16,8 +16,9 @@
 //! none until a running request leaves. So the gateway can count the
 //! requests an engine keeps waiting, without scraping: streamed ones quiet
 //! for longer than their allowance ([`Pace::allowance_ms`]: a few iterations
-//! at the streams' own token pace), judged only while the engine streams to
-//! someone (a long prefill pauses every stream and is not a queue).
+//! at the streams' own token pace), and only when the engine streamed to
+//! others after the quiet one was due (a long prefill, or a stall of the
+//! engine or of the proxy's thread, quiets every stream and is not a queue).
 //!
 //! [`Capacity`] keeps an estimate of the engine's batch from those counts,
 //! as TCP keeps a window:
@@ -25,7 +26,8 @@
 //! - *slow start* (nothing known yet): the limit is twice what the engine
 //!   was seen to start, so it doubles once a round trip of dispatch to first
 //!   token, and only as the engine proves it takes what it is sent;
-//! - *full* (more waiting than the [`Headroom`]): the batch is what the
+//! - *full* (more waiting than the [`Headroom`] in two observations in a
+//!   row, so that one noisy observation does not shrink it): the batch is what the
 //!   engine runs now (in flight less waiting), and nothing more is sent until
 //!   its queue drains below the headroom;
 //! - *calm* (the limit binds and nothing waits): one more request every
@@ -130,6 +132,10 @@ pub struct Capacity {
     calm: u32,
     /// The last probe.
     step: f64,
+    /// Requests waiting at the last observation: a queue is believed once it
+    /// lasts two (a stall of the engine or of the proxy that makes every
+    /// stream late at once must not shrink the batch for good).
+    last_waiting: u32,
 }
 
 /// One more request an observation is a slow way to find a bigger engine
@@ -145,7 +151,7 @@ pub const MIN_PROBE: f64 = 4.0;
 
 impl Default for Capacity {
     fn default() -> Self {
-        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0 }
+        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0, last_waiting: 0 }
     }
 }
 
@@ -177,7 +183,7 @@ impl Capacity {
     /// the gateway's queue (the limit holds them back even when other bounds,
     /// such as a replica's share, keep the stock a little under it).
     pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom) {
-        let waiting = p.waiting.min(p.in_flight);
+        let waiting = p.waiting.min(p.in_flight).min(std::mem::replace(&mut self.last_waiting, p.waiting));
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
         // Only a limit that requests run into says anything about the engine.
         let binding = p.in_flight > 0 && (held_back || f64::from(p.in_flight) + 1.0 >= self.limit(h));
@@ -244,10 +250,12 @@ impl Pace {
         }
     }
 
-    /// Did some stream get tokens within an allowance before `now_ms`? When
-    /// none did, the engine is paused (a long prefill), not queueing.
-    pub fn streaming(&self, now_ms: u64) -> bool {
-        self.allowance_ms(0).is_some_and(|ms| (now_ms.saturating_sub(self.last_token_ms) as f64) <= ms)
+    /// Did some stream get tokens after `ms`? A request quiet since before
+    /// `ms - allowance` counts as waiting only then: the engine streamed to
+    /// others when it should have streamed to it. When none did, the engine
+    /// (or the proxy) paused, a long prefill or a stall, and nothing queues.
+    pub fn streamed_after(&self, ms: f64) -> bool {
+        self.last_token_ms as f64 > ms
     }
 
     /// How long a request with `prompt_tokens` may go without first bytes
@@ -339,7 +347,9 @@ mod tests {
     fn a_full_engine_brings_the_estimate_down_to_what_it_runs() {
         let h = Headroom::default();
         let mut c = Capacity::from_batch(Some(200.0));
-        c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, false, &h);
+        for _ in 0..2 {
+            c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, false, &h);
+        }
         assert_eq!(c.batch(), Some(90.0));
         // Within the headroom (2.8 of 90), and not binding: it stays.
         c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, false, &h);
@@ -402,11 +412,31 @@ mod tests {
     #[test]
     fn an_engine_streaming_to_nobody_is_paused_not_queueing() {
         let mut a = Pace::default();
-        assert!(!a.streaming(0));
+        assert!(!a.streamed_after(0.0));
         for _ in 0..200 {
             a.tokens(1, Some(40), 1000);
         }
-        assert!(a.streaming(1100) && !a.streaming(1200), "quiet for longer than an allowance");
+        let allowance = a.allowance_ms(0).unwrap();
+        // Quiet since 900: late at 1000 only if others got tokens after 900 + allowance.
+        assert!(!a.streamed_after(900.0 + allowance), "everyone went quiet: a pause");
+        a.tokens(1, Some(40), 1100);
+        assert!(a.streamed_after(900.0 + allowance), "the engine streams to others: this one waits");
+    }
+
+    #[test]
+    fn a_queue_is_believed_when_it_lasts_two_observations() {
+        let h = Headroom::default();
+        let mut c = Capacity::from_batch(Some(100.0));
+        let stall = Progress { in_flight: 100, unstarted: 90, waiting: 90 };
+        let calm = Progress { in_flight: 100, unstarted: 0, waiting: 0 };
+        for p in [calm, stall, calm, stall, calm] {
+            c.observe(p, false, &h);
+        }
+        assert_eq!(c.batch(), Some(100.0), "a stall of one observation at a time is not a queue");
+        c.observe(stall, false, &h);
+        assert_eq!(c.batch(), Some(100.0));
+        c.observe(stall, false, &h);
+        assert_eq!(c.batch(), Some(10.0), "a queue that lasts: the engine runs what it started");
     }
 
     #[test]
@@ -416,7 +446,9 @@ mod tests {
         assert_eq!(Capacity::from_batch(Some(-1.0)).batch(), None);
         assert_eq!(Capacity::from_batch(Some(f64::INFINITY)).batch(), None);
         let mut c = Capacity::from_batch(Some(10.0));
-        c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, false, &h);
+        for _ in 0..2 {
+            c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, false, &h);
+        }
         assert_eq!(c.batch(), Some(0.0));
         for _ in 0..200 {
             c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, false, &h);
