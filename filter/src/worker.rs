@@ -34,7 +34,7 @@ pub const REJECT_REASON: &str = "x-sluice-reject-reason";
 /// predicted when it was queued (with `slo.expose_prediction`).
 pub const PREDICTED_TTFT: &str = "x-sluice-predicted-ttft-ms";
 /// The message of an overload ladder's refusal.
-pub const OVERLOADED_MESSAGE: &str = "the gateway is overloaded; long requests are refused for now";
+pub const OVERLOADED_MESSAGE: &str = Outcome::Overloaded.message();
 /// Name of the scheduler's shared queue.
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// How often the scheduler saves its policy's counters to shared data.
@@ -1124,7 +1124,7 @@ impl<H: Host> Worker<H> {
                     let ctx = req as u32;
                     if matches!(self.streams.get(&ctx), Some(Stream::Queued { .. })) {
                         self.streams.remove(&ctx);
-                        self.reject(ctx, outcome, "the request could not be scheduled");
+                        self.reject(ctx, outcome, outcome.message());
                     }
                 }
                 _ => log::warn!("ignoring a malformed worker message"),
@@ -1344,7 +1344,7 @@ impl<H: Host> Worker<H> {
                 let req = self.request_id(ctx);
                 self.send_to_scheduler(&ToScheduler::Cancel { req });
             }
-            self.reject(ctx, Outcome::TtlExpired, "the request expired in the queue");
+            self.reject(ctx, Outcome::TtlExpired, Outcome::TtlExpired.message());
         }
         // Held requests the ladder now lets through go to the queue.
         self.recheck_held();
@@ -1573,6 +1573,8 @@ mod tests {
         metrics: RefCell<HashMap<&'static str, u64>>,
         /// `retry-after` of each reply, by ctx.
         retry_after: RefCell<HashMap<u32, u32>>,
+        /// The body of each reply, by ctx.
+        reply_bodies: RefCell<HashMap<u32, Vec<u8>>>,
         /// Histogram values, by metric name.
         recorded: RefCell<HashMap<&'static str, Vec<u64>>>,
         /// Metrics scrapes sent: (VM, destination), the token being the position + 1.
@@ -1610,7 +1612,8 @@ mod tests {
         fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
             self.0.queues.borrow_mut().get_mut(queue as usize - 1)?.1.pop_front()
         }
-        fn reply(&self, ctx: u32, status: u32, headers: &[(&str, &str)], _body: &[u8]) -> bool {
+        fn reply(&self, ctx: u32, status: u32, headers: &[(&str, &str)], body: &[u8]) -> bool {
+            self.0.reply_bodies.borrow_mut().insert(ctx, body.to_vec());
             let reason = headers.iter().find(|(k, _)| *k == REJECT_REASON).map(|(_, v)| v.to_string());
             if let Some((_, v)) = headers.iter().find(|(k, _)| *k == "retry-after") {
                 self.0.retry_after.borrow_mut().insert(ctx, v.parse().unwrap());
@@ -1790,6 +1793,11 @@ mod tests {
             }
         }
         assert_eq!(answered, (13..=62).collect::<Vec<_>>(), "each answered once, in order");
+        // The SDK user sees the body, not the reason header: it says which limit was full.
+        let body: serde_json::Value = serde_json::from_slice(&p.reply_bodies.borrow()[&13]).unwrap();
+        assert_eq!(body["error"]["code"], "rejected-flow-capacity");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        assert!(body["error"]["message"].as_str().unwrap().contains("flow_capacity"), "{body}");
         assert_eq!(p.metrics.borrow()["sluice_requests_rejected_flow_capacity"], 50);
     }
 
@@ -2152,6 +2160,8 @@ mod tests {
         shared::heartbeat(&p.store, 9, 1001, &[]);
         w.on_tick(1001);
         assert_eq!(*p.replies.borrow(), vec![(1, 1, 503, "rejected-ttl-expired".to_string())]);
+        let body: serde_json::Value = serde_json::from_slice(&p.reply_bodies.borrow()[&1]).unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().contains("queue_ttl_ms"), "{body}");
         assert!(w.held.is_empty() && w.streams.is_empty());
         assert_eq!(metric(&p, "sluice_requests_queued"), 0, "neither ever reached the scheduler");
         assert_eq!(p.recorded.borrow()["sluice_held_ms"], vec![10, 1001]);
