@@ -285,6 +285,10 @@ def main() -> None:
     p.add_argument("--nice", type=int, default=0,
                    help="added to the niceness of everything this starts (negative, as root: ahead of "
                         "other work on the machine; vLLM, Envoy and the client keep equal priorities)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM on half of the CPUs, the client and Envoy on the other half, as a gateway "
+                        "runs beside GPU servers and not on their CPUs (without it, Envoy's CPU is taken "
+                        "from the engines and every gateway config loses throughput to no gateway)")
     p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples of the queues")
     p.add_argument("--json", type=Path, default=harness.WORK / "bench-defaults.json",
                    help="where the raw results and time series go")
@@ -305,8 +309,16 @@ def main() -> None:
         engine_args += ["--max-num-seqs", str(a.max_num_seqs)]
     print(provenance(), flush=True)
     print(f"vLLM args: {' '.join(harness.VLLM_ARGS + engine_args)}; env {harness.VLLM_ENV}", flush=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = a.pin and len(cpus) >= 2
+    if pinned:  # the engines start on the upper half (children inherit this thread's CPUs)
+        os.sched_setaffinity(0, cpus[len(cpus) // 2:])
     servers = [harness.start_vllm(f"bench-vllm-{n}", engine_args) for n in ("a", "b")]
-    results: dict = {"args": vars(a) | {"json": str(a.json)}, "provenance": provenance(),
+    if pinned:
+        os.sched_setaffinity(0, cpus[:len(cpus) // 2])
+        print(f"pinned: vLLM on CPUs {cpus[len(cpus) // 2:]}, client and Envoy on {cpus[:len(cpus) // 2]}",
+              flush=True)
+    results: dict = {"args": vars(a) | {"json": str(a.json)}, "provenance": provenance() + ("; pinned" if pinned else ""),
                      "throughput": [], "fairness": []}
     begun = time.monotonic()
     try:

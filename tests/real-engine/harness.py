@@ -320,7 +320,8 @@ class Envoy:
 
 
 def start_envoy(name: str, plugin: dict | str, concurrency: int = 2, wasm: Path = FILTER_WASM) -> Envoy:
-    """Envoy with `wasm` (the sluice filter unless told) configured with `plugin`."""
+    """Envoy with `wasm` (the sluice filter unless told) configured with `plugin`; more Envoy
+    arguments from `SLUICE_ENVOY_ARGS` (e.g. `--component-log-level wasm:debug`)."""
     for missing in (p for p in (ENVOY_BIN, wasm) if not p.exists()):
         raise FileNotFoundError(f"{missing} is missing: {BUILD_HINT.get(missing, 'run `bash scripts/setup.sh` first')}")
     port, admin = free_port(), free_port()
@@ -328,7 +329,8 @@ def start_envoy(name: str, plugin: dict | str, concurrency: int = 2, wasm: Path 
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(render_envoy(plugin, port, admin, wasm))
     proc = Process(name, [str(ENVOY_BIN), "-c", str(cfg), "--concurrency", str(concurrency),
-                          "--disable-hot-restart", "--log-level", "info"])
+                          "--disable-hot-restart", "--log-level", "info",
+                          *os.environ.get("SLUICE_ENVOY_ARGS", "").split()])
     envoy = Envoy(name, proc, port, admin, plugin)
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=2).status_code == 200,

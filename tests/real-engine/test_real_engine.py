@@ -5,6 +5,7 @@ and the one comparison of latencies (fairness) asserts a wide ratio.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 
 import httpx
@@ -247,6 +248,52 @@ def test_vllm_errors_as_the_sdk_sees_them(gateway):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_gateway_errors_as_the_sdk_sees_them_and_its_retries(gateway, engines):
+    """sluice's own answers through the SDK: each error type, its `code`, a message that says which
+    limit was full, and the SDK's retries honouring `retry-after` until the request goes through."""
+    a = engines[0]
+    envoy = gateway([a.endpoint], **explicit_bound(1), flow_capacity=1, retry_after_s=1, max_body_bytes=4096)
+    with httpx.Client(timeout=TIMEOUT) as c:
+        # One long stream holds the only slot, a second waits in the tenant's queue (its capacity: 1).
+        long = chat_body(1500)
+        hogs = [c.send(c.build_request("POST", f"{envoy.url}/v1/chat/completions", json=long,
+                                       headers={TENANT_HEADER: "hog"}), stream=True)]
+        harness.wait_for(lambda: envoy.stat("sluice_stock") == 1, 60, "the first holds the slot", envoy.proc)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        second = pool.submit(lambda: c.post(f"{envoy.url}/v1/chat/completions", json={**long, "max_tokens": 4},
+                                            headers={TENANT_HEADER: "hog"}))
+        harness.wait_for(lambda: envoy.stat("sluice_queue_length") == 1, 60, "the second queued", envoy.proc)
+
+        with pytest.raises(openai.RateLimitError) as e:
+            sdk(envoy, "hog").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.code == "rejected-flow-capacity" and e.value.body["type"] == "rate_limit_error"
+        assert "flow_capacity" in e.value.message, e.value.message
+        assert e.value.response.headers["retry-after"] == "1"
+        assert e.value.response.headers["x-sluice-reject-reason"] == "rejected-flow-capacity"
+
+        with pytest.raises(openai.APIStatusError) as e:
+            sdk(envoy).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 5000}])
+        assert e.value.status_code == 413 and e.value.code == "body-too-large"
+        assert e.value.body["type"] == "invalid_request_error" and "4096" in e.value.message
+
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk(envoy, "t" * 300).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.code == "bad-request" and "longer than" in e.value.message
+
+        # The SDK's own retries: refused while the tenant's queue is full, it waits `retry-after`
+        # and tries again until the hog's requests are done and it goes through.
+        rejected = envoy.stat("sluice_requests_rejected_flow_capacity")
+        patient = openai.OpenAI(base_url=f"{envoy.url}/v1", api_key="unused", timeout=120, max_retries=100,
+                                default_headers={TENANT_HEADER: "hog"})
+        chat = patient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3
+        assert envoy.stat("sluice_requests_rejected_flow_capacity") > rejected, "it was refused, then retried"
+        assert hogs[0].status_code == 200 and second.result().status_code == 200
+        hogs[0].close()
+    harness.wait_for(lambda: envoy.stat("sluice_stock") == 0, 60, "every slot released", envoy.proc)
 
 
 # --- fairness ---------------------------------------------------------------------------------
