@@ -268,16 +268,26 @@ def _filter_config(bootstrap: dict) -> dict:
     return wasm["typed_config"]["config"]
 
 
+class JsonNull:
+    """An override value written as JSON `null` (a plain None removes the key instead)."""
+
+    def __repr__(self) -> str:
+        return "NULL"
+
+
+NULL = JsonNull()
+
+
 def plugin_config(endpoints: list[str], **overrides) -> dict:
     """The reference plugin configuration for `endpoints`, top-level keys replaced by `overrides`
-    (a None value removes the key)."""
+    (a None value removes the key, so the filter's default applies; `NULL` writes `null`)."""
     pc = reference_plugin_config()
     pc["endpoints"] = endpoints
     for k, v in overrides.items():
         if v is None:
             pc.pop(k, None)
         else:
-            pc[k] = v
+            pc[k] = None if v is NULL else v
     return pc
 
 

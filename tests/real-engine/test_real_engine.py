@@ -26,9 +26,10 @@ def sdk(envoy, tenant="sdk"):
 
 def explicit_bound(n: int) -> dict:
     """Plugin keys for a fixed in-flight bound of `n` per backend, instead of the limit learned
-    from the engine (which would keep vLLM's own queue short)."""
+    from the engine (which would keep vLLM's own queue short: learning off, written as `null`,
+    since a None override would only remove the key and leave learning on by default)."""
     return {"lower_bound_per_backend": n, "upper_bound_per_backend": n, "watermark_per_backend": None,
-            "learned_limit": None}
+            "learned_limit": harness.NULL}
 
 
 async def wait_async(check, timeout_s, what, proc=None):
@@ -145,8 +146,9 @@ def test_engine_priority_lets_critical_jump_vllm_queue(gateway, engines, engine_
     for o in [vip, *waiting, *running]:
         assert o.status == 200 and not o.error and o.first_token is not None, o
     t0 = vip.sent
+    stats = {k: v for k, v in envoy.stats().items() if k in ("sluice_requests_queued", "sluice_in_flight_limit")}
     print(f"\n[engine_priority={engine_priority}] first tokens, s after the critical request was sent: "
-          f"critical {vip.first_token - t0:.2f}, waiting {[round(o.first_token - t0, 2) for o in waiting]}")
+          f"critical {vip.first_token - t0:.2f}, waiting {[round(o.first_token - t0, 2) for o in waiting]}; {stats}")
     if engine_priority:
         assert all(vip.first_token < o.first_token for o in waiting), (vip, waiting)
     else:
