@@ -23,6 +23,7 @@ use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::bands::Criticality;
 use sluice_policies::capacity::{Capacity, Pace, Progress};
 use sluice_policies::overload::{LadderDecision, LoadSignals, OverloadLadder, SizeClass, TailWindow};
+use sluice_policies::replicas::Offer;
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView, RouteContext, Scratch};
 use std::rc::Rc;
 
@@ -209,9 +210,7 @@ impl Metric {
     /// How it is kept.
     pub fn kind(self) -> MetricKind {
         match self {
-            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => {
-                MetricKind::Gauge
-            }
+            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => MetricKind::Gauge,
             Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
             _ => MetricKind::Counter,
         }
@@ -552,7 +551,6 @@ impl<H: Host> Worker<H> {
         self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms, streamed });
     }
 
-
     /// The request's first-token deadline: its objective (the `"slo"`
     /// sources, else its band's `ttft_slo_ms`) from its arrival here, less
     /// what earlier stages already spent.
@@ -646,8 +644,7 @@ impl<H: Host> Worker<H> {
         let own = shared::stock(&self.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
         let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
-        let stock =
-            peers.map_or(own, |p| p.load(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
+        let stock = peers.map_or(own, |p| p.load(own)) as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
@@ -774,9 +771,14 @@ impl<H: Host> Worker<H> {
                 })
                 .collect()
         };
-        // With replicas, the band and the router count the live peers' requests too.
+        // With replicas, the band and the router count the live peers' requests too, except
+        // while this replica holds nothing: its one slot is its own whatever its peers say
+        // (honest ones leave it free; a lying one must not stall it).
         let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
-        let global = |load: &[u32]| peers.as_ref().map_or_else(|| load.to_vec(), |p| p.global(load));
+        let global = |load: &[u32]| match &peers {
+            Some(p) if load.iter().any(|&k| k > 0) => p.global(load),
+            _ => load.to_vec(),
+        };
         let allowed = |own: &[u32]| {
             let load = &global(own)[..];
             // The band scales with the endpoints that can take work: a hung
@@ -784,9 +786,11 @@ impl<H: Host> Worker<H> {
             let healthy = |i: usize| records[i].healthy(now);
             let (pool, stock) = shared::ready_stock(load, healthy, &bands);
             // A replica keeps to its share of the bound (and all of them to the bound).
-            let stock = peers.as_ref().map_or(stock, |p| {
-                p.stock(shared::ready_stock(own, healthy, &bands).1 + held, stock + held, from_queue)
-            });
+            let own_stock = shared::ready_stock(own, healthy, &bands).1;
+            let stock = match &peers {
+                Some(p) if own.iter().any(|&k| k > 0) => p.stock(own_stock + held, stock + held, from_queue),
+                _ => stock + held,
+            };
             let band = if from_queue { pool.may_pop(stock) } else { pool.may_bypass(stock, 0) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
@@ -1425,11 +1429,27 @@ impl<H: Host> Worker<H> {
         let Some(SchedulerRole { scheduler, exchange: Some(ex), .. }) = self.role.as_mut() else { return false };
         match ex.answer(token, self.now, body, &self.cfg.endpoints) {
             None => return false,
-            Some(Answer::Taken(_, peer_load)) => {
-                scheduler.set_peer_service(ex.peer_services(self.now));
+            // Its own state, through the cluster of all replicas: no peer was heard.
+            Some(Answer::Taken(Offer::Own, _)) => return true,
+            Some(Answer::Taken(offer, peer_load)) => {
+                if offer == Offer::Newer {
+                    scheduler.set_peer_service(ex.peer_services(self.now));
+                }
                 self.host.add(Metric::ReplicaSyncOk, 1);
                 self.host.record(Metric::ReplicaPeersLive, ex.live(self.now) as u64);
                 self.host.set(replicas::PEER_LOAD_KEY, &peer_load, None);
+            }
+            Some(Answer::Duplicate { incarnation, log }) => {
+                self.host.add(Metric::ReplicaSyncFailed, 1);
+                if log {
+                    log::error!(
+                        "replicas: another replica publishes under this replica's id {} (incarnation {incarnation}, \
+                         this one {}): neither counts the other's requests; give each replica its own id or name",
+                        ex.cfg().id,
+                        ex.incarnation()
+                    );
+                }
+                return true;
             }
             Some(Answer::Failed(why)) => {
                 self.host.add(Metric::ReplicaSyncFailed, 1);
@@ -1450,9 +1470,9 @@ impl<H: Host> Worker<H> {
         if role.exchange.is_none() {
             // A new lease holder publishes under a new incarnation (retried next tick if the
             // compare-and-swap lost a race).
-            let Some(incarnation) = replicas::take_incarnation(&self.host, now) else { return };
+            let Some((previous, incarnation)) = replicas::take_incarnation(&self.host, now) else { return };
             match Exchange::new(cfg, incarnation) {
-                Ok(ex) => role.exchange = Some(ex),
+                Ok(ex) => role.exchange = Some(ex.after(previous)),
                 Err(e) => {
                     log::error!("replicas: {e}");
                     return;
@@ -2018,7 +2038,6 @@ mod tests {
         assert_eq!(admit_streamed(&mut w, 1, 4), Admission::Queued, "the watermark caps bypasses at 2.2");
     }
 
-
     #[test]
     fn short_and_medium_requests_pass_the_ladder_and_buckets_go_by_expected_output() {
         let p = Rc::new(Process::default());
@@ -2390,10 +2409,12 @@ mod tests {
         assert!(matches!(admit(&mut a, 1210, 2, "x"), Admission::Bypass(_)));
         sync(&mut a, 1300, None);
         let (Some(state_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
-        // B hears it: its first request waits, although B itself holds nothing.
+        // B hears it: its first request takes the slot a replica always keeps (one over the
+        // bound), its second waits.
         sync(&mut b, 1300, Some(&state_a));
         assert!(metric(&pb, "sluice_replica_sync_ok") >= 1);
-        assert_eq!(admit(&mut b, 1310, 1, "y"), Admission::Queued);
+        assert!(matches!(admit(&mut b, 1310, 1, "y"), Admission::Bypass(_)));
+        assert_eq!(admit(&mut b, 1310, 2, "y"), Admission::Queued);
         // A repeats the same state (it stopped publishing): no longer news. Past
         // max_age_ms (10 intervals) A stops counting and B's queue moves.
         let mut now = 1400;
@@ -2475,6 +2496,42 @@ mod tests {
         // service the modest tenant goes ahead of the flood's backlog.
         assert_eq!(vtc_replica_b_serves(None), 3);
         assert_eq!(vtc_replica_b_serves(Some(&state_a)), 5);
+    }
+
+    /// A peer that claims the whole pool: claims, queue and in-flight counts of u32::MAX, its
+    /// sequence number kept rising so that it never expires (issue 19, finding 1).
+    fn liar(seq: u64) -> String {
+        let max = u32::MAX;
+        format!(
+            r#"{{"replica":9,"version":{{"incarnation":1,"seq":{seq}}},"service":{{"x":1e300}},"in_flight":{{"127.0.0.1:1":{max},"127.0.0.1:2":{max}}},"queued":{max},"demand":{{"x":{max}}},"claim":{max},"claim_queue":{max}}}"#
+        )
+    }
+
+    #[test]
+    fn a_peer_claiming_the_whole_pool_leaves_this_replica_one_slot() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, replica(2), 0);
+        for (seq, now) in [(1, 0), (2, 1000), (3, 1100), (4, 1200)] {
+            sync(&mut w, now, Some(liar(seq).as_bytes()));
+        }
+        assert_eq!(metric(&p, "sluice_replica_peers_live"), 1, "the liar's states are taken, clamped");
+        assert!(matches!(admit(&mut w, 1210, 1, "y"), Admission::Bypass(_)), "the replica's one slot");
+        assert_eq!(admit(&mut w, 1210, 2, "y"), Admission::Queued, "the liar may hold the rest of the bound");
+        w.at(1220).finish(1, 0, false);
+        w.on_queue_ready(1220, queue_id(&p, SCHEDULER_QUEUE));
+        w.on_queue_ready(1220, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(p.resumed.borrow().len(), 1, "the queued request takes the slot freed");
+    }
+
+    #[test]
+    fn an_answer_from_oneself_is_no_successful_sync() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, replica(1), 0);
+        sync(&mut w, 0, None);
+        let (Some(own), _) = p.store.get(replicas::STATE_KEY) else { panic!("nothing published") };
+        sync(&mut w, 100, Some(&own));
+        assert_eq!(metric(&p, "sluice_replica_sync_ok"), 0, "only oneself answered");
+        assert_eq!(metric(&p, "sluice_replica_peers_live"), 0);
     }
 
     #[test]

@@ -80,7 +80,22 @@ pub struct Limits {
     pub max_tenants: usize,
     /// Most endpoints in one state.
     pub max_endpoints: usize,
+    /// Most tenant entries (`service` and `demand` together) in all the states kept: one peer
+    /// answering under many ids must not multiply the per-state bound.
+    pub max_total_tenants: usize,
+    /// How far ahead of this replica's clock an incarnation (a start time in ms) may be. A
+    /// version from further ahead would make the replica's real states stale.
+    pub max_skew_ms: u64,
 }
+
+/// How many more states than milliseconds elapsed a peer may have published (one per sync
+/// interval, which is at least a millisecond): a larger sequence number is refused, as it
+/// would make the peer's real states stale.
+pub const SEQ_SLACK: u64 = 1000;
+
+/// The most a peer's service for one tenant counts, whatever it claims (about 1.1e12): far
+/// below 2^53, so that a charge still moves a counter offset by it.
+pub const MAX_PEER_SERVICE: f64 = (1u64 << 40) as f64;
 
 impl Limits {
     /// Errors name the field that is out of range.
@@ -91,9 +106,12 @@ impl Limits {
         if self.forget_ms < self.max_age_ms {
             return Err("field `forget_ms` must be >= max_age_ms".into());
         }
-        for (name, v) in
-            [("max_peers", self.max_peers), ("max_tenants", self.max_tenants), ("max_endpoints", self.max_endpoints)]
-        {
+        for (name, v) in [
+            ("max_peers", self.max_peers),
+            ("max_tenants", self.max_tenants),
+            ("max_endpoints", self.max_endpoints),
+            ("max_total_tenants", self.max_total_tenants),
+        ] {
             if v == 0 {
                 return Err(format!("field `{name}` must be > 0"));
             }
@@ -126,6 +144,11 @@ impl ReplicaState {
             return Err(format!("replica {}: service of tenant {tenant:?} is {v}", self.replica));
         }
         Ok(())
+    }
+
+    /// Tenant entries it holds (what [`Limits::max_total_tenants`] counts).
+    fn tenants(&self) -> usize {
+        self.service.len() + self.demand.len()
     }
 
     /// Total order used to merge: the version first, then the content, so that two states
@@ -199,34 +222,80 @@ impl Peers {
         Ok(Peers { me, limits, entries: BTreeMap::new() })
     }
 
-    /// Takes a state a peer served, heard at `now_ms`. A full view first forgets peers silent
-    /// for `forget_ms`; a new peer beyond `max_peers` is refused.
+    /// Takes a state a peer served, heard at `now_ms`. A state is evidence, not authority:
+    ///
+    /// - a version that runs ahead of this replica's clock (an incarnation more than
+    ///   `max_skew_ms` ahead, a sequence number further ahead than one state per millisecond
+    ///   since the last one, or since the incarnation began, plus [`SEQ_SLACK`]) is refused: it
+    ///   would make every real state of that replica stale;
+    /// - a smaller incarnation is taken once the known one stopped counting (a replica whose
+    ///   clock stepped back across a restart counts again after `max_age_ms`, not `forget_ms`);
+    /// - a new peer beyond `max_peers` takes the place of the longest silent one that no longer
+    ///   counts, or is refused; a state that would take the tenant entries of all the states
+    ///   kept past `max_total_tenants` is refused.
     pub fn offer(&mut self, state: ReplicaState, now_ms: u64) -> Result<Offer, String> {
         state.validate(&self.limits)?;
         if state.replica == self.me {
             return Ok(Offer::Own);
         }
-        if let Some(known) = self.entries.get_mut(&state.replica) {
+        let v = state.version;
+        if v.incarnation > now_ms.saturating_add(self.limits.max_skew_ms) {
+            return Err(format!(
+                "replica {}: incarnation {} is ahead of this replica's clock",
+                state.replica, v.incarnation
+            ));
+        }
+        let kept = self.entries.get(&state.replica);
+        let base = match kept {
+            Some(k) if k.state.version.incarnation == v.incarnation => {
+                (k.state.version.seq, now_ms - k.heard_ms.min(now_ms))
+            }
+            _ => (0, now_ms.saturating_add(self.limits.max_skew_ms).saturating_sub(v.incarnation)),
+        };
+        if v.seq > base.0.saturating_add(base.1).saturating_add(SEQ_SLACK) {
+            return Err(format!("replica {}: sequence number {} runs ahead", state.replica, v.seq));
+        }
+        if let Some(known) = kept {
             // Only a greater version is news: a repeat (even with other content) must not make a
-            // stuck or expired peer count again.
-            if state.version <= known.state.version {
+            // stuck or expired peer count again. A smaller incarnation is a restart whose clock
+            // went back, once the known one no longer counts.
+            let restarted = v.incarnation < known.state.version.incarnation && !self.is_live(known.heard_ms, now_ms);
+            if v <= known.state.version && !restarted {
                 return Ok(Offer::Stale);
             }
-            *known = PeerEntry { state, heard_ms: now_ms };
-            return Ok(Offer::Newer);
-        }
-        if self.entries.len() >= self.limits.max_peers {
+        } else if self.entries.len() >= self.limits.max_peers {
             self.forget(now_ms);
+            self.drop_longest_silent(now_ms);
             if self.entries.len() >= self.limits.max_peers {
                 return Err(format!(
-                    "replica {}: already {} peers, at most max_peers",
+                    "replica {}: already {} peers count, at most max_peers",
                     state.replica,
                     self.entries.len()
                 ));
             }
         }
+        let others: usize =
+            self.entries.iter().filter(|(id, _)| **id != state.replica).map(|(_, e)| e.state.tenants()).sum();
+        if others + state.tenants() > self.limits.max_total_tenants {
+            return Err(format!(
+                "replica {}: {} tenant entries beside {others} kept, at most {} in all",
+                state.replica,
+                state.tenants(),
+                self.limits.max_total_tenants
+            ));
+        }
         self.entries.insert(state.replica, PeerEntry { state, heard_ms: now_ms });
         Ok(Offer::Newer)
+    }
+
+    /// Drops the peer silent the longest among those that no longer count (a tombstone only
+    /// keeps a late old answer stale), to make room for a new one.
+    fn drop_longest_silent(&mut self, now_ms: u64) {
+        let oldest =
+            self.entries.iter().filter(|(_, e)| !self.is_live(e.heard_ms, now_ms)).min_by_key(|(_, e)| e.heard_ms);
+        if let Some(id) = oldest.map(|(id, _)| *id) {
+            self.entries.remove(&id);
+        }
     }
 
     /// Joins another view of the same replica's peers into this one (e.g. the copy another
@@ -258,18 +327,19 @@ impl Peers {
         self.entries.values().filter(move |e| self.is_live(e.heard_ms, now_ms)).map(|e| &e.state)
     }
 
-    /// The service `tenant` got on the live peers (add the replica's own counter for the
-    /// global value).
+    /// The service `tenant` got on the live peers, as they published it.
     pub fn service(&self, tenant: &str, now_ms: u64) -> f64 {
         self.live(now_ms).filter_map(|s| s.service.get(tenant)).sum()
     }
 
-    /// Every tenant's service summed over the live peers (what offsets this replica's counters).
-    pub fn services(&self, now_ms: u64) -> BTreeMap<String, f64> {
+    /// Every tenant's service summed over the live peers (what offsets this replica's counters),
+    /// each peer's value taken at most `cap` ([`MAX_PEER_SERVICE`] at most).
+    pub fn services(&self, now_ms: u64, cap: f64) -> BTreeMap<String, f64> {
+        let cap = cap.clamp(0.0, MAX_PEER_SERVICE);
         let mut sum = BTreeMap::new();
         for s in self.live(now_ms) {
             for (tenant, v) in &s.service {
-                *sum.entry(tenant.clone()).or_insert(0.0) += v;
+                *sum.entry(tenant.clone()).or_insert(0.0) += v.min(cap);
             }
         }
         sum
@@ -328,6 +398,11 @@ impl Publisher {
     /// one of this replica (its start time in ms does, or the last incarnation plus one).
     pub fn new(replica: ReplicaId, incarnation: u64) -> Publisher {
         Publisher { replica, incarnation, seq: 0 }
+    }
+
+    /// The incarnation it publishes under.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The next state, with a greater version than the last. Publish one every sync interval

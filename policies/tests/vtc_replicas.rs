@@ -109,7 +109,15 @@ fn replicas_that_exchange_service_keep_the_single_gateways_bound_plus_one_interv
 
 #[test]
 fn an_expired_peers_offset_is_dropped_and_local_counters_order_again() {
-    let limits = Limits { max_age_ms: 300, forget_ms: 3_000, max_peers: 4, max_tenants: 16, max_endpoints: 4 };
+    let limits = Limits {
+        max_age_ms: 300,
+        forget_ms: 3_000,
+        max_peers: 4,
+        max_tenants: 16,
+        max_endpoints: 4,
+        max_total_tenants: 64,
+        max_skew_ms: 1_000,
+    };
     let mut peers = Peers::new(1, limits).unwrap();
     let mut publisher = Publisher::new(2, 1);
     let service = BTreeMap::from([("a".to_string(), 1_000.0)]);
@@ -123,7 +131,8 @@ fn an_expired_peers_offset_is_dropped_and_local_counters_order_again() {
     assert_eq!(r.vtc.next(), Some(0));
     let apply = |r: &mut Replica, peers: &Peers, now| {
         for (f, name) in TENANTS.iter().enumerate() {
-            r.vtc.set_offset(name, Some(f as FlowId), peers.service(name, now));
+            let offsets = peers.services(now, f64::INFINITY);
+            r.vtc.set_offset(name, Some(f as FlowId), offsets.get(*name).copied().unwrap_or(0.0));
         }
     };
     apply(&mut r, &peers, 100);

@@ -28,8 +28,22 @@ async fn replicas(n: usize, backends: &Backends) -> anyhow::Result<Vec<Envoy>> {
 
 /// As [`replicas`], with `bound` requests per backend.
 async fn replicas_bound(n: usize, backends: &Backends, bound: u32) -> anyhow::Result<Vec<Envoy>> {
+    replicas_with(n, backends, bound, |i| i as u64 + 1, &[], json!({})).await
+}
+
+/// As [`replicas_bound`], replica `i` with id `id(i)`, with `more_peers` in the peers' cluster
+/// beside the replicas (fake peers), and the plugin's top-level keys `overrides`.
+async fn replicas_with(
+    n: usize,
+    backends: &Backends,
+    bound: u32,
+    id: impl Fn(usize) -> u64,
+    more_peers: &[String],
+    overrides: Value,
+) -> anyhow::Result<Vec<Envoy>> {
     let ports: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
-    let peers: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let mut peers: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    peers.extend_from_slice(more_peers);
     let mut out = Vec::new();
     for (i, &port) in ports.iter().enumerate() {
         let pc = with_overrides(
@@ -37,12 +51,13 @@ async fn replicas_bound(n: usize, backends: &Backends, bound: u32) -> anyhow::Re
             json!({
                 "lower_bound_per_backend": bound, "upper_bound_per_backend": bound,
                 "replicas": {
-                    "id": i + 1, "peers_cluster": PEERS_CLUSTER, "peers": n,
+                    "id": id(i), "peers_cluster": PEERS_CLUSTER, "peers": peers.len(),
                     "sync_interval_ms": 50, "max_age_ms": MAX_AGE_MS,
                     "secret_header": {"name": SECRET.0, "value": SECRET.1},
                 },
             }),
         );
+        let pc = with_overrides(pc, overrides.clone());
         let opts = EnvoyOptions {
             concurrency: 1,
             replica_listener: Some(ReplicaListener { port, peers: peers.clone() }),
@@ -162,7 +177,8 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
         wait_idle(e).await?;
     }
 
-    // Replica C fills the pool with long requests; A's request must wait for them.
+    // Replica C fills the pool with long requests; A sends one (the slot a replica always keeps:
+    // one over the bound), and its second must wait for C's.
     let long = ChatRequest::chat(Some("c"), 480);
     let c_addr = envoys[2].listener;
     let mut c_load = Vec::new();
@@ -178,19 +194,26 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
         .await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let a_addr = envoys[0].listener;
-    let a_client = client.clone();
-    let a = tokio::spawn(async move { a_client.send(a_addr, &ChatRequest::chat(Some("a"), 8), Instant::now()).await });
+    let send_a = |tokens| {
+        let a_client = client.clone();
+        tokio::spawn(async move { a_client.send(a_addr, &ChatRequest::chat(Some("a"), tokens), Instant::now()).await })
+    };
+    let kept = send_a(480);
+    envoys[0].wait_stats("A sends one", Duration::from_secs(10), |s| s.value("sluice_stock") == 1.0).await?;
+    let a = send_a(8);
     envoys[0]
         .wait_stats("A queues behind C", Duration::from_secs(10), |s| s.value("sluice_requests_queued") > 0.0)
         .await?;
     let queued_before = envoys[0].stats().await?.value("sluice_queue_length");
-    assert!(queued_before >= 1.0, "A's request did not wait for C's");
+    assert!(queued_before >= 1.0, "A's second request did not wait for C's");
     // C dies; its last state says the pool is full. Past max_age_ms it no longer counts, and
     // A's request goes (C's long requests would otherwise hold the pool for far longer).
     let c = envoys.pop().expect("three replicas");
     drop(c);
     let a = a.await?;
     assert!(a.ok(), "A's request after C died: {a:?}");
+    let kept = kept.await?;
+    assert!(kept.ok(), "A's first request: {kept:?}");
     envoys[0]
         .wait_stats("C no longer live", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 1.0)
         .await?;
@@ -321,6 +344,118 @@ async fn vtc_orders_by_global_service_a_flood_through_both_replicas_yields_to_a_
     // B alone would split its part evenly (12 and 13 with the offsets switched off); with A's
     // service for flood, B serves modest ahead of flood's backlog there.
     assert!(10 * modest_b >= 13 * flood_b, "B serves modest ahead of flood's backlog: {served:?}");
+    Ok(())
+}
+
+/// A host of the peers' cluster that is no replica: it answers every request with the state
+/// `state(n)`, `n` counting its answers from 1 (so a liar can keep raising `seq`).
+struct FakePeer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakePeer {
+    async fn start(state: impl Fn(u64) -> Value + Send + Sync + 'static) -> anyhow::Result<FakePeer> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = std::sync::Arc::new(state);
+        let answers = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let task = tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (state, answers) = (state.clone(), answers.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    // Requests are bodiless GETs, kept alive: answer each head as it completes.
+                    while let Ok(n) = s.read(&mut chunk).await {
+                        if n == 0 {
+                            break;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            let n = answers.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                            let body = state(n).to_string();
+                            let head = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                                body.len()
+                            );
+                            if s.write_all(head.as_bytes()).await.is_err()
+                                || s.write_all(body.as_bytes()).await.is_err()
+                            {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Ok(FakePeer { addr, task })
+    }
+}
+
+impl Drop for FakePeer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue 19, finding 1: a peer that claims the whole pool (claims and in-flight counts of
+/// u32::MAX on our endpoint, `seq` kept rising so it never expires) made the replica dispatch
+/// nothing (every request ended in 503 `rejected-ttl-expired`). Its numbers are clamped to the
+/// bound and a replica always keeps one slot: every request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_claiming_the_whole_pool_cannot_stall_a_replica() -> anyhow::Result<()> {
+    let backends = Backends::start(backends(1, 0.1)).await?;
+    let endpoint = backends.endpoints()[0].clone();
+    let liar = FakePeer::start(move |n| {
+        json!({"replica": 99, "version": {"incarnation": 1, "seq": n},
+               "service": {"flood": 1.0e12}, "in_flight": {endpoint.clone(): u32::MAX},
+               "queued": u32::MAX, "demand": {"flood": u32::MAX},
+               "claim": u32::MAX, "claim_queue": u32::MAX})
+    })
+    .await?;
+    let envoys =
+        replicas_with(1, &backends, BOUND, |_| 1, &[liar.addr.to_string()], json!({"queue_ttl_ms": 3000})).await?;
+    let a = &envoys[0];
+    a.wait_stats("the liar's states taken", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 1.0)
+        .await?;
+    let client = LoadClient::new(Duration::from_secs(30));
+    let outcomes =
+        sluice_e2e::load::send_indexed(&client, a.listener, 24, 4, |_| ChatRequest::chat(Some("t"), 8)).await;
+    let ok = outcomes.iter().filter(|o| o.ok()).count();
+    let stats = a.stats().await?;
+    eprintln!(
+        "served {ok} of {}; peers live {}, syncs ok {}",
+        outcomes.len(),
+        stats.value("sluice_replica_peers_live"),
+        stats.value("sluice_replica_sync_ok")
+    );
+    assert_eq!(ok, outcomes.len(), "{}", status_histogram(&outcomes));
+    wait_idle(a).await?;
+    Ok(())
+}
+
+/// Issue 19, finding 7: two replicas configured with the same `id` took each other's states for
+/// their own and silently stopped sharing, while `sluice_replica_sync_ok` rose (an answer from
+/// oneself counted as a success). Each now logs the duplicate as an error, and neither its own
+/// answers nor its twin's count as a successful sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_under_one_id_say_so_and_no_answer_from_oneself_is_a_success() -> anyhow::Result<()> {
+    let backends = Backends::start(backends(1, 0.1)).await?;
+    let envoys = replicas_with(2, &backends, BOUND, |_| 7, &[], json!({})).await?;
+    for e in &envoys {
+        e.wait_stats("answers heard", Duration::from_secs(10), |s| s.value("sluice_replica_sync_failed") > 4.0).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for e in &envoys {
+        let s = e.stats().await?;
+        assert_eq!(s.value("sluice_replica_sync_ok"), 0.0, "no peer was heard, only oneself and a twin");
+        assert_eq!(s.value("sluice_replica_peers_live"), 0.0);
+        let log = e.log();
+        assert!(log.contains("another replica publishes under this replica's id"), "no duplicate reported:\n{log}");
+    }
     Ok(())
 }
 
