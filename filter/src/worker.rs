@@ -2534,6 +2534,91 @@ mod tests {
         assert_eq!(metric(&p, "sluice_replica_peers_live"), 0);
     }
 
+    /// Issue 19, finding 2, as a property over seeded cases: a replica (VTC, pool bound 2)
+    /// serves 2 to 5 flood tenants one request per 100 ms; a peer publishes service for them,
+    /// growing by random amounts (up to 1.7e308 in all), then dies and expires 200 ms later. A
+    /// newcomer with ten requests joins while the peer still counts, lifted to the smallest
+    /// merged counter. Before, the peer's part left the merged counters at expiry and the
+    /// newcomer, lifted against it, waited until the flood caught up. Now it keeps its share
+    /// (one dispatch in `floods + 1`) after the peer is gone.
+    #[test]
+    fn a_peer_dying_mid_flood_leaves_no_tenant_behind() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let cfg = || {
+            config(serde_json::json!({"policy": "vtc", "queue_ttl_ms": 600_000,
+                "replicas": {"id": 2, "peers_cluster": "sluice_peers", "peers": 2, "max_age_ms": 200}}))
+        };
+        for case in 0..40 {
+            let floods = 2 + (next() % 4) as usize;
+            let death = 8 + next() % 8;
+            let joins = death - next() % 3;
+            // How much the peer adds per state to each flood tenant's service: as much for all
+            // (so that the floor a newcomer is lifted to holds it), and a little more for some.
+            let all = [0.0, 5_000.0, 1e12, 1.7e308 / 32.0][(next() % 4) as usize];
+            let steps: Vec<f64> = (0..floods).map(|_| all + (next() % 100) as f64).collect();
+            let p = Rc::new(Process::default());
+            let mut b = vm(&p, 1, cfg(), 0);
+            sync(&mut b, 0, None);
+            let (mut ctx, mut running) = (0u32, VecDeque::new());
+            let mut tenant_of = HashMap::new();
+            let mut add = |b: &mut Worker<Vm>, now: u64, tenant: &str, running: &mut VecDeque<u32>| {
+                ctx += 1;
+                tenant_of.insert(ctx, tenant.to_string());
+                if matches!(admit(b, now, ctx, tenant), Admission::Bypass(_)) {
+                    running.push_back(ctx);
+                }
+            };
+            for k in 0..floods {
+                for _ in 0..30 {
+                    add(&mut b, 1, &format!("f{k}"), &mut running);
+                }
+            }
+            let mut expired_at = 0;
+            for step in 1..=death + 30 {
+                let now = step * 100;
+                let state = (step <= death).then(|| {
+                    let service: serde_json::Map<String, serde_json::Value> =
+                        steps.iter().enumerate().map(|(k, s)| (format!("f{k}"), (s * step as f64).into())).collect();
+                    serde_json::json!({"replica": 1, "version": {"incarnation": 1, "seq": step},
+                        "service": service, "in_flight": {}})
+                    .to_string()
+                });
+                let before = p.resumed.borrow().len();
+                if step == death + 3 {
+                    expired_at = before;
+                }
+                sync(&mut b, now, state.as_deref().map(str::as_bytes));
+                if step == joins {
+                    for _ in 0..10 {
+                        add(&mut b, now, "newcomer", &mut running);
+                    }
+                    b.on_queue_ready(now, queue_id(&p, SCHEDULER_QUEUE));
+                }
+                let done = running.pop_front().expect("the pool is never empty");
+                b.at(now + 1).finish(done, 10, false);
+                b.on_queue_ready(now + 1, queue_id(&p, SCHEDULER_QUEUE));
+                b.on_queue_ready(now + 1, queue_id(&p, "sluice.worker.1"));
+                running.extend(p.resumed.borrow()[before..].iter().map(|r| r.1));
+            }
+            let resumed: Vec<&str> = p.resumed.borrow().iter().map(|r| tenant_of[&r.1].as_str()).collect::<Vec<_>>();
+            let after = &resumed[expired_at..];
+            let newcomer = after.iter().filter(|&&t| t == "newcomer").count();
+            assert!(
+                newcomer + 1 >= after.len() / (floods + 1),
+                "case {case}: {floods} flood tenants, the peer adds {steps:?} per state, dies at step \
+                 {death}; the newcomer joined at {joins} and got {newcomer} of the {} dispatches after the \
+                 peer expired: {after:?}",
+                after.len()
+            );
+        }
+    }
+
     #[test]
     fn without_replicas_nothing_is_published_nor_fetched() {
         let p = Rc::new(Process::default());
