@@ -15,7 +15,7 @@
 
 use crate::shared::{self, Store};
 use serde::Deserialize;
-use sluice_policies::replicas::{self, Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState};
+use sluice_policies::replicas::{self, Limits, Offer, Offsets, PeerService, Peers, Publisher, ReplicaId, ReplicaState};
 use std::collections::{BTreeMap, HashMap};
 
 /// Shared-data key of this replica's latest published state (JSON), which the
@@ -37,9 +37,9 @@ const MAX_PEERS: usize = 64;
 const MAX_ENDPOINTS: usize = 4096;
 /// How far ahead of this replica's clock a peer's incarnation (its start time) may be.
 const MAX_SKEW_MS: u64 = 10 * 60 * 1000;
-/// A peer's service for a tenant counts at most this much more than this replica's own
-/// service to all its tenants ([`SERVICE_RATIO`] times it, plus this): a peer that served far
-/// more than this replica is not believed beyond that.
+/// What a peer's service for a tenant adds counts at most this much more than this replica's
+/// own service to all its tenants over the same time ([`SERVICE_RATIO`] times it, plus this):
+/// a peer that served far more than this replica is not believed beyond that.
 const SERVICE_SLACK: f64 = (1u64 << 20) as f64;
 /// See [`SERVICE_SLACK`].
 const SERVICE_RATIO: f64 = 8.0;
@@ -308,8 +308,10 @@ pub struct Exchange {
     /// The incarnation this process published under before this one (a state of this
     /// replica's id under it is still its own, served once more after a lease handover).
     previous: u64,
-    /// The most a peer's service for one tenant counts ([`SERVICE_SLACK`]).
-    service_cap: f64,
+    /// What the peers' service adds to the counters ([`Exchange::peer_services`]).
+    service: PeerService,
+    /// This replica's own service to all its tenants, as of its last publication.
+    own_service: f64,
     /// When a duplicate of this replica's id was last logged.
     duplicate_logged_ms: Option<u64>,
 }
@@ -329,7 +331,8 @@ impl Exchange {
             last_demand: Default::default(),
             tenant_parts: BTreeMap::new(),
             previous: 0,
-            service_cap: SERVICE_SLACK,
+            service: PeerService::default(),
+            own_service: 0.0,
             duplicate_logged_ms: None,
         })
     }
@@ -401,8 +404,7 @@ impl Exchange {
             self.slots[WINDOW - 1] = slots;
         }
         self.bounds = bounds;
-        let own_service: f64 = local.service.values().sum();
-        self.service_cap = (SERVICE_SLACK + SERVICE_RATIO * own_service).min(replicas::MAX_PEER_SERVICE);
+        self.own_service = local.service.values().sum();
         let in_flight = endpoints.iter().zip(&local.load).map(|(e, &n)| (e.clone(), n)).collect();
         let mut state = self.publisher.publish(local.service, in_flight);
         state.queued = local.queued;
@@ -467,11 +469,12 @@ impl Exchange {
         self.peers.live(now).count()
     }
 
-    /// Every tenant's service on the live peers, each peer's value at most a sane multiple of
-    /// this replica's own service ([`SERVICE_SLACK`]): the VTC offsets
-    /// ([`crate::scheduler::Scheduler::set_peer_service`]).
-    pub fn peer_services(&self, now: u64) -> BTreeMap<String, f64> {
-        self.peers.services(now, self.service_cap)
+    /// Every tenant's service on the live peers since this replica counts them, each peer's
+    /// part at most a sane multiple of this replica's own service ([`SERVICE_SLACK`]), and
+    /// what left since the last call: the VTC offsets
+    /// ([`crate::scheduler::Scheduler::set_peer_service`]; see [`PeerService`]).
+    pub fn peer_services(&mut self, now: u64) -> Offsets {
+        self.service.update(self.peers.live(now), self.own_service, (SERVICE_SLACK, SERVICE_RATIO))
     }
 
     /// The slots of the pool's bounds ([`QUEUE`] and [`BYPASS`]) this replica may fill,
@@ -807,7 +810,8 @@ mod tests {
         assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).map(|p| p.in_flight), Some(vec![4, 1]));
         assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).unwrap().global(&[1, 1]), vec![5, 2]);
         assert_eq!(ex.live(100), 2);
-        assert!((ex.peer_services(100)["a"] - 20.0).abs() < 1e-9);
+        // Service counts from the first state taken: a later one adds what grew since.
+        assert_eq!(ex.peer_services(100).offsets, BTreeMap::new());
         // Written for another pool, or long ago (the lease holder died): not read.
         assert_eq!(peer_load(&store, 3, 100, c.max_age_ms), None);
         assert_eq!(peer_load(&store, 2, 100 + c.max_age_ms + 1, c.max_age_ms), None);
@@ -983,10 +987,15 @@ mod tests {
         let load = peer_load(&store, 2, 100, cfg().max_age_ms).unwrap();
         assert!(load.in_flight.iter().sum::<u32>() <= 10, "in flight: at most the bound: {load:?}");
         assert!(load.reserved[BYPASS] <= 10 && load.reserved[QUEUE] <= 8, "claims: at most the bounds: {load:?}");
-        // Service: far below 2^53 (charges must still move a counter), and relative to what this
-        // replica serves (here nothing yet).
-        let offsets = ex.peer_services(100);
-        assert!(offsets.values().all(|&v| v <= (1u64 << 21) as f64), "{offsets:?}");
+        // Service counts from the first state taken; what it adds is relative to what this
+        // replica serves (here nothing yet), far below 2^53 (a charge must still move a counter).
+        assert!(ex.peer_services(100).offsets.is_empty());
+        lie.version.seq = 2;
+        lie.service = BTreeMap::from([("a".to_string(), 1.7e308), ("b".to_string(), 1.7e308)]);
+        ex.sent(2, 100);
+        assert!(matches!(ex.answer(2, 110, Some(&serde_json::to_vec(&lie).unwrap()), &eps), Some(Answer::Taken(..))));
+        let offsets = ex.peer_services(110).offsets;
+        assert!(offsets.values().all(|&v| v <= SERVICE_SLACK), "{offsets:?}");
     }
 
     #[test]

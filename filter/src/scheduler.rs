@@ -30,6 +30,7 @@ use sluice_policies::alloc::Allocation;
 use sluice_policies::bands::{BandedQueue, Criticality};
 use sluice_policies::order::{RequestMeta, Slack};
 use sluice_policies::queue::FairQueue;
+use sluice_policies::replicas::Offsets;
 use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
 use sluice_policies::spec::OrderSpec;
 use sluice_policies::tenants::Tenants;
@@ -657,7 +658,9 @@ impl Scheduler {
             Criticality::ALL.into_iter().flat_map(move |band| {
                 let c = q.band(band).policy().as_counters();
                 let code = band_code(band);
-                let counter = c.map(|c| (code, c.counter(flow)));
+                // The merged counter: the next holder starts counting its peers afresh (from
+                // their next states), so the offsets it would otherwise lose go with it.
+                let counter = c.map(|c| (code, c.counter(flow) + c.offset(flow)));
                 let service = c.map(|c| (code | SERVICE_CODE, c.service(flow)));
                 [counter, service].into_iter().flatten().filter(|&(_, v)| v > 0.0).map(move |(k, v)| (k, name, v))
             })
@@ -702,13 +705,26 @@ impl Scheduler {
         out
     }
 
-    /// The live peers' service per tenant (`replicas`): every band's VTC
-    /// orders by counter + this offset. Only tenants whose value changed
-    /// since the last call are touched (a tenant absent now, e.g. its peers
-    /// expired, goes back to offset 0). Nothing for policies without counters.
-    pub fn set_peer_service(&mut self, peers: BTreeMap<String, f64>) {
+    /// The live peers' service per tenant (`replicas`; see
+    /// [`sluice_policies::replicas::PeerService`]): every band's VTC orders by
+    /// counter + this offset. What departed (a peer that expired or restarted)
+    /// is first added to the tenant's counters, so that no merged counter moves
+    /// when a peer leaves: a tenant lifted against a floor that held the peer's
+    /// part is not left behind. Only tenants whose value changed since the last
+    /// call are then touched (a tenant absent now goes back to offset 0).
+    /// Nothing for policies without counters.
+    pub fn set_peer_service(&mut self, update: Offsets) {
         if !self.counters {
             return;
+        }
+        let Offsets { offsets: peers, departed } = update;
+        for (tenant, amount) in departed {
+            let Some(flow) = self.queue.tenants().get(&tenant) else { continue };
+            for band in Criticality::ALL {
+                if let Some(c) = self.queue.band_mut(band).policy_mut().as_counters_mut() {
+                    c.fold(flow, amount);
+                }
+            }
         }
         let gone = self.peer_service.keys().filter(|t| !peers.contains_key(*t)).map(|t| (t.clone(), 0.0));
         let changed = peers.iter().filter(|&(t, v)| self.peer_service.get(t) != Some(v)).map(|(t, v)| (t.clone(), *v));
@@ -977,13 +993,23 @@ mod tests {
         for (ctx, tenant) in [(1, "b"), (2, "a"), (3, "a")] {
             new.on_message(enqueue(0, ctx, tenant, ctx as u64), 0, &mut out);
         }
-        new.set_peer_service(BTreeMap::from([("b".to_string(), 5000.0), ("z".to_string(), 1.0)]));
+        let offsets = |b: f64| Offsets {
+            offsets: BTreeMap::from([("b".to_string(), b), ("z".to_string(), 1.0)]),
+            ..Default::default()
+        };
+        new.set_peer_service(offsets(5000.0));
         new.pump(0, &mut slots(1), &mut out);
         assert_eq!(dispatched(&out), vec![2]);
-        // The peer expired: its offsets go, and "b" is next again.
-        new.set_peer_service(BTreeMap::new());
+        // The peer expired: its part departs into b's counter, so "a" is still next.
+        new.set_peer_service(Offsets { departed: BTreeMap::from([("b".to_string(), 5000.0)]), ..Default::default() });
         new.pump(0, &mut slots(1), &mut out);
-        assert_eq!(dispatched(&out), vec![2, 1]);
+        assert_eq!(dispatched(&out), vec![2, 3]);
+        // The next holder starts with the merged counters (its peers are counted afresh).
+        let store = MapStore::default();
+        save_all(&mut new, &store, usize::MAX);
+        let mut next = Scheduler::new(&c);
+        next.restore_from(&store);
+        assert_eq!(counters(&next), counters(&new));
         // Without counters nothing is published.
         assert!(Scheduler::new(&cfg("fcfs", "")).service().is_empty());
     }

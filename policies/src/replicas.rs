@@ -332,19 +332,6 @@ impl Peers {
         self.live(now_ms).filter_map(|s| s.service.get(tenant)).sum()
     }
 
-    /// Every tenant's service summed over the live peers (what offsets this replica's counters),
-    /// each peer's value taken at most `cap` ([`MAX_PEER_SERVICE`] at most).
-    pub fn services(&self, now_ms: u64, cap: f64) -> BTreeMap<String, f64> {
-        let cap = cap.clamp(0.0, MAX_PEER_SERVICE);
-        let mut sum = BTreeMap::new();
-        for s in self.live(now_ms) {
-            for (tenant, v) in &s.service {
-                *sum.entry(tenant.clone()).or_insert(0.0) += v.min(cap);
-            }
-        }
-        sum
-    }
-
     /// Requests the live peers hold on `endpoint` (add the replica's own for the global count).
     pub fn in_flight(&self, endpoint: &str, now_ms: u64) -> u64 {
         self.live(now_ms).filter_map(|s| s.in_flight.get(endpoint)).map(|&n| u64::from(n)).sum()
@@ -382,6 +369,111 @@ impl Peers {
     /// Every peer tracked (live or tombstone), by replica id.
     pub fn entries(&self) -> &BTreeMap<ReplicaId, PeerEntry> {
         &self.entries
+    }
+}
+
+/// What the live peers' service adds to this replica's VTC counters, and what leaves them.
+///
+/// A peer publishes cumulative service, which grows without bound over its uptime. Added as it
+/// is, it lifts a newcomer against a floor that holds a peer's whole history, and when that peer
+/// expires (or restarts, or forgets a tenant) its part leaves the merged counters: every tenant
+/// lifted against it is left behind by an offset that no longer exists, until the others catch
+/// up. So a peer counts only the service it reported *since this replica began counting it*
+/// (the first state taken from its incarnation: a baseline per tenant), clamped to a cap, and
+/// whatever it stops adding is *departed*: the caller adds it to the local counters, so that
+/// every merged counter stays where it was (a peer's service happened; only the news stops).
+/// A peer that comes back is counted from its new baseline, never twice.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PeerService {
+    counted: BTreeMap<ReplicaId, Counted>,
+}
+
+/// One peer incarnation's part in [`PeerService`].
+#[derive(Clone, Debug, PartialEq)]
+struct Counted {
+    incarnation: u64,
+    /// Per tenant: its service when counting began, and what it adds now.
+    tenants: BTreeMap<String, (f64, f64)>,
+    /// This replica's own service (all tenants) when counting began.
+    own_at_start: f64,
+}
+
+/// The offsets of this replica's counters and what left them ([`PeerService::update`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Offsets {
+    /// Per tenant, the live peers' service since they are counted.
+    pub offsets: BTreeMap<String, f64>,
+    /// Per tenant, what peers stopped adding since the last update (expired, restarted under a
+    /// new incarnation, or forgot the tenant): to add to its counters.
+    pub departed: BTreeMap<String, f64>,
+}
+
+impl PeerService {
+    /// Counts the `live` peers' latest states. `own` is this replica's own service to all its
+    /// tenants: a peer's part for one tenant counts at most `slack + ratio × (own − own when
+    /// counting began)` (and never past [`MAX_PEER_SERVICE`]), a peer that served far more
+    /// than this replica is not believed beyond that. O(tenants in the live states).
+    pub fn update<'a>(
+        &mut self,
+        live: impl IntoIterator<Item = &'a ReplicaState>,
+        own: f64,
+        (slack, ratio): (f64, f64),
+    ) -> Offsets {
+        let mut departed: BTreeMap<String, f64> = BTreeMap::new();
+        let mut depart = |tenant: &str, added: f64| {
+            if added > 0.0 {
+                *departed.entry(tenant.to_owned()).or_insert(0.0) += added;
+            }
+        };
+        let mut seen = Vec::new();
+        for s in live {
+            seen.push(s.replica);
+            let c = match self.counted.get_mut(&s.replica) {
+                Some(c) if c.incarnation == s.version.incarnation => c,
+                old => {
+                    // First taken, or a new incarnation: what the old one added departs.
+                    if let Some(old) = old {
+                        old.tenants.iter().for_each(|(t, &(_, added))| depart(t, added));
+                    }
+                    let tenants = s.service.iter().map(|(t, &v)| (t.clone(), (v, 0.0))).collect();
+                    self.counted
+                        .insert(s.replica, Counted { incarnation: s.version.incarnation, tenants, own_at_start: own });
+                    continue;
+                }
+            };
+            let cap = (slack + ratio * (own - c.own_at_start).max(0.0)).clamp(0.0, MAX_PEER_SERVICE);
+            // A tenant the peer forgot: its part departs.
+            c.tenants.retain(|t, &mut (_, added)| {
+                let kept = s.service.contains_key(t);
+                if !kept {
+                    depart(t, added);
+                }
+                kept
+            });
+            for (t, &v) in &s.service {
+                let (base, added) = c.tenants.entry(t.clone()).or_insert((0.0, 0.0));
+                if v < *base {
+                    // Forgotten and served again since: counted from here; what it added departs.
+                    depart(t, *added);
+                    (*base, *added) = (v, 0.0);
+                }
+                *added = (v - *base).clamp(0.0, cap);
+            }
+        }
+        self.counted.retain(|id, c| {
+            let live = seen.contains(id);
+            if !live {
+                c.tenants.iter().for_each(|(t, &(_, added))| depart(t, added));
+            }
+            live
+        });
+        let mut offsets: BTreeMap<String, f64> = BTreeMap::new();
+        for (t, &(_, added)) in self.counted.values().flat_map(|c| &c.tenants) {
+            if added > 0.0 {
+                *offsets.entry(t.clone()).or_insert(0.0) += added;
+            }
+        }
+        Offsets { offsets, departed }
     }
 }
 

@@ -530,6 +530,13 @@ impl<C: Charge> Counters for CounterPolicy<C> {
     fn offset(&self, flow: FlowId) -> f64 {
         self.offsets.get(flow as usize).copied().unwrap_or(0.0)
     }
+
+    fn fold(&mut self, flow: FlowId, amount: f64) {
+        let amount = non_negative(amount);
+        if amount > 0.0 {
+            self.update(flow, |c| *c += amount);
+        }
+    }
 }
 
 /// A finite value above zero, else 0.
