@@ -24,8 +24,9 @@ pub const STATE_KEY: &str = "sluice.replicas.state";
 /// Shared-data key of the live peers' in-flight counts per endpoint, with the
 /// time they were written.
 pub const PEER_LOAD_KEY: &str = "sluice.replicas.peer_load";
-/// Shared-data key of the slots the scheduler holds back for light tenants, per tenant
-/// ([`crate::scheduler::Scheduler::held_parts`]), which bypasses respect too ([`held_for`]).
+/// Shared-data key of the parts the scheduler holds back for light tenants, in all and per
+/// tenant ([`crate::scheduler::Scheduler::held_parts`], [`encode_held`]), which bypasses
+/// respect too ([`held_for`]).
 pub const HELD_KEY: &str = "sluice.replicas.held";
 /// Shared-data key of the last incarnation published by this process.
 pub const INCARNATION_KEY: &str = "sluice.replicas.incarnation";
@@ -301,8 +302,8 @@ pub struct Exchange {
     slots: [[u32; 2]; WINDOW],
     /// The bounds they are slots of ([`QUEUE`] and [`BYPASS`]).
     bounds: [u32; 2],
-    /// This replica's tenants' parts, in slots rounded up ([`Exchange::tenant_parts`]).
-    tenant_parts: BTreeMap<String, u32>,
+    /// This replica's tenants' parts, in (fractional) slots ([`Exchange::tenant_parts`]).
+    tenant_parts: BTreeMap<String, f64>,
     /// The demand of the publications before the last one (before smoothing), newest last.
     last_demand: [BTreeMap<String, u32>; WINDOW - 1],
     /// The incarnation this process published under before this one (a state of this
@@ -396,7 +397,8 @@ impl Exchange {
         });
         let slots = [slots[QUEUE].min(slots[BYPASS]), slots[BYPASS]];
         let parts = replicas::tenant_parts(&demand, self.peers.live(now).map(|s| &s.demand), local.upper.into());
-        self.tenant_parts = parts.into_iter().map(|(t, p)| (t, p.ceil().min(f64::from(u32::MAX)) as u32)).collect();
+        // Fractional: rounding each part up made many light tenants hold more than the bound.
+        self.tenant_parts = parts.into_iter().filter(|&(_, p)| p.is_finite() && p > 0.0).collect();
         if first || self.bounds != bounds {
             self.slots = [slots; WINDOW];
         } else {
@@ -486,11 +488,11 @@ impl Exchange {
         self.slots[WINDOW - 1]
     }
 
-    /// Each of this replica's tenants' part of the bound here, in slots rounded up, as of its
-    /// last publication ([`sluice_policies::replicas::tenant_parts`]): what the scheduler holds
+    /// Each of this replica's tenants' part of the bound here, in slots (fractional: their sum
+    /// is at most the bound, whatever the number of tenants), as of its last publication ([`sluice_policies::replicas::tenant_parts`]): what the scheduler holds
     /// back for a tenant that sends one request at a time
     /// ([`crate::scheduler::Scheduler::set_tenant_parts`]).
-    pub fn tenant_parts(&self) -> &BTreeMap<String, u32> {
+    pub fn tenant_parts(&self) -> &BTreeMap<String, f64> {
         &self.tenant_parts
     }
 
@@ -627,17 +629,48 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
     })
 }
 
-/// [`HELD_KEY`]'s value for these held parts.
-pub fn encode_held(held: &[(String, u32)]) -> Vec<u8> {
-    serde_json::to_vec(held).unwrap_or_default()
+/// Whole slots in `parts` (fractional slots): what is held back is the sum of the light
+/// tenants' unused parts rounded down, never each part rounded up, so that it never exceeds
+/// the bound whatever the number of light tenants (issue 19, finding 3).
+pub fn whole_slots(parts: f64) -> u32 {
+    // The tolerance absorbs the rounding of a sum of fractions that adds up to a whole.
+    (parts + 1e-9).floor().clamp(0.0, f64::from(u32::MAX)) as u32
 }
 
-/// Slots held back for light tenants other than `tenant` (0 when nothing is stored or it
-/// cannot be read): what a bypass of `tenant` must leave free.
+/// Writes [`HELD_KEY`]'s value for these held parts into `out` (cleared first): their sum
+/// (f64, little-endian), then per tenant its name's length (u32), the name and its part (f64).
+/// Binary and total-first so that a bypass, on the hot path, reads one number when less than
+/// a slot is held and otherwise scans without allocating ([`held_for`]).
+pub fn encode_held<'a>(held: impl IntoIterator<Item = (&'a str, f64)> + Clone, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&held.clone().into_iter().map(|(_, p)| p).sum::<f64>().to_le_bytes());
+    for (tenant, part) in held {
+        out.extend_from_slice(&(tenant.len() as u32).to_le_bytes());
+        out.extend_from_slice(tenant.as_bytes());
+        out.extend_from_slice(&part.to_le_bytes());
+    }
+}
+
+/// Whole slots held back for light tenants other than `tenant` ([`whole_slots`] of the sum of
+/// their parts; 0 when nothing is stored or it cannot be read): what a bypass of `tenant` must
+/// leave free.
 pub fn held_for(store: &dyn Store, tenant: &str) -> u32 {
     let (Some(b), _) = store.get(HELD_KEY) else { return 0 };
-    let held: Vec<(String, u32)> = serde_json::from_slice(&b).unwrap_or_default();
-    held.iter().filter(|(t, _)| t != tenant).fold(0u32, |a, (_, n)| a.saturating_add(*n))
+    let f64_at = |at: usize| b.get(at..at + 8).and_then(|s| s.try_into().ok()).map(f64::from_le_bytes);
+    let Some(total) = f64_at(0).filter(|t| t.is_finite()) else { return 0 };
+    if whole_slots(total) == 0 {
+        return 0;
+    }
+    let mut at = 8;
+    while let Some(len) = b.get(at..at + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes) {
+        let name = at + 4..(at + 4).saturating_add(len as usize);
+        let Some(part) = f64_at(name.end) else { break };
+        if b.get(name) == Some(tenant.as_bytes()) {
+            return whole_slots(total - part);
+        }
+        at += 4 + len as usize + 8;
+    }
+    whole_slots(total)
 }
 
 /// The internal listener's answer.
@@ -936,11 +969,22 @@ mod tests {
     fn a_bypass_leaves_the_other_light_tenants_parts_free() {
         let store = MapStore::default();
         assert_eq!(held_for(&store, "y"), 0, "nothing stored");
-        store.set(HELD_KEY, &encode_held(&[("modest".into(), 1), ("x".into(), 2)]), None);
+        let mut held = Vec::new();
+        encode_held([("modest", 1.0), ("x", 2.0)], &mut held);
+        store.set(HELD_KEY, &held, None);
         assert_eq!(held_for(&store, "y"), 3);
         assert_eq!(held_for(&store, "modest"), 2, "a tenant's own part is not held from it");
+        // Issue 19, finding 3: the parts are summed, then rounded down.
+        let many: Vec<String> = (0..1000).map(|i| format!("light-{i}")).collect();
+        encode_held(many.iter().map(|t| (t.as_str(), 0.004)), &mut held);
+        store.set(HELD_KEY, &held, None);
+        assert_eq!(held_for(&store, "flood"), 4);
+        assert_eq!(held_for(&store, "light-999"), 3);
         store.set(HELD_KEY, b"garbage", None);
         assert_eq!(held_for(&store, "y"), 0);
+        held.truncate(20);
+        store.set(HELD_KEY, &held, None);
+        assert_eq!(held_for(&store, "light-0"), 4, "cut short: the whole total");
     }
 
     #[test]

@@ -299,8 +299,9 @@ struct SchedulerRole {
     saved_ms: u64,
     /// The exchange with the other gateway replicas (`replicas`).
     exchange: Option<Exchange>,
-    /// The held parts last written to shared data (`replicas::HELD_KEY`).
-    published_held: Vec<(String, u32)>,
+    /// The held parts last written to shared data (`replicas::HELD_KEY`), and the buffer the
+    /// next are encoded into (kept, so that a pump allocates nothing for them once warm).
+    published_held: [Vec<u8>; 2],
 }
 
 /// One VM's worker: the streams it holds, its half of the scheduler lease,
@@ -961,7 +962,7 @@ impl<H: Host> Worker<H> {
                 published_len: None,
                 saved_ms: now,
                 exchange: None,
-                published_held: Vec::new(),
+                published_held: Default::default(),
             });
         } else if !holder && self.role.is_some() {
             log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
@@ -1055,10 +1056,11 @@ impl<H: Host> Worker<H> {
         );
         if self.cfg.replicas.is_some() {
             // The workers' bypasses leave the light tenants' parts free too.
-            let held = role.scheduler.held_parts();
-            if held != role.published_held {
-                self.host.set(replicas::HELD_KEY, &replicas::encode_held(&held), None);
-                role.published_held = held;
+            let [published, next] = &mut role.published_held;
+            role.scheduler.held_parts(next);
+            if next != published {
+                self.host.set(replicas::HELD_KEY, next, None);
+                std::mem::swap(published, next);
             }
         }
         let len = role.scheduler.len();
