@@ -509,7 +509,8 @@ impl Scheduler {
         let mut drops = 0;
         let drop_z = self.slo.as_ref().and_then(|s| s.drop_z);
         let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair) && drop_z.is_none();
-        let mut light: Vec<(FlowId, f64)> = self.light_parts().into_iter().map(|(flow, _, held)| (flow, held)).collect();
+        let mut light: Vec<(FlowId, f64)> =
+            self.light_parts().into_iter().map(|(flow, _, held)| (flow, held)).collect();
         light.sort_unstable_by_key(|l| l.0);
         let light_total: f64 = light.iter().map(|l| l.1).sum();
         while let Some((next, flow)) = self.queue.peek().map(|(_, r)| (r.id, r.flow)) {
