@@ -297,7 +297,10 @@ async fn three_replicas_a_flood_on_a_a_modest_tenant_on_b_and_a_tenant_on_all() 
         modest.iter().filter(|o| o.ok()).count(),
     );
     // The modest tenant waits for no more than a slot on its replica (usually none: its part is
-    // held for it), while the flood waits behind its own backlog.
+    // held for it, and lifted to the floor it goes before the heads it ties with), while the
+    // flood waits behind its own backlog. Issue 19, finding 4 asks for 2x its solo TTFT in every
+    // run; not met yet: medians of 25 to 138 ms against 13 ms alone, since some of its
+    // requests (2 of 15) still wait about 0.48 s for a slot on B (ARCHITECTURE.md).
     let (Some(modest_ttft), Some(flood_ttft)) = (modest_ttft, flood_ttft) else { panic!("no TTFT measured") };
     assert!(modest_ttft * 3 < flood_ttft * 2, "modest {modest_ttft:?} against flood {flood_ttft:?}");
     // Global shares stay fair: the flood, on one replica, and the spread tenant, on three then
