@@ -1468,10 +1468,11 @@ mod tests {
             Some(1200.0),
             "lifted to the backlogged minimum, not 0"
         );
-        // So it waits its turn behind the older heads with the same counter
-        // (at 0 it would go first).
+        // So it is not served first (at 0 it would be): the tenants lifted to
+        // the floor as they joined (y, then low) win their tie with x, whose
+        // counter was its own (issue 19, finding 4).
         s.pump(0, &mut slots(usize::MAX), &mut out);
-        assert_eq!(dispatched(&out), vec![10, 11, 12]);
+        assert_eq!(dispatched(&out), vec![11, 12, 10]);
     }
 
     /// Two tenants kept backlogged, optionally with one new one-shot tenant

@@ -239,8 +239,8 @@ impl Charge for Tracked {
     }
 }
 
-/// Set in a backlog key's tie-break for every flow but one that joined the
-/// backlog at the floor, so that such a newcomer wins its ties (head sequences
+/// Set in a backlog key's tie-break for every flow but one lifted as it
+/// joined the backlog, so that such a newcomer wins its ties (head sequences
 /// stay far below 2^63).
 const LATER: u64 = 1 << 63;
 
@@ -265,7 +265,7 @@ pub struct CounterPolicy<C> {
     /// Backlogged flows keyed by (merged counter bits, tie-break, flow): merged
     /// counters (counter + offset) are non-negative, so their bit patterns
     /// sort like the numbers. The tie-break is the head's sequence, with
-    /// [`LATER`] set unless the flow joined the backlog at the floor: see
+    /// [`LATER`] set unless the flow was lifted as it joined the backlog: see
     /// [`CounterPolicy::lift_newcomer`].
     backlog: BTreeSet<(u64, u64, FlowId)>,
     key_of: Vec<Option<(u64, u64)>>,
@@ -337,8 +337,10 @@ impl<C: Charge> CounterPolicy<C> {
     /// counter of the last flow to leave; i.e. `c ← max(c, floor − offset)`.
     /// Nothing for LCF.
     ///
-    /// Returns whether the newcomer now stands at the floor: it then goes
-    /// before the flows it ties with. Otherwise a tenant sending one request
+    /// Returns whether the newcomer was lifted: it then goes before the flows
+    /// it ties with at the floor. (Only a lift, not a counter that happens to
+    /// equal the floor, so that the order does not depend on which flow left
+    /// last, which a restored scheduler does not know.) Otherwise a tenant sending one request
     /// at a time, lifted exactly to a flood's counter each time, lost every
     /// tie to the flood's older head and waited for the next slot, which with
     /// `replicas` frees only on its own replica (issue 19, finding 4). Ties
@@ -353,10 +355,11 @@ impl<C: Charge> CounterPolicy<C> {
         };
         let floor = floor - self.offsets.get(flow as usize).copied().unwrap_or(0.0);
         let c = slot(&mut self.counters, flow);
-        if *c < floor {
+        let lifted = *c < floor;
+        if lifted {
             *c = floor;
         }
-        *c == floor
+        lifted
     }
 
     fn min_backlogged(&self) -> Option<f64> {
@@ -403,8 +406,8 @@ impl<C: Charge> Selection for CounterPolicy<C> {
                 }
             }
             Some((seq, _)) => {
-                let at_floor = was.is_none() && self.lift_newcomer(flow);
-                let seq = if at_floor { seq & !LATER } else { seq | LATER };
+                let lifted = was.is_none() && self.lift_newcomer(flow);
+                let seq = if lifted { seq & !LATER } else { seq | LATER };
                 slot(&mut self.counters, flow);
                 let bits = self.merged(flow).to_bits();
                 self.key_of[flow as usize] = Some((bits, seq));
