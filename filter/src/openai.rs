@@ -96,25 +96,34 @@ pub struct CompletionRequest {
     pub stream: bool,
     /// `max_completion_tokens`, else `max_tokens`, else 0 (unknown).
     pub max_tokens: u32,
-    /// Prompt size estimated at four bytes of text per token.
+    /// Prompt size: four bytes of text per token, plus one per token id (a `/v1/completions`
+    /// prompt may be an array of token ids, or of such arrays).
     pub prompt_tokens: u32,
     /// Chained hashes of the prompt's leading blocks, for prefix affinity.
     pub prefix: Vec<u64>,
 }
 
 /// The text of a prompt or message content, whatever its shape (string,
-/// list of strings, list of content parts): its length in bytes, and its
-/// first `keep` bytes (the part that is hashed).
+/// list of strings, list of content parts, token ids): its length in bytes,
+/// its token ids, and its first `keep` bytes of text (the part that is hashed).
 #[derive(Default)]
 struct PromptText {
     len: usize,
+    /// Integers met: token ids, each one token. Without them a prompt of token ids was free
+    /// (issue 19, finding 5).
+    ids: usize,
     keep: usize,
     head: Vec<u8>,
 }
 
 impl PromptText {
     fn new(keep: usize) -> Self {
-        PromptText { len: 0, keep, head: Vec::new() }
+        PromptText { len: 0, ids: 0, keep, head: Vec::new() }
+    }
+
+    /// Its size in tokens: four bytes of text per token, and one per token id.
+    fn tokens(&self) -> u32 {
+        self.len.div_ceil(4).saturating_add(self.ids).min(u32::MAX as usize) as u32
     }
 
     fn add(&mut self, s: &str) {
@@ -126,6 +135,7 @@ impl PromptText {
     /// Appends `other` after this text (its head as far as there is room).
     fn append(&mut self, other: &PromptText) {
         self.len = self.len.saturating_add(other.len);
+        self.ids = self.ids.saturating_add(other.ids);
         let room = self.keep.saturating_sub(self.head.len());
         self.head.extend_from_slice(&other.head[..other.head.len().min(room)]);
     }
@@ -175,7 +185,7 @@ pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRe
         model,
         stream: fields.stream.flatten().unwrap_or(false),
         max_tokens: max.min(u32::MAX as u64) as u32,
-        prompt_tokens: text.len.div_ceil(4).min(u32::MAX as usize) as u32,
+        prompt_tokens: text.tokens(),
         prefix,
     })
 }
@@ -407,7 +417,25 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
         self.0.add(s);
         Ok(())
     }
-    skip_scalars!(());
+    // A token id (engines take non-negative integers; a negative one is the engine's to refuse,
+    // and costs the same to carry).
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        self.0.ids = self.0.ids.saturating_add(1);
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        self.0.ids = self.0.ids.saturating_add(1);
+        Ok(())
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
     fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         while seq.next_element_seed(PromptSeed(&mut *self.0))?.is_some() {}
         Ok(())
@@ -415,7 +443,7 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
     fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let text = self.0;
         // `content` is written in place (from `mark`); `text` aside, appended at the end.
-        let (mark, len_before) = (text.head.len(), text.len);
+        let (mark, len_before, ids_before) = (text.head.len(), text.len, text.ids);
         let mut content: Option<usize> = None;
         let mut aside: Option<PromptText> = None;
         while let Some(key) = map.next_key::<PartKey>()? {
@@ -423,7 +451,7 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
                 PartKey::Content => {
                     if content.is_some() {
                         text.head.truncate(mark);
-                        text.len = len_before;
+                        (text.len, text.ids) = (len_before, ids_before);
                     }
                     map.next_value_seed(PromptSeed(&mut *text))?;
                     content = Some(text.len);
@@ -916,6 +944,18 @@ mod tests {
         let mut want = Vec::new();
         prefix_hashes(b"abcdefgh", 4, 2, &mut want);
         assert_eq!((r.prefix, r.prompt_tokens), (want, 3));
+    }
+
+    /// Issue 19, finding 5: a `/v1/completions` prompt of token ids was charged 0 input tokens.
+    #[test]
+    fn token_id_prompts_are_counted_by_their_length() {
+        let ids = (0..400).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        let tokens = |body: String| parse_request(body.as_bytes(), HASH_64).map(|r| r.prompt_tokens);
+        assert_eq!(tokens(format!(r#"{{"model":"m","prompt":[{ids}]}}"#)), Ok(400));
+        assert_eq!(tokens(format!(r#"{{"model":"m","prompt":[[{ids}],[{ids}],[7]]}}"#)), Ok(801));
+        assert_eq!(tokens(r#"{"model":"m","prompt":[1,2,"abcdefgh",null,true,1.5]}"#.into()), Ok(4));
+        // A duplicate `content` counts once, ids included (the last one, as a parsed object).
+        assert_eq!(tokens(r#"{"model":"m","messages":[{"content":[1,2,3],"content":[4]}]}"#.into()), Ok(1));
     }
 
     #[test]
