@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README command 2: set up, then run every test (unit, simulator and end-to-end against real Envoy).
+# README command 2: set up, then run every test (unit, simulator, end-to-end against real Envoy, and
+# last the real-engine tier against real vLLM, which installs vLLM on its first run).
 # Fails on the first failing step with a non-zero exit status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +19,8 @@ cargo test --release --workspace
 
 echo "==> sluice-policies tests compiled to wasm32, under Node" >&2
 bash policies/run-wasm-tests.sh
+
+echo "==> the real-engine tier: Envoy + sluice in front of real vLLM (scripts/real-engine.sh)" >&2
+bash scripts/real-engine.sh
 
 echo "==> all tests passed" >&2

@@ -72,6 +72,35 @@ impl Outcome {
         }
     }
 
+    /// The OpenAI error `message` when the caller has nothing more precise:
+    /// what was full or spent, named as the configuration names it, because
+    /// an SDK user sees this and not the reason header.
+    pub const fn message(self) -> &'static str {
+        match self {
+            Outcome::QueueFull => {
+                "the gateway's queue is full (total_capacity): every backend is at its in-flight limit \
+                 and the queue holds all it may; retry after retry-after seconds"
+            }
+            Outcome::FlowFull => {
+                "this tenant's queue is full (flow_capacity): it already has as many requests waiting \
+                 as one tenant may; retry after retry-after seconds"
+            }
+            Outcome::TtlExpired => {
+                "the request waited in the gateway's queue for its whole TTL (queue_ttl_ms) while every \
+                 backend was at its in-flight limit"
+            }
+            Outcome::NoEndpoint => "no backend is healthy (routing.on_no_endpoint is reject)",
+            Outcome::Evicted => "a more critical request took this request's place in the full queue",
+            Outcome::Overloaded => "the gateway is overloaded; long requests are refused for now",
+            Outcome::BadRequest => "the request is malformed",
+            Outcome::BodyTooLarge => "the request body is larger than max_body_bytes",
+            Outcome::SloUnattainable => {
+                "the request's latency objective cannot be met: its predicted time to first token \
+                 exceeds what is left of the objective"
+            }
+        }
+    }
+
     /// The OpenAI error `type`.
     pub fn error_type(self) -> &'static str {
         match self.status() {
@@ -139,6 +168,10 @@ mod tests {
         reasons.sort_unstable();
         reasons.dedup();
         assert_eq!(reasons.len(), Outcome::ALL.len(), "reasons are distinct");
+        let mut messages: Vec<_> = Outcome::ALL.iter().map(|o| o.message()).collect();
+        messages.sort_unstable();
+        messages.dedup();
+        assert_eq!(messages.len(), Outcome::ALL.len(), "messages say which limit, each its own");
         assert_eq!(Outcome::from_code(Outcome::ALL.len() as u8), None);
     }
 

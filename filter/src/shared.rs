@@ -291,11 +291,11 @@ pub fn acquire(
 /// when none is healthy, every endpoint counts (fail open). An endpoint's
 /// stock counts up to its upper bound only: one over its limit (the limit
 /// fell while it ran) must not keep the others from filling theirs.
-pub fn ready_stock(load: &[u32], healthy: impl Fn(usize) -> bool, bands: &[Band]) -> (PoolBand, u64) {
+pub fn ready_stock(load: &[u32], healthy: impl Fn(usize) -> bool, band: impl Fn(usize) -> Band) -> (PoolBand, u64) {
     let any = (0..load.len()).any(&healthy);
-    let ready = |i: usize| !any || healthy(i);
-    let pool = PoolBand::of((0..load.len()).filter(|&i| ready(i)).map(|i| bands[i]));
-    let stock = (0..load.len()).filter(|&i| ready(i)).map(|i| (f64::from(load[i]).min(bands[i].upper.ceil())) as u64).sum();
+    let ready = |i: &usize| !any || healthy(*i);
+    let pool = PoolBand::of((0..load.len()).filter(ready).map(&band));
+    let stock = (0..load.len()).filter(ready).map(|i| (f64::from(load[i]).min(band(i).upper.ceil())) as u64).sum();
     (pool, stock)
 }
 
@@ -459,7 +459,7 @@ pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64)
         }
         for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(PROGRESS_BYTES)) {
             let at = |k: usize| u32_at(&c[4 * k..]);
-            *s = s.add(Progress { in_flight: at(0), unstarted: at(1), waiting: at(2) });
+            *s = *s + Progress { in_flight: at(0), unstarted: at(1), waiting: at(2) };
         }
     }
     sum
@@ -630,12 +630,12 @@ pub(crate) mod tests {
 
     #[test]
     fn stock_on_sick_endpoints_does_not_count() {
-        let b = [Band { lower: 2.0, upper: 3.0 }; 3];
+        let b = |_| Band { lower: 2.0, upper: 3.0 };
         let (all, two) = (PoolBand { lower: 6.0, upper: 9.0 }, PoolBand { lower: 4.0, upper: 6.0 });
-        assert_eq!(ready_stock(&[2, 1, 0], |_| true, &b), (all, 3));
-        assert_eq!(ready_stock(&[2, 1, 0], |i| i != 0, &b), (two, 1), "endpoint 0 is hung with two requests");
-        assert_eq!(ready_stock(&[2, 1, 0], |_| false, &b), (all, 3), "none healthy: all count");
-        assert_eq!(ready_stock(&[9, 0, 0], |_| true, &b), (all, 3), "over its limit, it counts up to it");
+        assert_eq!(ready_stock(&[2, 1, 0], |_| true, b), (all, 3));
+        assert_eq!(ready_stock(&[2, 1, 0], |i| i != 0, b), (two, 1), "endpoint 0 is hung with two requests");
+        assert_eq!(ready_stock(&[2, 1, 0], |_| false, b), (all, 3), "none healthy: all count");
+        assert_eq!(ready_stock(&[9, 0, 0], |_| true, b), (all, 3), "over its limit, it counts up to it");
     }
 
     #[test]

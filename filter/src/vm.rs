@@ -417,7 +417,7 @@ impl HttpContext for Http {
                 self.phase = Phase::Scheduled;
                 Action::Pause
             }
-            Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, "no backend is healthy"),
+            Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, Outcome::NoEndpoint.message()),
             Admission::Overloaded { retry_after_s } => {
                 vm.borrow_mut().reject_after(self.ctx, Outcome::Overloaded, OVERLOADED_MESSAGE, retry_after_s);
                 self.phase = Phase::Answered;

@@ -35,7 +35,7 @@ pub const REJECT_REASON: &str = "x-sluice-reject-reason";
 /// predicted when it was queued (with `slo.expose_prediction`).
 pub const PREDICTED_TTFT: &str = "x-sluice-predicted-ttft-ms";
 /// The message of an overload ladder's refusal.
-pub const OVERLOADED_MESSAGE: &str = "the gateway is overloaded; long requests are refused for now";
+pub const OVERLOADED_MESSAGE: &str = Outcome::Overloaded.message();
 /// Name of the scheduler's shared queue.
 const SCHEDULER_QUEUE: &str = "sluice.scheduler";
 /// How often the scheduler saves its policy's counters to shared data.
@@ -279,6 +279,36 @@ enum Stream {
     },
 }
 
+/// How a request left the gateway, for its [`Stream::Dispatched`] entry.
+struct Sent {
+    /// When it was sent.
+    now: u64,
+    /// Where its TTFT counts from (arrival plus time held).
+    ttft_from_ms: u64,
+    /// Its TTFT objective.
+    objective_ms: Option<u32>,
+    /// The client asked for an SSE stream.
+    streamed: bool,
+}
+
+impl Stream {
+    /// The entry of a request sent to a backend on `permit`.
+    fn dispatched(tenant: String, band: u8, permit: Permit, sent: Sent, prompt_tokens: u32) -> Stream {
+        Stream::Dispatched {
+            tenant,
+            band,
+            permit,
+            sent_ms: sent.now,
+            first_seen: false,
+            ttft_from_ms: Some(sent.ttft_from_ms),
+            objective_ms: sent.objective_ms,
+            unstarted: sent.streamed,
+            prompt_tokens,
+            last_token_ms: None,
+        }
+    }
+}
+
 /// A request the overload ladder deferred: paused, and not sent to the
 /// scheduler until severity lets its class through.
 struct Held {
@@ -349,6 +379,8 @@ pub struct Worker<H: Host> {
     limits: Vec<Option<f64>>,
     /// Each endpoint's pace as this VM's streams show it.
     pace: Vec<Pace>,
+    /// When this VM last wrote its heartbeat.
+    beat_ms: u64,
 }
 
 /// What admission decided for a request whose body was read.
@@ -501,22 +533,9 @@ impl<H: Host> Worker<H> {
                         tenant: tenant.clone(),
                     });
                     self.write_engine_priority(ctx, band);
-                    let (sent_ms, ttft_from_ms) = (self.now, Some(self.now));
                     let objective_ms = deadline.map(|d| d.ttft_ms);
-                    let unstarted = req.stream;
-                    let stream = Stream::Dispatched {
-                        tenant,
-                        band,
-                        permit,
-                        sent_ms,
-                        first_seen: false,
-                        ttft_from_ms,
-                        objective_ms,
-                        unstarted,
-                        prompt_tokens: req.prompt_tokens,
-                        last_token_ms: None,
-                    };
-                    self.streams.insert(ctx, stream);
+                    let sent = Sent { now: self.now, ttft_from_ms: self.now, objective_ms, streamed: req.stream };
+                    self.streams.insert(ctx, Stream::dispatched(tenant, band, permit, sent, req.prompt_tokens));
                     return Admission::Bypass(endpoint);
                 }
                 Slot::NoEndpoint => return Admission::NoEndpoint,
@@ -680,18 +699,31 @@ impl<H: Host> Worker<H> {
                     (false, Some(t)) => (*t, pace.allowance_ms(0)),
                     (false, None) => continue,
                 };
-                let late = allowance.is_some_and(|ms| now.saturating_sub(quiet_since) as f64 > ms);
+                let due = allowance.map(|ms| quiet_since as f64 + ms);
+                let late = due.is_some_and(|due| now as f64 > due);
                 if *unstarted || late {
                     p.unstarted += 1;
                 }
-                // Judged only while the engine streams to someone: a long
-                // prefill that pauses every stream is not a queue.
-                if late && pace.streaming(now) {
+                // Waiting only if the engine streamed to others after this one
+                // was due: a long prefill, or a stall of the engine or of this
+                // proxy's thread, that quiets every stream is not a queue.
+                if late && due.is_some_and(|due| pace.streamed_after(due)) {
                     p.waiting += 1;
                 }
             }
         }
         shared::heartbeat(&self.host, self.worker, now, &progress);
+        self.beat_ms = now;
+    }
+
+    /// Writes the heartbeat from a stream's callback when the timer fell
+    /// behind: a loaded Envoy can run a worker's streams for seconds without
+    /// its tick, and a worker that serves must not look dead (its slots
+    /// would be reclaimed while its requests still run).
+    fn keep_alive(&mut self) {
+        if self.now.saturating_sub(self.beat_ms) >= self.lease_ms / 2 {
+            self.publish_progress();
+        }
     }
 
     /// Each endpoint's in-flight limit. The lease holder learns it from
@@ -720,8 +752,11 @@ impl<H: Host> Worker<H> {
                     c.iter().map(|c| shared::Learned { batch: c.batch(), limit: c.limit(&h) }).collect()
                 };
                 let before = learned(&role.capacity);
+                // A replica's share keeps its stock a little under the limit: requests
+                // waiting in its queue are what says the limit holds them back.
+                let held_back = self.cfg.replicas.is_some() && !role.scheduler.is_empty();
                 for (e, (c, p)) in role.capacity.iter_mut().zip(progress).enumerate() {
-                    c.observe(p, &h);
+                    c.observe(p, held_back, &h);
                     log::debug!("learned {e}: {p:?} -> batch {:?} limit {:.1}", c.batch(), c.limit(&h));
                 }
                 let after = learned(&role.capacity);
@@ -751,6 +786,7 @@ impl<H: Host> Worker<H> {
     /// this replica's light tenants other than the request's (`replicas`; see
     /// [`Scheduler::set_tenant_parts`]).
     fn take_slot(&mut self, owner: u32, req: u64, route: &RouteInfo, from_queue: bool, held: u32) -> Slot<Permit> {
+        self.keep_alive();
         let held = u64::from(held);
         let cfg = self.cfg.clone();
         let n = cfg.endpoints.len();
@@ -760,11 +796,12 @@ impl<H: Host> Worker<H> {
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&self.host, n);
         // Each endpoint's band: the learned limit under the operator's cap.
-        let bands: Vec<Band> = self.limits.iter().map(|&l| cfg.bounds.band(l)).collect();
+        let limits = &self.limits;
+        let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
         let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
             (0..n)
                 .map(|i| {
-                    let full = !bands[i].has_room(load[i], from_queue);
+                    let full = !band(i).has_room(load[i], from_queue);
                     match &records[i] {
                         r if scraping => EndpointView { full, ..r.view(load[i], now) },
                         r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
@@ -785,9 +822,9 @@ impl<H: Host> Worker<H> {
             // The band scales with the endpoints that can take work: a hung
             // server's requests must not hold the others back.
             let healthy = |i: usize| records[i].healthy(now);
-            let (pool, stock) = shared::ready_stock(load, healthy, &bands);
+            let (pool, stock) = shared::ready_stock(load, healthy, band);
             // A replica keeps to its share of the bound (and all of them to the bound).
-            let own_stock = shared::ready_stock(own, healthy, &bands).1;
+            let own_stock = shared::ready_stock(own, healthy, band).1;
             let stock = match &peers {
                 Some(p) if own.iter().any(|&k| k > 0) => p.stock(own_stock + held, stock + held, from_queue),
                 _ => stock + held,
@@ -904,6 +941,7 @@ impl<H: Host> Worker<H> {
     }
 
     pub fn charge(&mut self, ctx: u32, tokens: u32) {
+        self.keep_alive();
         let (now, req) = (self.now, self.request_id(ctx));
         if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, .. }) =
             self.streams.get_mut(&ctx)
@@ -1092,7 +1130,7 @@ impl<H: Host> Worker<H> {
                     let ctx = req as u32;
                     if matches!(self.streams.get(&ctx), Some(Stream::Queued { .. })) {
                         self.streams.remove(&ctx);
-                        self.reject(ctx, outcome, "the request could not be scheduled");
+                        self.reject(ctx, outcome, outcome.message());
                     }
                 }
                 _ => log::warn!("ignoring a malformed worker message"),
@@ -1141,22 +1179,10 @@ impl<H: Host> Worker<H> {
                 ..
             }) = self.streams.remove(&ctx)
             {
-                let (sent_ms, ttft_from_ms) = (self.now, Some(arrival_ms.saturating_add(held_ms)));
                 let objective_ms = deadline.map(|d| d.ttft_ms);
-                let unstarted = streamed;
-                let stream = Stream::Dispatched {
-                    tenant,
-                    band,
-                    permit,
-                    sent_ms,
-                    first_seen: false,
-                    ttft_from_ms,
-                    objective_ms,
-                    unstarted,
-                    prompt_tokens: input_tokens,
-                    last_token_ms: None,
-                };
-                self.streams.insert(ctx, stream);
+                let ttft_from_ms = arrival_ms.saturating_add(held_ms);
+                let sent = Sent { now: self.now, ttft_from_ms, objective_ms, streamed };
+                self.streams.insert(ctx, Stream::dispatched(tenant, band, permit, sent, input_tokens));
                 self.host.add(Metric::Dispatched, 1);
                 self.host.record(Metric::QueueWaitMs, self.now.saturating_sub(arrival_ms));
                 return;
@@ -1324,7 +1350,7 @@ impl<H: Host> Worker<H> {
                 let req = self.request_id(ctx);
                 self.send_to_scheduler(&ToScheduler::Cancel { req });
             }
-            self.reject(ctx, Outcome::TtlExpired, "the request expired in the queue");
+            self.reject(ctx, Outcome::TtlExpired, Outcome::TtlExpired.message());
         }
         // Held requests the ladder now lets through go to the queue.
         self.recheck_held();
@@ -1373,6 +1399,7 @@ impl<H: Host> Worker<H> {
             tail_ratio: 0.0,
             limits: vec![initial_limit; n],
             pace: vec![Pace::default(); n],
+            beat_ms: now,
         })
     }
 
@@ -1568,6 +1595,8 @@ mod tests {
         metrics: RefCell<HashMap<&'static str, u64>>,
         /// `retry-after` of each reply, by ctx.
         retry_after: RefCell<HashMap<u32, u32>>,
+        /// The body of each reply, by ctx.
+        reply_bodies: RefCell<HashMap<u32, Vec<u8>>>,
         /// Histogram values, by metric name.
         recorded: RefCell<HashMap<&'static str, Vec<u64>>>,
         /// Metrics scrapes sent: (VM, destination), the token being the position + 1.
@@ -1605,7 +1634,8 @@ mod tests {
         fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
             self.0.queues.borrow_mut().get_mut(queue as usize - 1)?.1.pop_front()
         }
-        fn reply(&self, ctx: u32, status: u32, headers: &[(&str, &str)], _body: &[u8]) -> bool {
+        fn reply(&self, ctx: u32, status: u32, headers: &[(&str, &str)], body: &[u8]) -> bool {
+            self.0.reply_bodies.borrow_mut().insert(ctx, body.to_vec());
             let reason = headers.iter().find(|(k, _)| *k == REJECT_REASON).map(|(_, v)| v.to_string());
             if let Some((_, v)) = headers.iter().find(|(k, _)| *k == "retry-after") {
                 self.0.retry_after.borrow_mut().insert(ctx, v.parse().unwrap());
@@ -1785,6 +1815,11 @@ mod tests {
             }
         }
         assert_eq!(answered, (13..=62).collect::<Vec<_>>(), "each answered once, in order");
+        // The SDK user sees the body, not the reason header: it says which limit was full.
+        let body: serde_json::Value = serde_json::from_slice(&p.reply_bodies.borrow()[&13]).unwrap();
+        assert_eq!(body["error"]["code"], "rejected-flow-capacity");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        assert!(body["error"]["message"].as_str().unwrap().contains("flow_capacity"), "{body}");
         assert_eq!(p.metrics.borrow()["sluice_requests_rejected_flow_capacity"], 50);
     }
 
@@ -1840,6 +1875,25 @@ mod tests {
         assert_eq!(shared::stock(&p.store, 1), 1);
         live.at(t).finish(7, 0, false);
         assert_eq!(shared::stock(&p.store, 1), 0);
+    }
+
+    #[test]
+    fn a_worker_that_streams_without_ticks_keeps_its_slots() {
+        // A loaded Envoy ran a worker's streams for seconds without its tick:
+        // its slots were reclaimed while its requests still ran (real vLLM, 2 cores).
+        let p = Rc::new(Process::default());
+        let cfg = || config(serde_json::json!({"endpoints": ["127.0.0.1:1"]}));
+        let mut busy = vm(&p, 1, cfg(), 0);
+        let mut live = vm(&p, 2, cfg(), 0);
+        assert_eq!(admit(&mut busy, 0, 7, "a"), Admission::Bypass(0));
+        let mut t = 0;
+        while t < 10 * live.lease_ms {
+            t += 100;
+            busy.at(t).charge(7, 1);
+            live.on_tick(t);
+        }
+        assert_eq!(p.metrics.borrow().get("sluice_slots_reclaimed").copied().unwrap_or(0), 0);
+        assert_eq!(shared::stock(&p.store, 1), 1, "the busy worker's slot is still counted");
     }
 
     #[test]
@@ -2127,6 +2181,8 @@ mod tests {
         shared::heartbeat(&p.store, 9, 1001, &[]);
         w.on_tick(1001);
         assert_eq!(*p.replies.borrow(), vec![(1, 1, 503, "rejected-ttl-expired".to_string())]);
+        let body: serde_json::Value = serde_json::from_slice(&p.reply_bodies.borrow()[&1]).unwrap();
+        assert!(body["error"]["message"].as_str().unwrap().contains("queue_ttl_ms"), "{body}");
         assert!(w.held.is_empty() && w.streams.is_empty());
         assert_eq!(metric(&p, "sluice_requests_queued"), 0, "neither ever reached the scheduler");
         assert_eq!(p.recorded.borrow()["sluice_held_ms"], vec![10, 1001]);

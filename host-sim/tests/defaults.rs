@@ -61,3 +61,31 @@ fn each_endpoint_of_a_heterogeneous_pool_gets_its_own_limit() {
     let (big, small) = (r.backends[0].mean_batch, r.backends[1].mean_batch);
     assert!(big > 48.0 && small > 12.0, "mean batches {big} of 64 and {small} of 16");
 }
+
+#[test]
+fn synced_replicas_share_the_learned_limit_and_still_fill_the_batch() {
+    use host_sim::experiments::replicas::{replicas_config, PEERS_CLUSTER};
+    use host_sim::sim::engine::PeerExchange;
+    let sc = json!({
+        "seed": 7,
+        "workers": 2,
+        "filter_config": {},
+        "backends": h100(1, 64),
+        "workload": {"kind": "synthetic", "duration_s": 12, "clients": [
+            {"name": "flood", "rate": 300, "prompt_tokens": 128, "output_tokens": 64},
+        ]},
+    });
+    let sc = Scenario::from_json(&sc.to_string()).unwrap();
+    let items = sc.work_items(Path::new("")).unwrap();
+    let extra: Vec<Value> = (0..2).map(|g| replicas_config(g, 2, 100)).collect();
+    let peers = PeerExchange { cluster: PEERS_CLUSTER.into(), latency_us: 1000, loss: 0.0, seed: 7 };
+    let mut sim = sc.build_gateways(&common::filter_wasm(), &items, &extra, Some(peers), |i| i % 2).unwrap();
+    sim.add_cluster(PEERS_CLUSTER, proxy_wasm_host::state::Cluster::Static(vec!["127.0.0.1:9901".into()]));
+    sim.run();
+    let r = sc.report(&sim);
+    let batch = r.backends[0].mean_batch;
+    eprintln!("two gateways: mean batch {batch}, {:.0} output tok/s", r.output_tokens_per_s);
+    assert!(batch > 48.0, "two gateways: mean batch {batch} of 64");
+    let queued: u64 = (0..2).filter_map(|g| sim.gateway_host(g).metric("sluice_requests_queued")).map(|m| m.value).sum();
+    assert!(queued > 100, "the rest waited in the gateways: {queued}");
+}

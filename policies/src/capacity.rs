@@ -10,23 +10,34 @@
 //! enough that waiting happens where fairness is decided.
 //!
 //! A streamed response's first bytes come back once the engine ran the
-//! request's prefill. A request admitted at once gets them within a few
-//! engine iterations; one that waits in the engine's queue gets them only
-//! when a running request leaves. So the gateway can count the requests an
-//! engine keeps waiting, without scraping: those streamed, sent longer ago
-//! than their [`StartAllowance`] (a few iterations, measured from the
-//! streams' own token pace), with no first bytes yet.
+//! request's prefill, and its tokens keep coming while it is in the batch. A
+//! request admitted at once gets them within a few engine iterations; one
+//! that waits in the engine's queue (or was preempted back into it) gets
+//! none until a running request leaves. So the gateway can count the
+//! requests an engine keeps waiting, without scraping: streamed ones quiet
+//! for longer than their allowance ([`Pace::allowance_ms`]: a few iterations
+//! at the streams' own token pace), and only when the engine streamed to
+//! others after the quiet one was due (a long prefill, or a stall of the
+//! engine or of the proxy's thread, quiets every stream and is not a queue).
 //!
 //! [`Capacity`] keeps an estimate of the engine's batch from those counts,
 //! as TCP keeps a window:
 //!
-//! - *more than the headroom waiting:* the engine is full; the estimate
-//!   falls to what it runs now (in flight less waiting), and nothing more is
-//!   sent until the queue drains below the headroom;
-//! - *otherwise, and the limit binds:* the engine keeps up; the estimate grows
-//!   past what it runs by a step that doubles each time the engine has
-//!   started everything the estimate allowed (slow start, once per round trip
-//!   of dispatch to first token), and falls back to one on a full engine.
+//! - *slow start* (nothing known yet): the limit is twice what the engine
+//!   was seen to start, so it doubles once a round trip of dispatch to first
+//!   token, and only as the engine proves it takes what it is sent;
+//! - *full* (more waiting than the [`Headroom`] in two observations in a
+//!   row, so that one noisy observation does not shrink it): the batch is what the
+//!   engine runs now (in flight less waiting), and nothing more is sent until
+//!   its queue drains below the headroom;
+//! - *calm* (the limit binds and nothing waits): one more request every
+//!   [`PROBE_EVERY`] such observations; after [`CALM_TO_PROBE`] in a row in
+//!   which the engine started nearly all it was given, probes that double
+//!   until something waits. The probes are rare because a KV cache fills as
+//!   its sequences grow: a probe that succeeds now may preempt seconds later,
+//!   and a preempted request waits in the engine's queue ahead of everyone.
+//!
+//! The limit is the batch plus the headroom.
 //!
 //! Delay-based limits (Envoy's adaptive concurrency, gradient limiters)
 //! compare latency with a minimum; an engine's step time grows with its
@@ -55,9 +66,11 @@ pub struct Progress {
     pub waiting: u32,
 }
 
-impl Progress {
-    /// Adds another worker's view of the same endpoint.
-    pub fn add(self, o: Progress) -> Progress {
+impl std::ops::Add for Progress {
+    type Output = Progress;
+
+    /// Another worker's view of the same endpoint, added.
+    fn add(self, o: Progress) -> Progress {
         Progress {
             in_flight: self.in_flight.saturating_add(o.in_flight),
             unstarted: self.unstarted.saturating_add(o.unstarted),
@@ -119,22 +132,26 @@ pub struct Capacity {
     calm: u32,
     /// The last probe.
     step: f64,
+    /// Requests waiting at the last observation: a queue is believed once it
+    /// lasts two (a stall of the engine or of the proxy that makes every
+    /// stream late at once must not shrink the batch for good).
+    last_waiting: u32,
 }
 
 /// One more request an observation is a slow way to find a bigger engine
 /// (a new backend behind the same address, shorter requests that leave room
 /// in the KV cache): after this many in a row, the probes double.
-const CALM_TO_PROBE: u32 = 20;
+pub const CALM_TO_PROBE: u32 = 20;
 
 /// Calm observations between two probes of one request.
-const PROBE_EVERY: u32 = 16;
+pub const PROBE_EVERY: u32 = 16;
 
 /// During slow start, at least this many requests beyond those started.
-const MIN_PROBE: f64 = 4.0;
+pub const MIN_PROBE: f64 = 4.0;
 
 impl Default for Capacity {
     fn default() -> Self {
-        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0 }
+        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0, last_waiting: 0 }
     }
 }
 
@@ -162,12 +179,14 @@ impl Capacity {
         }
     }
 
-    /// Takes one observation of the endpoint.
-    pub fn observe(&mut self, p: Progress, h: &Headroom) {
-        let waiting = p.waiting.min(p.in_flight);
+    /// Takes one observation of the endpoint. `held_back`: requests wait in
+    /// the gateway's queue (the limit holds them back even when other bounds,
+    /// such as a replica's share, keep the stock a little under it).
+    pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom) {
+        let waiting = p.waiting.min(p.in_flight).min(std::mem::replace(&mut self.last_waiting, p.waiting));
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
         // Only a limit that requests run into says anything about the engine.
-        let binding = p.in_flight > 0 && f64::from(p.in_flight) + 1.0 >= self.limit(h);
+        let binding = p.in_flight > 0 && (held_back || f64::from(p.in_flight) + 1.0 >= self.limit(h));
         self.started = f64::from(p.in_flight - unstarted);
         // What the engine runs when it keeps some waiting: the ones it
         // started and the ones it is prefilling (some young ones may yet
@@ -184,7 +203,7 @@ impl Capacity {
             Some(b) if calm => {
                 let grew = self.calm > CALM_TO_PROBE && self.started >= b - h.of(b);
                 self.step = if grew { self.step * 2.0 } else { 1.0 };
-                Some(if grew || self.calm % PROBE_EVERY == 0 { b + self.step } else { b })
+                Some(if grew || self.calm.is_multiple_of(PROBE_EVERY) { b + self.step } else { b })
             }
             b => b,
         }
@@ -231,10 +250,12 @@ impl Pace {
         }
     }
 
-    /// Did some stream get tokens within an allowance before `now_ms`? When
-    /// none did, the engine is paused (a long prefill), not queueing.
-    pub fn streaming(&self, now_ms: u64) -> bool {
-        self.allowance_ms(0).is_some_and(|ms| (now_ms.saturating_sub(self.last_token_ms) as f64) <= ms)
+    /// Did some stream get tokens after `ms`? A request quiet since before
+    /// `ms - allowance` counts as waiting only then: the engine streamed to
+    /// others when it should have streamed to it. When none did, the engine
+    /// (or the proxy) paused, a long prefill or a stall, and nothing queues.
+    pub fn streamed_after(&self, ms: f64) -> bool {
+        self.last_token_ms as f64 > ms
     }
 
     /// How long a request with `prompt_tokens` may go without first bytes
@@ -282,7 +303,7 @@ mod tests {
             let waiting = queued.iter().filter(|&&t| t + 1 < round).count() as u32;
             let in_flight = (admitted.len() + queued.len()) as u32;
             let unstarted = (prefilling + queued.len()) as u32;
-            c.observe(Progress { in_flight, unstarted, waiting }, h);
+            c.observe(Progress { in_flight, unstarted, waiting }, false, h);
             queue.push(queued.len() as u32);
             batch.push(admitted.len());
         }
@@ -326,16 +347,18 @@ mod tests {
     fn a_full_engine_brings_the_estimate_down_to_what_it_runs() {
         let h = Headroom::default();
         let mut c = Capacity::from_batch(Some(200.0));
-        c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, &h);
+        for _ in 0..2 {
+            c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, false, &h);
+        }
         assert_eq!(c.batch(), Some(90.0));
         // Within the headroom (2.8 of 90), and not binding: it stays.
-        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, &h);
+        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, false, &h);
         assert_eq!(c.batch(), Some(90.0));
         // Binding, nothing waits: one more every few such observations.
         let mut probes = Vec::new();
         for _ in 0..CALM_TO_PROBE + 4 {
             let n = c.limit(&h) as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, false, &h);
             probes.push(c.batch().unwrap());
         }
         let ones = f64::from(CALM_TO_PROBE / PROBE_EVERY);
@@ -345,12 +368,28 @@ mod tests {
     }
 
     #[test]
+    fn requests_held_back_in_the_gateway_make_the_limit_bind() {
+        let h = Headroom::default();
+        let mut c = Capacity::from_batch(Some(50.0));
+        // Another bound (a replica's share) keeps the stock at 45: the limit does not bind...
+        for _ in 0..8 {
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0 }, false, &h);
+        }
+        assert_eq!(c.batch(), Some(50.0));
+        // ...unless requests wait in the gateway meanwhile: then it probes.
+        for _ in 0..2 * PROBE_EVERY {
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0 }, true, &h);
+        }
+        assert_eq!(c.batch(), Some(52.0));
+    }
+
+    #[test]
     fn unstreamed_requests_never_hold_the_limit_down() {
         let h = Headroom::default();
         let mut c = Capacity::default();
         for _ in 0..40 {
             let n = c.limit(&h).floor() as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, false, &h);
         }
         assert!(c.limit(&h) > 10_000.0, "{}", c.limit(&h));
     }
@@ -373,11 +412,31 @@ mod tests {
     #[test]
     fn an_engine_streaming_to_nobody_is_paused_not_queueing() {
         let mut a = Pace::default();
-        assert!(!a.streaming(0));
+        assert!(!a.streamed_after(0.0));
         for _ in 0..200 {
             a.tokens(1, Some(40), 1000);
         }
-        assert!(a.streaming(1100) && !a.streaming(1200), "quiet for longer than an allowance");
+        let allowance = a.allowance_ms(0).unwrap();
+        // Quiet since 900: late at 1000 only if others got tokens after 900 + allowance.
+        assert!(!a.streamed_after(900.0 + allowance), "everyone went quiet: a pause");
+        a.tokens(1, Some(40), 1100);
+        assert!(a.streamed_after(900.0 + allowance), "the engine streams to others: this one waits");
+    }
+
+    #[test]
+    fn a_queue_is_believed_when_it_lasts_two_observations() {
+        let h = Headroom::default();
+        let mut c = Capacity::from_batch(Some(100.0));
+        let stall = Progress { in_flight: 100, unstarted: 90, waiting: 90 };
+        let calm = Progress { in_flight: 100, unstarted: 0, waiting: 0 };
+        for p in [calm, stall, calm, stall, calm] {
+            c.observe(p, false, &h);
+        }
+        assert_eq!(c.batch(), Some(100.0), "a stall of one observation at a time is not a queue");
+        c.observe(stall, false, &h);
+        assert_eq!(c.batch(), Some(100.0));
+        c.observe(stall, false, &h);
+        assert_eq!(c.batch(), Some(10.0), "a queue that lasts: the engine runs what it started");
     }
 
     #[test]
@@ -387,10 +446,12 @@ mod tests {
         assert_eq!(Capacity::from_batch(Some(-1.0)).batch(), None);
         assert_eq!(Capacity::from_batch(Some(f64::INFINITY)).batch(), None);
         let mut c = Capacity::from_batch(Some(10.0));
-        c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, &h);
+        for _ in 0..2 {
+            c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, false, &h);
+        }
         assert_eq!(c.batch(), Some(0.0));
         for _ in 0..200 {
-            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, &h);
+            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, false, &h);
         }
         assert_eq!(c.batch(), Some(MAX_BATCH));
         assert!(Headroom { fraction: -1.0, min: 4.0 }.validate("x").unwrap_err().contains("x.headroom_fraction"));

@@ -6,9 +6,12 @@ use crate::model::GpuMetrics;
 use crate::profile::GpuProfile;
 
 /// Renders the metrics as vLLM's `/metrics` would (gauges, counters with `_total`, and
-/// `cache_config_info` carrying the KV geometry that routers read).
+/// `cache_config_info` carrying the KV geometry that routers read), with vLLM 0.32's labels:
+/// every series names its engine (one here, `engine="0"`) and model. vLLM 0.32 no longer exports
+/// the old `vllm:gpu_cache_usage_perc`, so neither does this (readers fall back to it for older
+/// servers).
 pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
-    let label = format!("model_name=\"{}\"", p.served_model.replace('\\', "\\\\").replace('"', "\\\""));
+    let label = format!("engine=\"0\",model_name=\"{}\"", p.served_model.replace('\\', "\\\\").replace('"', "\\\""));
     let mut out = String::with_capacity(2048);
     let mut metric = |name: &str, kind: &str, help: &str, value: String| {
         let _ = writeln!(out, "# HELP {name} {help}");
@@ -26,12 +29,6 @@ pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
         "vllm:kv_cache_usage_perc",
         "gauge",
         "KV-cache usage. 1 means 100 percent usage.",
-        format!("{}", m.kv_usage),
-    );
-    metric(
-        "vllm:gpu_cache_usage_perc",
-        "gauge",
-        "GPU KV-cache usage. 1 means 100 percent usage (deprecated name).",
         format!("{}", m.kv_usage),
     );
     metric(
@@ -64,8 +61,10 @@ pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
     let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
     let _ = writeln!(
         out,
-        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"{}\",num_gpu_blocks=\"{}\"}} 1",
-        p.block_size, p.prefix_caching, p.num_blocks
+        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1",
+        p.block_size,
+        if p.prefix_caching { "True" } else { "False" }, // Python's spelling, as vLLM writes it
+        p.num_blocks
     );
     out
 }

@@ -44,23 +44,33 @@ pub fn prefix_hashes(prompt_bytes: &[u8], tokens_per_block: u32) -> Vec<u64> {
         .collect()
 }
 
-/// An error answered to the client as `{"error":{"message","type","code","param"}}`.
+/// An error answered to the client as `{"error":{"message","type","param","code"}}`, with vLLM's
+/// error types (checked against vLLM 0.32, docs/real-engine.md): `BadRequestError` for a value
+/// vLLM refuses, `Bad Request` (and a `body.`-prefixed param) for a body its schema refuses,
+/// `NotFoundError` for an unknown model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// HTTP status.
     pub status: u16,
     /// Human-readable message naming the field.
     pub message: String,
-    /// OpenAI error type (`invalid_request_error`, ...).
+    /// Error type, as vLLM names it.
     pub kind: &'static str,
     /// The offending parameter, if any.
     pub param: Option<&'static str>,
 }
 
 impl ApiError {
-    /// A 400 `invalid_request_error` about `param`.
+    /// A 400 `BadRequestError`: a well-formed request with a value vLLM refuses.
     pub fn bad_request(param: Option<&'static str>, message: impl Into<String>) -> ApiError {
-        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param }
+        ApiError { status: 400, message: message.into(), kind: "BadRequestError", param }
+    }
+
+    /// A 400 `Bad Request`: the body does not fit the request schema (vLLM's pydantic validation:
+    /// not JSON, not an object, a field of the wrong type or missing); `param` is `body` or
+    /// `body.<field>`.
+    pub fn invalid_body(param: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status: 400, message: message.into(), kind: "Bad Request", param: Some(param) }
     }
 
     /// The JSON body.
@@ -111,13 +121,13 @@ fn prompt_of(endpoint: Endpoint, body: &Value) -> Result<(Vec<u8>, u32), ApiErro
     match endpoint {
         Endpoint::Chat => {
             let Some(msgs) = body.get("messages").and_then(Value::as_array) else {
-                return Err(ApiError::bad_request(Some("messages"), "'messages' is required and must be an array"));
+                return Err(ApiError::invalid_body("body.messages", "'messages' is required and must be an array"));
             };
             for (i, m) in msgs.iter().enumerate() {
                 let content = m.get("content").unwrap_or(&Value::Null);
                 push_text(content, &mut bytes).map_err(|_| {
-                    ApiError::bad_request(
-                        Some("messages"),
+                    ApiError::invalid_body(
+                        "body.messages",
                         format!("messages[{i}].content must be a string or an array of parts"),
                     )
                 })?;
@@ -127,13 +137,13 @@ fn prompt_of(endpoint: Endpoint, body: &Value) -> Result<(Vec<u8>, u32), ApiErro
         }
         Endpoint::Completions => {
             let bad = || {
-                ApiError::bad_request(
-                    Some("prompt"),
+                ApiError::invalid_body(
+                    "body.prompt",
                     "'prompt' must be a string, an array of strings or an array of token ids",
                 )
             };
             match body.get("prompt") {
-                None => Err(ApiError::bad_request(Some("prompt"), "'prompt' is required")),
+                None => Err(ApiError::invalid_body("body.prompt", "'prompt' is required")),
                 Some(Value::String(s)) => Ok((s.as_bytes().to_vec(), tokens_for_bytes(s.len()))),
                 Some(Value::Array(items)) if items.iter().all(Value::is_u64) => {
                     for id in items.iter().filter_map(Value::as_u64) {
@@ -157,18 +167,20 @@ fn prompt_of(endpoint: Endpoint, body: &Value) -> Result<(Vec<u8>, u32), ApiErro
 /// Parses and validates a request body.
 pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(None, format!("request body is not valid JSON: {e}")))?;
+        .map_err(|e| ApiError::invalid_body("body", format!("request body is not valid JSON: {e}")))?;
     if !v.is_object() {
-        return Err(ApiError::bad_request(None, "request body must be a JSON object"));
+        return Err(ApiError::invalid_body("body", "request body must be a JSON object"));
     }
+    // vLLM serves its one model when `model` is absent; this backend serves any name it is given
+    // (each a model of its own), so it needs one.
     let model = match v.get("model") {
         Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        _ => return Err(ApiError::bad_request(Some("model"), "'model' is required and must be a non-empty string")),
+        _ => return Err(ApiError::invalid_body("body.model", "'model' is required and must be a non-empty string")),
     };
     let stream = match v.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::bad_request(Some("stream"), "'stream' must be a boolean")),
+        Some(_) => return Err(ApiError::invalid_body("body.stream", "'stream' must be a boolean")),
     };
     let include_usage =
         v.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
@@ -176,14 +188,18 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, A
     for field in ["max_tokens", "max_completion_tokens"] {
         match v.get(field) {
             None | Some(Value::Null) => {}
-            Some(x) => match x.as_u64() {
-                Some(n) if n >= 1 && n <= u32::MAX as u64 => max_tokens = Some(n as u32),
-                _ => {
-                    let param = if field == "max_tokens" { "max_tokens" } else { "max_completion_tokens" };
+            Some(x) => match (x.as_i64(), x.as_u64()) {
+                (_, Some(n)) if n >= 1 && n <= u32::MAX as u64 => max_tokens = Some(n as u32),
+                // vLLM's words for a count under 1 (its param is `max_tokens` for both fields).
+                (Some(n), _) if n < 1 => {
                     return Err(ApiError::bad_request(
-                        Some(param),
-                        format!("'{field}' must be a positive integer, got {x}"),
-                    ));
+                        Some("max_tokens"),
+                        format!("max_tokens must be at least 1, got {n}. (parameter=max_tokens, value={n})"),
+                    ))
+                }
+                _ => {
+                    let param = if field == "max_tokens" { "body.max_tokens" } else { "body.max_completion_tokens" };
+                    return Err(ApiError::invalid_body(param, format!("'{field}' must be an integer, got {x}")));
                 }
             },
         }
@@ -193,7 +209,7 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, A
         Some(p) => match p.as_i64() {
             Some(n) => Some(n),
             None => {
-                return Err(ApiError::bad_request(Some("priority"), format!("'priority' must be an integer, got {p}")))
+                return Err(ApiError::invalid_body("body.priority", format!("'priority' must be an integer, got {p}")))
             }
         },
     };
@@ -221,24 +237,55 @@ pub struct ResponseMeta {
 }
 
 impl ResponseMeta {
-    /// Builds the metadata for request number `n`.
-    pub fn new(endpoint: Endpoint, n: u64, model: &str, created: u64) -> ResponseMeta {
-        let prefix = match endpoint {
+    fn id_prefix(endpoint: Endpoint) -> &'static str {
+        match endpoint {
             Endpoint::Chat => "chatcmpl",
             Endpoint::Completions => "cmpl",
-        };
-        ResponseMeta { endpoint, id: format!("{prefix}-sluice-{n}"), created, model: model.to_string() }
+        }
+    }
+
+    /// Builds the metadata for request number `n`.
+    pub fn new(endpoint: Endpoint, n: u64, model: &str, created: u64) -> ResponseMeta {
+        let id = format!("{}-sluice-{n}", Self::id_prefix(endpoint));
+        ResponseMeta { endpoint, id, created, model: model.to_string() }
+    }
+
+    /// The id vLLM gives a request that carries `x-request-id` (as every request through Envoy
+    /// does): the endpoint's prefix and that id.
+    pub fn with_request_id(mut self, request_id: &str) -> ResponseMeta {
+        self.id = format!("{}-{request_id}", Self::id_prefix(self.endpoint));
+        self
     }
 
     fn usage(prompt: u32, completion: u32) -> Value {
         json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt as u64 + completion as u64})
     }
 
-    /// One SSE chunk carrying generated token `i`; `finish` is set on the last one.
+    /// The chunk vLLM opens a chat stream with, sent with the first token: the role and an empty
+    /// content (no token: token counters must not count it).
+    pub fn role_chunk(&self) -> String {
+        let choice =
+            json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+        self.envelope(true, vec![choice], None)
+    }
+
+    /// One SSE chunk carrying generated token `i`; `finish` is set on the last one. A chat chunk
+    /// for token 0 also names the role (the simulator's streams, which have no role chunk);
+    /// `sluice-backend` sends [`ResponseMeta::role_chunk`] and then [`ResponseMeta::token_chunk`]s,
+    /// as vLLM does.
     pub fn chunk(&self, i: u32, finish: Option<&str>) -> String {
+        self.delta_chunk(i == 0, i, finish)
+    }
+
+    /// One SSE chunk carrying generated token `i` and nothing else.
+    pub fn token_chunk(&self, i: u32, finish: Option<&str>) -> String {
+        self.delta_chunk(false, i, finish)
+    }
+
+    fn delta_chunk(&self, with_role: bool, i: u32, finish: Option<&str>) -> String {
         let choice = match self.endpoint {
             Endpoint::Chat => {
-                let delta = if i == 0 {
+                let delta = if with_role {
                     json!({"role": "assistant", "content": token_text(i)})
                 } else {
                     json!({"content": token_text(i)})
@@ -325,16 +372,21 @@ mod tests {
         let e = parse_request(Endpoint::Chat, b"{nope").unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.message.contains("JSON"));
+        assert_eq!((e.kind, e.param), ("Bad Request", Some("body")));
         let e = parse_request(Endpoint::Chat, br#"{"messages":[]}"#).unwrap_err();
-        assert_eq!(e.param, Some("model"));
+        assert_eq!(e.param, Some("body.model"));
+        // vLLM 0.32's answer, word for word.
         let e = parse_request(Endpoint::Chat, br#"{"model":"m","messages":[],"max_tokens":0}"#).unwrap_err();
-        assert_eq!(e.param, Some("max_tokens"));
+        assert_eq!((e.kind, e.param), ("BadRequestError", Some("max_tokens")));
+        assert_eq!(e.message, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)");
+        let e = parse_request(Endpoint::Chat, br#"{"model":"m","messages":[],"max_tokens":"x"}"#).unwrap_err();
+        assert_eq!((e.kind, e.param), ("Bad Request", Some("body.max_tokens")));
         let e = parse_request(Endpoint::Chat, br#"{"model":"m","messages":[],"priority":"high"}"#).unwrap_err();
-        assert_eq!(e.param, Some("priority"));
+        assert_eq!(e.param, Some("body.priority"));
         let e = parse_request(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
-        assert_eq!(e.param, Some("prompt"));
+        assert_eq!(e.param, Some("body.prompt"));
         let body: Value = serde_json::from_str(&e.body()).unwrap();
-        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["type"], "Bad Request");
         assert_eq!(body["error"]["code"], 400);
     }
 }

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -294,6 +294,21 @@ fn api_error(status: u16, kind: &'static str, message: impl Into<String>) -> Api
     ApiError { status, message: message.into(), kind, param: None }
 }
 
+/// vLLM's answer to a path or method it has no route for: FastAPI's `{"detail": ...}`, not an
+/// OpenAI error.
+fn no_route(b: &Backend, status: StatusCode, allow: Option<&'static str>) -> Response<RespBody> {
+    let detail = status.canonical_reason().unwrap_or("Error");
+    let mut r = response(b, status, "application/json", full(serde_json::json!({"detail": detail}).to_string()));
+    if let Some(a) = allow {
+        r.headers_mut().insert(ALLOW, HeaderValue::from_static(a));
+    }
+    r
+}
+
+/// Content types as vLLM 0.32 sends them.
+const SSE: &str = "text/event-stream; charset=utf-8";
+const PROMETHEUS: &str = "text/plain; version=1.0.0; charset=utf-8";
+
 async fn handle(b: Arc<Backend>, req: Request<Incoming>) -> Response<RespBody> {
     let endpoint = match req.uri().path() {
         "/v1/chat/completions" => Some(Endpoint::Chat),
@@ -307,21 +322,21 @@ async fn handle(b: Arc<Backend>, req: Request<Incoming>) -> Response<RespBody> {
                 Some(e) => e.lock().model.prometheus_text(),
                 None => String::new(),
             };
-            response(&b, StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", full(text))
+            response(&b, StatusCode::OK, PROMETHEUS, full(text))
         }
         (&Method::GET, "/health", _) => response(&b, StatusCode::OK, "text/plain", full("")),
         (&Method::GET, "/v1/models", _) => {
             let body = serde_json::json!({"object": "list", "data": [{"id": b.profile.served_model, "object": "model", "owned_by": "sluice"}]});
             response(&b, StatusCode::OK, "application/json", full(body.to_string()))
         }
-        (_, _, Some(_)) | (_, "/metrics" | "/health" | "/v1/models", _) => {
-            error(&b, &api_error(405, "invalid_request_error", format!("method {} not allowed", req.method())))
-        }
-        (_, path, _) => error(&b, &api_error(404, "not_found_error", format!("no route for {path}"))),
+        (_, _, Some(_)) => no_route(&b, StatusCode::METHOD_NOT_ALLOWED, Some("POST")),
+        (_, "/metrics" | "/health" | "/v1/models", _) => no_route(&b, StatusCode::METHOD_NOT_ALLOWED, Some("GET")),
+        _ => no_route(&b, StatusCode::NOT_FOUND, None),
     }
 }
 
 async fn completion(b: Arc<Backend>, ep: Endpoint, req: Request<Incoming>) -> Response<RespBody> {
+    let request_id = req.headers().get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
@@ -337,20 +352,52 @@ async fn completion(b: Arc<Backend>, ep: Endpoint, req: Request<Incoming>) -> Re
         Err(e) => return error(&b, &e),
     };
     let priority = parsed.priority;
-    let mut r = generate(b, ep, parsed).await;
+    let mut r = generate(b, ep, parsed, request_id.as_deref()).await;
     if let Some(p) = priority {
         r.headers_mut().insert(PRIORITY_HEADER, HeaderValue::from(p));
     }
     r
 }
 
+/// How many tokens to generate, or vLLM's refusal (its checks and words, vLLM 0.32): `max_tokens`
+/// over the context refused; a prompt that leaves no room refused; otherwise the output is cut to
+/// the room left (`finish_reason` "length").
+fn output_tokens(max_model_len: u32, prompt: u32, max_tokens: Option<u32>, default: u32) -> Result<u32, ApiError> {
+    if let Some(m) = max_tokens.filter(|&m| m > max_model_len) {
+        return Err(ApiError::bad_request(
+            Some("max_tokens"),
+            format!("max_tokens={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter=max_tokens, value={m})"),
+        ));
+    }
+    if prompt >= max_model_len {
+        let at_least = max_model_len + 1; // vLLM stops counting there
+        return Err(ApiError {
+            param: Some("input_tokens"),
+            ..ApiError::bad_request(None, format!("This model's maximum context length is {max_model_len} tokens. However, your prompt contains at least {at_least} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={at_least})"))
+        });
+    }
+    Ok(max_tokens.unwrap_or(default).min(max_model_len - prompt))
+}
+
 /// Serves a parsed completion request: from the model, or at once when the backend is instant.
-async fn generate(b: Arc<Backend>, ep: Endpoint, parsed: ParsedRequest) -> Response<RespBody> {
+async fn generate(
+    b: Arc<Backend>,
+    ep: Endpoint,
+    parsed: ParsedRequest,
+    request_id: Option<&str>,
+) -> Response<RespBody> {
     let n = b.counter.fetch_add(1, Ordering::Relaxed);
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let meta = ResponseMeta::new(ep, n, &parsed.model, created);
-    let output = parsed.max_tokens.unwrap_or(b.default_max_tokens);
-    let finish = if parsed.max_tokens.is_some() { "length" } else { "stop" };
+    let mut meta = ResponseMeta::new(ep, n, &parsed.model, created);
+    if let Some(id) = request_id {
+        meta = meta.with_request_id(id);
+    }
+    let output =
+        match output_tokens(b.profile.max_model_len, parsed.prompt_tokens, parsed.max_tokens, b.default_max_tokens) {
+            Ok(n) => n,
+            Err(e) => return error(&b, &e),
+        };
+    let finish = if parsed.max_tokens.is_some() || output < b.default_max_tokens { "length" } else { "stop" };
     let Some(engine) = b.engine.clone() else {
         return instant(&b, &parsed, &meta);
     };
@@ -390,9 +437,7 @@ async fn generate(b: Arc<Backend>, ep: Endpoint, parsed: ParsedRequest) -> Respo
         done: false,
     };
     if parsed.stream {
-        let mut r = response(&b, StatusCode::OK, "text/event-stream", stream.boxed_unsync());
-        r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        return r;
+        return response(&b, StatusCode::OK, SSE, stream.boxed_unsync());
     }
     // Non-streaming: wait for the end (dropping this future on disconnect aborts via the guard).
     let mut stream = stream;
@@ -416,12 +461,14 @@ fn instant(b: &Backend, parsed: &ParsedRequest, meta: &ResponseMeta) -> Response
     if !parsed.stream {
         return response(b, StatusCode::OK, "application/json", full(meta.full(parsed.prompt_tokens, 1, "length")));
     }
+    // The overhead benchmark's minimal stream (one chunk carrying the role and the token), kept as
+    // it was measured rather than vLLM's role chunk + token chunk.
     let mut s = format!("data: {}\n\n", meta.chunk(0, Some("length")));
     if parsed.include_usage {
         s += &format!("data: {}\n\n", meta.usage_chunk(parsed.prompt_tokens, 1));
     }
     s += "data: [DONE]\n\n";
-    response(b, StatusCode::OK, "text/event-stream", full(s))
+    response(b, StatusCode::OK, SSE, full(s))
 }
 
 /// SSE response body fed by the model's events: one `data:` chunk per token as it is generated.
@@ -459,9 +506,14 @@ impl Body for SseBody {
             }
             match this.rx.poll_recv(cx) {
                 Poll::Ready(Some(GpuEventKind::Tokens { n })) => {
+                    // vLLM opens a chat stream with a role chunk, sent with the first token.
+                    if this.sent == 0 && n > 0 && this.meta.endpoint == Endpoint::Chat {
+                        let role = this.meta.role_chunk();
+                        this.push(role);
+                    }
                     for _ in 0..n {
                         let last = this.sent + 1 == this.target;
-                        let chunk = this.meta.chunk(this.sent, last.then_some(this.finish));
+                        let chunk = this.meta.token_chunk(this.sent, last.then_some(this.finish));
                         this.push(chunk);
                         this.sent += 1;
                     }

@@ -269,9 +269,11 @@ fn prometheus_text_has_vllm_names() {
     assert_eq!(value("vllm:num_requests_waiting"), 0.0);
     // 160 + 16 prompt tokens = 10 + 1 blocks of 625.
     assert!((value("vllm:kv_cache_usage_perc") - 11.0 / 625.0).abs() < 1e-9);
-    assert_eq!(value("vllm:gpu_cache_usage_perc"), value("vllm:kv_cache_usage_perc"));
+    // vLLM 0.32's labels; it no longer exports the old gpu_cache_usage_perc.
+    assert!(text.contains("vllm:num_requests_running{engine=\"0\",model_name="));
+    assert!(!text.contains("vllm:gpu_cache_usage_perc"));
     assert!(text.contains(
-        "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"false\",num_gpu_blocks=\"625\"} 1"
+        "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"False\",engine=\"0\",num_gpu_blocks=\"625\"} 1"
     ));
     assert!(text.contains("vllm:prefix_cache_hits_total{"));
 }

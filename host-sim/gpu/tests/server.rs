@@ -43,16 +43,22 @@ impl Reply {
 }
 
 async fn send(addr: SocketAddr, method: &str, path: &str, body: &str) -> Reply {
+    send_with(addr, method, path, body, &[]).await
+}
+
+async fn send_with(addr: SocketAddr, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> Reply {
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
     tokio::spawn(conn);
-    let req = Request::builder()
+    let mut req = Request::builder()
         .method(method)
         .uri(path)
         .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).unwrap();
     let resp = sender.send_request(req).await.unwrap();
     let (parts, mut body) = resp.into_parts();
     let mut frames = Vec::new();
@@ -125,29 +131,32 @@ async fn default_max_tokens_applies() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streaming_sends_one_chunk_per_token_as_generated() {
+async fn streaming_sends_a_role_chunk_then_one_chunk_per_token_as_generated() {
     let s = server(slow_profile(), |_| {}).await;
     let addr = s.addrs[0];
     let body = r#"{"model":"m","messages":[{"role":"user","content":"abcdefgh"}],"max_completion_tokens":20,"stream":true,"stream_options":{"include_usage":true}}"#;
     let t0 = Instant::now();
     let r = post(addr, "/v1/chat/completions", body).await;
     assert_eq!(r.status, StatusCode::OK);
-    assert_eq!(r.headers["content-type"], "text/event-stream");
+    assert_eq!(r.headers["content-type"], "text/event-stream; charset=utf-8");
+    assert!(r.headers.get("cache-control").is_none(), "vLLM sends none");
     assert_eq!(r.headers["x-sluice-backend"], addr.to_string().as_str());
     let events = sse_events(&r.text());
-    assert_eq!(events.len(), 20 + 2, "20 token chunks, a usage chunk, [DONE]");
+    assert_eq!(events.len(), 1 + 20 + 2, "a role chunk, 20 token chunks, a usage chunk, [DONE]");
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..21].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
-    for (i, c) in chunks[..20].iter().enumerate() {
+    let chunks: Vec<Value> = events[..22].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    // vLLM's first chunk: the role and an empty content, no token.
+    assert_eq!(chunks[0]["choices"][0]["delta"], serde_json::json!({"role": "assistant", "content": ""}));
+    for (i, c) in chunks[1..21].iter().enumerate() {
         assert_eq!(c["object"], "chat.completion.chunk");
-        assert!(c["choices"][0]["delta"]["content"].is_string());
+        assert!(c["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()));
+        assert!(c["choices"][0]["delta"].get("role").is_none());
         let finish = if i == 19 { Value::from("length") } else { Value::Null };
         assert_eq!(c["choices"][0]["finish_reason"], finish, "chunk {i}");
     }
-    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    assert_eq!(chunks[20]["choices"].as_array().unwrap().len(), 0);
-    assert_eq!(chunks[20]["usage"]["completion_tokens"], 20);
-    assert_eq!(chunks[20]["usage"]["prompt_tokens"], 2);
+    assert_eq!(chunks[21]["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(chunks[21]["usage"]["completion_tokens"], 20);
+    assert_eq!(chunks[21]["usage"]["prompt_tokens"], 2);
     // Tokens are paced by the model: 20 iterations of >= 10 ms virtual = real time here, and the
     // first token arrives after the prefill, long before the last.
     let first = r.frames.first().unwrap().0;
@@ -185,9 +194,9 @@ async fn metrics_follow_the_model() {
     let addr = s.addrs[0];
     let text = metrics(addr).await;
     assert_eq!(metric(&text, "vllm:num_requests_running"), 0.0);
-    assert!(
-        text.contains(r#"vllm:cache_config_info{block_size="16",enable_prefix_caching="true",num_gpu_blocks="64"} 1"#)
-    );
+    assert!(text.contains(
+        r#"vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="64"} 1"#
+    ));
     // 400 bytes -> 100 prompt tokens; 30 tokens at >= 10 ms each keeps it running for 300 ms.
     let prompt = "x".repeat(400);
     let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":30}}"#);
@@ -198,7 +207,6 @@ async fn metrics_follow_the_model() {
     assert_eq!(metric(&text, "vllm:num_requests_waiting"), 0.0);
     let usage = metric(&text, "vllm:kv_cache_usage_perc");
     assert!((7.0 / 64.0..=9.0 / 64.0).contains(&usage), "about 8 of 64 blocks in use: {usage}");
-    assert_eq!(metric(&text, "vllm:gpu_cache_usage_perc"), usage);
     assert_eq!(job.await.unwrap().status, StatusCode::OK);
     let text = metrics(addr).await;
     assert_eq!(metric(&text, "vllm:num_requests_running"), 0.0);
@@ -229,31 +237,67 @@ async fn shared_prompt_prefixes_hit_the_prefix_cache() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_requests_get_openai_errors() {
+async fn bad_requests_get_vllms_errors() {
     let s = server(GpuProfile::fast(), |_| {}).await;
     let addr = s.addrs[0];
-    for (path, body, param) in [
-        ("/v1/chat/completions", "{not json", Value::Null),
-        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"x"}]}"#, Value::from("model")),
-        ("/v1/completions", r#"{"model":"m","prompt":"x","max_tokens":-3}"#, Value::from("max_tokens")),
-        // 4 + 600 tokens > max_model_len 512 of the fast profile.
-        ("/v1/completions", r#"{"model":"m","prompt":"abcdefghijklmnop","max_tokens":600}"#, Value::from("max_tokens")),
+    // The fast profile's max_model_len is 512; vLLM 0.32's types and params (docs/real-engine.md).
+    let long_prompt = "abcd".repeat(512); // 512 tokens: no room for one output token
+    let too_long = format!(r#"{{"model":"m","prompt":"{long_prompt}","max_tokens":4}}"#);
+    for (path, body, kind, param) in [
+        ("/v1/chat/completions", "{not json", "Bad Request", "body"),
+        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"x"}]}"#, "Bad Request", "body.model"),
+        ("/v1/completions", r#"{"model":"m","prompt":"x","max_tokens":-3}"#, "BadRequestError", "max_tokens"),
+        ("/v1/completions", r#"{"model":"m","prompt":"x","max_tokens":600}"#, "BadRequestError", "max_tokens"),
+        ("/v1/completions", too_long.as_str(), "BadRequestError", "input_tokens"),
     ] {
         let r = post(addr, path, body).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
         assert_eq!(r.headers["x-sluice-backend"], addr.to_string().as_str());
         let v = r.json();
-        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["type"], kind, "{body}");
         assert_eq!(v["error"]["code"], 400);
         assert_eq!(v["error"]["param"], param, "{body}");
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
+    let v = post(addr, "/v1/completions", r#"{"model":"m","prompt":"x","max_tokens":600}"#).await.json();
+    assert_eq!(
+        v["error"]["message"],
+        "max_tokens=600 cannot be greater than max_model_len=512. Please request fewer output tokens. (parameter=max_tokens, value=600)"
+    );
+    // No route: FastAPI's body, not an OpenAI error.
     let r = send(addr, "GET", "/v1/nothing", "").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
-    assert!(r.json()["error"]["message"].is_string());
-    assert_eq!(send(addr, "GET", "/v1/completions", "").await.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.json(), serde_json::json!({"detail": "Not Found"}));
+    let r = send(addr, "GET", "/v1/completions", "").await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.json(), serde_json::json!({"detail": "Method Not Allowed"}));
+    assert_eq!(r.headers["allow"], "POST");
     let text = metrics(addr).await;
     assert_eq!(metric(&text, "vllm:request_success_total"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_is_cut_to_the_context_left_and_ids_follow_x_request_id() {
+    let s = server(GpuProfile::fast(), |_| {}).await;
+    let addr = s.addrs[0];
+    // 500 prompt tokens + max_tokens 100 > max_model_len 512: vLLM generates the 12 that fit.
+    let ids = (1..=500).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let body = format!(r#"{{"model":"m","prompt":[{ids}],"max_tokens":100}}"#);
+    let v = send_with(addr, "POST", "/v1/completions", &body, &[("x-request-id", "abc-1")]).await.json();
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(12), Some("length"))
+    );
+    // vLLM names the response after the request's x-request-id (Envoy sets one on every request).
+    assert_eq!(v["id"], "cmpl-abc-1");
+    let v = post(
+        addr,
+        "/v1/chat/completions",
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":1}"#,
+    )
+    .await
+    .json();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
 }
 
 /// Sends a raw HTTP/1.1 request, reads until `until` appears in the response, then drops the socket.

@@ -36,6 +36,11 @@ struct Args {
     /// max_tokens of every request.
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
+    /// Words in each prompt (about 1.5 tokens each as the simulated backend counts them): the
+    /// default's prefills keep four A10G busy at the default rates, as
+    /// host-sim/tests/scenarios/demo-flood.json does in virtual time.
+    #[arg(long, default_value_t = 85)]
+    prompt_words: usize,
     /// Envoy worker threads.
     #[arg(long, default_value_t = 2)]
     concurrency: u32,
@@ -100,9 +105,10 @@ async fn run_phase(args: &Args, policy: &str) -> Result<PhaseResult> {
         args.max_tokens
     );
     let client = LoadClient::default();
+    let chat = |tenant| ChatRequest { prompt_words: args.prompt_words, ..ChatRequest::chat(Some(tenant), args.max_tokens) };
     let loads = [
-        TenantLoad { request: ChatRequest::chat(Some("flood"), args.max_tokens), rate_per_s: args.flood_rate },
-        TenantLoad { request: ChatRequest::chat(Some("modest"), args.max_tokens), rate_per_s: args.modest_rate },
+        TenantLoad { request: chat("flood"), rate_per_s: args.flood_rate },
+        TenantLoad { request: chat("modest"), rate_per_s: args.modest_rate },
     ];
     let started = Instant::now();
     let outcomes = open_loop(&client, envoy.listener, &loads, Duration::from_secs_f64(args.duration)).await;
