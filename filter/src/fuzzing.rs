@@ -76,8 +76,10 @@ pub fn check_openai_request(data: &[u8]) {
     }
 }
 
-/// The request parser [`parse_request`] replaced: the whole body read into a
-/// `serde_json::Value` tree, then the fields picked out of it. Kept as the
+/// The request parser [`parse_request`] replaced: the body read with serde's
+/// derive into a struct of `serde_json::Value` trees (one per field read;
+/// unknown members skipped unchecked, as the derive skips them), then the
+/// fields picked out of it. Kept as the
 /// oracle the streaming parser is held to ([`check_against_tree`]) and as
 /// the "before" that `sluice-bench-path prompt` times beside it.
 pub fn parse_request_via_tree(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {

@@ -147,9 +147,16 @@ impl PromptText {
 /// One pass over the body and no parse tree: the fields the filter reads are
 /// decoded as they go by, prompt text is counted (and its first
 /// `hashing.max_bytes()` copied) straight from the body, and every other
-/// member is only validated. What it accepts and the fields it returns are
-/// those of reading the body into a `serde_json::Value` first (the test
-/// `the_streaming_parser_reads_what_a_parse_tree_reads` holds it to that).
+/// member is only validated (but see below). What it accepts and the fields it
+/// returns are those of reading the body into a struct of the fields it reads
+/// with serde's derive first (the test
+/// `the_streaming_parser_reads_what_a_parse_tree_reads` holds it to that). As
+/// serde's derive does, a top-level member it does not know is skipped
+/// unchecked: invalid UTF-8 in its strings and nesting of any depth pass to
+/// the engine, which refuses them; inside `model`, `messages`, `prompt` and
+/// the other members it reads, both are refused (serde_json's limit of 128
+/// levels). Issue 19, finding 11: the test says what is true, and
+/// `unknown_members_are_skipped_unchecked_read_ones_are_checked` pins it.
 pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {
     let keep = hashing.max_bytes();
     let mut fields = BodyFields {
@@ -1095,6 +1102,30 @@ mod tests {
                 _ => {}
             }
             body
+        }
+    }
+
+    /// Issue 19, finding 11: what "reads what a parse tree reads" means. An unknown top-level
+    /// member is skipped unchecked, as serde's derive skips unknown fields; what the filter
+    /// reads is checked. The reference reader agrees on both.
+    #[test]
+    fn unknown_members_are_skipped_unchecked_read_ones_are_checked() {
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        let bad_utf8 = |member: &str| {
+            let mut b = format!(r#"{{"model":"m","{member}":[{{"content":""#).into_bytes();
+            b.extend_from_slice(b"\xff\xfe\"}]}");
+            b
+        };
+        let cases: [(Vec<u8>, bool); 4] = [
+            (format!(r#"{{"model":"m","extra":{}}}"#, deep(200)).into_bytes(), true),
+            (bad_utf8("extra"), true),
+            (format!(r#"{{"model":"m","prompt":{}}}"#, deep(200)).into_bytes(), false),
+            (bad_utf8("messages"), false),
+        ];
+        for (body, accepted) in cases {
+            let text = String::from_utf8_lossy(&body).into_owned();
+            assert_eq!(parse_request(&body, HASH_64).is_ok(), accepted, "{text}");
+            assert_eq!(crate::fuzzing::parse_request_via_tree(&body, HASH_64).is_ok(), accepted, "{text}");
         }
     }
 
