@@ -167,12 +167,12 @@ impl Default for RawRouting {
     }
 }
 
-/// vLLM renders its 52 KB metrics page in the API server process, about
-/// 6 ms of CPU each (docs/real-engine.md): every 50 ms, that took 17 % of a
-/// CPU engine's throughput. The prediction between scrapes (what this
-/// gateway sent since) covers the gap.
+/// vLLM renders its 52 KB metrics page in the API server process, about 6 ms
+/// of CPU each (docs/real-engine.md), but a longer interval makes the
+/// saturation gate's predicted view wrong for longer: every 100 or 250 ms
+/// held requests back in front of real vLLM and a simulated H100.
 fn default_scrape_interval_ms() -> u64 {
-    250
+    50
 }
 fn default_scrape_timeout_ms() -> u64 {
     1000
@@ -842,7 +842,7 @@ mod tests {
         .unwrap();
         let r = &c.routing;
         assert_eq!(r.model_servers, vec![ModelServer::Trtllm, ModelServer::Sglang]);
-        assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (250, "/metrics", 64));
+        assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (50, "/metrics", 64));
         assert_eq!(r.router.weights, Weights::default());
         assert_eq!(r.router.guard, Some(LoadGuard::default()));
         assert_eq!((r.prefix_max_blocks, r.speculative_ttl_ms), (128, 2000));

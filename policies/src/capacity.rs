@@ -94,7 +94,7 @@ pub struct Headroom {
 
 impl Default for Headroom {
     fn default() -> Self {
-        Headroom { fraction: 1.0 / 32.0, min: 1.0 }
+        Headroom { fraction: 1.0 / 64.0, min: 1.0 }
     }
 }
 
@@ -351,8 +351,8 @@ mod tests {
             c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, false, &h);
         }
         assert_eq!(c.batch(), Some(90.0));
-        // Within the headroom (2.8 of 90), and not binding: it stays.
-        c.observe(Progress { in_flight: 80, unstarted: 2, waiting: 2 }, false, &h);
+        // Within the headroom (1.4 of 90), and not binding: it stays.
+        c.observe(Progress { in_flight: 80, unstarted: 1, waiting: 1 }, false, &h);
         assert_eq!(c.batch(), Some(90.0));
         // Binding, nothing waits: one more every few such observations.
         let mut probes = Vec::new();

@@ -98,14 +98,13 @@ pub struct SaturationThresholds {
     pub queue_depth: f64,
     /// KV usage at which an endpoint is full.
     pub kv_cache_util: f64,
-    /// Metrics older than this count as saturated (four scrapes at the
-    /// default interval: one slow or lost scrape is not an outage).
+    /// Metrics older than this count as saturated.
     pub staleness_ms: u64,
 }
 
 impl Default for SaturationThresholds {
     fn default() -> Self {
-        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000 }
+        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 200 }
     }
 }
 
@@ -321,7 +320,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert!(!t.saturated(&view(&idle, 0)));
         assert!(t.saturated(&view(&queued, 0)));
         assert!(t.saturated(&view(&full, 0)));
-        assert!(t.saturated(&EndpointView { age_ms: 1001, ..view(&idle, 0) }));
+        assert!(t.saturated(&EndpointView { age_ms: 201, ..view(&idle, 0) }));
         assert!(t.saturated(&EndpointView { metrics: None, ..view(&idle, 0) }));
         assert!(!t.pool_saturated(&[view(&queued, 0), view(&idle, 0)]));
         assert!(t.pool_saturated(&[view(&queued, 0), view(&full, 0)]));

@@ -9,7 +9,7 @@
 //! - a hung backend (SIGSTOP) is avoided, loses no request, and must not hold back the others.
 //!   This one fails with the filter as of this writing: a scrape round waits for its slowest
 //!   endpoint (up to `scrape_timeout_ms`, 1 s), so the live endpoints' metrics pass
-//!   `staleness_ms` (then 200 ms) and the pool counts as saturated: the gateway then admits one request
+//!   `staleness_ms` (200 ms) and the pool counts as saturated: the gateway then admits one request
 //!   at a time, or none while a request hangs on the frozen backend holding stock. Seen: 95-112
 //!   of 119 requests queued during the freeze (0 of 60 before it), live-backend p50 latency
 //!   42-665 ms instead of ~27 ms. With `scrape_timeout_ms: 100` it passes (0 queued).
@@ -57,7 +57,7 @@ fn fast_backend() -> BackendOptions {
 /// Envoy with the filter scraping `endpoints` through the ORIGINAL_DST cluster, once scrapes of
 /// every endpoint have succeeded.
 async fn gateway(name: &str, endpoints: &[String], routing: Value) -> anyhow::Result<Envoy> {
-    // Scrapes every 50 ms (the default is 250): the time windows below are sized for it.
+    // Scrapes every 50 ms (the default): the time windows below are sized for it.
     let mut r = json!({"scrape_cluster": "model_servers", "scrape_interval_ms": 50, "weights": {"prefix": 0}});
     // Prefix affinity is off: the load client sends one identical prompt, and affinity would then
     // (rightly) pile every request on whichever backend served it last, hiding the load signals.

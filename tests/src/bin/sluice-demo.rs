@@ -22,13 +22,15 @@ struct Args {
     #[arg(long, default_value = "llama2-7b-a10g")]
     profile: String,
     /// Backend time scale (simulated seconds per wall second; above 1 is faster than the real GPU).
-    #[arg(long, default_value_t = 4.0)]
+    /// At 1 the default flood overloads four A10G whose batches the gateway fills.
+    #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
     /// Seconds of load per policy.
     #[arg(long, default_value_t = 20.0)]
     duration: f64,
-    /// Requests per second of the flooding tenant.
-    #[arg(long, default_value_t = 25.0)]
+    /// Requests per second of the flooding tenant (demo-flood.json's rate: about twice what four
+    /// A10G serve).
+    #[arg(long, default_value_t = 100.0)]
     flood_rate: f64,
     /// Requests per second of the modest tenant.
     #[arg(long, default_value_t = 1.0)]
