@@ -76,8 +76,10 @@ pub fn check_openai_request(data: &[u8]) {
     }
 }
 
-/// The request parser [`parse_request`] replaced: the whole body read into a
-/// `serde_json::Value` tree, then the fields picked out of it. Kept as the
+/// The request parser [`parse_request`] replaced: the body read with serde's
+/// derive into a struct of `serde_json::Value` trees (one per field read;
+/// unknown members skipped unchecked, as the derive skips them), then the
+/// fields picked out of it. Kept as the
 /// oracle the streaming parser is held to ([`check_against_tree`]) and as
 /// the "before" that `sluice-bench-path prompt` times beside it.
 pub fn parse_request_via_tree(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {
@@ -95,18 +97,20 @@ pub fn parse_request_via_tree(body: &[u8], hashing: PrefixHashing) -> Result<Com
         #[serde(default)]
         prompt: Option<Value>,
     }
-    /// Text length, and its first `keep` bytes.
-    fn collect(v: &Value, keep: usize, len: &mut usize, head: &mut Vec<u8>) {
+    /// Text length and token ids (integers), and the text's first `keep` bytes.
+    fn collect(v: &Value, keep: usize, (len, ids): (&mut usize, &mut usize), head: &mut Vec<u8>) {
         match v {
             Value::String(s) => {
                 *len = len.saturating_add(s.len());
                 let room = keep.saturating_sub(head.len());
                 head.extend_from_slice(&s.as_bytes()[..s.len().min(room)]);
             }
-            Value::Array(items) => items.iter().for_each(|i| collect(i, keep, len, head)),
-            Value::Object(map) => {
-                ["content", "text"].iter().filter_map(|k| map.get(*k)).for_each(|v| collect(v, keep, len, head))
-            }
+            Value::Number(n) if n.is_u64() || n.is_i64() => *ids = ids.saturating_add(1),
+            Value::Array(items) => items.iter().for_each(|i| collect(i, keep, (&mut *len, &mut *ids), head)),
+            Value::Object(map) => ["content", "text"]
+                .iter()
+                .filter_map(|k| map.get(*k))
+                .for_each(|v| collect(v, keep, (&mut *len, &mut *ids), head)),
             _ => {}
         }
     }
@@ -119,9 +123,9 @@ pub fn parse_request_via_tree(body: &[u8], hashing: PrefixHashing) -> Result<Com
         Some(_) => return Err("field `model` must be a non-empty string".into()),
         None => return Err("field `model` is required".into()),
     };
-    let (mut len, mut head) = (0, Vec::new());
+    let (mut len, mut ids, mut head) = (0, 0usize, Vec::new());
     for part in [&b.messages, &b.prompt].into_iter().flatten() {
-        collect(part, hashing.max_bytes(), &mut len, &mut head);
+        collect(part, hashing.max_bytes(), (&mut len, &mut ids), &mut head);
     }
     let mut prefix = Vec::new();
     if hashing.block_bytes > 0 {
@@ -131,7 +135,7 @@ pub fn parse_request_via_tree(body: &[u8], hashing: PrefixHashing) -> Result<Com
         model,
         stream: b.stream.unwrap_or(false),
         max_tokens: b.max_completion_tokens.or(b.max_tokens).unwrap_or(0).min(u32::MAX as u64) as u32,
-        prompt_tokens: len.div_ceil(4).min(u32::MAX as usize) as u32,
+        prompt_tokens: len.div_ceil(4).saturating_add(ids).min(u32::MAX as usize) as u32,
         prefix,
     })
 }

@@ -96,25 +96,34 @@ pub struct CompletionRequest {
     pub stream: bool,
     /// `max_completion_tokens`, else `max_tokens`, else 0 (unknown).
     pub max_tokens: u32,
-    /// Prompt size estimated at four bytes of text per token.
+    /// Prompt size: four bytes of text per token, plus one per token id (a `/v1/completions`
+    /// prompt may be an array of token ids, or of such arrays).
     pub prompt_tokens: u32,
     /// Chained hashes of the prompt's leading blocks, for prefix affinity.
     pub prefix: Vec<u64>,
 }
 
 /// The text of a prompt or message content, whatever its shape (string,
-/// list of strings, list of content parts): its length in bytes, and its
-/// first `keep` bytes (the part that is hashed).
+/// list of strings, list of content parts, token ids): its length in bytes,
+/// its token ids, and its first `keep` bytes of text (the part that is hashed).
 #[derive(Default)]
 struct PromptText {
     len: usize,
+    /// Integers met: token ids, each one token. Without them a prompt of token ids was free
+    /// (issue 19, finding 5).
+    ids: usize,
     keep: usize,
     head: Vec<u8>,
 }
 
 impl PromptText {
     fn new(keep: usize) -> Self {
-        PromptText { len: 0, keep, head: Vec::new() }
+        PromptText { len: 0, ids: 0, keep, head: Vec::new() }
+    }
+
+    /// Its size in tokens: four bytes of text per token, and one per token id.
+    fn tokens(&self) -> u32 {
+        self.len.div_ceil(4).saturating_add(self.ids).min(u32::MAX as usize) as u32
     }
 
     fn add(&mut self, s: &str) {
@@ -126,6 +135,7 @@ impl PromptText {
     /// Appends `other` after this text (its head as far as there is room).
     fn append(&mut self, other: &PromptText) {
         self.len = self.len.saturating_add(other.len);
+        self.ids = self.ids.saturating_add(other.ids);
         let room = self.keep.saturating_sub(self.head.len());
         self.head.extend_from_slice(&other.head[..other.head.len().min(room)]);
     }
@@ -137,9 +147,16 @@ impl PromptText {
 /// One pass over the body and no parse tree: the fields the filter reads are
 /// decoded as they go by, prompt text is counted (and its first
 /// `hashing.max_bytes()` copied) straight from the body, and every other
-/// member is only validated. What it accepts and the fields it returns are
-/// those of reading the body into a `serde_json::Value` first (the test
-/// `the_streaming_parser_reads_what_a_parse_tree_reads` holds it to that).
+/// member is only validated (but see below). What it accepts and the fields it
+/// returns are those of reading the body into a struct of the fields it reads
+/// with serde's derive first (the test
+/// `the_streaming_parser_reads_what_a_parse_tree_reads` holds it to that). As
+/// serde's derive does, a top-level member it does not know is skipped
+/// unchecked: invalid UTF-8 in its strings and nesting of any depth pass to
+/// the engine, which refuses them; inside `model`, `messages`, `prompt` and
+/// the other members it reads, both are refused (serde_json's limit of 128
+/// levels). Issue 19, finding 11: the test says what is true, and
+/// `unknown_members_are_skipped_unchecked_read_ones_are_checked` pins it.
 pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRequest, String> {
     let keep = hashing.max_bytes();
     let mut fields = BodyFields {
@@ -175,7 +192,7 @@ pub fn parse_request(body: &[u8], hashing: PrefixHashing) -> Result<CompletionRe
         model,
         stream: fields.stream.flatten().unwrap_or(false),
         max_tokens: max.min(u32::MAX as u64) as u32,
-        prompt_tokens: text.len.div_ceil(4).min(u32::MAX as usize) as u32,
+        prompt_tokens: text.tokens(),
         prefix,
     })
 }
@@ -407,7 +424,25 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
         self.0.add(s);
         Ok(())
     }
-    skip_scalars!(());
+    // A token id (engines take non-negative integers; a negative one is the engine's to refuse,
+    // and costs the same to carry).
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        self.0.ids = self.0.ids.saturating_add(1);
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        self.0.ids = self.0.ids.saturating_add(1);
+        Ok(())
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
     fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         while seq.next_element_seed(PromptSeed(&mut *self.0))?.is_some() {}
         Ok(())
@@ -415,7 +450,7 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
     fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let text = self.0;
         // `content` is written in place (from `mark`); `text` aside, appended at the end.
-        let (mark, len_before) = (text.head.len(), text.len);
+        let (mark, len_before, ids_before) = (text.head.len(), text.len, text.ids);
         let mut content: Option<usize> = None;
         let mut aside: Option<PromptText> = None;
         while let Some(key) = map.next_key::<PartKey>()? {
@@ -423,7 +458,7 @@ impl<'de> de::Visitor<'de> for PromptSeed<'_> {
                 PartKey::Content => {
                     if content.is_some() {
                         text.head.truncate(mark);
-                        text.len = len_before;
+                        (text.len, text.ids) = (len_before, ids_before);
                     }
                     map.next_value_seed(PromptSeed(&mut *text))?;
                     content = Some(text.len);
@@ -918,6 +953,18 @@ mod tests {
         assert_eq!((r.prefix, r.prompt_tokens), (want, 3));
     }
 
+    /// Issue 19, finding 5: a `/v1/completions` prompt of token ids was charged 0 input tokens.
+    #[test]
+    fn token_id_prompts_are_counted_by_their_length() {
+        let ids = (0..400).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+        let tokens = |body: String| parse_request(body.as_bytes(), HASH_64).map(|r| r.prompt_tokens);
+        assert_eq!(tokens(format!(r#"{{"model":"m","prompt":[{ids}]}}"#)), Ok(400));
+        assert_eq!(tokens(format!(r#"{{"model":"m","prompt":[[{ids}],[{ids}],[7]]}}"#)), Ok(801));
+        assert_eq!(tokens(r#"{"model":"m","prompt":[1,2,"abcdefgh",null,true,1.5]}"#.into()), Ok(4));
+        // A duplicate `content` counts once, ids included (the last one, as a parsed object).
+        assert_eq!(tokens(r#"{"model":"m","messages":[{"content":[1,2,3],"content":[4]}]}"#.into()), Ok(1));
+    }
+
     #[test]
     fn chat_and_completion_bodies_are_read() {
         let r = parse_request(
@@ -1055,6 +1102,30 @@ mod tests {
                 _ => {}
             }
             body
+        }
+    }
+
+    /// Issue 19, finding 11: what "reads what a parse tree reads" means. An unknown top-level
+    /// member is skipped unchecked, as serde's derive skips unknown fields; what the filter
+    /// reads is checked. The reference reader agrees on both.
+    #[test]
+    fn unknown_members_are_skipped_unchecked_read_ones_are_checked() {
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        let bad_utf8 = |member: &str| {
+            let mut b = format!(r#"{{"model":"m","{member}":[{{"content":""#).into_bytes();
+            b.extend_from_slice(b"\xff\xfe\"}]}");
+            b
+        };
+        let cases: [(Vec<u8>, bool); 4] = [
+            (format!(r#"{{"model":"m","extra":{}}}"#, deep(200)).into_bytes(), true),
+            (bad_utf8("extra"), true),
+            (format!(r#"{{"model":"m","prompt":{}}}"#, deep(200)).into_bytes(), false),
+            (bad_utf8("messages"), false),
+        ];
+        for (body, accepted) in cases {
+            let text = String::from_utf8_lossy(&body).into_owned();
+            assert_eq!(parse_request(&body, HASH_64).is_ok(), accepted, "{text}");
+            assert_eq!(crate::fuzzing::parse_request_via_tree(&body, HASH_64).is_ok(), accepted, "{text}");
         }
     }
 

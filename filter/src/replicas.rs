@@ -15,7 +15,7 @@
 
 use crate::shared::{self, Store};
 use serde::Deserialize;
-use sluice_policies::replicas::{self, Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState};
+use sluice_policies::replicas::{self, Limits, Offer, Offsets, PeerService, Peers, Publisher, ReplicaId, ReplicaState};
 use std::collections::{BTreeMap, HashMap};
 
 /// Shared-data key of this replica's latest published state (JSON), which the
@@ -24,8 +24,9 @@ pub const STATE_KEY: &str = "sluice.replicas.state";
 /// Shared-data key of the live peers' in-flight counts per endpoint, with the
 /// time they were written.
 pub const PEER_LOAD_KEY: &str = "sluice.replicas.peer_load";
-/// Shared-data key of the slots the scheduler holds back for light tenants, per tenant
-/// ([`crate::scheduler::Scheduler::held_parts`]), which bypasses respect too ([`held_for`]).
+/// Shared-data key of the parts the scheduler holds back for light tenants, in all and per
+/// tenant ([`crate::scheduler::Scheduler::held_parts`], [`encode_held`]), which bypasses
+/// respect too ([`held_for`]).
 pub const HELD_KEY: &str = "sluice.replicas.held";
 /// Shared-data key of the last incarnation published by this process.
 pub const INCARNATION_KEY: &str = "sluice.replicas.incarnation";
@@ -35,6 +36,16 @@ pub const MAX_STATE_BYTES: usize = 256 * 1024;
 const MAX_PEERS: usize = 64;
 /// Most endpoints accepted in one peer state.
 const MAX_ENDPOINTS: usize = 4096;
+/// How far ahead of this replica's clock a peer's incarnation (its start time) may be.
+const MAX_SKEW_MS: u64 = 10 * 60 * 1000;
+/// What a peer's service for a tenant adds counts at most this much more than this replica's
+/// own service to all its tenants over the same time ([`SERVICE_RATIO`] times it, plus this):
+/// a peer that served far more than this replica is not believed beyond that.
+const SERVICE_SLACK: f64 = (1u64 << 20) as f64;
+/// See [`SERVICE_SLACK`].
+const SERVICE_RATIO: f64 = 8.0;
+/// How often a replica logs that another publishes under its id.
+const DUPLICATE_LOG_MS: u64 = 10_000;
 
 /// The `replicas` key as written.
 #[derive(Debug, Deserialize)]
@@ -185,14 +196,18 @@ impl RawReplicas {
 }
 
 impl ReplicasConfig {
-    /// What a peer's state may hold.
+    /// What a peer's state may hold. Peers tracked: twice the configured hosts and two more
+    /// (replicas replaced by a rolling restart are still remembered a while), at most
+    /// [`MAX_PEERS`]; tenant entries in all their states: four times `max_tenants`.
     pub fn limits(&self) -> Limits {
         Limits {
             max_age_ms: self.max_age_ms,
             forget_ms: self.max_age_ms.saturating_mul(10).max(60_000),
-            max_peers: MAX_PEERS,
+            max_peers: (2 * self.peers as usize + 2).min(MAX_PEERS),
             max_tenants: self.max_tenants,
             max_endpoints: MAX_ENDPOINTS,
+            max_total_tenants: self.max_tenants.saturating_mul(4),
+            max_skew_ms: MAX_SKEW_MS,
         }
     }
 
@@ -215,12 +230,13 @@ pub fn next_incarnation(last: u64, now_ms: u64) -> u64 {
     now_ms.max(last.saturating_add(1))
 }
 
-/// Takes the next incarnation from shared data (compare-and-swap).
-pub fn take_incarnation(store: &dyn Store, now_ms: u64) -> Option<u64> {
+/// Takes the next incarnation from shared data (compare-and-swap): `(previous, next)`, the
+/// previous being the one this process published under before (0: none).
+pub fn take_incarnation(store: &dyn Store, now_ms: u64) -> Option<(u64, u64)> {
     shared::update(store, INCARNATION_KEY, |v| {
         let last = v.and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
         let next = next_incarnation(last, now_ms);
-        Some((next.to_le_bytes().to_vec(), next))
+        Some((next.to_le_bytes().to_vec(), (last, next)))
     })
 }
 
@@ -242,6 +258,14 @@ pub struct Sync {
 pub enum Answer {
     /// A state was taken (newer, stale or one's own); the new peer load to store.
     Taken(Offer, Vec<u8>),
+    /// Another replica publishes under this replica's id (a configuration error: neither
+    /// counts the other). `log`: time to say so again.
+    Duplicate {
+        /// The other one's incarnation.
+        incarnation: u64,
+        /// Log it now (at most once per [`DUPLICATE_LOG_MS`]).
+        log: bool,
+    },
     /// The call failed or the answer was refused (why).
     Failed(String),
 }
@@ -278,10 +302,19 @@ pub struct Exchange {
     slots: [[u32; 2]; WINDOW],
     /// The bounds they are slots of ([`QUEUE`] and [`BYPASS`]).
     bounds: [u32; 2],
-    /// This replica's tenants' parts, in slots rounded up ([`Exchange::tenant_parts`]).
-    tenant_parts: BTreeMap<String, u32>,
+    /// This replica's tenants' parts, in (fractional) slots ([`Exchange::tenant_parts`]).
+    tenant_parts: BTreeMap<String, f64>,
     /// The demand of the publications before the last one (before smoothing), newest last.
     last_demand: [BTreeMap<String, u32>; WINDOW - 1],
+    /// The incarnation this process published under before this one (a state of this
+    /// replica's id under it is still its own, served once more after a lease handover).
+    previous: u64,
+    /// What the peers' service adds to the counters ([`Exchange::peer_services`]).
+    service: PeerService,
+    /// This replica's own service to all its tenants, as of its last publication.
+    own_service: f64,
+    /// When a duplicate of this replica's id was last logged.
+    duplicate_logged_ms: Option<u64>,
 }
 
 impl Exchange {
@@ -298,12 +331,27 @@ impl Exchange {
             bounds: [0; 2],
             last_demand: Default::default(),
             tenant_parts: BTreeMap::new(),
+            previous: 0,
+            service: PeerService::default(),
+            own_service: 0.0,
+            duplicate_logged_ms: None,
         })
+    }
+
+    /// The same exchange, knowing that this process published under `previous` before.
+    pub fn after(mut self, previous: u64) -> Exchange {
+        self.previous = previous;
+        self
     }
 
     /// The configuration it runs with.
     pub fn cfg(&self) -> &ReplicasConfig {
         &self.cfg
+    }
+
+    /// The incarnation it publishes under.
+    pub fn incarnation(&self) -> u64 {
+        self.publisher.incarnation()
     }
 
     /// Is a sync due at `now` ([`Exchange::tick`] would publish)?
@@ -349,7 +397,8 @@ impl Exchange {
         });
         let slots = [slots[QUEUE].min(slots[BYPASS]), slots[BYPASS]];
         let parts = replicas::tenant_parts(&demand, self.peers.live(now).map(|s| &s.demand), local.upper.into());
-        self.tenant_parts = parts.into_iter().map(|(t, p)| (t, p.ceil().min(f64::from(u32::MAX)) as u32)).collect();
+        // Fractional: rounding each part up made many light tenants hold more than the bound.
+        self.tenant_parts = parts.into_iter().filter(|&(_, p)| p.is_finite() && p > 0.0).collect();
         if first || self.bounds != bounds {
             self.slots = [slots; WINDOW];
         } else {
@@ -357,6 +406,7 @@ impl Exchange {
             self.slots[WINDOW - 1] = slots;
         }
         self.bounds = bounds;
+        self.own_service = local.service.values().sum();
         let in_flight = endpoints.iter().zip(&local.load).map(|(e, &n)| (e.clone(), n)).collect();
         let mut state = self.publisher.publish(local.service, in_flight);
         state.queued = local.queued;
@@ -395,7 +445,22 @@ impl Exchange {
             }
             Some(b) => serde_json::from_slice::<ReplicaState>(b).map_err(|e| format!("unreadable state: {e}")),
         };
-        Some(match parsed.and_then(|s| self.peers.offer(s, now)) {
+        let state = match parsed {
+            Ok(s) => s,
+            Err(why) => return Some(Answer::Failed(why)),
+        };
+        // Its own state, served by this process (through a cluster of all replicas), is under
+        // its incarnation or, just after a lease handover, the one before; any other is a
+        // second replica configured with the same id.
+        let incarnation = state.version.incarnation;
+        if state.replica == self.cfg.id && incarnation != self.publisher.incarnation() && incarnation != self.previous {
+            let log = self.duplicate_logged_ms.is_none_or(|t| now >= t + DUPLICATE_LOG_MS);
+            if log {
+                self.duplicate_logged_ms = Some(now);
+            }
+            return Some(Answer::Duplicate { incarnation, log });
+        }
+        Some(match self.peers.offer(state, now) {
             Ok(offer) => Answer::Taken(offer, self.peer_load(now, endpoints)),
             Err(why) => Answer::Failed(why),
         })
@@ -406,14 +471,12 @@ impl Exchange {
         self.peers.live(now).count()
     }
 
-    /// The service `tenant` got on the live peers.
-    pub fn peer_service(&self, tenant: &str, now: u64) -> f64 {
-        self.peers.service(tenant, now)
-    }
-
-    /// Every tenant's service on the live peers: the VTC offsets ([`crate::scheduler::Scheduler::set_peer_service`]).
-    pub fn peer_services(&self, now: u64) -> BTreeMap<String, f64> {
-        self.peers.services(now)
+    /// Every tenant's service on the live peers since this replica counts them, each peer's
+    /// part at most a sane multiple of this replica's own service ([`SERVICE_SLACK`]), and
+    /// what left since the last call: the VTC offsets
+    /// ([`crate::scheduler::Scheduler::set_peer_service`]; see [`PeerService`]).
+    pub fn peer_services(&mut self, now: u64) -> Offsets {
+        self.service.update(self.peers.live(now), self.own_service, (SERVICE_SLACK, SERVICE_RATIO))
     }
 
     /// The slots of the pool's bounds ([`QUEUE`] and [`BYPASS`]) this replica may fill,
@@ -425,11 +488,11 @@ impl Exchange {
         self.slots[WINDOW - 1]
     }
 
-    /// Each of this replica's tenants' part of the bound here, in slots rounded up, as of its
-    /// last publication ([`sluice_policies::replicas::tenant_parts`]): what the scheduler holds
+    /// Each of this replica's tenants' part of the bound here, in slots (fractional: their sum
+    /// is at most the bound, whatever the number of tenants), as of its last publication ([`sluice_policies::replicas::tenant_parts`]): what the scheduler holds
     /// back for a tenant that sends one request at a time
     /// ([`crate::scheduler::Scheduler::set_tenant_parts`]).
-    pub fn tenant_parts(&self) -> &BTreeMap<String, u32> {
+    pub fn tenant_parts(&self) -> &BTreeMap<String, f64> {
         &self.tenant_parts
     }
 
@@ -444,22 +507,38 @@ impl Exchange {
     }
 
     /// The live peers' in-flight counts per endpoint, this replica's [`Exchange::limit`] and what
-    /// the peers claim beyond what they hold, encoded for [`PEER_LOAD_KEY`].
+    /// the peers claim beyond what they hold, encoded for [`PEER_LOAD_KEY`]. A peer's numbers
+    /// are evidence, clamped to what is possible: its in-flight requests on this pool's
+    /// endpoints and its claims to the bound (the first endpoints first), and all peers
+    /// together hold and reserve no more than the bound either.
     fn peer_load(&self, now: u64, endpoints: &[String]) -> Vec<u8> {
+        let bound = [QUEUE, BYPASS].map(|i| u64::from(self.bounds[i]));
         let mut reserved = [0u64; 2];
+        let mut in_flight = vec![0u64; endpoints.len()];
         for s in self.peers.live(now) {
-            let held: u64 = s.in_flight.values().map(|&n| u64::from(n)).sum();
-            reserved[QUEUE] += u64::from(s.claim_queue).saturating_sub(held);
-            reserved[BYPASS] += u64::from(s.claim).saturating_sub(held);
+            let mut left = bound[BYPASS];
+            let mut held = 0;
+            for (k, e) in endpoints.iter().enumerate() {
+                let n = s.in_flight.get(e).map_or(0, |&n| u64::from(n)).min(left);
+                (left, held) = (left - n, held + n);
+                in_flight[k] += n;
+            }
+            for i in [QUEUE, BYPASS] {
+                let claim = u64::from(if i == QUEUE { s.claim_queue } else { s.claim }).min(bound[i]);
+                reserved[i] += claim.saturating_sub(held);
+            }
         }
+        let mut left = bound[BYPASS];
+        for n in &mut in_flight {
+            *n = (*n).min(left);
+            left -= *n;
+        }
+        let reserved = [QUEUE, BYPASS].map(|i| reserved[i].min(bound[i]));
         let mut out = now.to_le_bytes().to_vec();
-        let words = self.limit().into_iter().chain([self.bounds[BYPASS]]).map(u64::from).chain(reserved);
+        let words =
+            self.limit().into_iter().chain([self.bounds[BYPASS]]).map(u64::from).chain(reserved).chain(in_flight);
         for w in words {
             out.extend_from_slice(&(w.min(u64::from(u32::MAX)) as u32).to_le_bytes());
-        }
-        for e in endpoints {
-            let n = self.peers.in_flight(e, now).min(u32::MAX as u64) as u32;
-            out.extend_from_slice(&n.to_le_bytes());
         }
         out
     }
@@ -511,14 +590,16 @@ impl PeerLoad {
     }
 
     /// The stock the overload ladder reads as load: the global one, or this replica's own
-    /// scaled to the whole bound by its slots, whichever is larger.
-    pub fn load(&self, own: u64, global: u64) -> u64 {
+    /// scaled to the whole bound by its slots, whichever is larger. The peers' part is at most
+    /// the bound less one: as for admission, their numbers alone never read as a full pool.
+    pub fn load(&self, own: u64) -> u64 {
         let scaled = if self.slots[BYPASS] > 0 {
             (own * u64::from(self.upper)).div_ceil(u64::from(self.slots[BYPASS]))
         } else {
             0
         };
-        (global + u64::from(self.reserved[QUEUE])).max(scaled)
+        let peers = self.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>() + u64::from(self.reserved[QUEUE]);
+        (own + peers.min(u64::from(self.upper).saturating_sub(1))).max(scaled)
     }
 
     /// Own in-flight counts plus the peers' (what routing and the band read).
@@ -548,17 +629,48 @@ pub fn peer_load(store: &dyn Store, endpoints: usize, now: u64, max_age_ms: u64)
     })
 }
 
-/// [`HELD_KEY`]'s value for these held parts.
-pub fn encode_held(held: &[(String, u32)]) -> Vec<u8> {
-    serde_json::to_vec(held).unwrap_or_default()
+/// Whole slots in `parts` (fractional slots): what is held back is the sum of the light
+/// tenants' unused parts rounded down, never each part rounded up, so that it never exceeds
+/// the bound whatever the number of light tenants (issue 19, finding 3).
+pub fn whole_slots(parts: f64) -> u32 {
+    // The tolerance absorbs the rounding of a sum of fractions that adds up to a whole.
+    (parts + 1e-9).floor().clamp(0.0, f64::from(u32::MAX)) as u32
 }
 
-/// Slots held back for light tenants other than `tenant` (0 when nothing is stored or it
-/// cannot be read): what a bypass of `tenant` must leave free.
+/// Writes [`HELD_KEY`]'s value for these held parts into `out` (cleared first): their sum
+/// (f64, little-endian), then per tenant its name's length (u32), the name and its part (f64).
+/// Binary and total-first so that a bypass, on the hot path, reads one number when less than
+/// a slot is held and otherwise scans without allocating ([`held_for`]).
+pub fn encode_held<'a>(held: impl IntoIterator<Item = (&'a str, f64)> + Clone, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&held.clone().into_iter().map(|(_, p)| p).sum::<f64>().to_le_bytes());
+    for (tenant, part) in held {
+        out.extend_from_slice(&(tenant.len() as u32).to_le_bytes());
+        out.extend_from_slice(tenant.as_bytes());
+        out.extend_from_slice(&part.to_le_bytes());
+    }
+}
+
+/// Whole slots held back for light tenants other than `tenant` ([`whole_slots`] of the sum of
+/// their parts; 0 when nothing is stored or it cannot be read): what a bypass of `tenant` must
+/// leave free.
 pub fn held_for(store: &dyn Store, tenant: &str) -> u32 {
     let (Some(b), _) = store.get(HELD_KEY) else { return 0 };
-    let held: Vec<(String, u32)> = serde_json::from_slice(&b).unwrap_or_default();
-    held.iter().filter(|(t, _)| t != tenant).fold(0u32, |a, (_, n)| a.saturating_add(*n))
+    let f64_at = |at: usize| b.get(at..at + 8).and_then(|s| s.try_into().ok()).map(f64::from_le_bytes);
+    let Some(total) = f64_at(0).filter(|t| t.is_finite()) else { return 0 };
+    if whole_slots(total) == 0 {
+        return 0;
+    }
+    let mut at = 8;
+    while let Some(len) = b.get(at..at + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes) {
+        let name = at + 4..(at + 4).saturating_add(len as usize);
+        let Some(part) = f64_at(name.end) else { break };
+        if b.get(name) == Some(tenant.as_bytes()) {
+            return whole_slots(total - part);
+        }
+        at += 4 + len as usize + 8;
+    }
+    whole_slots(total)
 }
 
 /// The internal listener's answer.
@@ -626,7 +738,7 @@ mod tests {
     }
 
     fn local(load: &[u32]) -> Local {
-        Local { load: load.to_vec(), ..Default::default() }
+        Local { load: load.to_vec(), upper: 100, lower: 100.0, ..Default::default() }
     }
 
     fn state(replica: u64, incarnation: u64, seq: u64, load: [u32; 2]) -> Vec<u8> {
@@ -683,12 +795,13 @@ mod tests {
     #[test]
     fn incarnations_grow_across_takeovers_and_restarts() {
         let store = MapStore::default();
-        let a = take_incarnation(&store, 1000).unwrap();
-        let b = take_incarnation(&store, 1000).unwrap();
-        let c = take_incarnation(&store, 900).unwrap();
+        let (none, a) = take_incarnation(&store, 1000).unwrap();
+        let (after_a, b) = take_incarnation(&store, 1000).unwrap();
+        let (after_b, c) = take_incarnation(&store, 900).unwrap();
         assert!(a < b && b < c, "{a} {b} {c}");
+        assert_eq!((none, after_a, after_b), (0, a, b), "each knows the one before");
         // A restarted process lost shared data; its clock moved on.
-        assert!(take_incarnation(&MapStore::default(), 5000).unwrap() > c);
+        assert!(take_incarnation(&MapStore::default(), 5000).unwrap().1 > c);
     }
 
     #[test]
@@ -730,7 +843,8 @@ mod tests {
         assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).map(|p| p.in_flight), Some(vec![4, 1]));
         assert_eq!(peer_load(&store, 2, 100, c.max_age_ms).unwrap().global(&[1, 1]), vec![5, 2]);
         assert_eq!(ex.live(100), 2);
-        assert!((ex.peer_service("a", 100) - 20.0).abs() < 1e-9);
+        // Service counts from the first state taken: a later one adds what grew since.
+        assert_eq!(ex.peer_services(100).offsets, BTreeMap::new());
         // Written for another pool, or long ago (the lease holder died): not read.
         assert_eq!(peer_load(&store, 3, 100, c.max_age_ms), None);
         assert_eq!(peer_load(&store, 2, 100 + c.max_age_ms + 1, c.max_age_ms), None);
@@ -848,18 +962,29 @@ mod tests {
         assert!(load.stock(3, 5, false) > 1000);
         let none = PeerLoad { in_flight: vec![], slots: [0, 0], upper: 0, reserved: [0, 0] };
         assert_eq!(none.stock(7, 7, true), 7, "no part: the global stock");
-        assert_eq!(load.load(3, 3), 10, "the ladder: 3 of 3 slots reads as the whole bound");
+        assert_eq!(load.load(3), 10, "the ladder: 3 of 3 slots reads as the whole bound");
     }
 
     #[test]
     fn a_bypass_leaves_the_other_light_tenants_parts_free() {
         let store = MapStore::default();
         assert_eq!(held_for(&store, "y"), 0, "nothing stored");
-        store.set(HELD_KEY, &encode_held(&[("modest".into(), 1), ("x".into(), 2)]), None);
+        let mut held = Vec::new();
+        encode_held([("modest", 1.0), ("x", 2.0)], &mut held);
+        store.set(HELD_KEY, &held, None);
         assert_eq!(held_for(&store, "y"), 3);
         assert_eq!(held_for(&store, "modest"), 2, "a tenant's own part is not held from it");
+        // Issue 19, finding 3: the parts are summed, then rounded down.
+        let many: Vec<String> = (0..1000).map(|i| format!("light-{i}")).collect();
+        encode_held(many.iter().map(|t| (t.as_str(), 0.004)), &mut held);
+        store.set(HELD_KEY, &held, None);
+        assert_eq!(held_for(&store, "flood"), 4);
+        assert_eq!(held_for(&store, "light-999"), 3);
         store.set(HELD_KEY, b"garbage", None);
         assert_eq!(held_for(&store, "y"), 0);
+        held.truncate(20);
+        store.set(HELD_KEY, &held, None);
+        assert_eq!(held_for(&store, "light-0"), 4, "cut short: the whole total");
     }
 
     #[test]
@@ -886,6 +1011,73 @@ mod tests {
         assert_eq!(ex.live(0), 0);
         // An unknown token is not the exchange's (a metrics scrape).
         assert_eq!(ex.answer(99, 0, None, &eps), None);
+    }
+
+    #[test]
+    fn a_peers_numbers_are_clamped_to_what_is_possible() {
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        let eps = endpoints();
+        let bounds = |load: &[u32]| Local { upper: 10, lower: 8.0, ..local(load) };
+        ex.tick(0, bounds(&[0, 0]), &eps);
+        let mut lie: ReplicaState = serde_json::from_slice(&state(2, 1, 1, [u32::MAX, u32::MAX])).unwrap();
+        (lie.claim, lie.claim_queue, lie.queued) = (u32::MAX, u32::MAX, u32::MAX);
+        lie.service = BTreeMap::from([("a".to_string(), 1.7e308), ("b".to_string(), 1e12)]);
+        lie.demand = BTreeMap::from([("x".to_string(), u32::MAX)]);
+        ex.sent(1, 0);
+        assert!(matches!(ex.answer(1, 10, Some(&serde_json::to_vec(&lie).unwrap()), &eps), Some(Answer::Taken(..))));
+        let s = ex.tick(100, bounds(&[0, 0]), &eps).unwrap();
+        let store = MapStore::default();
+        store.set(PEER_LOAD_KEY, &s.peer_load, None);
+        let load = peer_load(&store, 2, 100, cfg().max_age_ms).unwrap();
+        assert!(load.in_flight.iter().sum::<u32>() <= 10, "in flight: at most the bound: {load:?}");
+        assert!(load.reserved[BYPASS] <= 10 && load.reserved[QUEUE] <= 8, "claims: at most the bounds: {load:?}");
+        // Service counts from the first state taken; what it adds is relative to what this
+        // replica serves (here nothing yet), far below 2^53 (a charge must still move a counter).
+        assert!(ex.peer_services(100).offsets.is_empty());
+        lie.version.seq = 2;
+        lie.service = BTreeMap::from([("a".to_string(), 1.7e308), ("b".to_string(), 1.7e308)]);
+        ex.sent(2, 100);
+        assert!(matches!(ex.answer(2, 110, Some(&serde_json::to_vec(&lie).unwrap()), &eps), Some(Answer::Taken(..))));
+        let offsets = ex.peer_services(110).offsets;
+        assert!(offsets.values().all(|&v| v <= SERVICE_SLACK), "{offsets:?}");
+    }
+
+    #[test]
+    fn a_state_under_this_replicas_id_from_another_incarnation_is_a_duplicate() {
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        let eps = endpoints();
+        ex.tick(0, local(&[0, 0]), &eps);
+        ex.sent(1, 0);
+        ex.sent(2, 0);
+        // Its own state comes back through the cluster.
+        assert!(matches!(ex.answer(1, 10, Some(&state(1, 7, 1, [0, 0])), &eps), Some(Answer::Taken(Offer::Own, _))));
+        // Another replica configured with the same id publishes under another incarnation.
+        let twin = ex.answer(2, 10, Some(&state(1, 3, 1, [0, 0])), &eps);
+        assert!(!matches!(twin, Some(Answer::Taken(..))), "{twin:?}");
+    }
+
+    #[test]
+    fn peer_states_are_bounded_in_number_and_in_total() {
+        let c = cfg();
+        let mut ex = Exchange::new(&c, 7).unwrap();
+        let eps = endpoints();
+        ex.tick(0, local(&[0, 0]), &eps);
+        // One host answering under rotating ids, each state as large as a state may be.
+        for id in 0..64u64 {
+            let s = ReplicaState {
+                replica: 100 + id,
+                version: sluice_policies::replicas::Version { incarnation: 1, seq: 1 },
+                service: (0..c.max_tenants).map(|t| (format!("t{id}-{t}"), 1.0)).collect(),
+                demand: (0..c.max_tenants).map(|t| (format!("t{id}-{t}"), 1)).collect(),
+                ..Default::default()
+            };
+            ex.sent(id as u32, 10);
+            ex.answer(id as u32, 10, Some(&serde_json::to_vec(&s).unwrap()), &eps);
+        }
+        let tracked = ex.peers.entries().len();
+        let total: usize = ex.peers.live(10).map(|s| s.service.len() + s.demand.len()).sum();
+        assert!(tracked <= 2 * c.peers as usize + 2, "{tracked} peers tracked, {} configured", c.peers);
+        assert!(total <= 4 * c.max_tenants, "{total} tenant entries kept in all");
     }
 
     #[test]
@@ -917,7 +1109,7 @@ mod tests {
             ex.sent(token, 0);
             match ex.answer(token, 0, Some(&body), &eps) {
                 Some(Answer::Taken(..)) => taken += 1,
-                Some(Answer::Failed(_)) => failed += 1,
+                Some(Answer::Failed(_) | Answer::Duplicate { .. }) => failed += 1,
                 None => panic!("its own token"),
             }
         }

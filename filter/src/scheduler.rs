@@ -30,6 +30,7 @@ use sluice_policies::alloc::Allocation;
 use sluice_policies::bands::{BandedQueue, Criticality};
 use sluice_policies::order::{RequestMeta, Slack};
 use sluice_policies::queue::FairQueue;
+use sluice_policies::replicas::Offsets;
 use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
 use sluice_policies::spec::OrderSpec;
 use sluice_policies::tenants::Tenants;
@@ -145,8 +146,8 @@ pub struct Scheduler {
     counters: bool,
     /// The peers' service per tenant last applied as VTC offsets (`replicas`).
     peer_service: BTreeMap<String, f64>,
-    /// Each tenant's part of the pool on this replica, in slots (`replicas`).
-    tenant_parts: BTreeMap<String, u32>,
+    /// Each tenant's part of the pool on this replica, in fractional slots (`replicas`).
+    tenant_parts: BTreeMap<String, f64>,
     slo: Option<SloState>,
     /// The in-flow ordering ranks by deadline (EDF, slack).
     by_deadline: bool,
@@ -508,7 +509,10 @@ impl Scheduler {
         let mut drops = 0;
         let drop_z = self.slo.as_ref().and_then(|s| s.drop_z);
         let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair) && drop_z.is_none();
-        let light: Vec<(FlowId, u32)> = self.light_parts().into_iter().map(|(flow, _, held)| (flow, held)).collect();
+        let mut light: Vec<(FlowId, f64)> =
+            self.light_parts().into_iter().map(|(flow, _, held)| (flow, held)).collect();
+        light.sort_unstable_by_key(|l| l.0);
+        let light_total: f64 = light.iter().map(|l| l.1).sum();
         while let Some((next, flow)) = self.queue.peek().map(|(_, r)| (r.id, r.flow)) {
             if demotes && drops < MAX_DROPS_PER_PUMP && self.unattainable_now(next, now_ms, 0.0) {
                 drops += 1;
@@ -524,7 +528,9 @@ impl Scheduler {
                 out.push((worker_of(next), ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }));
                 continue;
             }
-            let held = light.iter().filter(|l| l.0 != flow).map(|l| l.1).sum();
+            // The others' unused parts summed, then rounded down: never more than the bound.
+            let own = light.binary_search_by_key(&flow, |l| l.0).map_or(0.0, |k| light[k].1);
+            let held = crate::replicas::whole_slots(light_total - own);
             let msg = match acquire(next, self.routes.get(&next).unwrap_or(&NO_ROUTE), held) {
                 Slot::Wait => break,
                 Slot::Granted(endpoint) => {
@@ -550,8 +556,10 @@ impl Scheduler {
     }
 
     /// Sets each tenant's part of the pool on this replica (`replicas`: its part of the global
-    /// max-min split, rounded up), from which [`Scheduler::pump`] holds slots back.
-    pub fn set_tenant_parts(&mut self, parts: BTreeMap<String, u32>) {
+    /// max-min split, in fractional slots), from which [`Scheduler::pump`] holds slots back:
+    /// the light tenants' unused parts summed and rounded down, so that they never hold more
+    /// than the bound however many they are (issue 19, finding 3).
+    pub fn set_tenant_parts(&mut self, parts: BTreeMap<String, f64>) {
         self.tenant_parts = parts;
     }
 
@@ -562,9 +570,9 @@ impl Scheduler {
     /// for a slot to free on this replica alone (the others' slots are theirs). Work conserving
     /// only within a sync interval: a tenant that stopped keeps its part until its demand, and
     /// so its part, goes (a few intervals). O(parts + running × such tenants).
-    fn light_parts(&self) -> Vec<(FlowId, &str, u32)> {
+    fn light_parts(&self) -> Vec<(FlowId, &str, f64)> {
         let q = &self.queue;
-        let mut light: Vec<(FlowId, &str, u32)> = self
+        let mut light: Vec<(FlowId, &str, f64)> = self
             .tenant_parts
             .iter()
             .filter_map(|(name, &part)| {
@@ -576,17 +584,19 @@ impl Scheduler {
         if !light.is_empty() {
             for r in self.running.values() {
                 if let Some(l) = light.iter_mut().find(|l| l.0 == r.flow) {
-                    l.2 = l.2.saturating_sub(1);
+                    l.2 = (l.2 - 1.0).max(0.0);
                 }
             }
         }
         light
     }
 
-    /// [`Scheduler::light_parts`] by name, for the workers' bypass
-    /// (`replicas::HELD_KEY`): a tenant with nothing held is left out.
-    pub fn held_parts(&self) -> Vec<(String, u32)> {
-        self.light_parts().into_iter().filter(|l| l.2 > 0).map(|(_, name, held)| (name.to_owned(), held)).collect()
+    /// [`Scheduler::light_parts`] by name, encoded for the workers' bypass into `out`
+    /// (`replicas::HELD_KEY`, [`crate::replicas::encode_held`]): a tenant with nothing held is
+    /// left out.
+    pub fn held_parts(&self, out: &mut Vec<u8>) {
+        let light = self.light_parts();
+        crate::replicas::encode_held(light.iter().filter(|l| l.2 > 0.0).map(|&(_, name, held)| (name, held)), out);
     }
 
     /// Rejects every request that waited longer than the TTL.
@@ -657,7 +667,9 @@ impl Scheduler {
             Criticality::ALL.into_iter().flat_map(move |band| {
                 let c = q.band(band).policy().as_counters();
                 let code = band_code(band);
-                let counter = c.map(|c| (code, c.counter(flow)));
+                // The merged counter: the next holder starts counting its peers afresh (from
+                // their next states), so the offsets it would otherwise lose go with it.
+                let counter = c.map(|c| (code, c.counter(flow) + c.offset(flow)));
                 let service = c.map(|c| (code | SERVICE_CODE, c.service(flow)));
                 [counter, service].into_iter().flatten().filter(|&(_, v)| v > 0.0).map(move |(k, v)| (k, name, v))
             })
@@ -702,13 +714,26 @@ impl Scheduler {
         out
     }
 
-    /// The live peers' service per tenant (`replicas`): every band's VTC
-    /// orders by counter + this offset. Only tenants whose value changed
-    /// since the last call are touched (a tenant absent now, e.g. its peers
-    /// expired, goes back to offset 0). Nothing for policies without counters.
-    pub fn set_peer_service(&mut self, peers: BTreeMap<String, f64>) {
+    /// The live peers' service per tenant (`replicas`; see
+    /// [`sluice_policies::replicas::PeerService`]): every band's VTC orders by
+    /// counter + this offset. What departed (a peer that expired or restarted)
+    /// is first added to the tenant's counters, so that no merged counter moves
+    /// when a peer leaves: a tenant lifted against a floor that held the peer's
+    /// part is not left behind. Only tenants whose value changed since the last
+    /// call are then touched (a tenant absent now goes back to offset 0).
+    /// Nothing for policies without counters.
+    pub fn set_peer_service(&mut self, update: Offsets) {
         if !self.counters {
             return;
+        }
+        let Offsets { offsets: peers, departed } = update;
+        for (tenant, amount) in departed {
+            let Some(flow) = self.queue.tenants().get(&tenant) else { continue };
+            for band in Criticality::ALL {
+                if let Some(c) = self.queue.band_mut(band).policy_mut().as_counters_mut() {
+                    c.fold(flow, amount);
+                }
+            }
         }
         let gone = self.peer_service.keys().filter(|t| !peers.contains_key(*t)).map(|t| (t.clone(), 0.0));
         let changed = peers.iter().filter(|&(t, v)| self.peer_service.get(t) != Some(v)).map(|(t, v)| (t.clone(), *v));
@@ -839,11 +864,54 @@ mod tests {
         assert_eq!(s.running(), 2, "two of them dispatched, still counted");
     }
 
+    /// The first attempt of a pump: (request, slots held back), then no slot.
+    fn first_attempt(s: &mut Scheduler, out: &mut Vec<(u32, ToWorker)>) -> Vec<(u64, u32)> {
+        let mut held = Vec::new();
+        s.pump(
+            0,
+            &mut |req, _, h| {
+                held.push((req, h));
+                Slot::Wait
+            },
+            out,
+        );
+        held
+    }
+
+    /// Issue 19, finding 3: ten light tenants with 0.36 of a slot each (a bound of 4 split
+    /// between them and a flood) held a whole slot each, ten in all, more than the bound: the
+    /// flood got nothing while they were between two requests. Their parts are summed, then
+    /// rounded down: 3 held, and the workers' bypass reads the same.
+    #[test]
+    fn light_tenants_hold_their_parts_summed_never_more_than_the_bound() {
+        let mut s = Scheduler::new(&cfg("vtc", ""));
+        let mut out = Vec::new();
+        let light: Vec<String> = (0..10).map(|i| format!("light-{i}")).collect();
+        for (ctx, t) in light.iter().enumerate() {
+            s.on_message(enqueue(0, ctx as u32, t, ctx as u64), 0, &mut out);
+        }
+        s.pump(0, &mut slots(10), &mut out);
+        for (ctx, t) in light.iter().enumerate() {
+            s.on_message(charge(ctx as u64, t, 10, 5, true), 0, &mut out);
+        }
+        let mut parts: BTreeMap<String, f64> = light.iter().map(|t| (t.clone(), 4.0 / 11.0)).collect();
+        parts.insert("flood".into(), 4.0 / 11.0);
+        s.set_tenant_parts(parts);
+        s.on_message(enqueue(0, 100, "flood", 100), 0, &mut out);
+        assert_eq!(first_attempt(&mut s, &mut out), [(100, 3)], "10 × 4/11 = 3.6 slots: 3 held");
+        let store = MapStore::default();
+        let mut held = Vec::new();
+        s.held_parts(&mut held);
+        store.set(crate::replicas::HELD_KEY, &held, None);
+        assert_eq!(crate::replicas::held_for(&store, "flood"), 3);
+        assert_eq!(crate::replicas::held_for(&store, "light-0"), 3, "the nine others: 3.27 slots");
+    }
+
     #[test]
     fn a_light_tenants_part_is_held_back_from_the_others() {
         let mut s = Scheduler::new(&cfg("vtc", ""));
         let mut out = Vec::new();
-        s.set_tenant_parts(BTreeMap::from([("modest".into(), 1), ("spread".into(), 1)]));
+        s.set_tenant_parts(BTreeMap::from([("modest".into(), 1.0), ("spread".into(), 1.0)]));
         // modest is known but has nothing queued nor running: its slot is held from spread.
         s.on_message(enqueue(0, 1, "modest", 1), 0, &mut out);
         s.pump(0, &mut slots(1), &mut out);
@@ -851,19 +919,6 @@ mod tests {
         for ctx in 2..4 {
             s.on_message(enqueue(0, ctx, "spread", ctx as u64), 0, &mut out);
         }
-        // The first attempt of a pump: (request, slots held back), then no slot.
-        let first_attempt = |s: &mut Scheduler, out: &mut Vec<(u32, ToWorker)>| {
-            let mut held = Vec::new();
-            s.pump(
-                0,
-                &mut |req, _, h| {
-                    held.push((req, h));
-                    Slot::Wait
-                },
-                out,
-            );
-            held
-        };
         assert_eq!(first_attempt(&mut s, &mut out), [(2, 1)], "spread's head sees modest's slot held");
         // Once modest queues, nothing is held for it: it competes in the queue.
         s.on_message(enqueue(0, 4, "modest", 4), 0, &mut out);
@@ -977,13 +1032,23 @@ mod tests {
         for (ctx, tenant) in [(1, "b"), (2, "a"), (3, "a")] {
             new.on_message(enqueue(0, ctx, tenant, ctx as u64), 0, &mut out);
         }
-        new.set_peer_service(BTreeMap::from([("b".to_string(), 5000.0), ("z".to_string(), 1.0)]));
+        let offsets = |b: f64| Offsets {
+            offsets: BTreeMap::from([("b".to_string(), b), ("z".to_string(), 1.0)]),
+            ..Default::default()
+        };
+        new.set_peer_service(offsets(5000.0));
         new.pump(0, &mut slots(1), &mut out);
         assert_eq!(dispatched(&out), vec![2]);
-        // The peer expired: its offsets go, and "b" is next again.
-        new.set_peer_service(BTreeMap::new());
+        // The peer expired: its part departs into b's counter, so "a" is still next.
+        new.set_peer_service(Offsets { departed: BTreeMap::from([("b".to_string(), 5000.0)]), ..Default::default() });
         new.pump(0, &mut slots(1), &mut out);
-        assert_eq!(dispatched(&out), vec![2, 1]);
+        assert_eq!(dispatched(&out), vec![2, 3]);
+        // The next holder starts with the merged counters (its peers are counted afresh).
+        let store = MapStore::default();
+        save_all(&mut new, &store, usize::MAX);
+        let mut next = Scheduler::new(&c);
+        next.restore_from(&store);
+        assert_eq!(counters(&next), counters(&new));
         // Without counters nothing is published.
         assert!(Scheduler::new(&cfg("fcfs", "")).service().is_empty());
     }
@@ -1403,10 +1468,11 @@ mod tests {
             Some(1200.0),
             "lifted to the backlogged minimum, not 0"
         );
-        // So it waits its turn behind the older heads with the same counter
-        // (at 0 it would go first).
+        // So it is not served first (at 0 it would be): the tenants lifted to
+        // the floor as they joined (y, then low) win their tie with x, whose
+        // counter was its own (issue 19, finding 4).
         s.pump(0, &mut slots(usize::MAX), &mut out);
-        assert_eq!(dispatched(&out), vec![10, 11, 12]);
+        assert_eq!(dispatched(&out), vec![11, 12, 10]);
     }
 
     /// Two tenants kept backlogged, optionally with one new one-shot tenant

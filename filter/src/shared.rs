@@ -7,7 +7,7 @@
 
 use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Progress;
-use sluice_policies::routing::{EndpointMetrics, EndpointView};
+use sluice_policies::routing::{lora_names, EndpointMetrics, EndpointView};
 
 /// The part of the shared-data API the filter needs; the proxy-wasm host in
 /// production, a map in tests.
@@ -386,7 +386,8 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
                 let (waiting, running, kv_usage) = (f64_(b)?, f64_(b)?, f64_(b)?);
                 let n = u16::from_le_bytes(take(b, 2)?.try_into().ok()?) as usize;
                 let loras = std::str::from_utf8(take(b, n)?).ok()?;
-                let loras = loras.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
+                // Bounded as a scrape bounds them: every request decodes the records.
+                let loras = lora_names(loras);
                 Some(EndpointMetrics { waiting, running, kv_usage, loras })
             }
         };

@@ -23,6 +23,7 @@ use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::bands::Criticality;
 use sluice_policies::capacity::{Capacity, Pace, Progress};
 use sluice_policies::overload::{LadderDecision, LoadSignals, OverloadLadder, SizeClass, TailWindow};
+use sluice_policies::replicas::Offer;
 use sluice_policies::routing::{AffinityIndex, EndpointMetrics, EndpointView, RouteContext, Scratch};
 use std::rc::Rc;
 
@@ -209,9 +210,7 @@ impl Metric {
     /// How it is kept.
     pub fn kind(self) -> MetricKind {
         match self {
-            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => {
-                MetricKind::Gauge
-            }
+            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => MetricKind::Gauge,
             Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
             _ => MetricKind::Counter,
         }
@@ -330,8 +329,9 @@ struct SchedulerRole {
     saved_ms: u64,
     /// The exchange with the other gateway replicas (`replicas`).
     exchange: Option<Exchange>,
-    /// The held parts last written to shared data (`replicas::HELD_KEY`).
-    published_held: Vec<(String, u32)>,
+    /// The held parts last written to shared data (`replicas::HELD_KEY`), and the buffer the
+    /// next are encoded into (kept, so that a pump allocates nothing for them once warm).
+    published_held: [Vec<u8>; 2],
 }
 
 /// One VM's worker: the streams it holds, its half of the scheduler lease,
@@ -571,7 +571,6 @@ impl<H: Host> Worker<H> {
         self.streams.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms, streamed });
     }
 
-
     /// The request's first-token deadline: its objective (the `"slo"`
     /// sources, else its band's `ttft_slo_ms`) from its arrival here, less
     /// what earlier stages already spent.
@@ -665,8 +664,7 @@ impl<H: Host> Worker<H> {
         let own = shared::stock(&self.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
         let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, self.now, r.max_age_ms));
-        let stock =
-            peers.map_or(own, |p| p.load(own, own + p.in_flight.iter().map(|&k| u64::from(k)).sum::<u64>())) as f64;
+        let stock = peers.map_or(own, |p| p.load(own)) as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / self.cfg.bands.total_capacity as f64,
@@ -811,9 +809,14 @@ impl<H: Host> Worker<H> {
                 })
                 .collect()
         };
-        // With replicas, the band and the router count the live peers' requests too.
+        // With replicas, the band and the router count the live peers' requests too, except
+        // while this replica holds nothing: its one slot is its own whatever its peers say
+        // (honest ones leave it free; a lying one must not stall it).
         let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
-        let global = |load: &[u32]| peers.as_ref().map_or_else(|| load.to_vec(), |p| p.global(load));
+        let global = |load: &[u32]| match &peers {
+            Some(p) if load.iter().any(|&k| k > 0) => p.global(load),
+            _ => load.to_vec(),
+        };
         let allowed = |own: &[u32]| {
             let load = &global(own)[..];
             // The band scales with the endpoints that can take work: a hung
@@ -821,9 +824,11 @@ impl<H: Host> Worker<H> {
             let healthy = |i: usize| records[i].healthy(now);
             let (pool, stock) = shared::ready_stock(load, healthy, band);
             // A replica keeps to its share of the bound (and all of them to the bound).
-            let stock = peers.as_ref().map_or(stock, |p| {
-                p.stock(shared::ready_stock(own, healthy, band).1 + held, stock + held, from_queue)
-            });
+            let own_stock = shared::ready_stock(own, healthy, band).1;
+            let stock = match &peers {
+                Some(p) if own.iter().any(|&k| k > 0) => p.stock(own_stock + held, stock + held, from_queue),
+                _ => stock + held,
+            };
             let band = if from_queue { pool.may_pop(stock) } else { pool.may_bypass(stock, 0) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
@@ -995,7 +1000,7 @@ impl<H: Host> Worker<H> {
                 published_len: None,
                 saved_ms: now,
                 exchange: None,
-                published_held: Vec::new(),
+                published_held: Default::default(),
             });
         } else if !holder && self.role.is_some() {
             log::warn!("worker {} lost the scheduler lease to {}", self.worker, lease.holder);
@@ -1089,10 +1094,11 @@ impl<H: Host> Worker<H> {
         );
         if self.cfg.replicas.is_some() {
             // The workers' bypasses leave the light tenants' parts free too.
-            let held = role.scheduler.held_parts();
-            if held != role.published_held {
-                self.host.set(replicas::HELD_KEY, &replicas::encode_held(&held), None);
-                role.published_held = held;
+            let [published, next] = &mut role.published_held;
+            role.scheduler.held_parts(next);
+            if next != published {
+                self.host.set(replicas::HELD_KEY, next, None);
+                std::mem::swap(published, next);
             }
         }
         let len = role.scheduler.len();
@@ -1452,11 +1458,27 @@ impl<H: Host> Worker<H> {
         let Some(SchedulerRole { scheduler, exchange: Some(ex), .. }) = self.role.as_mut() else { return false };
         match ex.answer(token, self.now, body, &self.cfg.endpoints) {
             None => return false,
-            Some(Answer::Taken(_, peer_load)) => {
-                scheduler.set_peer_service(ex.peer_services(self.now));
+            // Its own state, through the cluster of all replicas: no peer was heard.
+            Some(Answer::Taken(Offer::Own, _)) => return true,
+            Some(Answer::Taken(offer, peer_load)) => {
+                if offer == Offer::Newer {
+                    scheduler.set_peer_service(ex.peer_services(self.now));
+                }
                 self.host.add(Metric::ReplicaSyncOk, 1);
                 self.host.record(Metric::ReplicaPeersLive, ex.live(self.now) as u64);
                 self.host.set(replicas::PEER_LOAD_KEY, &peer_load, None);
+            }
+            Some(Answer::Duplicate { incarnation, log }) => {
+                self.host.add(Metric::ReplicaSyncFailed, 1);
+                if log {
+                    log::error!(
+                        "replicas: another replica publishes under this replica's id {} (incarnation {incarnation}, \
+                         this one {}): neither counts the other's requests; give each replica its own id or name",
+                        ex.cfg().id,
+                        ex.incarnation()
+                    );
+                }
+                return true;
             }
             Some(Answer::Failed(why)) => {
                 self.host.add(Metric::ReplicaSyncFailed, 1);
@@ -1477,9 +1499,9 @@ impl<H: Host> Worker<H> {
         if role.exchange.is_none() {
             // A new lease holder publishes under a new incarnation (retried next tick if the
             // compare-and-swap lost a race).
-            let Some(incarnation) = replicas::take_incarnation(&self.host, now) else { return };
+            let Some((previous, incarnation)) = replicas::take_incarnation(&self.host, now) else { return };
             match Exchange::new(cfg, incarnation) {
-                Ok(ex) => role.exchange = Some(ex),
+                Ok(ex) => role.exchange = Some(ex.after(previous)),
                 Err(e) => {
                     log::error!("replicas: {e}");
                     return;
@@ -2072,7 +2094,6 @@ mod tests {
         assert_eq!(admit_streamed(&mut w, 1, 4), Admission::Queued, "the watermark caps bypasses at 2.2");
     }
 
-
     #[test]
     fn short_and_medium_requests_pass_the_ladder_and_buckets_go_by_expected_output() {
         let p = Rc::new(Process::default());
@@ -2446,10 +2467,12 @@ mod tests {
         assert!(matches!(admit(&mut a, 1210, 2, "x"), Admission::Bypass(_)));
         sync(&mut a, 1300, None);
         let (Some(state_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
-        // B hears it: its first request waits, although B itself holds nothing.
+        // B hears it: its first request takes the slot a replica always keeps (one over the
+        // bound), its second waits.
         sync(&mut b, 1300, Some(&state_a));
         assert!(metric(&pb, "sluice_replica_sync_ok") >= 1);
-        assert_eq!(admit(&mut b, 1310, 1, "y"), Admission::Queued);
+        assert!(matches!(admit(&mut b, 1310, 1, "y"), Admission::Bypass(_)));
+        assert_eq!(admit(&mut b, 1310, 2, "y"), Admission::Queued);
         // A repeats the same state (it stopped publishing): no longer news. Past
         // max_age_ms (10 intervals) A stops counting and B's queue moves.
         let mut now = 1400;
@@ -2482,10 +2505,11 @@ mod tests {
         assert_eq!(admitted(true), 1, "beside a peer that queues, B keeps to half of it");
     }
 
-    /// Replica B's order of its queue after hearing `peer_state` (if any): B holds the pool
-    /// (bound 1 per endpoint) with two requests, queues "flood" twice then "modest", and frees
-    /// one slot. Returns the context resumed.
-    fn vtc_replica_b_serves(peer_state: Option<&[u8]>) -> u32 {
+    /// Replica B's order of its queue after hearing `peer_states` (if any: a peer counts what it
+    /// served since its first state taken): B holds the pool (bound 1 per endpoint) with two
+    /// requests, queues "flood" twice then "modest", and frees one slot. Returns the context
+    /// resumed.
+    fn vtc_replica_b_serves(peer_states: Option<[&[u8]; 2]>) -> u32 {
         let cfg = || {
             config(
                 serde_json::json!({"policy": "vtc", "replicas": {"id": 2, "peers_cluster": "sluice_peers", "peers": 1}}),
@@ -2493,14 +2517,14 @@ mod tests {
         };
         let p = Rc::new(Process::default());
         let mut b = vm(&p, 1, cfg(), 0);
-        sync(&mut b, 0, None);
+        sync(&mut b, 0, peer_states.map(|s| s[0]));
         assert!(matches!(admit(&mut b, 1, 1, "filler"), Admission::Bypass(_)));
         assert!(matches!(admit(&mut b, 1, 2, "filler"), Admission::Bypass(_)));
         for (ctx, tenant) in [(3, "flood"), (4, "flood"), (5, "modest")] {
             assert_eq!(admit(&mut b, 2, ctx, tenant), Admission::Queued);
         }
         b.on_queue_ready(2, queue_id(&p, SCHEDULER_QUEUE));
-        sync(&mut b, 100, peer_state);
+        sync(&mut b, 100, peer_states.map(|s| s[1]));
         b.at(101).finish(1, 0, false);
         b.on_queue_ready(101, queue_id(&p, SCHEDULER_QUEUE));
         b.on_queue_ready(101, queue_id(&p, "sluice.worker.1"));
@@ -2518,6 +2542,7 @@ mod tests {
         );
         let mut a = vm(&pa, 1, cfg, 0);
         sync(&mut a, 0, None);
+        let (Some(first_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
         assert!(matches!(admit(&mut a, 1, 1, "flood"), Admission::Bypass(_)));
         a.at(2).charge(1, 400);
         a.at(3).finish(1, 0, false);
@@ -2530,7 +2555,135 @@ mod tests {
         // Alone, B serves its queue in arrival order (equal lifted counters); with A's
         // service the modest tenant goes ahead of the flood's backlog.
         assert_eq!(vtc_replica_b_serves(None), 3);
-        assert_eq!(vtc_replica_b_serves(Some(&state_a)), 5);
+        assert_eq!(vtc_replica_b_serves(Some([&first_a, &state_a])), 5);
+    }
+
+    /// A peer that claims the whole pool: claims, queue and in-flight counts of u32::MAX, its
+    /// sequence number kept rising so that it never expires (issue 19, finding 1).
+    fn liar(seq: u64) -> String {
+        let max = u32::MAX;
+        format!(
+            r#"{{"replica":9,"version":{{"incarnation":1,"seq":{seq}}},"service":{{"x":1e300}},"in_flight":{{"127.0.0.1:1":{max},"127.0.0.1:2":{max}}},"queued":{max},"demand":{{"x":{max}}},"claim":{max},"claim_queue":{max}}}"#
+        )
+    }
+
+    #[test]
+    fn a_peer_claiming_the_whole_pool_leaves_this_replica_one_slot() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, replica(2), 0);
+        for (seq, now) in [(1, 0), (2, 1000), (3, 1100), (4, 1200)] {
+            sync(&mut w, now, Some(liar(seq).as_bytes()));
+        }
+        assert_eq!(metric(&p, "sluice_replica_peers_live"), 1, "the liar's states are taken, clamped");
+        assert!(matches!(admit(&mut w, 1210, 1, "y"), Admission::Bypass(_)), "the replica's one slot");
+        assert_eq!(admit(&mut w, 1210, 2, "y"), Admission::Queued, "the liar may hold the rest of the bound");
+        w.at(1220).finish(1, 0, false);
+        w.on_queue_ready(1220, queue_id(&p, SCHEDULER_QUEUE));
+        w.on_queue_ready(1220, queue_id(&p, "sluice.worker.1"));
+        assert_eq!(p.resumed.borrow().len(), 1, "the queued request takes the slot freed");
+    }
+
+    #[test]
+    fn an_answer_from_oneself_is_no_successful_sync() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, replica(1), 0);
+        sync(&mut w, 0, None);
+        let (Some(own), _) = p.store.get(replicas::STATE_KEY) else { panic!("nothing published") };
+        sync(&mut w, 100, Some(&own));
+        assert_eq!(metric(&p, "sluice_replica_sync_ok"), 0, "only oneself answered");
+        assert_eq!(metric(&p, "sluice_replica_peers_live"), 0);
+    }
+
+    /// Issue 19, finding 2, as a property over seeded cases: a replica (VTC, pool bound 2)
+    /// serves 2 to 5 flood tenants one request per 100 ms; a peer publishes service for them,
+    /// growing by random amounts (up to 1.7e308 in all), then dies and expires 200 ms later. A
+    /// newcomer with ten requests joins while the peer still counts, lifted to the smallest
+    /// merged counter. Before, the peer's part left the merged counters at expiry and the
+    /// newcomer, lifted against it, waited until the flood caught up. Now it keeps its share
+    /// (one dispatch in `floods + 1`) after the peer is gone.
+    #[test]
+    fn a_peer_dying_mid_flood_leaves_no_tenant_behind() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let cfg = || {
+            config(serde_json::json!({"policy": "vtc", "queue_ttl_ms": 600_000,
+                "replicas": {"id": 2, "peers_cluster": "sluice_peers", "peers": 2, "max_age_ms": 200}}))
+        };
+        for case in 0..40 {
+            let floods = 2 + (next() % 4) as usize;
+            let death = 8 + next() % 8;
+            let joins = death - next() % 3;
+            // How much the peer adds per state to each flood tenant's service: as much for all
+            // (so that the floor a newcomer is lifted to holds it), and a little more for some.
+            let all = [0.0, 5_000.0, 1e12, 1.7e308 / 32.0][(next() % 4) as usize];
+            let steps: Vec<f64> = (0..floods).map(|_| all + (next() % 100) as f64).collect();
+            let p = Rc::new(Process::default());
+            let mut b = vm(&p, 1, cfg(), 0);
+            sync(&mut b, 0, None);
+            let (mut ctx, mut running) = (0u32, VecDeque::new());
+            let mut tenant_of = HashMap::new();
+            let mut add = |b: &mut Worker<Vm>, now: u64, tenant: &str, running: &mut VecDeque<u32>| {
+                ctx += 1;
+                tenant_of.insert(ctx, tenant.to_string());
+                if matches!(admit(b, now, ctx, tenant), Admission::Bypass(_)) {
+                    running.push_back(ctx);
+                }
+            };
+            for k in 0..floods {
+                for _ in 0..30 {
+                    add(&mut b, 1, &format!("f{k}"), &mut running);
+                }
+            }
+            let mut expired_at = 0;
+            for step in 1..=death + 30 {
+                let now = step * 100;
+                let state = (step <= death).then(|| {
+                    let service: serde_json::Map<String, serde_json::Value> =
+                        steps.iter().enumerate().map(|(k, s)| (format!("f{k}"), (s * step as f64).into())).collect();
+                    serde_json::json!({"replica": 1, "version": {"incarnation": 1, "seq": step},
+                        "service": service, "in_flight": {}})
+                    .to_string()
+                });
+                let before = p.resumed.borrow().len();
+                if step == death + 3 {
+                    expired_at = before;
+                }
+                sync(&mut b, now, state.as_deref().map(str::as_bytes));
+                if step == joins {
+                    for _ in 0..10 {
+                        add(&mut b, now, "newcomer", &mut running);
+                    }
+                    b.on_queue_ready(now, queue_id(&p, SCHEDULER_QUEUE));
+                }
+                let done = running.pop_front().expect("the pool is never empty");
+                b.at(now + 1).finish(done, 10, false);
+                b.on_queue_ready(now + 1, queue_id(&p, SCHEDULER_QUEUE));
+                b.on_queue_ready(now + 1, queue_id(&p, "sluice.worker.1"));
+                running.extend(p.resumed.borrow()[before..].iter().map(|r| r.1));
+            }
+            let resumed: Vec<&str> = p.resumed.borrow().iter().map(|r| tenant_of[&r.1].as_str()).collect::<Vec<_>>();
+            let newcomer = |d: &[&str]| d.iter().filter(|&&t| t == "newcomer").count();
+            // While the newcomer still has requests queued after the peer expired, it gets its
+            // share of the dispatches, one in `floods + 1` (less two: a tenant's output is
+            // charged as its request ends, so tenants go in pairs at a bound of 2).
+            let left = 10 - newcomer(&resumed[..expired_at]);
+            let after = &resumed[expired_at..];
+            let within = &after[..after.len().min(left * (floods + 1))];
+            let share = left.min(within.len() / (floods + 1));
+            assert!(
+                newcomer(within) + 2 >= share,
+                "case {case}: {floods} flood tenants, the peer adds {steps:?} per state, dies at step \
+                 {death}; the newcomer joined at {joins}, had {left} requests queued when the peer expired \
+                 and got {} of the next {} dispatches: {after:?}",
+                newcomer(within),
+                within.len()
+            );
+        }
     }
 
     #[test]

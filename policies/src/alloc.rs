@@ -139,6 +139,10 @@ pub trait Counters {
     fn set_offset(&mut self, tenant: &str, flow: Option<FlowId>, offset: f64);
     /// The offset `flow` has now.
     fn offset(&self, flow: FlowId) -> f64;
+    /// Adds `amount` to the counter of `flow`, not to its service: part of its offset that
+    /// departs (a peer that expired), so that the merged counter stays where it was. A
+    /// negative or non-finite amount changes nothing. O(log n).
+    fn fold(&mut self, flow: FlowId, amount: f64);
 }
 
 /// How far a backlogged flow is ahead of the flow [`Selection::next`] would

@@ -80,7 +80,22 @@ pub struct Limits {
     pub max_tenants: usize,
     /// Most endpoints in one state.
     pub max_endpoints: usize,
+    /// Most tenant entries (`service` and `demand` together) in all the states kept: one peer
+    /// answering under many ids must not multiply the per-state bound.
+    pub max_total_tenants: usize,
+    /// How far ahead of this replica's clock an incarnation (a start time in ms) may be. A
+    /// version from further ahead would make the replica's real states stale.
+    pub max_skew_ms: u64,
 }
+
+/// How many more states than milliseconds elapsed a peer may have published (one per sync
+/// interval, which is at least a millisecond): a larger sequence number is refused, as it
+/// would make the peer's real states stale.
+pub const SEQ_SLACK: u64 = 1000;
+
+/// The most a peer's service for one tenant counts, whatever it claims (about 1.1e12): far
+/// below 2^53, so that a charge still moves a counter offset by it.
+pub const MAX_PEER_SERVICE: f64 = (1u64 << 40) as f64;
 
 impl Limits {
     /// Errors name the field that is out of range.
@@ -91,9 +106,12 @@ impl Limits {
         if self.forget_ms < self.max_age_ms {
             return Err("field `forget_ms` must be >= max_age_ms".into());
         }
-        for (name, v) in
-            [("max_peers", self.max_peers), ("max_tenants", self.max_tenants), ("max_endpoints", self.max_endpoints)]
-        {
+        for (name, v) in [
+            ("max_peers", self.max_peers),
+            ("max_tenants", self.max_tenants),
+            ("max_endpoints", self.max_endpoints),
+            ("max_total_tenants", self.max_total_tenants),
+        ] {
             if v == 0 {
                 return Err(format!("field `{name}` must be > 0"));
             }
@@ -126,6 +144,11 @@ impl ReplicaState {
             return Err(format!("replica {}: service of tenant {tenant:?} is {v}", self.replica));
         }
         Ok(())
+    }
+
+    /// Tenant entries it holds (what [`Limits::max_total_tenants`] counts).
+    fn tenants(&self) -> usize {
+        self.service.len() + self.demand.len()
     }
 
     /// Total order used to merge: the version first, then the content, so that two states
@@ -199,34 +222,80 @@ impl Peers {
         Ok(Peers { me, limits, entries: BTreeMap::new() })
     }
 
-    /// Takes a state a peer served, heard at `now_ms`. A full view first forgets peers silent
-    /// for `forget_ms`; a new peer beyond `max_peers` is refused.
+    /// Takes a state a peer served, heard at `now_ms`. A state is evidence, not authority:
+    ///
+    /// - a version that runs ahead of this replica's clock (an incarnation more than
+    ///   `max_skew_ms` ahead, a sequence number further ahead than one state per millisecond
+    ///   since the last one, or since the incarnation began, plus [`SEQ_SLACK`]) is refused: it
+    ///   would make every real state of that replica stale;
+    /// - a smaller incarnation is taken once the known one stopped counting (a replica whose
+    ///   clock stepped back across a restart counts again after `max_age_ms`, not `forget_ms`);
+    /// - a new peer beyond `max_peers` takes the place of the longest silent one that no longer
+    ///   counts, or is refused; a state that would take the tenant entries of all the states
+    ///   kept past `max_total_tenants` is refused.
     pub fn offer(&mut self, state: ReplicaState, now_ms: u64) -> Result<Offer, String> {
         state.validate(&self.limits)?;
         if state.replica == self.me {
             return Ok(Offer::Own);
         }
-        if let Some(known) = self.entries.get_mut(&state.replica) {
+        let v = state.version;
+        if v.incarnation > now_ms.saturating_add(self.limits.max_skew_ms) {
+            return Err(format!(
+                "replica {}: incarnation {} is ahead of this replica's clock",
+                state.replica, v.incarnation
+            ));
+        }
+        let kept = self.entries.get(&state.replica);
+        let base = match kept {
+            Some(k) if k.state.version.incarnation == v.incarnation => {
+                (k.state.version.seq, now_ms - k.heard_ms.min(now_ms))
+            }
+            _ => (0, now_ms.saturating_add(self.limits.max_skew_ms).saturating_sub(v.incarnation)),
+        };
+        if v.seq > base.0.saturating_add(base.1).saturating_add(SEQ_SLACK) {
+            return Err(format!("replica {}: sequence number {} runs ahead", state.replica, v.seq));
+        }
+        if let Some(known) = kept {
             // Only a greater version is news: a repeat (even with other content) must not make a
-            // stuck or expired peer count again.
-            if state.version <= known.state.version {
+            // stuck or expired peer count again. A smaller incarnation is a restart whose clock
+            // went back, once the known one no longer counts.
+            let restarted = v.incarnation < known.state.version.incarnation && !self.is_live(known.heard_ms, now_ms);
+            if v <= known.state.version && !restarted {
                 return Ok(Offer::Stale);
             }
-            *known = PeerEntry { state, heard_ms: now_ms };
-            return Ok(Offer::Newer);
-        }
-        if self.entries.len() >= self.limits.max_peers {
+        } else if self.entries.len() >= self.limits.max_peers {
             self.forget(now_ms);
+            self.drop_longest_silent(now_ms);
             if self.entries.len() >= self.limits.max_peers {
                 return Err(format!(
-                    "replica {}: already {} peers, at most max_peers",
+                    "replica {}: already {} peers count, at most max_peers",
                     state.replica,
                     self.entries.len()
                 ));
             }
         }
+        let others: usize =
+            self.entries.iter().filter(|(id, _)| **id != state.replica).map(|(_, e)| e.state.tenants()).sum();
+        if others + state.tenants() > self.limits.max_total_tenants {
+            return Err(format!(
+                "replica {}: {} tenant entries beside {others} kept, at most {} in all",
+                state.replica,
+                state.tenants(),
+                self.limits.max_total_tenants
+            ));
+        }
         self.entries.insert(state.replica, PeerEntry { state, heard_ms: now_ms });
         Ok(Offer::Newer)
+    }
+
+    /// Drops the peer silent the longest among those that no longer count (a tombstone only
+    /// keeps a late old answer stale), to make room for a new one.
+    fn drop_longest_silent(&mut self, now_ms: u64) {
+        let oldest =
+            self.entries.iter().filter(|(_, e)| !self.is_live(e.heard_ms, now_ms)).min_by_key(|(_, e)| e.heard_ms);
+        if let Some(id) = oldest.map(|(id, _)| *id) {
+            self.entries.remove(&id);
+        }
     }
 
     /// Joins another view of the same replica's peers into this one (e.g. the copy another
@@ -258,21 +327,9 @@ impl Peers {
         self.entries.values().filter(move |e| self.is_live(e.heard_ms, now_ms)).map(|e| &e.state)
     }
 
-    /// The service `tenant` got on the live peers (add the replica's own counter for the
-    /// global value).
+    /// The service `tenant` got on the live peers, as they published it.
     pub fn service(&self, tenant: &str, now_ms: u64) -> f64 {
         self.live(now_ms).filter_map(|s| s.service.get(tenant)).sum()
-    }
-
-    /// Every tenant's service summed over the live peers (what offsets this replica's counters).
-    pub fn services(&self, now_ms: u64) -> BTreeMap<String, f64> {
-        let mut sum = BTreeMap::new();
-        for s in self.live(now_ms) {
-            for (tenant, v) in &s.service {
-                *sum.entry(tenant.clone()).or_insert(0.0) += v;
-            }
-        }
-        sum
     }
 
     /// Requests the live peers hold on `endpoint` (add the replica's own for the global count).
@@ -315,6 +372,111 @@ impl Peers {
     }
 }
 
+/// What the live peers' service adds to this replica's VTC counters, and what leaves them.
+///
+/// A peer publishes cumulative service, which grows without bound over its uptime. Added as it
+/// is, it lifts a newcomer against a floor that holds a peer's whole history, and when that peer
+/// expires (or restarts, or forgets a tenant) its part leaves the merged counters: every tenant
+/// lifted against it is left behind by an offset that no longer exists, until the others catch
+/// up. So a peer counts only the service it reported *since this replica began counting it*
+/// (the first state taken from its incarnation: a baseline per tenant), clamped to a cap, and
+/// whatever it stops adding is *departed*: the caller adds it to the local counters, so that
+/// every merged counter stays where it was (a peer's service happened; only the news stops).
+/// A peer that comes back is counted from its new baseline, never twice.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PeerService {
+    counted: BTreeMap<ReplicaId, Counted>,
+}
+
+/// One peer incarnation's part in [`PeerService`].
+#[derive(Clone, Debug, PartialEq)]
+struct Counted {
+    incarnation: u64,
+    /// Per tenant: its service when counting began, and what it adds now.
+    tenants: BTreeMap<String, (f64, f64)>,
+    /// This replica's own service (all tenants) when counting began.
+    own_at_start: f64,
+}
+
+/// The offsets of this replica's counters and what left them ([`PeerService::update`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Offsets {
+    /// Per tenant, the live peers' service since they are counted.
+    pub offsets: BTreeMap<String, f64>,
+    /// Per tenant, what peers stopped adding since the last update (expired, restarted under a
+    /// new incarnation, or forgot the tenant): to add to its counters.
+    pub departed: BTreeMap<String, f64>,
+}
+
+impl PeerService {
+    /// Counts the `live` peers' latest states. `own` is this replica's own service to all its
+    /// tenants: a peer's part for one tenant counts at most `slack + ratio × (own − own when
+    /// counting began)` (and never past [`MAX_PEER_SERVICE`]), a peer that served far more
+    /// than this replica is not believed beyond that. O(tenants in the live states).
+    pub fn update<'a>(
+        &mut self,
+        live: impl IntoIterator<Item = &'a ReplicaState>,
+        own: f64,
+        (slack, ratio): (f64, f64),
+    ) -> Offsets {
+        let mut departed: BTreeMap<String, f64> = BTreeMap::new();
+        let mut depart = |tenant: &str, added: f64| {
+            if added > 0.0 {
+                *departed.entry(tenant.to_owned()).or_insert(0.0) += added;
+            }
+        };
+        let mut seen = Vec::new();
+        for s in live {
+            seen.push(s.replica);
+            let c = match self.counted.get_mut(&s.replica) {
+                Some(c) if c.incarnation == s.version.incarnation => c,
+                old => {
+                    // First taken, or a new incarnation: what the old one added departs.
+                    if let Some(old) = old {
+                        old.tenants.iter().for_each(|(t, &(_, added))| depart(t, added));
+                    }
+                    let tenants = s.service.iter().map(|(t, &v)| (t.clone(), (v, 0.0))).collect();
+                    self.counted
+                        .insert(s.replica, Counted { incarnation: s.version.incarnation, tenants, own_at_start: own });
+                    continue;
+                }
+            };
+            let cap = (slack + ratio * (own - c.own_at_start).max(0.0)).clamp(0.0, MAX_PEER_SERVICE);
+            // A tenant the peer forgot: its part departs.
+            c.tenants.retain(|t, &mut (_, added)| {
+                let kept = s.service.contains_key(t);
+                if !kept {
+                    depart(t, added);
+                }
+                kept
+            });
+            for (t, &v) in &s.service {
+                let (base, added) = c.tenants.entry(t.clone()).or_insert((0.0, 0.0));
+                if v < *base {
+                    // Forgotten and served again since: counted from here; what it added departs.
+                    depart(t, *added);
+                    (*base, *added) = (v, 0.0);
+                }
+                *added = (v - *base).clamp(0.0, cap);
+            }
+        }
+        self.counted.retain(|id, c| {
+            let live = seen.contains(id);
+            if !live {
+                c.tenants.iter().for_each(|(t, &(_, added))| depart(t, added));
+            }
+            live
+        });
+        let mut offsets: BTreeMap<String, f64> = BTreeMap::new();
+        for (t, &(_, added)) in self.counted.values().flat_map(|c| &c.tenants) {
+            if added > 0.0 {
+                *offsets.entry(t.clone()).or_insert(0.0) += added;
+            }
+        }
+        Offsets { offsets, departed }
+    }
+}
+
 /// Stamps the states one replica publishes.
 #[derive(Clone, Debug)]
 pub struct Publisher {
@@ -328,6 +490,11 @@ impl Publisher {
     /// one of this replica (its start time in ms does, or the last incarnation plus one).
     pub fn new(replica: ReplicaId, incarnation: u64) -> Publisher {
         Publisher { replica, incarnation, seq: 0 }
+    }
+
+    /// The incarnation it publishes under.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The next state, with a greater version than the last. Publish one every sync interval

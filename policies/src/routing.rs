@@ -13,7 +13,7 @@ mod picker;
 pub mod scorers;
 
 pub use affinity::{prefix_hashes, AffinityIndex};
-pub use metrics::{EndpointMetrics, ModelServer};
+pub use metrics::{lora_names, EndpointMetrics, ModelServer, MAX_LORAS, MAX_LORA_BYTES};
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};
 

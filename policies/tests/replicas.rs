@@ -12,7 +12,15 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 const ME: ReplicaId = 0;
 
 fn limits() -> Limits {
-    Limits { max_age_ms: 300, forget_ms: 3_000, max_peers: 8, max_tenants: 16, max_endpoints: 16 }
+    Limits {
+        max_age_ms: 300,
+        forget_ms: 3_000,
+        max_peers: 8,
+        max_tenants: 16,
+        max_endpoints: 16,
+        max_total_tenants: 8 * 32,
+        max_skew_ms: 1_000,
+    }
 }
 
 fn config() -> ProptestConfig {
@@ -139,18 +147,49 @@ fn a_restarted_replica_is_counted_once() {
         last = old.publish([("a".to_string(), 5_000.0)].into(), [("10.0.0.1:8000".to_string(), 3)].into());
     }
     assert_eq!(last.version, Version { incarnation: 1_000, seq: 51 });
-    assert_eq!(p.offer(last.clone(), 10).unwrap(), Offer::Newer);
-    assert_eq!(p.service("a", 10), 5_000.0);
+    assert_eq!(p.offer(last.clone(), 1_010).unwrap(), Offer::Newer);
+    assert_eq!(p.service("a", 1_010), 5_000.0);
 
     let mut new = Publisher::new(7, 2_000);
     let first = new.publish([("a".to_string(), 5_010.0)].into(), BTreeMap::new());
     assert_eq!(first.version.seq, 1);
-    assert_eq!(p.offer(first, 20).unwrap(), Offer::Newer);
-    assert_eq!(p.service("a", 20), 5_010.0, "counted once, not 5000 + 5010");
-    assert_eq!(p.in_flight("10.0.0.1:8000", 20), 0, "the old incarnation's in-flight requests are gone");
-    assert_eq!(p.offer(last, 30).unwrap(), Offer::Stale);
-    assert_eq!(p.service("a", 30), 5_010.0);
+    assert_eq!(p.offer(first, 2_010).unwrap(), Offer::Newer);
+    assert_eq!(p.service("a", 2_010), 5_010.0, "counted once, not 5000 + 5010");
+    assert_eq!(p.in_flight("10.0.0.1:8000", 2_010), 0, "the old incarnation's in-flight requests are gone");
+    assert_eq!(p.offer(last, 2_020).unwrap(), Offer::Stale);
+    assert_eq!(p.service("a", 2_020), 5_010.0);
     assert_eq!(p.entries().len(), 1);
+}
+
+/// A state with nothing but its replica and version.
+fn bare(r: ReplicaId, incarnation: u64, seq: u64) -> ReplicaState {
+    ReplicaState { replica: r, version: Version { incarnation, seq }, ..Default::default() }
+}
+
+#[test]
+fn a_version_ahead_of_any_clock_is_refused_and_blacks_out_no_replica() {
+    let mut p = Peers::new(ME, limits()).unwrap();
+    // An incarnation stamped far in the future (a liar, or a clock gone wrong): refused, so it
+    // cannot make the replica's real states stale.
+    assert!(p.offer(bare(1, u64::MAX, 1), 1_000).is_err());
+    assert_eq!(p.offer(bare(1, 900, 1), 1_000), Ok(Offer::Newer));
+    // A sequence number further ahead than the time since the last state allows: refused.
+    assert!(p.offer(bare(1, 900, u64::MAX), 1_010).is_err());
+    assert!(p.offer(bare(2, 900, u64::MAX), 1_010).is_err(), "nor on first sight");
+    assert_eq!(p.offer(bare(1, 900, 2), 1_010), Ok(Offer::Newer));
+}
+
+#[test]
+fn a_replica_whose_clock_stepped_back_counts_again_once_its_old_incarnation_expired() {
+    let mut p = Peers::new(ME, limits()).unwrap();
+    assert_eq!(p.offer(bare(1, 5_000, 1), 5_000), Ok(Offer::Newer));
+    // Restarted with its clock stepped back: a smaller incarnation, stale while the old counts.
+    assert_eq!(p.offer(bare(1, 4_000, 1), 5_100), Ok(Offer::Stale));
+    // Once the old incarnation stopped counting (max_age_ms 300), the new one is taken at once,
+    // not only after forget_ms.
+    p.expire(5_400);
+    assert_eq!(p.offer(bare(1, 4_000, 2), 5_400), Ok(Offer::Newer));
+    assert_eq!(p.live(5_400).count(), 1);
 }
 
 #[test]

@@ -1,10 +1,12 @@
 //! VTC on merged counters: two replicas that exchange their tenants' service every `d` ms keep
 //! two backlogged tenants' global service within a single gateway's bound plus what one replica
-//! serves in `d`; without the exchange the difference grows without bound; a peer that expires
-//! takes its offset with it.
+//! serves in `d`; without the exchange the difference grows without bound; a peer counts from
+//! the first state taken, and its part departs into the counters when it expires, so that no
+//! merged counter moves (issue 19, finding 2).
 
+use proptest::prelude::*;
 use sluice_policies::alloc::{Accounting, Counters, Selection, Vtc, VtcWeights};
-use sluice_policies::replicas::{Limits, Peers, Publisher};
+use sluice_policies::replicas::{Limits, Offsets, PeerService, Peers, Publisher, ReplicaState, Version};
 use sluice_policies::{FlowId, Request};
 use std::collections::BTreeMap;
 #[cfg(target_arch = "wasm32")]
@@ -107,32 +109,127 @@ fn replicas_that_exchange_service_keep_the_single_gateways_bound_plus_one_interv
     assert!(alone >= u * STEPS_MS as f64 / 2.0 - u, "independent replicas drift apart: {alone}");
 }
 
-#[test]
-fn an_expired_peers_offset_is_dropped_and_local_counters_order_again() {
-    let limits = Limits { max_age_ms: 300, forget_ms: 3_000, max_peers: 4, max_tenants: 16, max_endpoints: 4 };
-    let mut peers = Peers::new(1, limits).unwrap();
-    let mut publisher = Publisher::new(2, 1);
-    let service = BTreeMap::from([("a".to_string(), 1_000.0)]);
-    peers.offer(publisher.publish(service, BTreeMap::new()), 0).unwrap();
+/// Applies a [`PeerService`] update to a replica's VTC: what departed first, then the offsets.
+fn apply(r: &mut Replica, o: Offsets) {
+    for (tenant, amount) in o.departed {
+        let f = TENANTS.iter().position(|t| *t == tenant).expect("a known tenant");
+        r.vtc.fold(f as FlowId, amount);
+    }
+    for (f, name) in TENANTS.iter().enumerate() {
+        r.vtc.set_offset(name, Some(f as FlowId), o.offsets.get(*name).copied().unwrap_or(0.0));
+    }
+}
 
+/// Merged counters (counter + offset) of both tenants.
+fn merged(r: &Replica) -> [f64; 2] {
+    [0, 1].map(|f| r.vtc.counter(f) + r.vtc.offset(f))
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_age_ms: 300,
+        forget_ms: 3_000,
+        max_peers: 4,
+        max_tenants: 16,
+        max_endpoints: 4,
+        max_total_tenants: 64,
+        max_skew_ms: 1_000,
+    }
+}
+
+const CAP: (f64, f64) = (1e6, 8.0);
+
+#[test]
+fn a_peer_that_expires_leaves_every_merged_counter_where_it_was_and_is_never_counted_twice() {
+    let mut peers = Peers::new(1, limits()).unwrap();
+    let mut counted = PeerService::default();
+    let mut publisher = Publisher::new(2, 1);
+    let mut publish = |a: f64| publisher.publish(BTreeMap::from([("a".to_string(), a)]), BTreeMap::new());
+    // The peer served a 1,000 before this replica began counting it: not its to add.
+    peers.offer(publish(1_000.0), 0).unwrap();
     let mut r = Replica::new(&[0, 1]);
-    // a has been served a little here, b more: locally a is next.
     for _ in 0..3 {
         r.vtc.on_output(1, 0, TOKENS);
     }
-    assert_eq!(r.vtc.next(), Some(0));
-    let apply = |r: &mut Replica, peers: &Peers, now| {
-        for (f, name) in TENANTS.iter().enumerate() {
-            r.vtc.set_offset(name, Some(f as FlowId), peers.service(name, now));
-        }
-    };
-    apply(&mut r, &peers, 100);
-    assert_eq!(r.vtc.offset(0), 1_000.0);
-    assert_eq!(r.vtc.next(), Some(1), "a's service on the peer puts it behind b");
-    // The peer goes silent past max_age_ms: its state is emptied and the offset goes with it.
-    assert_eq!(peers.expire(400), 1);
-    apply(&mut r, &peers, 400);
+    apply(&mut r, counted.update(peers.live(0), 0.0, CAP));
+    assert_eq!(r.vtc.offset(0), 0.0, "counted from its first state");
+    assert_eq!(r.vtc.next(), Some(0), "a (0) before b (60)");
+    // It serves a 100 more: a's merged counter passes b's.
+    peers.offer(publish(1_100.0), 100).unwrap();
+    apply(&mut r, counted.update(peers.live(100), 0.0, CAP));
+    assert_eq!(r.vtc.offset(0), 100.0);
+    assert_eq!(r.vtc.next(), Some(1));
+    let before = merged(&r);
+    // It expires: its part departs into a's counter, and no merged counter moves.
+    assert_eq!(peers.expire(401), 1);
+    apply(&mut r, counted.update(peers.live(401), 0.0, CAP));
     assert_eq!(r.vtc.offset(0), 0.0);
-    assert_eq!(r.vtc.next(), Some(0), "back to local counters");
-    assert_eq!(r.vtc.counter(0), 0.0, "the offset never moved the local counter");
+    assert_eq!(merged(&r), before);
+    assert_eq!(r.vtc.next(), Some(1), "b still goes first");
+    // It comes back (a partition healed): counted from its new state on, not twice.
+    peers.offer(publish(1_150.0), 500).unwrap();
+    apply(&mut r, counted.update(peers.live(500), 0.0, CAP));
+    assert_eq!(merged(&r), before);
+    peers.offer(publish(1_170.0), 600).unwrap();
+    apply(&mut r, counted.update(peers.live(600), 0.0, CAP));
+    assert_eq!(r.vtc.offset(0), 20.0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Issue 19, finding 2: a replica serves two backlogged tenants while a peer reports any
+    /// service for them (growing, shrinking, restarting, up to 1.7e308) and then dies. Whenever
+    /// a peer's part leaves (a restart, a forgotten tenant, the expiry), no merged counter
+    /// moves; what it adds stays within the cap; after it is gone the replica serves both
+    /// tenants in turn again within a bounded number of requests of what the cap allows.
+    #[test]
+    fn a_replica_dying_mid_flood_moves_no_merged_counter(
+        reports in prop::collection::vec(
+            (prop_oneof![Just(0.0), 0.0..1e4, Just(1e12), Just(1.7e308)], prop_oneof![Just(0.0), 0.0..1e4], 0u64..3),
+            1..20,
+        ),
+    ) {
+        let mut peers = Peers::new(1, limits()).unwrap();
+        let mut counted = PeerService::default();
+        let mut r = Replica::new(&[0, 1]);
+        let mut incarnation = 1;
+        let mut seq = 0;
+        let mut now = 0;
+        for &(a, b, restart) in &reports {
+            now += 10;
+            r.serve();
+            if restart == 0 {
+                incarnation += 1;
+                seq = 0;
+            }
+            seq += 1;
+            let service = BTreeMap::from([("a".to_string(), a), ("b".to_string(), b)]);
+            let state = ReplicaState { replica: 2, version: Version { incarnation, seq }, service, ..Default::default() };
+            peers.offer(state, now).unwrap();
+            let own: f64 = r.service().iter().sum();
+            let before = merged(&r);
+            let o = counted.update(peers.live(now), own, CAP);
+            let departed = o.departed.clone();
+            let cap = CAP.0 + CAP.1 * own;
+            prop_assert!(o.offsets.values().all(|&v| v <= cap), "{o:?} beyond {cap}");
+            apply(&mut r, o);
+            for (f, t) in TENANTS.iter().enumerate() {
+                if departed.contains_key(*t) {
+                    // What departed went into the counter; whatever the offset is now, the
+                    // merged counter did not fall.
+                    prop_assert!(merged(&r)[f] >= before[f] - 1e-6 * before[f].max(1.0), "{t}: {before:?} -> {:?}", merged(&r));
+                }
+            }
+        }
+        let before = merged(&r);
+        peers.expire(now + 1_000);
+        let own: f64 = r.service().iter().sum();
+        apply(&mut r, counted.update(peers.live(now + 1_000), own, CAP));
+        let after = merged(&r);
+        for f in 0..2 {
+            prop_assert!((after[f] - before[f]).abs() <= 1e-9 * before[f].max(1.0), "{before:?} -> {after:?}");
+        }
+        prop_assert_eq!([r.vtc.offset(0), r.vtc.offset(1)], [0.0, 0.0]);
+    }
 }

@@ -28,8 +28,22 @@ async fn replicas(n: usize, backends: &Backends) -> anyhow::Result<Vec<Envoy>> {
 
 /// As [`replicas`], with `bound` requests per backend.
 async fn replicas_bound(n: usize, backends: &Backends, bound: u32) -> anyhow::Result<Vec<Envoy>> {
+    replicas_with(n, backends, bound, |i| i as u64 + 1, &[], json!({})).await
+}
+
+/// As [`replicas_bound`], replica `i` with id `id(i)`, with `more_peers` in the peers' cluster
+/// beside the replicas (fake peers), and the plugin's top-level keys `overrides`.
+async fn replicas_with(
+    n: usize,
+    backends: &Backends,
+    bound: u32,
+    id: impl Fn(usize) -> u64,
+    more_peers: &[String],
+    overrides: Value,
+) -> anyhow::Result<Vec<Envoy>> {
     let ports: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
-    let peers: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let mut peers: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    peers.extend_from_slice(more_peers);
     let mut out = Vec::new();
     for (i, &port) in ports.iter().enumerate() {
         let pc = with_overrides(
@@ -37,12 +51,13 @@ async fn replicas_bound(n: usize, backends: &Backends, bound: u32) -> anyhow::Re
             json!({
                 "lower_bound_per_backend": bound, "upper_bound_per_backend": bound,
                 "replicas": {
-                    "id": i + 1, "peers_cluster": PEERS_CLUSTER, "peers": n,
+                    "id": id(i), "peers_cluster": PEERS_CLUSTER, "peers": peers.len(),
                     "sync_interval_ms": 50, "max_age_ms": MAX_AGE_MS,
                     "secret_header": {"name": SECRET.0, "value": SECRET.1},
                 },
             }),
         );
+        let pc = with_overrides(pc, overrides.clone());
         let opts = EnvoyOptions {
             concurrency: 1,
             replica_listener: Some(ReplicaListener { port, peers: peers.clone() }),
@@ -162,7 +177,8 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
         wait_idle(e).await?;
     }
 
-    // Replica C fills the pool with long requests; A's request must wait for them.
+    // Replica C fills the pool with long requests; A sends one (the slot a replica always keeps:
+    // one over the bound), and its second must wait for C's.
     let long = ChatRequest::chat(Some("c"), 480);
     let c_addr = envoys[2].listener;
     let mut c_load = Vec::new();
@@ -178,19 +194,26 @@ async fn replicas_share_the_in_flight_bound_and_a_killed_replica_stops_counting(
         .await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let a_addr = envoys[0].listener;
-    let a_client = client.clone();
-    let a = tokio::spawn(async move { a_client.send(a_addr, &ChatRequest::chat(Some("a"), 8), Instant::now()).await });
+    let send_a = |tokens| {
+        let a_client = client.clone();
+        tokio::spawn(async move { a_client.send(a_addr, &ChatRequest::chat(Some("a"), tokens), Instant::now()).await })
+    };
+    let kept = send_a(480);
+    envoys[0].wait_stats("A sends one", Duration::from_secs(10), |s| s.value("sluice_stock") == 1.0).await?;
+    let a = send_a(8);
     envoys[0]
         .wait_stats("A queues behind C", Duration::from_secs(10), |s| s.value("sluice_requests_queued") > 0.0)
         .await?;
     let queued_before = envoys[0].stats().await?.value("sluice_queue_length");
-    assert!(queued_before >= 1.0, "A's request did not wait for C's");
+    assert!(queued_before >= 1.0, "A's second request did not wait for C's");
     // C dies; its last state says the pool is full. Past max_age_ms it no longer counts, and
     // A's request goes (C's long requests would otherwise hold the pool for far longer).
     let c = envoys.pop().expect("three replicas");
     drop(c);
     let a = a.await?;
     assert!(a.ok(), "A's request after C died: {a:?}");
+    let kept = kept.await?;
+    assert!(kept.ok(), "A's first request: {kept:?}");
     envoys[0]
         .wait_stats("C no longer live", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 1.0)
         .await?;
@@ -274,7 +297,10 @@ async fn three_replicas_a_flood_on_a_a_modest_tenant_on_b_and_a_tenant_on_all() 
         modest.iter().filter(|o| o.ok()).count(),
     );
     // The modest tenant waits for no more than a slot on its replica (usually none: its part is
-    // held for it), while the flood waits behind its own backlog.
+    // held for it, and lifted to the floor it goes before the heads it ties with), while the
+    // flood waits behind its own backlog. Issue 19, finding 4 asks for 2x its solo TTFT in every
+    // run; not met yet: medians of 25 to 138 ms against 13 ms alone, since some of its
+    // requests (2 of 15) still wait about 0.48 s for a slot on B (ARCHITECTURE.md).
     let (Some(modest_ttft), Some(flood_ttft)) = (modest_ttft, flood_ttft) else { panic!("no TTFT measured") };
     assert!(modest_ttft * 3 < flood_ttft * 2, "modest {modest_ttft:?} against flood {flood_ttft:?}");
     // Global shares stay fair: the flood, on one replica, and the spread tenant, on three then
@@ -321,6 +347,187 @@ async fn vtc_orders_by_global_service_a_flood_through_both_replicas_yields_to_a_
     // B alone would split its part evenly (12 and 13 with the offsets switched off); with A's
     // service for flood, B serves modest ahead of flood's backlog there.
     assert!(10 * modest_b >= 13 * flood_b, "B serves modest ahead of flood's backlog: {served:?}");
+    Ok(())
+}
+
+/// A host of the peers' cluster that is no replica: it answers every request with the state
+/// `state(n)`, `n` counting its answers from 1 (so a liar can keep raising `seq`).
+struct FakePeer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakePeer {
+    async fn start(state: impl Fn(u64) -> Value + Send + Sync + 'static) -> anyhow::Result<FakePeer> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = std::sync::Arc::new(state);
+        let answers = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let task = tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (state, answers) = (state.clone(), answers.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    // Requests are bodiless GETs, kept alive: answer each head as it completes.
+                    while let Ok(n) = s.read(&mut chunk).await {
+                        if n == 0 {
+                            break;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            let n = answers.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                            let body = state(n).to_string();
+                            let head = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                                body.len()
+                            );
+                            if s.write_all(head.as_bytes()).await.is_err()
+                                || s.write_all(body.as_bytes()).await.is_err()
+                            {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Ok(FakePeer { addr, task })
+    }
+}
+
+impl Drop for FakePeer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue 19, finding 1: a peer that claims the whole pool (claims and in-flight counts of
+/// u32::MAX on our endpoint, `seq` kept rising so it never expires) made the replica dispatch
+/// nothing (every request ended in 503 `rejected-ttl-expired`). Its numbers are clamped to the
+/// bound and a replica always keeps one slot: every request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_claiming_the_whole_pool_cannot_stall_a_replica() -> anyhow::Result<()> {
+    let backends = Backends::start(backends(1, 0.1)).await?;
+    let endpoint = backends.endpoints()[0].clone();
+    let liar = FakePeer::start(move |n| {
+        json!({"replica": 99, "version": {"incarnation": 1, "seq": n},
+               "service": {"flood": 1.0e12}, "in_flight": {endpoint.clone(): u32::MAX},
+               "queued": u32::MAX, "demand": {"flood": u32::MAX},
+               "claim": u32::MAX, "claim_queue": u32::MAX})
+    })
+    .await?;
+    let envoys =
+        replicas_with(1, &backends, BOUND, |_| 1, &[liar.addr.to_string()], json!({"queue_ttl_ms": 3000})).await?;
+    let a = &envoys[0];
+    a.wait_stats("the liar's states taken", Duration::from_secs(10), |s| s.value("sluice_replica_peers_live") == 1.0)
+        .await?;
+    let client = LoadClient::new(Duration::from_secs(30));
+    let outcomes =
+        sluice_e2e::load::send_indexed(&client, a.listener, 24, 4, |_| ChatRequest::chat(Some("t"), 8)).await;
+    let ok = outcomes.iter().filter(|o| o.ok()).count();
+    let stats = a.stats().await?;
+    eprintln!(
+        "served {ok} of {}; peers live {}, syncs ok {}",
+        outcomes.len(),
+        stats.value("sluice_replica_peers_live"),
+        stats.value("sluice_replica_sync_ok")
+    );
+    assert_eq!(ok, outcomes.len(), "{}", status_histogram(&outcomes));
+    wait_idle(a).await?;
+    Ok(())
+}
+
+/// Issue 19, finding 7: two replicas configured with the same `id` took each other's states for
+/// their own and silently stopped sharing, while `sluice_replica_sync_ok` rose (an answer from
+/// oneself counted as a success). Each now logs the duplicate as an error, and neither its own
+/// answers nor its twin's count as a successful sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_under_one_id_say_so_and_no_answer_from_oneself_is_a_success() -> anyhow::Result<()> {
+    let backends = Backends::start(backends(1, 0.1)).await?;
+    let envoys = replicas_with(2, &backends, BOUND, |_| 7, &[], json!({})).await?;
+    for e in &envoys {
+        e.wait_stats("answers heard", Duration::from_secs(10), |s| s.value("sluice_replica_sync_failed") > 4.0).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for e in &envoys {
+        let s = e.stats().await?;
+        assert_eq!(s.value("sluice_replica_sync_ok"), 0.0, "no peer was heard, only oneself and a twin");
+        assert_eq!(s.value("sluice_replica_peers_live"), 0.0);
+        let log = e.log();
+        assert!(log.contains("another replica publishes under this replica's id"), "no duplicate reported:\n{log}");
+    }
+    Ok(())
+}
+
+/// What one Envoy serves in `run` beside `light` tenants: requests served (every tenant) and
+/// the mean the backend held. One backend under a cap of 4 per backend (a band of 4 to 4.4), a
+/// flood of 8 at a time and `light` tenants one request at a time each; with `replicas` on
+/// (one replica, `peers: 1`) or off.
+async fn served_beside_light_tenants(replicas: bool, light: usize, run: Duration) -> anyhow::Result<(usize, f64)> {
+    let backends = Backends::start(backends(1, 0.5)).await?;
+    let backend = backends.addrs[0];
+    let cap = json!({"lower_bound_per_backend": null, "upper_bound_per_backend": null, "watermark_per_backend": 4,
+                     "total_capacity": 4000, "flow_capacity": 100});
+    let envoy = if replicas {
+        replicas_with(1, &backends, 4, |_| 1, &[], cap).await?.remove(0)
+    } else {
+        let pc = with_overrides(default_plugin_config(&backends.endpoints(), "vtc"), cap);
+        Envoy::start(EnvoyOptions { concurrency: 1, ..EnvoyOptions::with_filter("light-off", pc) }).await?
+    };
+    if replicas {
+        // Its own state published and fetched once: the exchange runs.
+        envoy
+            .wait_stats("a state published", Duration::from_secs(10), |s| s.get("sluice_replica_sync_failed").is_some())
+            .await?;
+    }
+    let client = LoadClient::new(Duration::from_secs(60));
+    let addr = envoy.listener;
+    let spawn = |tenant: String, concurrency: usize| {
+        let (client, req) = (client.clone(), ChatRequest::chat(Some(&tenant), 16));
+        tokio::spawn(async move { closed_loop(&client, addr, &req, concurrency, run).await })
+    };
+    let mut loads = vec![spawn("flood".into(), 8)];
+    loads.extend((0..light).map(|i| spawn(format!("light-{i}"), 1)));
+    let samples = sample_in_flight(backend, Instant::now() + run).await?;
+    let mut served = 0;
+    for l in loads {
+        served += l.await?.iter().filter(|o| o.ok()).count();
+    }
+    wait_idle(&envoy).await?;
+    Ok((served, max_mean(&samples).1))
+}
+
+/// Issue 19, finding 3: with `replicas` on, every light tenant's held part was rounded up to a
+/// whole slot, so that light tenants reserved more than the bound: with 1,000 of them this
+/// replica served 0.57 of what it served without `replicas` (0.97 since). Held parts are now
+/// summed, then rounded down: throughput stays within a few percent of throughput without
+/// `replicas` from 0 to 1,000 light tenants. Prints the table (`-- --nocapture`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark (throughput ratios on 2 loaded cores failed 1 run in 5): cargo test --release -p sluice-e2e --test replicas light_tenants -- --ignored --nocapture"]
+async fn light_tenants_cost_no_throughput_with_replicas() -> anyhow::Result<()> {
+    let run = Duration::from_secs(2);
+    let mut table = String::from(
+        "| light tenants | served without `replicas` | with | backend held, without / with |\n|---|---|---|---|\n",
+    );
+    let mut worst: f64 = 1.0;
+    for light in [0, 2, 10, 20, 1000] {
+        // Without, with, with, without: a machine whose speed drifts (other work on it) weighs
+        // on both alike.
+        let (mut off, mut on, mut held_off, mut held_on) = (0, 0, 0.0, 0.0);
+        for replicas in [false, true, true, false] {
+            let (served, held) = served_beside_light_tenants(replicas, light, run).await?;
+            let (n, h) = if replicas { (&mut on, &mut held_on) } else { (&mut off, &mut held_off) };
+            (*n, *h) = (*n + served, *h + held / 2.0);
+        }
+        table += &format!("| {light} | {off} | {on} | {held_off:.2} / {held_on:.2} |\n");
+        eprintln!("{light} light tenants: served {off} without replicas, {on} with");
+        worst = worst.min(on as f64 / off.max(1) as f64);
+    }
+    eprintln!("requests served in 2 × {} s:\n{table}", run.as_secs());
+    assert!(worst >= 0.93, "with replicas, throughput fell to {worst:.2} of throughput without:\n{table}");
     Ok(())
 }
 

@@ -239,6 +239,11 @@ impl Charge for Tracked {
     }
 }
 
+/// Set in a backlog key's tie-break for every flow but one lifted as it
+/// joined the backlog, so that such a newcomer wins its ties (head sequences
+/// stay far below 2^63).
+const LATER: u64 = 1 << 63;
+
 /// Least-counter-first over backlogged flows, with the VTC counter lift when
 /// `lift` is on, a per-tenant weight dividing every charge, and pricing `C`.
 #[derive(Debug)]
@@ -257,9 +262,11 @@ pub struct CounterPolicy<C> {
     /// The same offsets by tenant name, so that a flow id handed out later
     /// ([`Accounting::on_flow`]) starts with its tenant's offset.
     offset_of: HashMap<String, f64>,
-    /// Backlogged flows keyed by (merged counter bits, head sequence): merged
+    /// Backlogged flows keyed by (merged counter bits, tie-break, flow): merged
     /// counters (counter + offset) are non-negative, so their bit patterns
-    /// sort like the numbers.
+    /// sort like the numbers. The tie-break is the head's sequence, with
+    /// [`LATER`] set unless the flow was lifted as it joined the backlog: see
+    /// [`CounterPolicy::lift_newcomer`].
     backlog: BTreeSet<(u64, u64, FlowId)>,
     key_of: Vec<Option<(u64, u64)>>,
     last_left: Option<FlowId>,
@@ -329,9 +336,18 @@ impl<C: Charge> CounterPolicy<C> {
     /// backlogged merged counter, or, when nothing is backlogged, to the merged
     /// counter of the last flow to leave; i.e. `c ← max(c, floor − offset)`.
     /// Nothing for LCF.
-    fn lift_newcomer(&mut self, flow: FlowId) {
+    ///
+    /// Returns whether the newcomer was lifted: it then goes before the flows
+    /// it ties with at the floor. (Only a lift, not a counter that happens to
+    /// equal the floor, so that the order does not depend on which flow left
+    /// last, which a restored scheduler does not know.) Otherwise a tenant sending one request
+    /// at a time, lifted exactly to a flood's counter each time, lost every
+    /// tie to the flood's older head and waited for the next slot, which with
+    /// `replicas` frees only on its own replica (issue 19, finding 4). Ties
+    /// are arbitrary in Algorithm 2, so the fairness bound is unchanged.
+    fn lift_newcomer(&mut self, flow: FlowId) -> bool {
         if !self.lift {
-            return;
+            return false;
         }
         let floor = match self.min_backlogged() {
             Some(min) => min,
@@ -339,9 +355,11 @@ impl<C: Charge> CounterPolicy<C> {
         };
         let floor = floor - self.offsets.get(flow as usize).copied().unwrap_or(0.0);
         let c = slot(&mut self.counters, flow);
-        if *c < floor {
+        let lifted = *c < floor;
+        if lifted {
             *c = floor;
         }
+        lifted
     }
 
     fn min_backlogged(&self) -> Option<f64> {
@@ -388,9 +406,8 @@ impl<C: Charge> Selection for CounterPolicy<C> {
                 }
             }
             Some((seq, _)) => {
-                if was.is_none() {
-                    self.lift_newcomer(flow);
-                }
+                let lifted = was.is_none() && self.lift_newcomer(flow);
+                let seq = if lifted { seq & !LATER } else { seq | LATER };
                 slot(&mut self.counters, flow);
                 let bits = self.merged(flow).to_bits();
                 self.key_of[flow as usize] = Some((bits, seq));
@@ -529,6 +546,13 @@ impl<C: Charge> Counters for CounterPolicy<C> {
 
     fn offset(&self, flow: FlowId) -> f64 {
         self.offsets.get(flow as usize).copied().unwrap_or(0.0)
+    }
+
+    fn fold(&mut self, flow: FlowId, amount: f64) {
+        let amount = non_negative(amount);
+        if amount > 0.0 {
+            self.update(flow, |c| *c += amount);
+        }
     }
 }
 
@@ -804,6 +828,32 @@ mod tests {
         // Service charged is counted apart from the lift: b was lifted, not served.
         assert_eq!(v.service(1), 0.0);
         assert_eq!(v.service(0), 100.0);
+    }
+
+    /// Issue 19, finding 4: a tenant sending one request at a time is lifted exactly to the
+    /// flood's counter each time it joins; it used to lose the tie to the flood's older head.
+    #[test]
+    fn a_newcomer_lifted_to_the_floor_goes_before_the_older_heads_it_ties_with() {
+        for offsets in [false, true] {
+            let mut v = Vtc::new(VtcWeights::default());
+            if offsets {
+                // Merged counters (replicas): the tie is on counter + offset.
+                v.set_offset("flood", Some(0), 30.0);
+                v.set_offset("light", Some(2), 10.0);
+            }
+            head(&mut v, 0, Some(0));
+            head(&mut v, 1, Some(1));
+            v.on_output(0, 0, 50);
+            v.on_output(1, 0, 70);
+            // flood (0) keeps the smallest counter and a new head (older than light's).
+            head(&mut v, 0, Some(2));
+            head(&mut v, 2, Some(3));
+            assert_eq!(v.counter(2) + v.offset(2), v.counter(0) + v.offset(0), "lifted to the floor: a tie");
+            assert_eq!(v.next(), Some(2), "offsets {offsets}: the newcomer wins the tie");
+            // Its next head (still backlogged) is an ordinary one: arrival order again.
+            head(&mut v, 2, Some(4));
+            assert_eq!(v.next(), Some(0));
+        }
     }
 
     #[test]

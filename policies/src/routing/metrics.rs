@@ -43,8 +43,30 @@ pub struct EndpointMetrics {
     pub running: f64,
     /// Fraction of the KV cache in use, 0..1.
     pub kv_usage: f64,
-    /// LoRA adapters running (vLLM's `lora_requests_info`).
+    /// LoRA adapters running (vLLM's `lora_requests_info`), at most [`MAX_LORAS`].
     pub loras: Vec<String>,
+}
+
+/// Most running LoRA adapters kept per endpoint, and most bytes of their names: every request
+/// reads them (the `lora` scorer, the shared records), so a server listing 16,000 adapter names
+/// took Envoy from 5 to 22 % CPU at the same load (issue 19, finding 12). A server runs a few
+/// adapters at once (vLLM's `max_loras`); past these bounds the rest get no adapter affinity.
+pub const MAX_LORAS: usize = 64;
+/// See [`MAX_LORAS`].
+pub const MAX_LORA_BYTES: usize = 8 * 1024;
+
+/// At most [`MAX_LORAS`] names from `list` (comma-separated), [`MAX_LORA_BYTES`] in all.
+pub fn lora_names(list: &str) -> Vec<String> {
+    let mut bytes = 0;
+    list.split(',')
+        .filter(|a| !a.is_empty())
+        .take(MAX_LORAS)
+        .take_while(|a| {
+            bytes += a.len() + 1;
+            bytes <= MAX_LORA_BYTES + 1
+        })
+        .map(str::to_owned)
+        .collect()
 }
 
 impl EndpointMetrics {
@@ -75,7 +97,7 @@ impl EndpointMetrics {
                 kv_fallback = Some(kv_fallback.unwrap_or(0.0f64).max(s.value.min(1.0)));
             } else if s.name == "vllm:lora_requests_info" {
                 if let Some(list) = s.label("running_lora_adapters") {
-                    m.loras = list.split(',').filter(|a| !a.is_empty()).map(str::to_owned).collect();
+                    m.loras = lora_names(&list);
                 }
             }
         });
@@ -116,5 +138,20 @@ vllm:lora_requests_info{running_lora_adapters=\"sql,chat\",max_lora=\"4\",waitin
         assert_eq!(EndpointMetrics::from_prometheus("other 1\n", ModelServer::Vllm).0, None);
         let weird = "vllm:num_requests_waiting NaN\nvllm:num_requests_running -1\nvllm:kv_cache_usage_perc +Inf\n";
         assert_eq!(EndpointMetrics::from_prometheus(weird, ModelServer::Vllm).0, None, "nonsense values are ignored");
+    }
+
+    /// Issue 19, finding 12: a server listing 16,000 adapters cost every request.
+    #[test]
+    fn a_long_adapter_list_is_cut_to_the_bounds() {
+        let names: Vec<String> = (0..16_000).map(|i| format!("adapter-{i}")).collect();
+        let page = format!(
+            "vllm:num_requests_running 1\nvllm:lora_requests_info{{running_lora_adapters=\"{}\"}} 1\n",
+            names.join(",")
+        );
+        let got = EndpointMetrics::from_prometheus(&page, ModelServer::Vllm).0.unwrap();
+        assert_eq!(got.loras, names[..MAX_LORAS]);
+        let long: Vec<String> = (0..64).map(|i| format!("{i:03}{}", "x".repeat(997))).collect();
+        let got = lora_names(&long.join(","));
+        assert_eq!(got, long[..8], "8 names of 1,000 bytes fill the 8 KiB");
     }
 }
