@@ -354,9 +354,8 @@ pub struct Worker<H: Host> {
     route_scratch: Scratch,
     /// xorshift state for the weighted-random picker.
     rng: u64,
-    /// Scrapes in flight: call token → (endpoint, this gateway's requests
-    /// in flight there when the scrape was sent).
-    scrapes: HashMap<u32, (usize, u32)>,
+    /// Scrapes in flight: call token → endpoint.
+    scrapes: HashMap<u32, usize>,
     /// When each endpoint's last scrape was sent. Scrapes are paced per
     /// endpoint, so that one hung server cannot delay the others' metrics.
     scrape_sent_ms: Vec<u64>,
@@ -1226,18 +1225,38 @@ impl<H: Host> Worker<H> {
         }
     }
 
+    /// The requests in flight on each endpoint, from this gateway: this
+    /// process's, and with `replicas` the live peers' too (what the
+    /// saturation gate compares with a page).
+    fn pool_load(&self, now: u64) -> Vec<u32> {
+        let n = self.cfg.endpoints.len();
+        let own = shared::load(&self.host, n);
+        let peers = self.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&self.host, n, now, r.max_age_ms));
+        peers.map_or(own.clone(), |p| p.global(&own))
+    }
+
     /// Endpoints due for a scrape: only the scheduler scrapes; each endpoint
     /// once per interval, and not while its previous scrape is still out.
+    /// A saturated endpoint (whose page decides whether requests wait), or
+    /// one unknown or failing, is scraped every `scrape_interval_ms`; one with
+    /// room only every `max_scrape_interval_ms`, since each page costs the
+    /// engine CPU.
     fn due_scrapes(&mut self, now: u64) -> Vec<usize> {
         let routing = &self.cfg.routing;
         if self.role.is_none() || routing.scrape_cluster.is_none() {
             return Vec::new();
         }
-        let interval = routing.scrape_interval_ms;
-        let out: Vec<usize> = self.scrapes.values().map(|&(e, _)| e).collect();
+        let n = self.cfg.endpoints.len();
+        let (records, load) = (shared::records(&self.host, n), self.pool_load(now));
+        let interval = |i: usize| {
+            let r = &records[i];
+            let busy = r.failures > 0 || routing.saturation.saturated(&r.view(load[i], now));
+            if busy { routing.scrape_interval_ms } else { routing.max_scrape_interval_ms }
+        };
+        let out: Vec<usize> = self.scrapes.values().copied().collect();
         let mut due = Vec::new();
         for (i, sent) in self.scrape_sent_ms.iter_mut().enumerate() {
-            if !out.contains(&i) && now.saturating_sub(*sent) >= interval {
+            if !out.contains(&i) && now.saturating_sub(*sent) >= interval(i) {
                 *sent = now;
                 due.push(i);
             }
@@ -1248,9 +1267,14 @@ impl<H: Host> Worker<H> {
     /// A scrape answered (`page`), or failed (`None`): update the shared
     /// record, then dispatch in case the pool is no longer saturated.
     fn scraped(&mut self, token: u32, page: Option<&[u8]>) {
-        let Some((endpoint, in_flight_at_scrape)) = self.scrapes.remove(&token) else { return };
+        let Some(endpoint) = self.scrapes.remove(&token) else { return };
         let n = self.endpoints();
+        // The baseline of what is sent after this page: what is in flight now.
+        // A request sent while the scrape was out is taken as in the page (it
+        // was on its way there); taken as not, it would count twice whenever
+        // the page did show it, and hold the pool back until the next scrape.
         let now = self.now;
+        let in_flight_at_scrape = self.pool_load(now)[endpoint];
         let parsed = page.map(|p| {
             let text = String::from_utf8_lossy(p);
             EndpointMetrics::from_prometheus(&text, self.cfg.routing.model_servers[endpoint])
@@ -1547,9 +1571,6 @@ impl<H: Host> Worker<H> {
         let cfg = self.cfg.clone();
         let routing = &cfg.routing;
         let cluster = routing.scrape_cluster.as_deref().unwrap_or_default();
-        // What is in flight now is in the page the server will render (or on
-        // its way there): the baseline of what is sent after it.
-        let load = shared::load(&self.host, self.endpoints());
         for endpoint in due {
             let address = cfg.endpoints[endpoint].as_str();
             let headers = [
@@ -1560,7 +1581,7 @@ impl<H: Host> Worker<H> {
             ];
             match self.host.http_call(cluster, &headers, routing.scrape_timeout_ms) {
                 Some(token) => {
-                    self.scrapes.insert(token, (endpoint, load[endpoint]));
+                    self.scrapes.insert(token, endpoint);
                 }
                 None => {
                     log::warn!("cannot scrape {address} through cluster {cluster:?}");
@@ -2307,7 +2328,7 @@ mod tests {
         let mut c = serde_json::json!({
             "endpoints": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"],
             "lower_bound_per_backend": 100, "upper_bound_per_backend": 100,
-            "routing": {"scrape_cluster": "model_servers", "scrape_interval_ms": 50},
+            "routing": {"scrape_cluster": "model_servers", "scrape_interval_ms": 50, "max_scrape_interval_ms": 50},
         });
         c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         config(c)
@@ -2363,6 +2384,41 @@ mod tests {
         let records = shared::records(&p.store, 4);
         assert_eq!(records.iter().map(|r| r.in_flight_at_scrape).collect::<Vec<_>>(), got);
         assert!(records.iter().zip(got).all(|(r, n)| r.view(n, 100).since_scrape() == 0.0));
+    }
+
+    #[test]
+    fn an_endpoint_with_room_is_scraped_less_often_than_a_saturated_one() {
+        let p = Rc::new(Process::default());
+        let routing = serde_json::json!({"scrape_cluster": "model_servers", "max_scrape_interval_ms": 500});
+        let cfg = scraping(serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2"], "routing": routing}));
+        let mut w = vm(&p, 1, cfg, 0);
+        let sent = |w: &Worker<Vm>| w.host().0.scrapes.borrow().len();
+        // Endpoint 1 queues 6 (over the queue depth of 5); endpoint 2 has room.
+        scrape(&mut w, 50, |e| if e == 0 { vllm(6, 4, 0.1) } else { vllm(0, 4, 0.1) });
+        assert_eq!(sent(&w), 2, "both scraped first: unknown");
+        scrape(&mut w, 100, |_| vllm(6, 4, 0.1));
+        scrape(&mut w, 150, |_| vllm(6, 4, 0.1));
+        let to: Vec<String> = w.host().0.scrapes.borrow()[2..].iter().map(|(_, d)| d.clone()).collect();
+        assert_eq!(to, ["127.0.0.1:1", "127.0.0.1:1"], "only the saturated one every 50 ms");
+        scrape(&mut w, 550, |_| vllm(0, 4, 0.1));
+        assert_eq!(sent(&w), 6, "the one with room after 500 ms");
+    }
+
+    #[test]
+    fn requests_sent_while_a_scrape_is_out_count_once() {
+        let p = Rc::new(Process::default());
+        let mut w = vm(&p, 1, scraping(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+        scrape(&mut w, 50, |_| vllm(0, 4, 0.1));
+        // A scrape goes out; four requests follow it and reach the page.
+        w.on_tick(100);
+        let token = w.host().0.scrapes.borrow().len() as u32;
+        for ctx in 1..=4 {
+            assert!(matches!(admit_route(&mut w, 100, ctx, &[]), Admission::Bypass(0)));
+        }
+        w.on_scrape(105, token, Some(vllm(4, 4, 0.1).as_bytes()));
+        // Four waiting, not eight: the pool still has room under the queue depth of 5.
+        assert!(matches!(admit_route(&mut w, 106, 5, &[]), Admission::Bypass(0)));
+        assert_eq!(shared::records(&p.store, 1)[0].in_flight_at_scrape, 4);
     }
 
     #[test]

@@ -104,7 +104,7 @@ pub struct SaturationThresholds {
 
 impl Default for SaturationThresholds {
     fn default() -> Self {
-        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 200 }
+        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000 }
     }
 }
 
@@ -320,7 +320,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert!(!t.saturated(&view(&idle, 0)));
         assert!(t.saturated(&view(&queued, 0)));
         assert!(t.saturated(&view(&full, 0)));
-        assert!(t.saturated(&EndpointView { age_ms: 201, ..view(&idle, 0) }));
+        assert!(t.saturated(&EndpointView { age_ms: 1001, ..view(&idle, 0) }));
         assert!(t.saturated(&EndpointView { metrics: None, ..view(&idle, 0) }));
         assert!(!t.pool_saturated(&[view(&queued, 0), view(&idle, 0)]));
         assert!(t.pool_saturated(&[view(&queued, 0), view(&full, 0)]));

@@ -71,7 +71,10 @@ impl PickerKind {
     pub fn routing_config(self, scrape_interval_ms: u64) -> serde_json::Value {
         let mut r = serde_json::json!({
             "scrape_cluster": "model_servers",
+            // Every endpoint at this interval, saturated or not: the routing measured is
+            // the one this interval gives.
             "scrape_interval_ms": scrape_interval_ms,
+            "max_scrape_interval_ms": scrape_interval_ms,
         });
         match self {
             PickerKind::Random => r["picker"] = "random".into(),
