@@ -373,7 +373,7 @@ fn default_max_tenants() -> usize {
 }
 
 /// Largest `max_body_bytes` accepted: a body is buffered in Envoy until it is
-/// read whole, and the proxy's buffer limit must be raised to match (see the README).
+/// read whole, and the proxy's buffer limit must be raised to match (docs/configuration.md, `max_body_bytes`).
 pub const MAX_BODY_BYTES_LIMIT: usize = 64 << 20;
 fn default_total_capacity() -> usize {
     QueueLimits::default().total_capacity

@@ -128,7 +128,7 @@ mod claims {
     /// the simulation is deterministic, the bounds leave a margin under what it measures:
     /// Arena +10.8 and +5.6 with dropping, of a possible +18; Azure conversation +34.6 and
     /// +44.2; Azure code +20.6 and +26.1). The goal of +40 points holds only on Azure
-    /// conversation with dropping here, and on no row of the full run; the README says why.
+    /// conversation with dropping here, and on no row of the full run; docs/results/2026-11-26-slo-qlm-pard.md says why.
     #[test]
     fn the_slo_order_gains_attainment_over_fcfs_at_overload() {
         for (trace, slo_gain, drop_gain) in
@@ -152,7 +152,8 @@ mod claims {
 
     /// PARD-style bursts: proactive dropping raises goodput well over no dropping (+32 %
     /// measured) and is not worse than reactive TTL dropping (+0.7 % with `--quick`, +7.5 % on
-    /// the full run; the issue's +16 % over reactive is not met, see the README).
+    /// the full run; the issue's +16 % over reactive is not met, see
+    /// docs/results/2026-11-26-slo-qlm-pard.md).
     #[test]
     fn proactive_dropping_raises_goodput_over_no_dropping_and_matches_reactive() {
         let wasm = common::filter_wasm();
