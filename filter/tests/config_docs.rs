@@ -178,7 +178,10 @@ fn every_json_default_on_the_page_is_accepted() {
             let Some(default) = &row.default else { continue };
             let config = config_with(path, key, default.clone());
             if let Err(e) = parse(&config) {
-                panic!("docs/configuration.md: the default of `{}` is refused: {e}\n  config: {config}", joined(path, key));
+                panic!(
+                    "docs/configuration.md: the default of `{}` is refused: {e}\n  config: {config}",
+                    joined(path, key)
+                );
             }
             checked += 1;
             // The keys of an object default, one at a time.
@@ -293,8 +296,8 @@ fn the_routing_weights_default_names_every_scorer() {
     let Some(Value::Object(documented)) = &row.default else { panic!("`routing.weights` has no JSON default") };
     let err = parse(&config_with("routing", "weights", json!({ UNKNOWN: 1 }))).expect_err("an unknown scorer");
     let marker = "(known: ";
-    let known = &err[err.find(marker).unwrap_or_else(|| panic!("unexpected error for an unknown scorer: {err}"))
-        + marker.len()..];
+    let known = &err
+        [err.find(marker).unwrap_or_else(|| panic!("unexpected error for an unknown scorer: {err}")) + marker.len()..];
     let known: BTreeSet<String> = known[..known.find(')').unwrap()].split(", ").map(str::to_string).collect();
     assert_eq!(
         known,

@@ -128,7 +128,8 @@ mod claims {
     /// the simulation is deterministic, the bounds leave a margin under what it measures:
     /// Arena +10.8 and +5.6 with dropping, of a possible +18; Azure conversation +34.6 and
     /// +44.2; Azure code +20.6 and +26.1). The goal of +40 points holds only on Azure
-    /// conversation with dropping here, and on no row of the full run; docs/results/2026-11-26-slo-qlm-pard.md says why.
+    /// conversation with dropping here, and on no row of the full run;
+    /// docs/results/2026-11-26-slo-qlm-pard.md says why.
     #[test]
     fn the_slo_order_gains_attainment_over_fcfs_at_overload() {
         for (trace, slo_gain, drop_gain) in
