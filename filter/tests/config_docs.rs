@@ -110,10 +110,10 @@ fn key_tables() -> Tables {
 }
 
 /// What must sit beside a probed key for its object to parse: `replicas` needs an identity
-/// unless it only serves.
+/// and its peers.
 fn base(path: &str) -> Map<String, Value> {
     match path {
-        "replicas" => json!({"serve": true}).as_object().unwrap().clone(),
+        "replicas" => json!({"id": 1, "peers_cluster": "sluice_peers", "peers": 1}).as_object().unwrap().clone(),
         _ => Map::new(),
     }
 }
