@@ -923,8 +923,11 @@ impl<H: Host> Worker<H> {
                     model: String::new(),
                     tenant,
                 };
-                // Freed stock matters now only if something waits for it.
-                if shared::get_u64(&self.host, shared::QUEUED_KEY) > 0 {
+                // Freed stock matters now if something waits for it; and with replicas, a light
+                // tenant's part must be held for it again before another tenant's bypass reads
+                // the held parts (issue 19, finding 4: a done batched until the next tick let
+                // the next bypass take the slot, and the tenant's next request waited for one).
+                if self.cfg.replicas.is_some() || shared::get_u64(&self.host, shared::QUEUED_KEY) > 0 {
                     self.send_to_scheduler(&done);
                 } else {
                     self.charge_later(done);
