@@ -4,6 +4,23 @@
 //! 2 `Cancel`, 3 `Charge`, 4 a batch of messages, 5 `Wake`.
 
 use crate::outcome::Outcome;
+use sluice_policies::bands::Criticality;
+
+/// The worker that holds a request: request ids are `worker << 32 | context id`.
+pub fn worker_of(req: u64) -> u32 {
+    (req >> 32) as u32
+}
+
+/// A band's code on the wire and in saved counters: its index in
+/// [`Criticality::ALL`] (highest first).
+pub fn band_code(b: Criticality) -> u8 {
+    Criticality::ALL.iter().position(|&x| x == b).expect("a band") as u8
+}
+
+/// Band from its code (unknown codes are the default band).
+pub fn band_of_code(code: u8) -> Criticality {
+    Criticality::ALL.get(code as usize).copied().unwrap_or(Criticality::Standard)
+}
 
 /// What routing needs of a request, owned so it can wait in the queue.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -382,6 +399,16 @@ mod tests {
         ] {
             assert_eq!(ToWorker::decode(&m.encode()), Some(m));
         }
+    }
+
+    #[test]
+    fn request_ids_name_their_worker_and_band_codes_round_trip() {
+        assert_eq!(worker_of(3 << 32 | 9), 3);
+        for (code, band) in Criticality::ALL.into_iter().enumerate() {
+            assert_eq!(band_code(band), code as u8);
+            assert_eq!(band_of_code(code as u8), band);
+        }
+        assert_eq!(band_of_code(200), Criticality::Standard, "an unknown code is the default band");
     }
 
     #[test]

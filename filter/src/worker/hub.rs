@@ -7,8 +7,8 @@ use super::role::SchedulerRole;
 use super::slots::Slots;
 use super::streams::Streams;
 use super::{worker_queue_name, Env, Host, MAX_MESSAGES_PER_CALLBACK, SCHEDULER_QUEUE};
-use crate::scheduler::worker_of;
 use crate::shared::{Lease, Permit};
+use crate::wire::worker_of;
 use crate::wire::{decode_entry, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 
