@@ -28,7 +28,9 @@ use crate::config::Config;
 use crate::outcome::Outcome;
 use crate::shared;
 use crate::slo::SloOrder;
-use crate::wire::{band_code, band_of_code, worker_of, Deadline, RouteInfo, ToScheduler, ToWorker};
+use crate::wire::{
+    band_code, band_of_code, worker_of, Charge, Deadline, Dispatched, RequestId, RouteInfo, ToScheduler, ToWorker,
+};
 use hashbrown::HashMap;
 use replicas::Replicas;
 use slo::{QueuedSlo, SloState};
@@ -241,58 +243,57 @@ impl Scheduler {
     pub fn on_message(&mut self, msg: ToScheduler, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         match msg {
             ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline, route, tenant } => {
-                let r = Enqueued { req, band: band_of_code(band), input_tokens, max_tokens, arrival_ms, deadline };
+                let (req, band) = (req.0, band_of_code(band));
+                let r = Enqueued { req, band, input_tokens, max_tokens, arrival_ms, deadline };
                 self.enqueue(r, route, tenant, now_ms, out)
             }
-            ToScheduler::Cancel { req } => self.cancel(req),
+            ToScheduler::Cancel { req } => self.cancel(req.0),
             // The caller pumps after every batch of messages.
             ToScheduler::Wake => {}
-            ToScheduler::Charge {
-                req,
-                band,
-                input_tokens,
-                max_tokens,
-                output_tokens,
-                done,
-                first_token_ms,
-                model,
-                tenant,
-            } => {
-                let (band, flow) = match self.running.get(&req) {
-                    Some(known) => (known.band, known.flow),
-                    None if tenant.is_empty() => return, // no longer running, and no tenant to charge
-                    None => (band_of_code(band), self.queue.flow_id(&tenant)),
-                };
-                if input_tokens > 0 {
-                    // A request that bypassed the queue: a dispatch of a tenant
-                    // that need not be backlogged (VTC lifts it as a newcomer).
-                    let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
-                    self.queue.band_mut(band).policy_mut().on_dispatch(&r);
-                    if let Some(slo) = self.slo.as_mut() {
-                        slo.est.on_arrival();
-                    }
-                    self.start(req, band, flow, (input_tokens, max_tokens), model);
-                }
-                if output_tokens > 0 {
-                    self.queue.band_mut(band).policy_mut().on_output(flow, req, output_tokens);
-                }
-                if let (Some(slo), Some(run)) = (self.slo.as_mut(), self.running.get_mut(&req)) {
-                    let group = slo.est.group(&run.model);
-                    slo.est.on_output(output_tokens, group);
-                    run.output = run.output.saturating_add(output_tokens);
-                    if let Some(ms) = first_token_ms {
-                        slo.est.on_first_token(run.input_tokens, ms);
-                    }
-                }
-                if input_tokens > 0 || output_tokens > 0 {
-                    self.mark(flow);
-                }
-                if done && !self.finish(req, true) {
-                    // Not known to run here (dispatched by an earlier lease holder).
-                    self.queue.band_mut(band).policy_mut().on_complete(flow, req);
-                    self.mark(flow);
-                }
+            ToScheduler::Charge(c) => self.charge(c, now_ms),
+        }
+    }
+
+    /// Applies a running request's report: its dispatch (a bypass), its
+    /// output, its end, in that order.
+    fn charge(&mut self, c: Charge, now_ms: u64) {
+        let Charge { req, band, tenant, dispatched, output, done } = c;
+        let req = req.0;
+        let (band, flow) = match self.running.get(&req) {
+            Some(known) => (known.band, known.flow),
+            None if tenant.is_empty() => return, // no longer running, and no tenant to charge
+            None => (band_of_code(band), self.queue.flow_id(&tenant)),
+        };
+        let bypassed = dispatched.is_some();
+        if let Some(Dispatched { input_tokens, max_tokens, model }) = dispatched {
+            // A request that bypassed the queue: a dispatch of a tenant
+            // that need not be backlogged (VTC lifts it as a newcomer).
+            let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms: now_ms };
+            self.queue.band_mut(band).policy_mut().on_dispatch(&r);
+            if let Some(slo) = self.slo.as_mut() {
+                slo.est.on_arrival();
             }
+            self.start(req, band, flow, (input_tokens, max_tokens), model);
+        }
+        let output_tokens = output.tokens;
+        if output_tokens > 0 {
+            self.queue.band_mut(band).policy_mut().on_output(flow, req, output_tokens);
+        }
+        if let (Some(slo), Some(run)) = (self.slo.as_mut(), self.running.get_mut(&req)) {
+            let group = slo.est.group(&run.model);
+            slo.est.on_output(output_tokens, group);
+            run.output = run.output.saturating_add(output_tokens);
+            if let Some(ms) = output.first_token_ms {
+                slo.est.on_first_token(run.input_tokens, ms);
+            }
+        }
+        if bypassed || output_tokens > 0 {
+            self.mark(flow);
+        }
+        if done && !self.finish(req, true) {
+            // Not known to run here (dispatched by an earlier lease holder).
+            self.queue.band_mut(band).policy_mut().on_complete(flow, req);
+            self.mark(flow);
         }
     }
 
@@ -326,7 +327,10 @@ impl Scheduler {
             };
             if let (Some(hi), Some(d)) = (hi, deadline) {
                 if hi > d.ttft_ms as f64 {
-                    out.push((worker_of(req), ToWorker::Reject { req, outcome: Outcome::SloUnattainable }));
+                    out.push((
+                        worker_of(req),
+                        ToWorker::Reject { req: RequestId(req), outcome: Outcome::SloUnattainable },
+                    ));
                     return;
                 }
             }
@@ -348,10 +352,13 @@ impl Scheduler {
                 if let Some(victim) = evicted {
                     self.routes.remove(&victim.id);
                     self.left_queue(victim.id);
-                    out.push((worker_of(victim.id), ToWorker::Reject { req: victim.id, outcome: Outcome::Evicted }));
+                    out.push((
+                        worker_of(victim.id),
+                        ToWorker::Reject { req: RequestId(victim.id), outcome: Outcome::Evicted },
+                    ));
                 }
             }
-            Err(reason) => out.push((worker_of(req), ToWorker::Reject { req, outcome: reason.into() })),
+            Err(reason) => out.push((worker_of(req), ToWorker::Reject { req: RequestId(req), outcome: reason.into() })),
         }
     }
 
@@ -400,7 +407,10 @@ impl Scheduler {
                 self.queue.remove(next);
                 self.routes.remove(&next);
                 self.left_queue(next);
-                out.push((worker_of(next), ToWorker::Reject { req: next, outcome: Outcome::SloUnattainable }));
+                out.push((
+                    worker_of(next),
+                    ToWorker::Reject { req: RequestId(next), outcome: Outcome::SloUnattainable },
+                ));
                 continue;
             }
             // The others' unused parts summed, then rounded down: never more than the bound.
@@ -416,13 +426,17 @@ impl Scheduler {
                     self.mark(r.flow);
                     let predicted = self.left_queue(next);
                     let expose = self.slo.as_ref().is_some_and(|s| s.expose);
-                    ToWorker::Dispatch { req: next, endpoint, predicted_ttft_ms: predicted.filter(|_| expose) }
+                    ToWorker::Dispatch {
+                        req: RequestId(next),
+                        endpoint,
+                        predicted_ttft_ms: predicted.filter(|_| expose),
+                    }
                 }
                 Slot::NoEndpoint => {
                     // Taken out without a dispatch: nothing is charged.
                     self.queue.remove(next);
                     self.left_queue(next);
-                    ToWorker::Reject { req: next, outcome: Outcome::NoEndpoint }
+                    ToWorker::Reject { req: RequestId(next), outcome: Outcome::NoEndpoint }
                 }
             };
             self.routes.remove(&next);
@@ -451,7 +465,7 @@ impl Scheduler {
         while let Some(r) = self.queue.pop_expired(now_ms) {
             self.routes.remove(&r.id);
             self.left_queue(r.id);
-            out.push((worker_of(r.id), ToWorker::Reject { req: r.id, outcome: Outcome::TtlExpired }));
+            out.push((worker_of(r.id), ToWorker::Reject { req: RequestId(r.id), outcome: Outcome::TtlExpired }));
         }
     }
 

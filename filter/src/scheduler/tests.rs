@@ -1,4 +1,5 @@
 use super::*;
+use crate::wire::{Output, RequestId};
 
 fn cfg(policy: &str, extra: &str) -> Config {
     Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1","127.0.0.1:2"],"policy":"{policy}"{extra}}}"#).as_bytes())
@@ -7,7 +8,7 @@ fn cfg(policy: &str, extra: &str) -> Config {
 
 fn enqueue_in(band: Criticality, worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
     ToScheduler::Enqueue {
-        req: (worker as u64) << 32 | ctx as u64,
+        req: RequestId::new(worker, ctx),
         band: band_code(band),
         input_tokens: 100,
         max_tokens: 100,
@@ -22,18 +23,16 @@ fn enqueue(worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
     enqueue_in(Criticality::Standard, worker, ctx, tenant, t)
 }
 
+/// A report of request `req` of `tenant`: a bypass with `input_tokens` (if any), then output, then its end.
 fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
-    ToScheduler::Charge {
-        req,
-        band: 1,
-        input_tokens,
-        max_tokens: 0,
-        output_tokens,
-        done,
-        first_token_ms: None,
-        model: String::new(),
-        tenant: tenant.into(),
-    }
+    charge_in(1, req, tenant, input_tokens, output_tokens, done)
+}
+
+/// [`charge`] in band `band`.
+fn charge_in(band: u8, req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
+    let dispatched = (input_tokens > 0).then(|| Dispatched { input_tokens, max_tokens: 0, model: String::new() });
+    let output = Output { tokens: output_tokens, first_token_ms: None };
+    ToScheduler::Charge(Charge { req: RequestId(req), band, tenant: tenant.into(), dispatched, output, done })
 }
 
 /// Grants up to `n` slots on endpoint 0, then says wait.
@@ -50,7 +49,7 @@ fn slots(mut n: usize) -> impl FnMut(u64, &RouteInfo, u32) -> Slot {
 fn dispatched(out: &[(u32, ToWorker)]) -> Vec<u64> {
     out.iter()
         .filter_map(|(_, m)| match m {
-            ToWorker::Dispatch { req, .. } => Some(*req & 0xffff_ffff),
+            ToWorker::Dispatch { req, .. } => Some(req.0 & 0xffff_ffff),
             _ => None,
         })
         .collect()
@@ -185,12 +184,12 @@ fn capacity_and_ttl_rejects_name_the_reason() {
     let mut out = Vec::new();
     s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
     s.on_message(enqueue(0, 2, "a", 0), 0, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, outcome: Outcome::FlowFull })]);
+    assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(2), outcome: Outcome::FlowFull })]);
     out.clear();
     s.expire(5, &mut out);
     assert!(out.is_empty());
     s.expire(11, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::TtlExpired })]);
+    assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(1), outcome: Outcome::TtlExpired })]);
     assert!(s.is_empty());
 }
 
@@ -201,7 +200,7 @@ fn cancelled_requests_are_never_dispatched_and_resends_are_not_duplicated() {
     s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
     s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
     s.on_message(enqueue(0, 2, "a", 1), 0, &mut out);
-    s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+    s.on_message(ToScheduler::Cancel { req: RequestId(1) }, 0, &mut out);
     s.pump(0, &mut slots(usize::MAX), &mut out);
     assert_eq!(dispatched(&out), vec![2]);
 }
@@ -300,8 +299,8 @@ fn routing_sees_each_request_and_no_endpoint_rejects_only_the_head() {
     assert_eq!(
         out,
         vec![
-            (0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint }),
-            (0, ToWorker::Dispatch { req: 2, endpoint: 1, predicted_ttft_ms: None }),
+            (0, ToWorker::Reject { req: RequestId(1), outcome: Outcome::NoEndpoint }),
+            (0, ToWorker::Dispatch { req: RequestId(2), endpoint: 1, predicted_ttft_ms: None }),
         ]
     );
     assert!(s.routes.is_empty(), "route facts leave with their requests");
@@ -315,7 +314,7 @@ fn a_request_rejected_for_want_of_an_endpoint_is_not_charged() {
     let a = s.queue.tenants().get("a").unwrap();
     let before = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
     s.pump(0, &mut |_, _, _| Slot::NoEndpoint, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::NoEndpoint })]);
+    assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(1), outcome: Outcome::NoEndpoint })]);
     assert_eq!(
         s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a)),
         before,
@@ -338,10 +337,10 @@ fn a_dispatch_whose_stream_left_is_closed_once_and_its_prediction_refunded() {
     // The client left before the dispatch reached its stream: the worker
     // (as the stream ended, and again when the dispatch found it gone)
     // says Cancel.
-    s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+    s.on_message(ToScheduler::Cancel { req: RequestId(1) }, 0, &mut out);
     assert!(s.running.is_empty(), "the running entry is released");
     assert_eq!(counter(&s), Some(100.0), "the predicted output is refunded; the input was charged at dispatch");
-    s.on_message(ToScheduler::Cancel { req: 1 }, 0, &mut out);
+    s.on_message(ToScheduler::Cancel { req: RequestId(1) }, 0, &mut out);
     s.on_message(charge(1, "", 0, 0, true), 0, &mut out);
     assert_eq!(counter(&s), Some(100.0), "closed once");
     // Released: the idle tenant can make room for another under the cap.
@@ -378,13 +377,13 @@ fn critical_goes_first_and_the_newest_less_critical_request_is_evicted_when_full
     assert!(out.is_empty());
     // Two slots are open to non-critical work: a standard request evicts the newest sheddable one.
     s.on_message(enqueue_in(Criticality::Standard, 0, 3, "b", 2), 0, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 2, outcome: Outcome::Evicted })]);
+    assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(2), outcome: Outcome::Evicted })]);
     out.clear();
     // The reserved slot takes a critical request; the next one evicts the last sheddable.
     s.on_message(enqueue_in(Criticality::Critical, 0, 4, "c", 3), 0, &mut out);
     assert!(out.is_empty());
     s.on_message(enqueue_in(Criticality::Critical, 0, 5, "c", 4), 0, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 1, outcome: Outcome::Evicted })]);
+    assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(1), outcome: Outcome::Evicted })]);
     out.clear();
     s.pump(0, &mut slots(usize::MAX), &mut out);
     assert_eq!(dispatched(&out), vec![4, 5, 3], "bands in strict priority");
@@ -523,17 +522,7 @@ fn counters_round_trip_through_the_shards() {
     let mut out = Vec::new();
     for (i, name) in ["a", "b", "c", "\u{e9}t\u{e9}", "x y"].iter().enumerate() {
         let band = [0u8, 1, 2, 1, 1][i];
-        let m = ToScheduler::Charge {
-            req: i as u64,
-            band,
-            input_tokens: 10 * (i as u32 + 1),
-            max_tokens: 0,
-            output_tokens: 3,
-            done: true,
-            first_token_ms: None,
-            model: String::new(),
-            tenant: (*name).into(),
-        };
+        let m = charge_in(band, i as u64, name, 10 * (i as u32 + 1), 3, true);
         old.on_message(m, 0, &mut out);
     }
     let store = MapStore::default();
@@ -749,7 +738,7 @@ fn vtc_shares_of_backlogged_tenants_are_unchanged_by_churning_tenants() {
 
 fn enqueue_slo(ctx: u32, tenant: &str, now: u64, ttft_ms: u32, max_tokens: u32) -> ToScheduler {
     ToScheduler::Enqueue {
-        req: ctx as u64,
+        req: RequestId(ctx as u64),
         band: band_code(Criticality::Standard),
         input_tokens: 100,
         max_tokens,
@@ -771,17 +760,10 @@ fn warm_up(s: &mut Scheduler, n: u32) -> u64 {
     for i in 0..n {
         s.pump(now, &mut slots(1), &mut out);
         now += 50;
-        let done = ToScheduler::Charge {
-            req: 10_000 + i as u64,
-            band: 1,
-            input_tokens: 0,
-            max_tokens: 0,
-            output_tokens: 100,
-            done: true,
-            first_token_ms: Some(20),
-            model: String::new(),
-            tenant: "warm".into(),
-        };
+        let output = Output { tokens: 100, first_token_ms: Some(20) };
+        let req = RequestId(10_000 + i as u64);
+        let done =
+            ToScheduler::Charge(Charge { req, band: 1, tenant: "warm".into(), dispatched: None, output, done: true });
         s.on_message(done, now, &mut out);
     }
     s.pump(now, &mut slots(0), &mut out);
@@ -805,7 +787,7 @@ fn proactive_dropping_answers_what_cannot_meet_its_objective_and_never_best_effo
     s.on_message(enqueue_slo(101, "b", now, 5_000, 100), now, &mut out);
     assert_eq!(
         out,
-        vec![(0, ToWorker::Reject { req: 100, outcome: Outcome::SloUnattainable })],
+        vec![(0, ToWorker::Reject { req: RequestId(100), outcome: Outcome::SloUnattainable })],
         "30 ms is out of reach"
     );
     // Best effort (no deadline) is never dropped, however long the queue.
@@ -818,7 +800,7 @@ fn proactive_dropping_answers_what_cannot_meet_its_objective_and_never_best_effo
     // Least slack first, with its prediction exposed: request 101 goes first.
     s.pump(now, &mut slots(1), &mut out);
     match out.last() {
-        Some((_, ToWorker::Dispatch { req: 101, predicted_ttft_ms: Some(ms), .. })) => {
+        Some((_, ToWorker::Dispatch { req: RequestId(101), predicted_ttft_ms: Some(ms), .. })) => {
             assert!(*ms > 0 && *ms < 5_000, "{ms}")
         }
         other => panic!("expected 101 dispatched with a prediction: {other:?}"),
@@ -836,7 +818,7 @@ fn under_a_fair_order_the_work_queued_before_a_newcomer_counts() {
     // FCFS: ~4,000 tokens ahead at 2,000 tokens/s is ~2 s.
     s.on_message(enqueue_slo(100, "b", now, 1_000, 100), now, &mut out);
     s.on_message(enqueue_slo(101, "b", now, 3_000, 100), now, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 100, outcome: Outcome::SloUnattainable })]);
+    assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(100), outcome: Outcome::SloUnattainable })]);
 }
 
 #[test]
@@ -849,8 +831,8 @@ fn a_request_past_its_deadline_at_dispatch_is_dropped_not_sent() {
     assert!(out.is_empty());
     // ...but once its deadline passed, dispatching it is pointless.
     s.pump(2_000, &mut slots(2), &mut out);
-    assert_eq!(out[0], (0, ToWorker::Reject { req: 1, outcome: Outcome::SloUnattainable }));
-    assert!(matches!(out[1], (0, ToWorker::Dispatch { req: 2, predicted_ttft_ms: None, .. })), "{out:?}");
+    assert_eq!(out[0], (0, ToWorker::Reject { req: RequestId(1), outcome: Outcome::SloUnattainable }));
+    assert!(matches!(out[1], (0, ToWorker::Dispatch { req: RequestId(2), predicted_ttft_ms: None, .. })), "{out:?}");
     assert!(s.is_empty());
 }
 
@@ -861,7 +843,7 @@ fn without_dropping_nothing_is_refused_and_the_prediction_stays_inside() {
     let mut out = Vec::new();
     s.on_message(enqueue_slo(1, "a", now, 1, 100), now, &mut out);
     s.pump(now + 10_000, &mut slots(1), &mut out);
-    assert!(matches!(out[..], [(0, ToWorker::Dispatch { req: 1, predicted_ttft_ms: None, .. })]), "{out:?}");
+    assert!(matches!(out[..], [(0, ToWorker::Dispatch { req: RequestId(1), predicted_ttft_ms: None, .. })]), "{out:?}");
 }
 
 #[test]
@@ -937,5 +919,23 @@ fn model_groups_queue_apart_each_drained_at_its_own_rate() {
     }
     s.on_message(with_model(100, "a", now, 1_000), now, &mut out);
     s.on_message(with_model(101, "b", now, 1_000), now, &mut out);
-    assert_eq!(out, vec![(0, ToWorker::Reject { req: 100, outcome: Outcome::SloUnattainable })], "b's group is empty");
+    assert_eq!(
+        out,
+        vec![(0, ToWorker::Reject { req: RequestId(100), outcome: Outcome::SloUnattainable })],
+        "b's group is empty"
+    );
+}
+
+#[test]
+fn a_bypass_is_told_by_its_event_not_by_its_input_tokens() {
+    let mut s = Scheduler::new(&cfg("vtc", ""));
+    let mut out = Vec::new();
+    let dispatched = Some(Dispatched::default());
+    let c =
+        Charge { req: RequestId(7), band: 1, tenant: "a".into(), dispatched, output: Output::default(), done: false };
+    s.on_message(ToScheduler::Charge(c), 0, &mut out);
+    assert_eq!(s.running(), 1, "an empty prompt's bypass runs all the same");
+    s.on_message(charge(7, "a", 0, 3, true), 1, &mut out);
+    assert_eq!(s.running(), 0, "and its end closes it");
+    assert!(out.is_empty());
 }

@@ -9,7 +9,7 @@ use super::streams::Streams;
 use super::{worker_queue_name, Env, Host, MAX_MESSAGES_PER_CALLBACK, SCHEDULER_QUEUE};
 use crate::shared::{Lease, Permit};
 use crate::wire::worker_of;
-use crate::wire::{decode_entry, ToScheduler, ToWorker};
+use crate::wire::{decode_entry, Charge, Output, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 
 /// This VM: its environment, the lease as it last saw it, the queues it
@@ -111,8 +111,11 @@ impl<H: Host> Hub<H> {
                     for m in msgs {
                         // A first token confirms the prefix of a request this
                         // VM routed from the queue (other workers hold the streams).
-                        if let ToScheduler::Charge { req, first_token_ms: Some(_), .. } = m {
-                            self.slots.affinity.confirm(req, now);
+                        if let ToScheduler::Charge(Charge {
+                            req, output: Output { first_token_ms: Some(_), .. }, ..
+                        }) = &m
+                        {
+                            self.slots.affinity.confirm(req.0, now);
                         }
                         holding.scheduler.on_message(m, now, &mut out);
                     }

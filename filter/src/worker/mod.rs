@@ -33,7 +33,7 @@ use crate::openai::{self, BodyEdit};
 use crate::outcome::Outcome;
 use crate::shared::Store;
 use crate::slo::SloHeaders;
-use crate::wire::RouteInfo;
+use crate::wire::{RequestId, RouteInfo};
 use hub::Hub;
 use role::SchedulerRole;
 use slots::Slots;
@@ -150,8 +150,8 @@ impl<H: Host> Env<H> {
     }
 
     /// The id of this VM's stream `ctx` in the protocol: `worker << 32 | ctx`.
-    fn request_id(&self, ctx: u32) -> u64 {
-        (self.worker as u64) << 32 | ctx as u64
+    fn request_id(&self, ctx: u32) -> RequestId {
+        RequestId::new(self.worker, ctx)
     }
 
     /// The ladder in force: the configured one, else the defaults (which

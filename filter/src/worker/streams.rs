@@ -19,7 +19,7 @@ use crate::scheduler::Slot;
 use crate::shared::{self, Permit};
 use crate::slo::SloHeaders;
 use crate::wire::{band_code, band_of_code};
-use crate::wire::{encode_batch, Deadline, ToScheduler, ToWorker};
+use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Output, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::capacity::{Pace, Progress};
@@ -103,30 +103,20 @@ pub(super) struct Held {
 
 /// Folds charge `next` into `prev`, the charge just before it, when both are
 /// for the same request and `next` only adds output or ends it: the
-/// scheduler handles a charge's input, then its output, then its end, so one
+/// scheduler applies a charge's dispatch, then its output, then its end, so one
 /// message does what the two did in turn (a bypassed request that finishes
 /// within a tick sends one charge instead of three). `false`: left as they are.
 pub(super) fn merge_charge(prev: &mut ToScheduler, next: &ToScheduler) -> bool {
-    let (
-        ToScheduler::Charge { req, output_tokens, done, first_token_ms, .. },
-        ToScheduler::Charge {
-            req: next_req,
-            input_tokens: 0,
-            output_tokens: more,
-            done: next_done,
-            first_token_ms: next_first,
-            ..
-        },
-    ) = (prev, next)
-    else {
+    let (ToScheduler::Charge(prev), ToScheduler::Charge(next @ Charge { dispatched: None, .. })) = (prev, next) else {
         return false;
     };
-    if *req != *next_req || *done || (first_token_ms.is_some() && next_first.is_some()) {
+    let (first, next_first) = (prev.output.first_token_ms, next.output.first_token_ms);
+    if prev.req != next.req || prev.done || (first.is_some() && next_first.is_some()) {
         return false;
     }
-    *output_tokens = output_tokens.saturating_add(*more);
-    *done = *next_done;
-    *first_token_ms = first_token_ms.or(*next_first);
+    prev.output.tokens = prev.output.tokens.saturating_add(next.output.tokens);
+    prev.done = next.done;
+    prev.output.first_token_ms = first.or(next_first);
     true
 }
 
@@ -245,26 +235,26 @@ impl Streams {
         if may_bypass {
             let held = if hub.env.cfg.replicas.is_some() { replicas::held_for(&hub.env.host, &tenant) } else { 0 };
             self.keep_alive(&hub.env, hub.lease_ms);
-            match hub.slots.take_slot(&hub.env, hub.env.worker, req_id, &route, false, held) {
+            match hub.slots.take_slot(&hub.env, hub.env.worker, req_id.0, &route, false, held) {
                 Slot::Granted(permit) => {
                     let endpoint = permit.endpoint();
                     hub.env.host.add(Metric::Bypassed, 1);
                     hub.env.host.add(Metric::Dispatched, 1);
-                    self.charge_later(
-                        hub,
-                        ToScheduler::Charge {
-                            req: req_id,
-                            band,
-                            input_tokens: req.prompt_tokens,
-                            max_tokens: req.max_tokens,
-                            output_tokens: 0,
-                            done: false,
-                            first_token_ms: None,
-                            // The route is done with: a bypassed request never reaches the queue.
-                            model: std::mem::take(&mut route.model),
-                            tenant: tenant.clone(),
-                        },
-                    );
+                    let dispatched = Dispatched {
+                        input_tokens: req.prompt_tokens,
+                        max_tokens: req.max_tokens,
+                        // The route is done with: a bypassed request never reaches the queue.
+                        model: std::mem::take(&mut route.model),
+                    };
+                    let charge = Charge {
+                        req: req_id,
+                        band,
+                        tenant: tenant.clone(),
+                        dispatched: Some(dispatched),
+                        output: Output::default(),
+                        done: false,
+                    };
+                    self.charge_later(hub, ToScheduler::Charge(charge));
                     write_engine_priority(&hub.env, ctx, band);
                     let objective_ms = deadline.map(|d| d.ttft_ms);
                     let sent = Sent { now, ttft_from_ms: now, objective_ms, streamed: req.stream };
@@ -488,19 +478,11 @@ impl Streams {
                 let first_token_ms = (!first_seen && uncharged_tokens > 0 && !upstream_failed)
                     .then(|| env.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32);
                 if first_token_ms.is_some() {
-                    hub.slots.affinity.confirm(env.request_id(ctx), env.now);
+                    hub.slots.affinity.confirm(env.request_id(ctx).0, env.now);
                 }
-                let done = ToScheduler::Charge {
-                    req: env.request_id(ctx),
-                    band,
-                    input_tokens: 0,
-                    max_tokens: 0,
-                    output_tokens: uncharged_tokens,
-                    done: true,
-                    first_token_ms,
-                    model: String::new(),
-                    tenant,
-                };
+                let output = Output { tokens: uncharged_tokens, first_token_ms };
+                let req = env.request_id(ctx);
+                let done = ToScheduler::Charge(Charge { req, band, tenant, dispatched: None, output, done: true });
                 // Freed stock matters now only if something waits for it.
                 if shared::get_u64(&env.host, shared::QUEUED_KEY) > 0 {
                     self.send(hub, &done);
@@ -536,19 +518,17 @@ impl Streams {
             *first_seen |= first;
             if first {
                 // The prefill ran: where this VM routed it, the prefix is cached.
-                hub.slots.affinity.confirm(req, now);
+                hub.slots.affinity.confirm(req.0, now);
             }
-            let msg = ToScheduler::Charge {
+            let first_token_ms = first.then(|| now.saturating_sub(*sent_ms).min(u32::MAX as u64) as u32);
+            let msg = ToScheduler::Charge(Charge {
                 req,
                 band: *band,
-                input_tokens: 0,
-                max_tokens: 0,
-                output_tokens: tokens,
-                done: false,
-                first_token_ms: first.then(|| now.saturating_sub(*sent_ms).min(u32::MAX as u64) as u32),
-                model: String::new(),
                 tenant: tenant.clone(),
-            };
+                dispatched: None,
+                output: Output { tokens, first_token_ms },
+                done: false,
+            });
             self.charge_later(hub, msg);
         }
     }
@@ -588,10 +568,10 @@ impl Streams {
             let Some(bytes) = hub.env.host.dequeue(queue_id) else { break };
             match ToWorker::decode(&bytes) {
                 Some(ToWorker::Dispatch { req, endpoint, predicted_ttft_ms }) => {
-                    self.dispatch(hub, req as u32, endpoint, predicted_ttft_ms)
+                    self.dispatch(hub, req.ctx(), endpoint, predicted_ttft_ms)
                 }
                 Some(ToWorker::Reject { req, outcome }) => {
-                    let ctx = req as u32;
+                    let ctx = req.ctx();
                     if matches!(self.map.get(&ctx), Some(Stream::Queued { .. })) {
                         self.map.remove(&ctx);
                         self.reject(&hub.env, ctx, outcome, outcome.message());

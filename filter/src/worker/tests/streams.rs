@@ -10,7 +10,7 @@ fn a_bypassed_request_that_ends_within_a_tick_sends_one_charge() {
     let mut w = vm(&p, 1, config(bounds), 0);
     assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Bypass(0));
     let input = match &w.streams.pending[..] {
-        [ToScheduler::Charge { input_tokens, .. }] => *input_tokens,
+        [ToScheduler::Charge(Charge { dispatched: Some(d), .. })] => d.input_tokens,
         other => panic!("one bypass charge: {other:?}"),
     };
     assert!(input > 0);
@@ -134,7 +134,7 @@ fn a_second_dispatch_of_a_running_stream_gives_its_slot_back_with_a_bare_wake_up
     // slot for it and dispatched it again.
     let other = 1 - first;
     let _second = shared::acquire(&p.store, 2, 1, |_| true, |_| Some(other as usize)).unwrap();
-    let twice = ToWorker::Dispatch { req: 1 << 32 | 1, endpoint: other, predicted_ttft_ms: None };
+    let twice = ToWorker::Dispatch { req: RequestId::new(1, 1), endpoint: other, predicted_ttft_ms: None };
     Vm(p.clone(), 0).enqueue(queue_id(&p, "sluice.worker.1"), &twice.encode());
     assert_eq!(shared::stock(&p.store, 2), 2);
     w.on_queue_ready(1, queue_id(&p, "sluice.worker.1"));
@@ -355,16 +355,10 @@ fn time_held_by_the_ladder_is_left_out_of_the_ttft_sample() {
 
 #[test]
 fn the_charges_of_one_request_fold_until_it_ends() {
-    let charge = |req: u64, input: u32, output: u32, done: bool, first: Option<u32>| ToScheduler::Charge {
-        req,
-        band: 1,
-        input_tokens: input,
-        max_tokens: 0,
-        output_tokens: output,
-        done,
-        first_token_ms: first,
-        model: String::new(),
-        tenant: "t".into(),
+    let charge = |req: u64, input: u32, output: u32, done: bool, first: Option<u32>| {
+        let dispatched = (input > 0).then(|| Dispatched { input_tokens: input, ..Dispatched::default() });
+        let output = Output { tokens: output, first_token_ms: first };
+        ToScheduler::Charge(Charge { req: RequestId(req), band: 1, tenant: "t".into(), dispatched, output, done })
     };
     let mut prev = charge(1, 5, 0, false, None);
     assert!(merge_charge(&mut prev, &charge(1, 0, 2, false, Some(9))));

@@ -9,7 +9,7 @@ pub(super) use crate::replicas;
 pub(super) use crate::shared::tests::MapStore;
 pub(super) use crate::shared::{self, Lease, Permit, Store};
 pub(super) use crate::slo::SloHeaders;
-pub(super) use crate::wire::{decode_entry, RouteInfo, ToScheduler, ToWorker};
+pub(super) use crate::wire::{decode_entry, Charge, Dispatched, Output, RequestId, RouteInfo, ToScheduler, ToWorker};
 pub(super) use hashbrown::HashMap;
 pub(super) use sluice_policies::bands::Criticality;
 pub(super) use std::cell::RefCell;
@@ -188,13 +188,14 @@ pub(super) fn queued(p: &Rc<Process>, name: &str) -> usize {
 }
 
 /// The charges a worker holds for the next tick, as (req, input, output, done, first token seen).
-pub(super) fn pending(w: &Worker<Vm>) -> Vec<(u64, u32, u32, bool, bool)> {
+pub(super) fn pending(w: &Worker<Vm>) -> Vec<(RequestId, u32, u32, bool, bool)> {
     w.streams
         .pending
         .iter()
         .map(|m| match m {
-            ToScheduler::Charge { req, input_tokens, output_tokens, done, first_token_ms, .. } => {
-                (*req, *input_tokens, *output_tokens, *done, first_token_ms.is_some())
+            ToScheduler::Charge(c) => {
+                let input = c.dispatched.as_ref().map_or(0, |d| d.input_tokens);
+                (c.req, input, c.output.tokens, c.done, c.output.first_token_ms.is_some())
             }
             other => panic!("only charges wait for the tick: {other:?}"),
         })
