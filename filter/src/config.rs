@@ -642,14 +642,23 @@ impl Config {
         if let Some(ladder) = &raw.overload {
             ladder.validate("overload").map_err(|e| format!("field `{e}"))?;
         }
+        // A deadline order chooses across flows within the policy's fairness
+        // window; a policy that cannot say how far a flow runs ahead (a rate
+        // limit, DRR) would put every flow inside it and be overridden.
+        let name = policy.build().map_err(|e| format!("field `policy`: {e}"))?.name();
+        let measures_lead = work_conserving && name != "drr";
         if let Some(slo) = &raw.slo {
             slo.validate().map_err(|e| format!("field `{e}"))?;
-            let name = policy.build().map_err(|e| format!("field `policy`: {e}"))?.name();
-            if slo.order != SloOrder::Fair && (!work_conserving || name == "drr") {
+            if slo.order != SloOrder::Fair && !measures_lead {
                 return Err(format!(
                     "field `slo.order`: the SLO order needs a policy that measures how far a flow runs ahead (fcfs, the vtc family, wfq), not `{name}`"
                 ));
             }
+        }
+        if order == OrderSpec::Edf && !measures_lead {
+            return Err(format!(
+                "field `order`: `edf` orders across flows within the policy's fairness window and needs a policy that measures how far a flow runs ahead (fcfs, the vtc family, wfq), not `{name}`"
+            ));
         }
         let mut tenant_headers = vec![raw.tenant_header.to_ascii_lowercase()];
         for h in raw.tenant_header_aliases {
@@ -786,6 +795,11 @@ mod tests {
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"short_max_tokens":300}}"#, "short_max_tokens"),
             (r#"{"endpoints":["127.0.0.1:1"],"overload":{"tail_window_requests":0}}"#, "overload.tail_window_requests"),
             (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"slack"},"policy":"drr"}"#, "slo.order"),
+            (r#"{"endpoints":["127.0.0.1:1"],"order":"edf","policy":"drr"}"#, "field `order`: `edf`"),
+            (
+                r#"{"endpoints":["127.0.0.1:1"],"order":"edf","policy":{"policy":"rpm","requests_per_minute":5}}"#,
+                "field `order`: `edf`",
+            ),
             (r#"{"endpoints":["127.0.0.1:1"],"slo":{"default":"gold"}}"#, "slo.default"),
             (r#"{"endpoints":["127.0.0.1:1"],"slo":{"drop":{"quantile":0.2}}}"#, "slo.drop.quantile"),
             (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"lbf"}}"#, "slo.order"),

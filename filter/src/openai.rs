@@ -725,6 +725,8 @@ pub struct TokenCounter {
     partial: Vec<u8>,
     counted: u32,
     usage: Option<u32>,
+    /// `usage.prompt_tokens`, when the engine reported it.
+    prompt_tokens: Option<u32>,
     overflowed: bool,
 }
 
@@ -778,8 +780,9 @@ impl TokenCounter {
             return;
         }
         let (text, usage) = scan_chunk(payload);
-        if let Some(n) = usage.then(|| parse_usage(payload)).flatten() {
-            self.usage = Some(n);
+        if let Some(u) = usage.then(|| parse_usage(payload)).flatten() {
+            self.usage = u.completion.or(self.usage);
+            self.prompt_tokens = u.prompt.or(self.prompt_tokens);
         }
         if text {
             self.counted += 1;
@@ -790,7 +793,9 @@ impl TokenCounter {
     /// the whole count of a non-streaming response).
     pub fn finish(&mut self) -> u32 {
         if !self.sse && !self.overflowed {
-            self.usage = usage_in(&self.partial);
+            let u = usage_in(&self.partial);
+            self.usage = u.as_ref().and_then(|u| u.completion);
+            self.prompt_tokens = u.and_then(|u| u.prompt);
         }
         let total = self.usage.unwrap_or(self.counted);
         let extra = total.saturating_sub(self.counted);
@@ -802,30 +807,45 @@ impl TokenCounter {
     pub fn total(&self) -> u32 {
         self.counted
     }
+
+    /// The prompt's tokens as the engine counted them (`usage.prompt_tokens`),
+    /// once a usage report went by: what the prompt's estimate is corrected to.
+    pub fn prompt_tokens(&self) -> Option<u32> {
+        self.prompt_tokens
+    }
 }
 
-/// `usage.completion_tokens` of a JSON document, if present. Parsed only when
-/// the text mentions it, so ordinary token chunks cost a substring search.
-fn usage_in(json: &[u8]) -> Option<u32> {
+/// An engine's `usage` report: generated and prompt tokens.
+#[derive(Debug, PartialEq)]
+struct Usage {
+    completion: Option<u32>,
+    prompt: Option<u32>,
+}
+
+/// `usage` of a JSON document, if present. Parsed only when the text mentions
+/// `completion_tokens`, so ordinary token chunks cost a substring search.
+fn usage_in(json: &[u8]) -> Option<Usage> {
     if !contains(json, b"\"completion_tokens\"") {
         return None;
     }
     parse_usage(json)
 }
 
-/// `usage.completion_tokens` of a JSON document, parsed.
-fn parse_usage(json: &[u8]) -> Option<u32> {
-    // Only `usage.completion_tokens` is read; serde skips the rest without building it.
+/// `usage.completion_tokens` and `usage.prompt_tokens` of a JSON document, parsed.
+fn parse_usage(json: &[u8]) -> Option<Usage> {
+    // Only those two are read; serde skips the rest without building it.
     #[derive(serde::Deserialize)]
     struct Chunk {
-        usage: Option<Usage>,
+        usage: Option<Raw>,
     }
     #[derive(serde::Deserialize)]
-    struct Usage {
+    struct Raw {
         completion_tokens: Option<u64>,
+        prompt_tokens: Option<u64>,
     }
-    let n = serde_json::from_slice::<Chunk>(json).ok()?.usage?.completion_tokens?;
-    Some(n.min(u32::MAX as u64) as u32)
+    let u = serde_json::from_slice::<Chunk>(json).ok()?.usage?;
+    let clamp = |n: u64| n.min(u32::MAX as u64) as u32;
+    Some(Usage { completion: u.completion_tokens.map(clamp), prompt: u.prompt_tokens.map(clamp) })
 }
 
 /// One pass over an SSE chunk, which runs for every token: does it carry
@@ -1232,6 +1252,11 @@ mod tests {
         );
         assert_eq!(c.finish(), 2);
         assert_eq!(c.total(), 3);
+        assert_eq!(c.prompt_tokens(), Some(4), "the prompt as the engine counted it");
+        let mut none = TokenCounter::new(Some("text/event-stream"));
+        none.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n");
+        none.finish();
+        assert_eq!(none.prompt_tokens(), None, "no usage, nothing to correct");
     }
 
     #[test]
@@ -1240,6 +1265,7 @@ mod tests {
         let body = br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":2,"completion_tokens":11,"total_tokens":13}}"#;
         assert_eq!(c.feed(&body[..20]) + c.feed(&body[20..]), 0);
         assert_eq!(c.finish(), 11);
+        assert_eq!(c.prompt_tokens(), Some(2));
     }
 
     #[test]

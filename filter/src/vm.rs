@@ -320,6 +320,46 @@ impl Http {
         self.phase = Phase::Draining { drained };
         Action::Pause
     }
+
+    /// The whole body is here: parse it and ask the worker to admit it.
+    fn admit_body(&mut self, vm: &Rc<RefCell<Vm>>, cfg: &Config, body: &[u8]) -> Action {
+        let mut req = match openai::parse_request(body, cfg.routing.prefix_hashing()) {
+            Ok(r) => r,
+            Err(msg) => return self.answer(Outcome::BadRequest, &msg),
+        };
+        let route = RouteInfo {
+            session: self.session,
+            model: std::mem::take(&mut req.model),
+            prefix: std::mem::take(&mut req.prefix),
+        };
+        let who = Admit {
+            tenant: std::mem::take(&mut self.tenant),
+            band: self.band,
+            route,
+            slo: std::mem::take(&mut self.slo),
+        };
+        let admission = vm.borrow_mut().at(now_ms()).admit(self.ctx, who, &req);
+        match admission {
+            Admission::Bypass(endpoint) => {
+                self.set_http_request_header(DESTINATION, Some(&cfg.endpoints[endpoint as usize]));
+                self.phase = Phase::Scheduled;
+                Action::Continue
+            }
+            Admission::Queued | Admission::Held => {
+                self.phase = Phase::Scheduled;
+                Action::Pause
+            }
+            Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, Outcome::NoEndpoint.message()),
+            Admission::Overloaded { retry_after_s } => {
+                vm.borrow_mut().reject_after(self.ctx, Outcome::Overloaded, OVERLOADED_MESSAGE, retry_after_s);
+                self.phase = Phase::Answered;
+                Action::Pause
+            }
+            Admission::Unattainable => {
+                self.answer(Outcome::SloUnattainable, "the request's latency objective was already spent upstream")
+            }
+        }
+    }
 }
 
 impl Context for Http {}
@@ -391,40 +431,25 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         let body = self.get_http_request_body(0, size).unwrap_or_default();
-        let mut req = match openai::parse_request(&body, cfg.routing.prefix_hashing()) {
-            Ok(r) => r,
-            Err(msg) => return self.answer(Outcome::BadRequest, &msg),
-        };
-        let route = RouteInfo {
-            session: self.session,
-            model: std::mem::take(&mut req.model),
-            prefix: std::mem::take(&mut req.prefix),
-        };
-        let who = Admit {
-            tenant: std::mem::take(&mut self.tenant),
-            band: self.band,
-            route,
-            slo: std::mem::take(&mut self.slo),
-        };
-        let admission = vm.borrow_mut().at(now_ms()).admit(self.ctx, who, &req);
-        match admission {
-            Admission::Bypass(endpoint) => {
-                self.set_http_request_header(DESTINATION, Some(&cfg.endpoints[endpoint as usize]));
-                self.phase = Phase::Scheduled;
-                Action::Continue
-            }
-            Admission::Queued | Admission::Held => {
-                self.phase = Phase::Scheduled;
-                Action::Pause
-            }
-            Admission::NoEndpoint => self.answer(Outcome::NoEndpoint, Outcome::NoEndpoint.message()),
-            Admission::Overloaded { retry_after_s } => {
-                vm.borrow_mut().reject_after(self.ctx, Outcome::Overloaded, OVERLOADED_MESSAGE, retry_after_s);
-                self.phase = Phase::Answered;
-                Action::Pause
-            }
-            Admission::Unattainable => {
-                self.answer(Outcome::SloUnattainable, "the request's latency objective was already spent upstream")
+        self.admit_body(&vm, &cfg, &body)
+    }
+
+    /// A body that ends in trailers (HTTP/2) never says so in
+    /// `on_http_request_body`: the trailers are its end. Without this the
+    /// request would pass the filter unadmitted (issue 19, finding 10).
+    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        let Some(vm) = self.vm.clone() else { return Action::Continue };
+        let cfg = vm.borrow().cfg().clone();
+        match self.phase {
+            Phase::PassThrough => Action::Continue,
+            Phase::Draining { drained } => self.drain(drained, 0, true, &cfg),
+            Phase::Scheduled | Phase::Answered => Action::Pause,
+            Phase::Buffering => {
+                let body = self.get_http_request_body(0, cfg.max_body_bytes + 1).unwrap_or_default();
+                if body.len() > cfg.max_body_bytes {
+                    return self.drain(0, body.len(), true, &cfg);
+                }
+                self.admit_body(&vm, &cfg, &body)
             }
         }
     }

@@ -21,6 +21,9 @@
 //!   filter's JSON 413.
 //! - `max_body_bytes_above_envoys_default_buffer_is_honoured` (7): with `max_body_bytes` 4 MiB, a
 //!   3 MiB request is served and a 6 MiB one gets the filter's JSON 413, not Envoy's plain one.
+//! - `an_http2_body_that_ends_in_trailers_is_scheduled` (issue 19, finding 10): an HTTP/2
+//!   request whose body ends in trailers (no end of stream on its last data frame) is admitted,
+//!   routed and counted like any other; an over-limit one gets the filter's JSON 413.
 //!
 //! The assertions are on answers, counters and logs, never on how long something took; time
 //! bounds are only there so a broken gateway fails the test instead of hanging it.
@@ -696,5 +699,66 @@ async fn max_body_bytes_above_envoys_default_buffer_is_honoured() -> Result<()> 
     let s = wait_idle(&rig.envoy).await?;
     assert_eq!(s.value("sluice_requests_rejected_body_too_large"), 8.0, "{}", s.sluice_summary());
     assert_eq!(upstream_requests(&s), 8.0, "{}", s.sluice_summary());
+    Ok(())
+}
+
+/// A request body of one data frame, then trailers: the body's end is the trailers.
+struct TrailedBody {
+    data: Option<bytes::Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl http_body::Body for TrailedBody {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        let frame = match self.data.take() {
+            Some(d) => Some(http_body::Frame::data(d)),
+            None => self.trailers.take().map(http_body::Frame::trailers),
+        };
+        std::task::Poll::Ready(frame.map(Ok))
+    }
+}
+
+/// Sends `body` over HTTP/2 (prior knowledge) with trailers after it; the status, the backend
+/// that answered (`x-sluice-backend`) and the reject reason, if any.
+async fn h2_with_trailers(addr: SocketAddr, body: Vec<u8>) -> Result<(u16, Option<String>, Option<String>)> {
+    use http_body_util::BodyExt;
+    let io = hyper_util::rt::TokioIo::new(TcpStream::connect(addr).await?);
+    let (mut send, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io).await?;
+    tokio::spawn(conn);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("x-checksum", http::HeaderValue::from_static("1"));
+    let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header(TENANT_HEADER, "h2")
+        .header("content-type", "application/json")
+        .body(TrailedBody { data: Some(body.into()), trailers: Some(trailers) })?;
+    let resp = tokio::time::timeout(T, send.send_request(req)).await??;
+    let header = |h: &str| resp.headers().get(h).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let (status, backend, reason) = (resp.status().as_u16(), header("x-sluice-backend"), header("x-sluice-reject-reason"));
+    tokio::time::timeout(T, resp.into_body().collect()).await??;
+    Ok((status, backend, reason))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_body_that_ends_in_trailers_is_scheduled() -> Result<()> {
+    let _g = serial();
+    let rig = rig("h2-trailers", backends(1, 1.0), "vtc", json!({"max_body_bytes": 4096}), 2).await?;
+    let addr = rig.envoy.listener;
+    for round in 0..3 {
+        let (status, backend, reason) = h2_with_trailers(addr, completion_body("/v1/chat/completions", 8)).await?;
+        assert_eq!(status, 200, "round {round}: {reason:?}");
+        assert!(backend.is_some(), "round {round}: not answered by a backend");
+    }
+    let (status, _, reason) = h2_with_trailers(addr, padded_chat_body(8192)).await?;
+    assert_eq!((status, reason.as_deref()), (413, Some("body-too-large")));
+    let s = wait_idle(&rig.envoy).await?;
+    assert_eq!(s.value("sluice_requests_dispatched"), 3.0, "every one admitted: {}", s.sluice_summary());
+    assert_eq!(s.value("sluice_requests_rejected_body_too_large"), 1.0, "{}", s.sluice_summary());
+    assert!(rig.envoy.vm_failures().is_empty(), "VM failures: {:#?}", rig.envoy.vm_failures());
     Ok(())
 }

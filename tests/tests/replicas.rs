@@ -287,8 +287,9 @@ async fn three_replicas_a_flood_on_a_a_modest_tenant_on_b_and_a_tenant_on_all() 
     let flood_ok = flood.iter().filter(|o| o.ok()).count();
     let (solo_ttft, modest_ttft, flood_ttft) = (median_ttft(&solo), median_ttft(&modest), median_ttft(&flood));
     let ((max_before, mean_before), (max_after, mean_after)) = (max_mean(&before), max_mean(&after));
+    let modest_max = modest.iter().filter_map(|o| o.ttft).max();
     eprintln!(
-        "modest TTFT median: solo {solo_ttft:?}, beside the flood {modest_ttft:?} ({} requests, {} solo); \
+        "modest TTFT median: solo {solo_ttft:?}, beside the flood {modest_ttft:?}, max {modest_max:?} ({} requests, {} solo); \
          flood TTFT median {flood_ttft:?}; served: flood {flood_ok}, spread {spread_ok}, modest {}; \
          in flight at the backend (bound {SHARED_BOUND}): max {max_before}, mean {mean_before:.2} with C, \
          max {max_after}, mean {mean_after:.2} after",
@@ -296,11 +297,12 @@ async fn three_replicas_a_flood_on_a_a_modest_tenant_on_b_and_a_tenant_on_all() 
         solo.len(),
         modest.iter().filter(|o| o.ok()).count(),
     );
-    // The modest tenant waits for no more than a slot on its replica (usually none: its part is
-    // held for it, and lifted to the floor it goes before the heads it ties with), while the
-    // flood waits behind its own backlog. Issue 19, finding 4 asks for 2x its solo TTFT in every
-    // run; not met yet: medians of 25 to 138 ms against 13 ms alone, since some of its
-    // requests (2 of 15) still wait about 0.48 s for a slot on B (ARCHITECTURE.md).
+    // The modest tenant waits for no slot (its part is held for it, and lifted to the floor it
+    // goes before the heads it ties with), while the flood waits behind its own backlog. Issue
+    // 19, finding 4 asks for 2x its solo TTFT in every run: a timing, printed above and not
+    // asserted (medians of 22 to 23 ms against 12 to 13 ms alone since a finished request's
+    // done reaches the scheduler at once with replicas; before, about one request in seven
+    // waited 0.48 s for a slot on B; ARCHITECTURE.md).
     let (Some(modest_ttft), Some(flood_ttft)) = (modest_ttft, flood_ttft) else { panic!("no TTFT measured") };
     assert!(modest_ttft * 3 < flood_ttft * 2, "modest {modest_ttft:?} against flood {flood_ttft:?}");
     // Global shares stay fair: the flood, on one replica, and the spread tenant, on three then

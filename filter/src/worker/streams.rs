@@ -483,8 +483,11 @@ impl Streams {
                 let output = Output { tokens: uncharged_tokens, first_token_ms };
                 let req = env.request_id(ctx);
                 let done = ToScheduler::Charge(Charge { req, band, tenant, dispatched: None, output, done: true });
-                // Freed stock matters now only if something waits for it.
-                if shared::get_u64(&env.host, shared::QUEUED_KEY) > 0 {
+                // Freed stock matters now if something waits for it; and with replicas, a light
+                // tenant's part must be held for it again before another tenant's bypass reads
+                // the held parts (issue 19, finding 4: a done batched until the next tick let
+                // the next bypass take the slot, and the tenant's next request waited for one).
+                if env.cfg.replicas.is_some() || shared::get_u64(&env.host, shared::QUEUED_KEY) > 0 {
                     self.send(hub, &done);
                 } else {
                     self.charge_later(hub, done);

@@ -1,5 +1,7 @@
 //! `sluice-defaults`: the shipped defaults measured against the same pool with no gateway, on
-//! each simulated GPU profile, and the fairness they keep on the demo's flood.
+//! each simulated GPU profile, and the fairness they keep on the demo's flood (the modest tenant's
+//! TTFT, FCFS against VTC) and on the Chatbot Arena trace (the VTC paper's service difference
+//! between backlogged clients, FCFS against VTC).
 //!
 //! Every row runs in virtual time (deterministic; the machine does not matter). "no gateway"
 //! sends the workload to the backends in turn (the round-robin floor filter), the throughput a
@@ -148,6 +150,7 @@ fn main() -> Result<()> {
     println!("| workload | pool | configuration | output tok/s | vs no gateway | not ok | TTFT p50 s | TTFT p99 s | mean batch |");
     println!("|---|---|---|---|---|---|---|---|---|");
     let mut fairness = Vec::new();
+    let mut arena = Vec::new();
     for case in cases(cli.quick) {
         if cli.only.as_deref().is_some_and(|o| !case.name.contains(o)) {
             continue;
@@ -173,6 +176,11 @@ fn main() -> Result<()> {
                 let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
                 fairness.push((pool.clone(), label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s()));
             }
+            if case.name == "arena" && overrides.is_some() {
+                let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
+                let d = |r: &Row| (r.report.service_difference.max, r.report.service_difference.avg);
+                arena.push((pool.clone(), label, tps, d(&fcfs), d(&r)));
+            }
         }
     }
     if !fairness.is_empty() {
@@ -181,6 +189,14 @@ fn main() -> Result<()> {
         println!("|---|---|---|---|---|");
         for (pool, label, tps, fcfs, vtc) in fairness {
             println!("| {pool} | {label} | {tps:.0} | {fcfs:.2} s → {vtc:.2} s | {:.1}× |", fcfs / vtc);
+        }
+    }
+    if !arena.is_empty() {
+        println!();
+        println!("| arena on | configuration | output tok/s (vtc) | service difference max fcfs → vtc | avg fcfs → vtc |");
+        println!("|---|---|---|---|---|");
+        for (pool, label, tps, (fmax, favg), (vmax, vavg)) in arena {
+            println!("| {pool} | {label} | {tps:.0} | {fmax:.0} → {vmax:.0} | {favg:.0} → {vavg:.0} |");
         }
     }
     Ok(())

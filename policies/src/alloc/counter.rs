@@ -25,6 +25,9 @@ pub trait Charge {
     fn dispatch(&mut self, req: &Request) -> f64;
     /// Charge for `tokens` more output tokens of dispatched request `id` of `flow`.
     fn output(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64;
+    /// Charge (possibly negative) for request `id` of `flow` having `counted`
+    /// prompt tokens where `charged` were priced at dispatch.
+    fn prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32) -> f64;
     /// Charge (possibly negative: a refund) when request `id` completes.
     fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
         0.0
@@ -47,6 +50,9 @@ impl Charge for Linear {
     }
     fn output(&mut self, _flow: FlowId, _id: u64, tokens: u32) -> f64 {
         self.0.output * tokens as f64
+    }
+    fn prompt(&mut self, _flow: FlowId, _id: u64, charged: u32, counted: u32) -> f64 {
+        self.0.input * (f64::from(counted) - f64::from(charged))
     }
 }
 
@@ -203,6 +209,17 @@ impl Charge for Tracked {
         l.nq += tokens as u64;
         let new = l.nq.max(l.predicted) as f64;
         self.h.eval(l.np, new) - self.h.eval(l.np, old)
+    }
+
+    fn prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32) -> f64 {
+        let Some(l) = self.live.get_mut(&id) else {
+            // Dispatched by an earlier scheduler: the linear part only, as for output.
+            return self.h.input * (f64::from(counted) - f64::from(charged));
+        };
+        let nq = l.nq.max(l.predicted) as f64;
+        let old = self.h.eval(l.np, nq);
+        l.np = f64::from(counted);
+        self.h.eval(l.np, nq) - old
     }
 
     fn complete(&mut self, flow: FlowId, id: u64) -> f64 {
@@ -451,6 +468,11 @@ impl<C: Charge> Accounting for CounterPolicy<C> {
         self.add(flow, s);
     }
 
+    fn on_prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32) {
+        let s = self.charge.prompt(flow, id, charged, counted);
+        self.add(flow, s);
+    }
+
     fn on_complete(&mut self, flow: FlowId, id: u64) {
         let s = self.charge.complete(flow, id);
         self.add(flow, s);
@@ -596,6 +618,25 @@ mod tests {
 
     fn req(id: u64, flow: FlowId, input: u32) -> Request {
         Request { id, flow, input_tokens: input, max_output_tokens: 0, arrival_ms: 0 }
+    }
+
+    #[test]
+    fn the_engines_prompt_count_corrects_the_dispatch_estimate() {
+        // VTC: w_p per token of the difference, either way.
+        let mut v = Vtc::new(VtcWeights::default());
+        v.on_dispatch(&req(1, 0, 100));
+        v.on_dispatch(&req(2, 1, 100));
+        let before = (v.counter(0), v.counter(1));
+        v.on_prompt(0, 1, 100, 400);
+        v.on_prompt(1, 2, 100, 40);
+        assert_eq!((v.counter(0), v.counter(1)), (before.0 + 300.0, before.1 - 60.0), "as if counted right at dispatch");
+        // A cost curve: the increment of h at the request's place on it.
+        let h = CostFn::profiled();
+        let mut c = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);
+        c.on_dispatch(&req(1, 0, 100));
+        c.on_output(0, 1, 10);
+        c.on_prompt(0, 1, 100, 400);
+        assert!((c.counter(0) - h.eval(400.0, 10.0)).abs() < 1e-9, "{} vs {}", c.counter(0), h.eval(400.0, 10.0));
     }
 
     #[test]

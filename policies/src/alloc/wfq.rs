@@ -154,6 +154,15 @@ impl Accounting for Wfq {
         }
     }
 
+    /// The request's size was its prompt plus its output: the prompt's error corrects it as
+    /// output beyond the estimate does.
+    fn on_prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32) {
+        if let Some(c) = self.running.get(&id) {
+            let flow = c.flow;
+            self.correct(flow, f64::from(counted) - f64::from(charged));
+        }
+    }
+
     fn on_complete(&mut self, _flow: FlowId, id: u64) {
         if let Some(c) = self.running.remove(&id) {
             if c.unused() > 0 {
@@ -208,6 +217,16 @@ mod tests {
 
     fn req(id: u64, flow: FlowId, input: u32, out: u32) -> Request {
         Request { id, flow, input_tokens: input, max_output_tokens: out, arrival_ms: 0 }
+    }
+
+    #[test]
+    fn the_engines_prompt_count_corrects_the_finish_tag() {
+        let mut w = Wfq::new(FlowWeights::default(), 256);
+        w.set_head(0, Some((0, &req(1, 0, 100, 10))));
+        w.on_dispatch(&req(1, 0, 100, 10));
+        let tag = w.last_finish(0);
+        w.on_prompt(0, 1, 100, 400);
+        assert_eq!(w.last_finish(0), tag + 300.0, "the size grows with the prompt the engine counted");
     }
 
     /// Serves `n` requests from always-backlogged flows and counts tokens per flow.
