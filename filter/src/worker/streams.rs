@@ -19,7 +19,7 @@ use crate::scheduler::Slot;
 use crate::shared::{self, Permit};
 use crate::slo::SloHeaders;
 use crate::wire::{band_code, band_of_code};
-use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Output, ToScheduler, ToWorker};
+use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Output, RequestId, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::capacity::{Pace, Progress};
@@ -107,15 +107,24 @@ pub(super) struct Held {
 /// message does what the two did in turn (a bypassed request that finishes
 /// within a tick sends one charge instead of three). `false`: left as they are.
 pub(super) fn merge_charge(prev: &mut ToScheduler, next: &ToScheduler) -> bool {
-    let (ToScheduler::Charge(prev), ToScheduler::Charge(next @ Charge { dispatched: None, .. })) = (prev, next) else {
-        return false;
-    };
-    let (first, next_first) = (prev.output.first_token_ms, next.output.first_token_ms);
-    if prev.req != next.req || prev.done || (first.is_some() && next_first.is_some()) {
+    match next {
+        ToScheduler::Charge(next @ Charge { dispatched: None, .. }) => {
+            fold_output(prev, next.req, next.output, next.done)
+        }
+        _ => false,
+    }
+}
+
+/// [`merge_charge`] of a charge of request `req` with this `output` (and its end, if `done`)
+/// that is not built yet: a charge that folds costs no message (nor its tenant's copy).
+fn fold_output(prev: &mut ToScheduler, req: RequestId, output: Output, done: bool) -> bool {
+    let ToScheduler::Charge(prev) = prev else { return false };
+    let (first, next_first) = (prev.output.first_token_ms, output.first_token_ms);
+    if prev.req != req || prev.done || (first.is_some() && next_first.is_some()) {
         return false;
     }
-    prev.output.tokens = prev.output.tokens.saturating_add(next.output.tokens);
-    prev.done = next.done;
+    prev.output.tokens = prev.output.tokens.saturating_add(output.tokens);
+    prev.done = done;
     prev.output.first_token_ms = first.or(next_first);
     true
 }
@@ -524,12 +533,16 @@ impl Streams {
                 hub.slots.affinity.confirm(req.0, now);
             }
             let first_token_ms = first.then(|| now.saturating_sub(*sent_ms).min(u32::MAX as u64) as u32);
+            let output = Output { tokens, first_token_ms };
+            if self.pending.last_mut().is_some_and(|prev| fold_output(prev, req, output, false)) {
+                return;
+            }
             let msg = ToScheduler::Charge(Charge {
                 req,
                 band: *band,
                 tenant: tenant.clone(),
                 dispatched: None,
-                output: Output { tokens, first_token_ms },
+                output,
                 done: false,
             });
             self.charge_later(hub, msg);
