@@ -350,7 +350,7 @@ pub fn check_wire(data: &[u8]) {
         assert_eq!(bytes, data, "{m:?} does not re-encode to the bytes it was read from");
         if let ToScheduler::Charge(c) = &m {
             assert_eq!(data[10] & 1 != 0, c.dispatched.is_some(), "{m:?}");
-            assert_eq!(data[10] & 2 != 0, c.done, "{m:?}");
+            assert_eq!(data[10] & 2 != 0, c.done.is_some(), "{m:?}");
         }
         assert_eq!(decode_entry(data), Some(vec![m]), "a single message is an entry too");
     }

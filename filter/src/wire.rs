@@ -117,7 +117,15 @@ pub struct Charge {
     /// Output generated since its last report.
     pub output: Output,
     /// It ended and gave its stock back (told once, last).
-    pub done: bool,
+    pub done: Option<Done>,
+}
+
+/// A running request's end, as its response told it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Done {
+    /// The prompt's tokens as the engine counted them (`usage.prompt_tokens`),
+    /// when it said: the dispatch-time estimate is corrected to it.
+    pub prompt_tokens: Option<u32>,
 }
 
 /// A bypass: a request sent upstream without joining the queue.
@@ -255,8 +263,8 @@ impl ToScheduler {
                 b.push(3);
                 b.extend_from_slice(&c.req.0.to_le_bytes());
                 b.push(c.band);
-                let flags =
-                    if c.dispatched.is_some() { CHARGE_DISPATCHED } else { 0 } | if c.done { CHARGE_DONE } else { 0 };
+                let flags = if c.dispatched.is_some() { CHARGE_DISPATCHED } else { 0 }
+                    | if c.done.is_some() { CHARGE_DONE } else { 0 };
                 b.push(flags);
                 if let Some(d) = &c.dispatched {
                     b.extend_from_slice(&d.input_tokens.to_le_bytes());
@@ -265,6 +273,9 @@ impl ToScheduler {
                 }
                 b.extend_from_slice(&c.output.tokens.to_le_bytes());
                 put_opt_u32(&mut b, c.output.first_token_ms);
+                if let Some(d) = &c.done {
+                    put_opt_u32(&mut b, d.prompt_tokens);
+                }
                 b.extend_from_slice(c.tenant.as_bytes());
             }
             ToScheduler::Wake => b.push(5),
@@ -305,7 +316,7 @@ impl ToScheduler {
                     None
                 };
                 let output = Output { tokens: r.u32()?, first_token_ms: r.opt_u32()? };
-                let done = flags & CHARGE_DONE != 0;
+                let done = if flags & CHARGE_DONE != 0 { Some(Done { prompt_tokens: r.opt_u32()? }) } else { None };
                 Some(ToScheduler::Charge(Charge { req, band, tenant: r.rest_str()?, dispatched, output, done }))
             }
             5 => r.0.is_empty().then_some(ToScheduler::Wake),
@@ -402,7 +413,13 @@ impl ToWorker {
 mod tests {
     use super::*;
 
-    fn charge(req: u64, dispatched: Option<Dispatched>, tokens: u32, first: Option<u32>, done: bool) -> ToScheduler {
+    fn charge(
+        req: u64,
+        dispatched: Option<Dispatched>,
+        tokens: u32,
+        first: Option<u32>,
+        done: Option<Done>,
+    ) -> ToScheduler {
         let output = Output { tokens, first_token_ms: first };
         ToScheduler::Charge(Charge { req: RequestId(req), band: 1, tenant: "t".into(), dispatched, output, done })
     }
@@ -437,12 +454,12 @@ mod tests {
                 Some(Dispatched { input_tokens: 7, max_tokens: 30, model: "m".into() }),
                 5,
                 Some(120),
-                true,
+                Some(Done { prompt_tokens: Some(4000) }),
             ),
             // A bypass of an empty prompt is a dispatch all the same.
-            charge(1, Some(Dispatched::default()), 0, None, false),
-            charge(2, None, 0, None, false),
-            charge(2, None, u32::MAX, Some(0), true),
+            charge(1, Some(Dispatched::default()), 0, None, None),
+            charge(2, None, 0, None, None),
+            charge(2, None, u32::MAX, Some(0), Some(Done::default())),
         ];
         for m in to_sched {
             let bytes = m.encode();
@@ -451,7 +468,7 @@ mod tests {
                 // The events are told by their flags, never by a value.
                 let flags = bytes[10];
                 assert_eq!(flags & CHARGE_DISPATCHED != 0, c.dispatched.is_some(), "{m:?}");
-                assert_eq!(flags & CHARGE_DONE != 0, c.done, "{m:?}");
+                assert_eq!(flags & CHARGE_DONE != 0, c.done.is_some(), "{m:?}");
             }
         }
         for m in [
@@ -479,7 +496,7 @@ mod tests {
     fn batches_round_trip_and_damage_spoils_the_whole_entry() {
         let msgs = vec![
             ToScheduler::Cancel { req: RequestId(1) },
-            charge(2, Some(Dispatched { input_tokens: 3, max_tokens: 4, model: String::new() }), 5, None, false),
+            charge(2, Some(Dispatched { input_tokens: 3, max_tokens: 4, model: String::new() }), 5, None, None),
         ];
         let b = encode_batch(&msgs);
         assert_eq!(decode_entry(&b), Some(msgs.clone()));
@@ -497,7 +514,7 @@ mod tests {
         assert_eq!(ToScheduler::decode(&[9, 1, 2]), None);
         assert_eq!(ToScheduler::decode(&[1, 0, 0]), None);
         assert_eq!(ToScheduler::decode(&[5, 0]), None, "a wake-up carries nothing");
-        let mut unknown_event = charge(1, None, 0, None, false).encode();
+        let mut unknown_event = charge(1, None, 0, None, None).encode();
         unknown_event[10] = 4;
         assert_eq!(ToScheduler::decode(&unknown_event), None, "an event this scheduler does not know");
         assert_eq!(ToWorker::decode(&[1, 0]), None);

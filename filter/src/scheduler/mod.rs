@@ -29,7 +29,7 @@ use crate::outcome::Outcome;
 use crate::shared;
 use crate::slo::SloOrder;
 use crate::wire::{
-    band_code, band_of_code, worker_of, Charge, Deadline, Dispatched, RequestId, RouteInfo, ToScheduler, ToWorker,
+    band_code, band_of_code, worker_of, Charge, Deadline, Dispatched, Done, RequestId, RouteInfo, ToScheduler, ToWorker,
 };
 use hashbrown::HashMap;
 use replicas::Replicas;
@@ -290,7 +290,17 @@ impl Scheduler {
         if bypassed || output_tokens > 0 {
             self.mark(flow);
         }
-        if done && !self.finish(req, true) {
+        let Some(Done { prompt_tokens }) = done else { return };
+        // The engine's count of the prompt replaces the estimate charged at
+        // dispatch (token-id prompts, text the 4-bytes rule misjudged).
+        if let (Some(counted), Some(run)) = (prompt_tokens, self.running.get_mut(&req)) {
+            if counted != run.input_tokens {
+                self.queue.band_mut(band).policy_mut().on_prompt(flow, req, run.input_tokens, counted);
+                run.input_tokens = counted;
+                self.mark(flow);
+            }
+        }
+        if !self.finish(req, true) {
             // Not known to run here (dispatched by an earlier lease holder).
             self.queue.band_mut(band).policy_mut().on_complete(flow, req);
             self.mark(flow);

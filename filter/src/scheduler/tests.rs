@@ -1,5 +1,5 @@
 use super::*;
-use crate::wire::{Output, RequestId};
+use crate::wire::{Done, Output, RequestId};
 
 fn cfg(policy: &str, extra: &str) -> Config {
     Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1","127.0.0.1:2"],"policy":"{policy}"{extra}}}"#).as_bytes())
@@ -32,7 +32,14 @@ fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: b
 fn charge_in(band: u8, req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
     let dispatched = (input_tokens > 0).then(|| Dispatched { input_tokens, max_tokens: 0, model: String::new() });
     let output = Output { tokens: output_tokens, first_token_ms: None };
-    ToScheduler::Charge(Charge { req: RequestId(req), band, tenant: tenant.into(), dispatched, output, done })
+    ToScheduler::Charge(Charge {
+        req: RequestId(req),
+        band,
+        tenant: tenant.into(),
+        dispatched,
+        output,
+        done: done.then(Done::default),
+    })
 }
 
 /// Grants up to `n` slots on endpoint 0, then says wait.
@@ -762,8 +769,14 @@ fn warm_up(s: &mut Scheduler, n: u32) -> u64 {
         now += 50;
         let output = Output { tokens: 100, first_token_ms: Some(20) };
         let req = RequestId(10_000 + i as u64);
-        let done =
-            ToScheduler::Charge(Charge { req, band: 1, tenant: "warm".into(), dispatched: None, output, done: true });
+        let done = ToScheduler::Charge(Charge {
+            req,
+            band: 1,
+            tenant: "warm".into(),
+            dispatched: None,
+            output,
+            done: Some(Done::default()),
+        });
         s.on_message(done, now, &mut out);
     }
     s.pump(now, &mut slots(0), &mut out);
@@ -932,10 +945,30 @@ fn a_bypass_is_told_by_its_event_not_by_its_input_tokens() {
     let mut out = Vec::new();
     let dispatched = Some(Dispatched::default());
     let c =
-        Charge { req: RequestId(7), band: 1, tenant: "a".into(), dispatched, output: Output::default(), done: false };
+        Charge { req: RequestId(7), band: 1, tenant: "a".into(), dispatched, output: Output::default(), done: None };
     s.on_message(ToScheduler::Charge(c), 0, &mut out);
     assert_eq!(s.running(), 1, "an empty prompt's bypass runs all the same");
     s.on_message(charge(7, "a", 0, 3, true), 1, &mut out);
     assert_eq!(s.running(), 0, "and its end closes it");
     assert!(out.is_empty());
+}
+
+#[test]
+fn the_engines_prompt_count_replaces_the_estimate_charged_at_dispatch() {
+    // A token-id or oddly spelled prompt estimated at 10 tokens that the engine counted as 1,000.
+    let mut s = Scheduler::new(&cfg("vtc", ""));
+    let mut out = Vec::new();
+    s.on_message(charge(1, "a", 10, 0, false), 0, &mut out);
+    let a = s.queue.tenants().get("a").unwrap();
+    let counter = |s: &Scheduler| s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
+    assert_eq!(counter(&s), Some(10.0));
+    let output = Output { tokens: 5, first_token_ms: None };
+    let done = Some(Done { prompt_tokens: Some(1000) });
+    let end = Charge { req: RequestId(1), band: 1, tenant: "a".into(), dispatched: None, output, done };
+    s.on_message(ToScheduler::Charge(end), 1, &mut out);
+    assert_eq!(counter(&s), Some(1000.0 + 2.0 * 5.0), "charged as if counted right at dispatch");
+    assert!(s.running.is_empty());
+    // An engine that does not say leaves the estimate.
+    s.on_message(charge(2, "a", 10, 0, true), 2, &mut out);
+    assert_eq!(counter(&s), Some(1020.0));
 }

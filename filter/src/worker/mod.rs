@@ -131,6 +131,18 @@ pub struct Admit {
     pub slo: SloHeaders,
 }
 
+/// How a stream ended, as its response told.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Ended {
+    /// Output tokens not charged yet (from the response's `usage`, or the
+    /// whole count of a response that was not streamed).
+    pub uncharged_tokens: u32,
+    /// The prompt's tokens as the engine counted them (`usage.prompt_tokens`), if it said.
+    pub prompt_tokens: Option<u32>,
+    /// The backend refused or reset the connection: it is avoided for a while.
+    pub upstream_failed: bool,
+}
+
 /// What every part reads of its VM: the host, the clock of the callback
 /// being handled (the host's, passed in), the configuration and the worker number.
 struct Env<H> {
@@ -226,10 +238,9 @@ impl<H: Host> Worker<H> {
     }
 
     /// The stream ended (completed, reset, or the client left): give back
-    /// what it held. `upstream_failed`: the backend refused or reset the
-    /// connection, so it is avoided for a while.
-    pub fn finish(&mut self, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
-        self.streams.finish(&mut self.hub, ctx, uncharged_tokens, upstream_failed)
+    /// what it held, and tell the scheduler what `end` says.
+    pub fn finish(&mut self, ctx: u32, end: Ended) {
+        self.streams.finish(&mut self.hub, ctx, end)
     }
 
     /// Answers stream `ctx` with an OpenAI-style error (one of the

@@ -9,7 +9,7 @@
 //! a scheduler on the spot (and then resend these streams' queued requests).
 
 use super::hub::Hub;
-use super::{Admission, Admit, Env, Host, Metric, MAX_MESSAGES_PER_CALLBACK, MAX_REPLIES_PER_CALLBACK};
+use super::{Admission, Admit, Ended, Env, Host, Metric, MAX_MESSAGES_PER_CALLBACK, MAX_REPLIES_PER_CALLBACK};
 use super::{OVERLOADED_MESSAGE, PREDICTED_TTFT, REJECT_REASON};
 use crate::config::Config;
 use crate::openai;
@@ -19,7 +19,7 @@ use crate::scheduler::Slot;
 use crate::shared::{self, Permit};
 use crate::slo::SloHeaders;
 use crate::wire::{band_code, band_of_code};
-use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Output, RequestId, ToScheduler, ToWorker};
+use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Done, Output, RequestId, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::capacity::{Pace, Progress};
@@ -115,12 +115,12 @@ pub(super) fn merge_charge(prev: &mut ToScheduler, next: &ToScheduler) -> bool {
     }
 }
 
-/// [`merge_charge`] of a charge of request `req` with this `output` (and its end, if `done`)
+/// [`merge_charge`] of a charge of request `req` with this `output` (and its end, if `done` is some)
 /// that is not built yet: a charge that folds costs no message (nor its tenant's copy).
-fn fold_output(prev: &mut ToScheduler, req: RequestId, output: Output, done: bool) -> bool {
+fn fold_output(prev: &mut ToScheduler, req: RequestId, output: Output, done: Option<Done>) -> bool {
     let ToScheduler::Charge(prev) = prev else { return false };
     let (first, next_first) = (prev.output.first_token_ms, output.first_token_ms);
-    if prev.req != req || prev.done || (first.is_some() && next_first.is_some()) {
+    if prev.req != req || prev.done.is_some() || (first.is_some() && next_first.is_some()) {
         return false;
     }
     prev.output.tokens = prev.output.tokens.saturating_add(output.tokens);
@@ -261,7 +261,7 @@ impl Streams {
                         tenant: tenant.clone(),
                         dispatched: Some(dispatched),
                         output: Output::default(),
-                        done: false,
+                        done: None,
                     };
                     self.charge_later(hub, ToScheduler::Charge(charge));
                     write_engine_priority(&hub.env, ctx, band);
@@ -459,7 +459,8 @@ impl Streams {
     /// The stream ended (completed, reset, or the client left): give back
     /// what it held. `upstream_failed`: the backend refused or reset the
     /// connection, so it is avoided for a while.
-    pub(super) fn finish<H: Host>(&mut self, hub: &mut Hub<H>, ctx: u32, uncharged_tokens: u32, upstream_failed: bool) {
+    pub(super) fn finish<H: Host>(&mut self, hub: &mut Hub<H>, ctx: u32, end: Ended) {
+        let Ended { uncharged_tokens, prompt_tokens, upstream_failed } = end;
         if self.unhold(&hub.env, ctx).is_some() {
             // Held, so the scheduler never heard of it.
             hub.env.host.add(Metric::CancelledInQueue, 1);
@@ -491,7 +492,14 @@ impl Streams {
                 }
                 let output = Output { tokens: uncharged_tokens, first_token_ms };
                 let req = env.request_id(ctx);
-                let done = ToScheduler::Charge(Charge { req, band, tenant, dispatched: None, output, done: true });
+                let done = ToScheduler::Charge(Charge {
+                    req,
+                    band,
+                    tenant,
+                    dispatched: None,
+                    output,
+                    done: Some(Done { prompt_tokens }),
+                });
                 // Freed stock matters now if something waits for it; and with replicas, a light
                 // tenant's part must be held for it again before another tenant's bypass reads
                 // the held parts (issue 19, finding 4: a done batched until the next tick let
@@ -534,7 +542,7 @@ impl Streams {
             }
             let first_token_ms = first.then(|| now.saturating_sub(*sent_ms).min(u32::MAX as u64) as u32);
             let output = Output { tokens, first_token_ms };
-            if self.pending.last_mut().is_some_and(|prev| fold_output(prev, req, output, false)) {
+            if self.pending.last_mut().is_some_and(|prev| fold_output(prev, req, output, None)) {
                 return;
             }
             let msg = ToScheduler::Charge(Charge {
@@ -543,7 +551,7 @@ impl Streams {
                 tenant: tenant.clone(),
                 dispatched: None,
                 output,
-                done: false,
+                done: None,
             });
             self.charge_later(hub, msg);
         }

@@ -20,9 +20,9 @@ fn the_slots_of_a_worker_that_stopped_ticking_are_reclaimed() {
     assert!(t > 3 * live.hub.lease_ms, "reclaimed only after three lease periods of silence, at {t} ms");
     assert_eq!(p.metrics.borrow()["sluice_slots_reclaimed"], 1);
     // The dead VM's late release cannot free the slot the live one now holds.
-    dead.at(t).finish(7, 0, false);
+    dead.at(t).finish(7, Ended::default());
     assert_eq!(shared::stock(&p.store, 1), 1);
-    live.at(t).finish(7, 0, false);
+    live.at(t).finish(7, Ended::default());
     assert_eq!(shared::stock(&p.store, 1), 0);
 }
 

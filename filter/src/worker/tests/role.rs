@@ -52,7 +52,7 @@ fn an_engine_that_stops_starting_requests_holds_the_rest_in_the_gateway() {
             }
         }
         // The one that had to wait leaves: this test only watches the bypasses.
-        w.at(now).finish(ctx + 1, 0, false);
+        w.at(now).finish(ctx + 1, Ended::default());
         for started in 1..=ctx.min(32) {
             w.at(now).charge(started, 1);
         }
@@ -189,7 +189,7 @@ fn vtc_replica_b_serves(peer_states: Option<[&[u8]; 2]>) -> u32 {
     }
     b.on_queue_ready(2, queue_id(&p, SCHEDULER_QUEUE));
     sync(&mut b, 100, peer_states.map(|s| s[1]));
-    b.at(101).finish(1, 0, false);
+    b.at(101).finish(1, Ended::default());
     b.on_queue_ready(101, queue_id(&p, SCHEDULER_QUEUE));
     b.on_queue_ready(101, queue_id(&p, "sluice.worker.1"));
     let resumed = p.resumed.borrow();
@@ -209,7 +209,7 @@ fn vtc_orders_by_the_service_peers_published() {
     let (Some(first_a), _) = pa.store.get(replicas::STATE_KEY) else { panic!("A published nothing") };
     assert!(matches!(admit(&mut a, 1, 1, "flood"), Admission::Bypass(_)));
     a.at(2).charge(1, 400);
-    a.at(3).finish(1, 0, false);
+    a.at(3).finish(1, Ended::default());
     a.on_tick(50);
     a.on_queue_ready(50, queue_id(&pa, SCHEDULER_QUEUE));
     sync(&mut a, 100, None);
@@ -241,7 +241,7 @@ fn a_peer_claiming_the_whole_pool_leaves_this_replica_one_slot() {
     assert_eq!(metric(&p, "sluice_replica_peers_live"), 1, "the liar's states are taken, clamped");
     assert!(matches!(admit(&mut w, 1210, 1, "y"), Admission::Bypass(_)), "the replica's one slot");
     assert_eq!(admit(&mut w, 1210, 2, "y"), Admission::Queued, "the liar may hold the rest of the bound");
-    w.at(1220).finish(1, 0, false);
+    w.at(1220).finish(1, Ended::default());
     w.on_queue_ready(1220, queue_id(&p, SCHEDULER_QUEUE));
     w.on_queue_ready(1220, queue_id(&p, "sluice.worker.1"));
     assert_eq!(p.resumed.borrow().len(), 1, "the queued request takes the slot freed");
@@ -325,7 +325,7 @@ fn a_peer_dying_mid_flood_leaves_no_tenant_behind() {
                 b.on_queue_ready(now, queue_id(&p, SCHEDULER_QUEUE));
             }
             let done = running.pop_front().expect("the pool is never empty");
-            b.at(now + 1).finish(done, 10, false);
+            b.at(now + 1).finish(done, Ended { uncharged_tokens: 10, ..Ended::default() });
             b.on_queue_ready(now + 1, queue_id(&p, SCHEDULER_QUEUE));
             b.on_queue_ready(now + 1, queue_id(&p, "sluice.worker.1"));
             running.extend(p.resumed.borrow()[before..].iter().map(|r| r.1));

@@ -58,8 +58,8 @@ fn a_queued_request_is_routed_when_it_is_dispatched_not_when_it_is_queued() {
     w.on_queue_ready(60, queue_id(&p, SCHEDULER_QUEUE));
     // When it enqueued, endpoint 0 looked best; by the time slots free up, endpoint 1 does.
     scrape(&mut w, 100, |e| if e == 0 { vllm(4, 8, 0.7) } else { vllm(0, 0, 0.0) });
-    w.at(110).finish(1, 0, false);
-    w.at(110).finish(3, 0, false);
+    w.at(110).finish(1, Ended::default());
+    w.at(110).finish(3, Ended::default());
     w.on_queue_ready(110, queue_id(&p, SCHEDULER_QUEUE));
     w.on_queue_ready(110, queue_id(&p, "sluice.worker.1"));
     assert_eq!(*p.resumed.borrow(), vec![(1, 5, "127.0.0.1:2".to_string())]);
@@ -96,7 +96,7 @@ fn prefix_entries_are_speculative_until_the_first_token_confirms_them() {
     assert!(matches!(admit_route(&mut worker, 10, 1, &[]), Admission::Bypass(_)));
     assert_eq!(admit_route(&mut worker, 10, 2, &[7, 8, 9]), Admission::Queued);
     scheduler.on_queue_ready(10, queue_id(&p, SCHEDULER_QUEUE));
-    worker.at(20).finish(1, 0, false);
+    worker.at(20).finish(1, Ended::default());
     scheduler.on_queue_ready(20, queue_id(&p, SCHEDULER_QUEUE));
     worker.on_queue_ready(20, queue_id(&p, "sluice.worker.2"));
     let e = p.resumed.borrow().last().map(|r| r.2[r.2.len() - 1..].parse::<usize>().unwrap() - 1).unwrap();

@@ -1,4 +1,5 @@
 use super::support::*;
+use crate::wire::Done;
 use crate::worker::streams::merge_charge;
 use crate::worker::*;
 
@@ -16,16 +17,16 @@ fn a_bypassed_request_that_ends_within_a_tick_sends_one_charge() {
     assert!(input > 0);
     w.at(5).charge(1, 2);
     w.at(6).charge(1, 3);
-    w.at(7).finish(1, 1, false);
+    w.at(7).finish(1, Ended { uncharged_tokens: 1, ..Ended::default() });
     let req = w.hub.env.request_id(1);
     assert_eq!(pending(&w), vec![(req, input, 6, true, true)], "input, output and end in one message");
     // Interleaved requests keep their order: a charge folds only into the one just before it.
     assert_eq!(admit(&mut w, 8, 2, "a"), Admission::Bypass(0));
     assert_eq!(admit(&mut w, 8, 3, "b"), Admission::Bypass(0));
     w.at(9).charge(3, 1);
-    w.at(9).finish(3, 0, false);
+    w.at(9).finish(3, Ended::default());
     w.at(9).charge(2, 1);
-    w.at(9).finish(2, 0, false);
+    w.at(9).finish(2, Ended::default());
     let (r2, r3) = (w.hub.env.request_id(2), w.hub.env.request_id(3));
     let got: Vec<_> = pending(&w).into_iter().map(|(r, i, o, d, _)| (r, i > 0, o, d)).collect();
     assert_eq!(
@@ -84,7 +85,7 @@ fn the_band_reaches_the_engine_as_its_priority_on_bypass_and_from_the_queue() {
         assert_eq!(admit_body(w.at(0), 1, 2, Criticality::Sheddable, body), Admission::Queued);
         w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
         assert_eq!(priority(&p, 2), (Some(-100), Some(-5)), "{preset}: untouched while it waits");
-        w.at(1).finish(1, 0, false);
+        w.at(1).finish(1, Ended::default());
         w.on_queue_ready(1, queue_id(&p, SCHEDULER_QUEUE));
         w.on_queue_ready(1, queue_id(&p, "sluice.worker.1"));
         assert_eq!(p.resumed.borrow().len(), 1, "dispatched from the queue");
@@ -105,7 +106,7 @@ fn a_dispatch_that_finds_its_stream_gone_releases_the_slot_and_the_schedulers_en
     assert_eq!(admit(&mut w, 0, 2, "b"), Admission::Queued, "the only slot is held");
     w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
     // Request 1 ends: the scheduler dispatches request 2 into its slot ...
-    w.at(10).finish(1, 3, false);
+    w.at(10).finish(1, Ended { uncharged_tokens: 3, ..Ended::default() });
     w.on_queue_ready(10, queue_id(&p, SCHEDULER_QUEUE));
     assert_eq!(queued(&p, "sluice.worker.1"), 1, "the dispatch is on its way");
     let running = |w: &Worker<Vm>| w.hub.role.holding.as_ref().unwrap().scheduler.running();
@@ -113,7 +114,7 @@ fn a_dispatch_that_finds_its_stream_gone_releases_the_slot_and_the_schedulers_en
     // ... but its client leaves first. The Cancel it sends is lost (say,
     // the lease was changing hands), so only the dispatch, finding the
     // stream gone, can tell the scheduler.
-    w.at(11).finish(2, 0, false);
+    w.at(11).finish(2, Ended::default());
     assert_eq!(queued(&p, SCHEDULER_QUEUE), 1);
     Vm(p.clone(), 0).dequeue(queue_id(&p, SCHEDULER_QUEUE));
     w.on_queue_ready(12, queue_id(&p, "sluice.worker.1"));
@@ -225,7 +226,7 @@ fn held_requests_expire_at_the_ttl_and_cancelled_ones_leave_quietly() {
     let _full = foreign_stock(&p, 2, 2);
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
     assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(5000)), Admission::Held);
-    w.at(10).finish(2, 0, false);
+    w.at(10).finish(2, Ended::default());
     assert_eq!(metric(&p, "sluice_requests_cancelled_in_queue"), 1);
     w.on_tick(1000);
     assert!(p.replies.borrow().is_empty(), "not yet past the TTL");
@@ -358,7 +359,14 @@ fn the_charges_of_one_request_fold_until_it_ends() {
     let charge = |req: u64, input: u32, output: u32, done: bool, first: Option<u32>| {
         let dispatched = (input > 0).then(|| Dispatched { input_tokens: input, ..Dispatched::default() });
         let output = Output { tokens: output, first_token_ms: first };
-        ToScheduler::Charge(Charge { req: RequestId(req), band: 1, tenant: "t".into(), dispatched, output, done })
+        ToScheduler::Charge(Charge {
+            req: RequestId(req),
+            band: 1,
+            tenant: "t".into(),
+            dispatched,
+            output,
+            done: done.then(Done::default),
+        })
     };
     let mut prev = charge(1, 5, 0, false, None);
     assert!(merge_charge(&mut prev, &charge(1, 0, 2, false, Some(9))));

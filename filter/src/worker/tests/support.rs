@@ -195,7 +195,7 @@ pub(super) fn pending(w: &Worker<Vm>) -> Vec<(RequestId, u32, u32, bool, bool)> 
         .map(|m| match m {
             ToScheduler::Charge(c) => {
                 let input = c.dispatched.as_ref().map_or(0, |d| d.input_tokens);
-                (c.req, input, c.output.tokens, c.done, c.output.first_token_ms.is_some())
+                (c.req, input, c.output.tokens, c.done.is_some(), c.output.first_token_ms.is_some())
             }
             other => panic!("only charges wait for the tick: {other:?}"),
         })
