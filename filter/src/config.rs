@@ -5,8 +5,8 @@ use crate::replicas::{RawReplicas, ReplicasConfig};
 use crate::slo::{SloConfig, SloOrder};
 use serde::Deserialize;
 use sluice_policies::admission::{Bounds, StockBounds};
-use sluice_policies::capacity::Headroom;
 use sluice_policies::bands::{BandLimits, Criticality, MinShares};
+use sluice_policies::capacity::Headroom;
 use sluice_policies::overload::OverloadLadder;
 use sluice_policies::queue::QueueLimits;
 use sluice_policies::routing::{LoadGuard, ModelServer, Picker, Router, SaturationThresholds, Weights};
@@ -835,10 +835,7 @@ mod tests {
                 r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_cluster":"c","saturation":{"staleness_ms":200}}}"#,
                 "routing.saturation.staleness_ms",
             ),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":800}}"#,
-                "routing.max_scrape_interval_ms",
-            ),
+            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":800}}"#, "routing.max_scrape_interval_ms"),
             (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
             (r#"not json"#, "invalid plugin configuration"),
             (r#"{"endpoints":["127.0.0.1:1","127.0.0.1:1"]}"#, "listed twice"),

@@ -11,7 +11,7 @@ use crate::shared::Store;
 use crate::slo::SloHeaders;
 use crate::wire::RouteInfo;
 use crate::worker::{
-    Admission, Admit, Host, Metric, MetricKind, Worker, DESTINATION, OVERLOADED_MESSAGE, PREDICTED_TTFT,
+    Admission, Admit, Ended, Host, Metric, MetricKind, Worker, DESTINATION, OVERLOADED_MESSAGE, PREDICTED_TTFT,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -501,6 +501,8 @@ impl HttpContext for Http {
                 (now_ms(), details.starts_with(b"upstream_reset"))
             }
         };
-        vm.borrow_mut().at(now).finish(self.ctx, uncharged, upstream_failed);
+        let prompt_tokens = self.tokens.as_ref().and_then(TokenCounter::prompt_tokens);
+        let end = Ended { uncharged_tokens: uncharged, prompt_tokens, upstream_failed };
+        vm.borrow_mut().at(now).finish(self.ctx, end);
     }
 }

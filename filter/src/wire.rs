@@ -1,9 +1,49 @@
 //! Messages between worker VMs and the scheduler VM, carried by proxy-wasm
 //! shared queues. A compact little-endian encoding: one tag byte, fixed
 //! fields, then the tenant name as the remaining bytes. Tags: 1 `Enqueue`,
-//! 2 `Cancel`, 3 `Charge`, 4 a batch of messages, 5 `Wake`.
+//! 2 `Cancel`, 3 `Charge`, 4 a batch of messages, 5 `Wake`. Also the wire's
+//! vocabulary: request ids ([`RequestId`]) and band codes ([`band_code`]).
 
 use crate::outcome::Outcome;
+use sluice_policies::bands::Criticality;
+
+/// A request's id in the protocol: the worker that holds its stream in the
+/// high 32 bits, the stream's context id in the low 32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl RequestId {
+    /// Stream `ctx` of worker `worker`.
+    pub fn new(worker: u32, ctx: u32) -> RequestId {
+        RequestId((worker as u64) << 32 | ctx as u64)
+    }
+
+    /// The worker that holds its stream.
+    pub fn worker(self) -> u32 {
+        worker_of(self.0)
+    }
+
+    /// Its stream's context id in that worker.
+    pub fn ctx(self) -> u32 {
+        self.0 as u32
+    }
+}
+
+/// The worker that holds a request: request ids are `worker << 32 | context id`.
+pub fn worker_of(req: u64) -> u32 {
+    (req >> 32) as u32
+}
+
+/// A band's code on the wire and in saved counters: its index in
+/// [`Criticality::ALL`] (highest first).
+pub fn band_code(b: Criticality) -> u8 {
+    Criticality::ALL.iter().position(|&x| x == b).expect("a band") as u8
+}
+
+/// Band from its code (unknown codes are the default band).
+pub fn band_of_code(code: u8) -> Criticality {
+    Criticality::ALL.get(code as usize).copied().unwrap_or(Criticality::Standard)
+}
 
 /// What routing needs of a request, owned so it can wait in the queue.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -40,7 +80,7 @@ pub enum ToScheduler {
     /// Queue this request (the worker that holds its paused stream is
     /// `req >> 32`). `band` is a criticality code; `max_tokens` 0 is "not given".
     Enqueue {
-        req: u64,
+        req: RequestId,
         band: u8,
         input_tokens: u32,
         max_tokens: u32,
@@ -52,29 +92,63 @@ pub enum ToScheduler {
     /// The client went away while the request was queued, or before the
     /// scheduler's dispatch reached its stream (the scheduler then closes
     /// that dispatch; later `Cancel`s for the same request change nothing).
-    Cancel { req: u64 },
-    /// Service of request `req` of `tenant` in `band`: it bypassed the queue
-    /// with `input_tokens`, or `output_tokens` more were generated; `done`
-    /// means it finished and released its stock. A charge with an empty
-    /// tenant reaches only a request the scheduler knows to be running.
-    /// `first_token_ms`:
-    /// the first output came this long after the request was sent upstream
-    /// (given once). `model` is given with a bypass charge.
-    Charge {
-        req: u64,
-        band: u8,
-        input_tokens: u32,
-        max_tokens: u32,
-        output_tokens: u32,
-        done: bool,
-        first_token_ms: Option<u32>,
-        model: String,
-        tenant: String,
-    },
+    Cancel { req: RequestId },
+    /// What happened to a request that runs since it last reported: see [`Charge`].
+    Charge(Charge),
     /// Stock was freed outside any request's accounting (a dispatch that
     /// found its stream already running gave its slot back): dispatch again.
     Wake,
 }
+
+/// A running request's report to the scheduler: its events since its last
+/// report, each in a field of its own, applied in this order: it was
+/// dispatched (bypassed the queue), produced output, ended. A worker folds
+/// the events of one request into one report while they wait for the tick.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Charge {
+    pub req: RequestId,
+    /// Its band's code.
+    pub band: u8,
+    /// Its tenant (a report for a request the scheduler does not know to
+    /// run is charged to it; empty: to nobody).
+    pub tenant: String,
+    /// It bypassed the queue and was sent upstream (told once, first).
+    pub dispatched: Option<Dispatched>,
+    /// Output generated since its last report.
+    pub output: Output,
+    /// It ended and gave its stock back (told once, last).
+    pub done: Option<Done>,
+}
+
+/// A running request's end, as its response told it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Done {
+    /// The prompt's tokens as the engine counted them (`usage.prompt_tokens`),
+    /// when it said: the dispatch-time estimate is corrected to it.
+    pub prompt_tokens: Option<u32>,
+}
+
+/// A bypass: a request sent upstream without joining the queue.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Dispatched {
+    pub input_tokens: u32,
+    /// The client's bound on output (0: not given).
+    pub max_tokens: u32,
+    pub model: String,
+}
+
+/// Output of a running request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Output {
+    /// Tokens generated.
+    pub tokens: u32,
+    /// Its first output came this long after it was sent upstream (told once).
+    pub first_token_ms: Option<u32>,
+}
+
+/// Flags of an encoded [`Charge`]: which of its optional events follow.
+const CHARGE_DISPATCHED: u8 = 1;
+const CHARGE_DONE: u8 = 2;
 
 /// The scheduler tells a worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,9 +156,9 @@ pub enum ToWorker {
     /// Resume the request towards `endpoint` (an index into the configured
     /// endpoints); `predicted_ttft_ms` is the estimator's prediction made when
     /// it was queued, when there was one and the configuration exposes it.
-    Dispatch { req: u64, endpoint: u32, predicted_ttft_ms: Option<u32> },
+    Dispatch { req: RequestId, endpoint: u32, predicted_ttft_ms: Option<u32> },
     /// Answer the request with this outcome.
-    Reject { req: u64, outcome: Outcome },
+    Reject { req: RequestId, outcome: Outcome },
 }
 
 struct Reader<'a>(&'a [u8]);
@@ -103,6 +177,9 @@ impl<'a> Reader<'a> {
     }
     fn u64(&mut self) -> Option<u64> {
         self.take().map(u64::from_le_bytes)
+    }
+    fn req(&mut self) -> Option<RequestId> {
+        self.u64().map(RequestId)
     }
     fn u16(&mut self) -> Option<u16> {
         self.take().map(u16::from_le_bytes)
@@ -150,7 +227,7 @@ impl ToScheduler {
         match self {
             ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline, route, tenant } => {
                 b.push(1);
-                b.extend_from_slice(&req.to_le_bytes());
+                b.extend_from_slice(&req.0.to_le_bytes());
                 b.push(*band);
                 b.extend_from_slice(&input_tokens.to_le_bytes());
                 b.extend_from_slice(&max_tokens.to_le_bytes());
@@ -179,29 +256,27 @@ impl ToScheduler {
             }
             ToScheduler::Cancel { req } => {
                 b.push(2);
-                b.extend_from_slice(&req.to_le_bytes());
+                b.extend_from_slice(&req.0.to_le_bytes());
             }
-            ToScheduler::Charge {
-                req,
-                band,
-                input_tokens,
-                max_tokens,
-                output_tokens,
-                done,
-                first_token_ms,
-                model,
-                tenant,
-            } => {
+            ToScheduler::Charge(c) => {
+                // Tag, request, band, flags; the bypass if flagged; the output; the tenant.
                 b.push(3);
-                b.extend_from_slice(&req.to_le_bytes());
-                b.push(*band);
-                b.extend_from_slice(&input_tokens.to_le_bytes());
-                b.extend_from_slice(&max_tokens.to_le_bytes());
-                b.extend_from_slice(&output_tokens.to_le_bytes());
-                b.push(*done as u8);
-                put_opt_u32(&mut b, *first_token_ms);
-                put_str16(&mut b, model);
-                b.extend_from_slice(tenant.as_bytes());
+                b.extend_from_slice(&c.req.0.to_le_bytes());
+                b.push(c.band);
+                let flags = if c.dispatched.is_some() { CHARGE_DISPATCHED } else { 0 }
+                    | if c.done.is_some() { CHARGE_DONE } else { 0 };
+                b.push(flags);
+                if let Some(d) = &c.dispatched {
+                    b.extend_from_slice(&d.input_tokens.to_le_bytes());
+                    b.extend_from_slice(&d.max_tokens.to_le_bytes());
+                    put_str16(&mut b, &d.model);
+                }
+                b.extend_from_slice(&c.output.tokens.to_le_bytes());
+                put_opt_u32(&mut b, c.output.first_token_ms);
+                if let Some(d) = &c.done {
+                    put_opt_u32(&mut b, d.prompt_tokens);
+                }
+                b.extend_from_slice(c.tenant.as_bytes());
             }
             ToScheduler::Wake => b.push(5),
         }
@@ -213,7 +288,7 @@ impl ToScheduler {
         let mut r = Reader(bytes);
         match r.u8()? {
             1 => Some(ToScheduler::Enqueue {
-                req: r.u64()?,
+                req: r.req()?,
                 band: r.u8()?,
                 input_tokens: r.u32()?,
                 max_tokens: r.u32()?,
@@ -227,20 +302,23 @@ impl ToScheduler {
                 tenant: r.rest_str()?,
             }),
             2 => {
-                let req = r.u64()?;
+                let req = r.req()?;
                 r.0.is_empty().then_some(ToScheduler::Cancel { req })
             }
-            3 => Some(ToScheduler::Charge {
-                req: r.u64()?,
-                band: r.u8()?,
-                input_tokens: r.u32()?,
-                max_tokens: r.u32()?,
-                output_tokens: r.u32()?,
-                done: r.u8()? != 0,
-                first_token_ms: r.opt_u32()?,
-                model: r.str16()?,
-                tenant: r.rest_str()?,
-            }),
+            3 => {
+                let (req, band, flags) = (r.req()?, r.u8()?, r.u8()?);
+                if flags & !(CHARGE_DISPATCHED | CHARGE_DONE) != 0 {
+                    return None;
+                }
+                let dispatched = if flags & CHARGE_DISPATCHED != 0 {
+                    Some(Dispatched { input_tokens: r.u32()?, max_tokens: r.u32()?, model: r.str16()? })
+                } else {
+                    None
+                };
+                let output = Output { tokens: r.u32()?, first_token_ms: r.opt_u32()? };
+                let done = if flags & CHARGE_DONE != 0 { Some(Done { prompt_tokens: r.opt_u32()? }) } else { None };
+                Some(ToScheduler::Charge(Charge { req, band, tenant: r.rest_str()?, dispatched, output, done }))
+            }
             5 => r.0.is_empty().then_some(ToScheduler::Wake),
             _ => None,
         }
@@ -306,13 +384,13 @@ impl ToWorker {
         match self {
             ToWorker::Dispatch { req, endpoint, predicted_ttft_ms } => {
                 b.push(1);
-                b.extend_from_slice(&req.to_le_bytes());
+                b.extend_from_slice(&req.0.to_le_bytes());
                 b.extend_from_slice(&endpoint.to_le_bytes());
                 put_opt_u32(&mut b, *predicted_ttft_ms);
             }
             ToWorker::Reject { req, outcome } => {
                 b.push(2);
-                b.extend_from_slice(&req.to_le_bytes());
+                b.extend_from_slice(&req.0.to_le_bytes());
                 b.push(outcome.code());
             }
         }
@@ -323,8 +401,8 @@ impl ToWorker {
     pub fn decode(bytes: &[u8]) -> Option<ToWorker> {
         let mut r = Reader(bytes);
         let m = match r.u8()? {
-            1 => ToWorker::Dispatch { req: r.u64()?, endpoint: r.u32()?, predicted_ttft_ms: r.opt_u32()? },
-            2 => ToWorker::Reject { req: r.u64()?, outcome: Outcome::from_code(r.u8()?)? },
+            1 => ToWorker::Dispatch { req: r.req()?, endpoint: r.u32()?, predicted_ttft_ms: r.opt_u32()? },
+            2 => ToWorker::Reject { req: r.req()?, outcome: Outcome::from_code(r.u8()?)? },
             _ => return None,
         };
         r.0.is_empty().then_some(m)
@@ -335,11 +413,22 @@ impl ToWorker {
 mod tests {
     use super::*;
 
+    fn charge(
+        req: u64,
+        dispatched: Option<Dispatched>,
+        tokens: u32,
+        first: Option<u32>,
+        done: Option<Done>,
+    ) -> ToScheduler {
+        let output = Output { tokens, first_token_ms: first };
+        ToScheduler::Charge(Charge { req: RequestId(req), band: 1, tenant: "t".into(), dispatched, output, done })
+    }
+
     #[test]
     fn messages_round_trip() {
         let to_sched = [
             ToScheduler::Enqueue {
-                req: u64::MAX - 1,
+                req: RequestId(u64::MAX - 1),
                 band: 2,
                 input_tokens: 17,
                 max_tokens: 256,
@@ -349,7 +438,7 @@ mod tests {
                 tenant: "tenant-ä".into(),
             },
             ToScheduler::Enqueue {
-                req: 0,
+                req: RequestId(0),
                 band: 0,
                 input_tokens: 0,
                 max_tokens: 0,
@@ -358,47 +447,56 @@ mod tests {
                 route: RouteInfo::default(),
                 tenant: String::new(),
             },
-            ToScheduler::Cancel { req: 42 },
+            ToScheduler::Cancel { req: RequestId(42) },
             ToScheduler::Wake,
-            ToScheduler::Charge {
-                req: 3 << 32 | 9,
-                band: 1,
-                input_tokens: 7,
-                max_tokens: 30,
-                output_tokens: 5,
-                done: true,
-                first_token_ms: Some(120),
-                model: "m".into(),
-                tenant: "t".into(),
-            },
+            charge(
+                3 << 32 | 9,
+                Some(Dispatched { input_tokens: 7, max_tokens: 30, model: "m".into() }),
+                5,
+                Some(120),
+                Some(Done { prompt_tokens: Some(4000) }),
+            ),
+            // A bypass of an empty prompt is a dispatch all the same.
+            charge(1, Some(Dispatched::default()), 0, None, None),
+            charge(2, None, 0, None, None),
+            charge(2, None, u32::MAX, Some(0), Some(Done::default())),
         ];
         for m in to_sched {
-            assert_eq!(ToScheduler::decode(&m.encode()), Some(m));
+            let bytes = m.encode();
+            assert_eq!(ToScheduler::decode(&bytes), Some(m.clone()));
+            if let ToScheduler::Charge(c) = &m {
+                // The events are told by their flags, never by a value.
+                let flags = bytes[10];
+                assert_eq!(flags & CHARGE_DISPATCHED != 0, c.dispatched.is_some(), "{m:?}");
+                assert_eq!(flags & CHARGE_DONE != 0, c.done.is_some(), "{m:?}");
+            }
         }
         for m in [
-            ToWorker::Dispatch { req: 9, endpoint: 2, predicted_ttft_ms: None },
-            ToWorker::Dispatch { req: 9, endpoint: 2, predicted_ttft_ms: Some(1234) },
-            ToWorker::Reject { req: 1, outcome: Outcome::SloUnattainable },
+            ToWorker::Dispatch { req: RequestId(9), endpoint: 2, predicted_ttft_ms: None },
+            ToWorker::Dispatch { req: RequestId(9), endpoint: 2, predicted_ttft_ms: Some(1234) },
+            ToWorker::Reject { req: RequestId(1), outcome: Outcome::SloUnattainable },
         ] {
             assert_eq!(ToWorker::decode(&m.encode()), Some(m));
         }
     }
 
     #[test]
+    fn request_ids_name_their_worker_and_stream_and_band_codes_round_trip() {
+        let id = RequestId::new(3, 9);
+        assert_eq!((id, id.worker(), id.ctx()), (RequestId(3 << 32 | 9), 3, 9));
+        assert_eq!(worker_of(id.0), 3);
+        for (code, band) in Criticality::ALL.into_iter().enumerate() {
+            assert_eq!(band_code(band), code as u8);
+            assert_eq!(band_of_code(code as u8), band);
+        }
+        assert_eq!(band_of_code(200), Criticality::Standard, "an unknown code is the default band");
+    }
+
+    #[test]
     fn batches_round_trip_and_damage_spoils_the_whole_entry() {
         let msgs = vec![
-            ToScheduler::Cancel { req: 1 },
-            ToScheduler::Charge {
-                req: 2,
-                band: 0,
-                input_tokens: 3,
-                max_tokens: 4,
-                output_tokens: 5,
-                done: false,
-                first_token_ms: None,
-                model: String::new(),
-                tenant: "a".into(),
-            },
+            ToScheduler::Cancel { req: RequestId(1) },
+            charge(2, Some(Dispatched { input_tokens: 3, max_tokens: 4, model: String::new() }), 5, None, None),
         ];
         let b = encode_batch(&msgs);
         assert_eq!(decode_entry(&b), Some(msgs.clone()));
@@ -416,9 +514,13 @@ mod tests {
         assert_eq!(ToScheduler::decode(&[9, 1, 2]), None);
         assert_eq!(ToScheduler::decode(&[1, 0, 0]), None);
         assert_eq!(ToScheduler::decode(&[5, 0]), None, "a wake-up carries nothing");
+        let mut unknown_event = charge(1, None, 0, None, None).encode();
+        unknown_event[10] = 4;
+        assert_eq!(ToScheduler::decode(&unknown_event), None, "an event this scheduler does not know");
         assert_eq!(ToWorker::decode(&[1, 0]), None);
-        assert_eq!(ToWorker::decode(&ToWorker::Reject { req: 1, outcome: Outcome::QueueFull }.encode()[..5]), None);
-        let mut long = ToWorker::Dispatch { req: 1, endpoint: 0, predicted_ttft_ms: None }.encode();
+        let reject = ToWorker::Reject { req: RequestId(1), outcome: Outcome::QueueFull };
+        assert_eq!(ToWorker::decode(&reject.encode()[..5]), None);
+        let mut long = ToWorker::Dispatch { req: RequestId(1), endpoint: 0, predicted_ttft_ms: None }.encode();
         long.push(0);
         assert_eq!(ToWorker::decode(&long), None);
     }

@@ -254,7 +254,14 @@ mod tests {
     }
 
     fn view(metrics: &EndpointMetrics, in_flight: u32) -> EndpointView<'_> {
-        EndpointView { in_flight, in_flight_at_scrape: in_flight, metrics: Some(metrics), age_ms: 10, healthy: true, full: false }
+        EndpointView {
+            in_flight,
+            in_flight_at_scrape: in_flight,
+            metrics: Some(metrics),
+            age_ms: 10,
+            healthy: true,
+            full: false,
+        }
     }
 
     /// Picks with a fresh scratch at time 0.

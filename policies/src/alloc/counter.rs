@@ -629,7 +629,11 @@ mod tests {
         let before = (v.counter(0), v.counter(1));
         v.on_prompt(0, 1, 100, 400);
         v.on_prompt(1, 2, 100, 40);
-        assert_eq!((v.counter(0), v.counter(1)), (before.0 + 300.0, before.1 - 60.0), "as if counted right at dispatch");
+        assert_eq!(
+            (v.counter(0), v.counter(1)),
+            (before.0 + 300.0, before.1 - 60.0),
+            "as if counted right at dispatch"
+        );
         // A cost curve: the increment of h at the request's place on it.
         let h = CostFn::profiled();
         let mut c = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);

@@ -1,0 +1,163 @@
+//! The scheduler's SLO state (with `"slo"`): the estimator (QLM's waiting
+//! time, PARD's load factor), the predicted work of queued requests per
+//! (band, model group), and what it keeps of each queued request. It reads
+//! and steers the queue it is handed: predictions rank a newcomer against the
+//! work ahead, the clock sets the bands' order (PARD) and urgency (QLM's
+//! batch hold), and a hopeless request is demoted to best effort.
+
+use super::{Enqueued, Queue};
+use crate::slo::{SloConfig, SloOrder};
+use crate::wire::Deadline;
+use hashbrown::HashMap;
+use sluice_policies::bands::Criticality;
+use sluice_policies::order::RequestMeta;
+use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
+
+/// Entries summed for a newcomer's work ahead before the whole band is taken instead.
+const MAX_AHEAD_SCAN: usize = 4096;
+
+/// What the SLO machinery keeps of a queued request.
+pub(super) struct QueuedSlo {
+    pub(super) deadline: Option<Deadline>,
+    pub(super) input_tokens: u32,
+    /// Its band index and model group: where its work is indexed.
+    pub(super) at: (usize, usize),
+    /// The TTFT predicted when it was queued (expected value).
+    pub(super) predicted_ms: Option<u32>,
+}
+
+/// The estimator and what it needs of the queue (present with `"slo"`).
+pub(super) struct SloState {
+    pub(super) order: SloOrder,
+    hold_batch_slack_ms: Option<u64>,
+    /// `F⁻¹(λ)` of proactive dropping, when on.
+    pub(super) drop_z: Option<f64>,
+    pub(super) expose: bool,
+    pub(super) est: Estimator,
+    /// Predicted work of queued requests by dispatch key, per (band, model
+    /// group): QLM's request groups, each drained at its own rate.
+    pub(super) work: HashMap<(usize, usize), WorkIndex>,
+    pub(super) queued: HashMap<u64, QueuedSlo>,
+}
+
+impl SloState {
+    /// The state for the `"slo"` section `s`.
+    pub(super) fn new(s: &SloConfig) -> SloState {
+        SloState {
+            order: s.order,
+            hold_batch_slack_ms: s.hold_batch_slack_ms,
+            drop_z: s.drop.map(|d| normal_quantile(d.quantile)),
+            expose: s.expose_prediction,
+            est: Estimator::new(EstimatorConfig {
+                prior_output_tokens: s.prior_output_tokens as f64,
+                input_cost: s.input_token_cost,
+                ..EstimatorConfig::default()
+            }),
+            work: HashMap::new(),
+            queued: HashMap::new(),
+        }
+    }
+
+    /// A queued request left the queue (any way): the estimator forgets it;
+    /// its prediction, if any, is returned.
+    pub(super) fn left_queue(&mut self, req: u64) -> Option<u32> {
+        let q = self.queued.remove(&req)?;
+        if let Some(w) = self.work.get_mut(&q.at) {
+            w.remove(req);
+            if w.is_empty() {
+                self.work.remove(&q.at);
+            }
+        }
+        q.predicted_ms
+    }
+
+    /// Time moved: the estimator closes its windows and, under `"pard"`, the
+    /// bands of `queue` follow the load factor's order.
+    pub(super) fn observe_clock(&mut self, queue: &mut Queue, now_ms: u64) {
+        let saturated = !queue.is_empty();
+        self.est.advance(now_ms, saturated);
+        if self.order == SloOrder::Pard {
+            let hbf = self.est.load().is_hbf();
+            for band in Criticality::ALL {
+                queue.band_mut(band).set_high_budget_first(hbf);
+            }
+        }
+        if let Some(ample) = self.hold_batch_slack_ms {
+            // At risk: its dispatch key falls before the next slot is expected to free.
+            let next_slot = self.est.predict_ttft(0.0, Work::default(), true, 0, 0.0, 0);
+            let urgency = next_slot.map(|wait| (now_ms as f64 + wait, now_ms as f64 + ample as f64));
+            for band in Criticality::ALL {
+                queue.band_mut(band).set_urgency(urgency);
+            }
+        }
+    }
+
+    /// The estimator's prediction of a newcomer's TTFT (expected, and at the
+    /// drop quantile): request `r`, due by `d`, about to join band `i` of
+    /// `queue` (model group `group`) with this `key` in its band.
+    pub(super) fn predict(
+        &self,
+        queue: &Queue,
+        r: &Enqueued,
+        d: Deadline,
+        (i, group): (usize, usize),
+        key: f64,
+        now_ms: u64,
+    ) -> (Option<f64>, Option<f64>) {
+        let (req, input_tokens) = (r.req, r.input_tokens);
+        // Higher bands of its model group are served first: all their work is ahead.
+        let index = |b: usize| self.work.get(&(b, group));
+        let above = (0..i).filter_map(index).fold(Work::default(), |w, x| w + x.total());
+        let hbf = queue.band(Criticality::ALL[i]).is_high_budget_first();
+        let own = index(i).map_or(Work::default(), |w| w.ahead(key, req, hbf, MAX_AHEAD_SCAN));
+        let ahead = above + own;
+        let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
+        let mean = self.est.predict_ttft(elapsed, ahead, true, input_tokens, 0.0, group);
+        let hi = self.drop_z.and_then(|z| self.est.predict_ttft(elapsed, ahead, true, input_tokens, z, group));
+        (mean, hi)
+    }
+
+    /// True when a request about to be dispatched now cannot meet its
+    /// objective even so: its time to first token from here (prefill only),
+    /// `z` standard deviations above the mean, exceeds what is left.
+    pub(super) fn unattainable_now(&self, req: u64, now_ms: u64, z: f64) -> bool {
+        let Some(q) = self.queued.get(&req) else { return false };
+        let Some(d) = q.deadline else { return false };
+        let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
+        self.est
+            .predict_ttft(elapsed, Work::default(), false, q.input_tokens, z, q.at.1)
+            .is_some_and(|t| t > d.ttft_ms as f64)
+    }
+}
+
+/// A queued request that can no longer meet its objective, under an SLO
+/// order without dropping: it loses its deadline and waits as best
+/// effort (behind every request that can still make it, as the policy's
+/// choice only), instead of taking a slot from one that can. Serving the
+/// hopeless first is how deadline orders collapse under overload.
+pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) {
+    let Some(band) = queue.band_of(req) else { return };
+    let Some(flow) = queue.peek().filter(|(_, r)| r.id == req).map(|(_, r)| r.flow) else { return };
+    // Held so that the tenant is not forgotten between the two steps.
+    queue.hold(flow);
+    if let Some(r) = queue.remove(req) {
+        let meta = RequestMeta {
+            predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
+            ..Default::default()
+        };
+        // Room was just made in the same band and flow: it fits again.
+        let back = queue.push_with(band, r, meta);
+        debug_assert!(matches!(back, Ok(None)), "re-queued in place: {back:?}");
+        if let Some(slo) = slo {
+            if let Some(q) = slo.queued.get_mut(&req) {
+                q.deadline = None;
+                if let Some(index) = slo.work.get_mut(&q.at) {
+                    if let Some(w) = index.remove(req) {
+                        index.insert(req, f64::INFINITY, w);
+                    }
+                }
+            }
+        }
+    }
+    queue.release(flow);
+}

@@ -1,0 +1,127 @@
+//! The stats a worker keeps, and how each is kept (Envoy shows them as
+//! `wasmcustom.<name>`).
+
+use crate::outcome::Outcome;
+
+/// How a [`Metric`] is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only grows.
+    Counter,
+    /// Set to the latest value.
+    Gauge,
+    /// A distribution of recorded values.
+    Histogram,
+}
+
+/// The stats a worker keeps (Envoy shows them as `wasmcustom.<name>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Metric {
+    /// In-flight requests of the pool, as last seen.
+    Stock,
+    /// Requests queued at the scheduler.
+    QueueLength,
+    /// Requests that skipped the queue.
+    Bypassed,
+    /// Requests handed to the scheduler.
+    Queued,
+    /// Requests sent to a backend (bypassed or from the queue).
+    Dispatched,
+    /// Dispatched requests that ended.
+    Completed,
+    /// Queued requests whose client left.
+    CancelledInQueue,
+    /// Requests the gateway answered itself, by outcome.
+    Rejected(Outcome),
+    /// Time from arrival to dispatch of queued requests.
+    QueueWaitMs,
+    /// Successful metrics scrapes.
+    ScrapesOk,
+    /// Failed metrics scrapes.
+    ScrapesFailed,
+    /// Slots reclaimed from workers that stopped ticking.
+    SlotsReclaimed,
+    /// Requests the overload ladder deferred (held out of the queue).
+    Deferred,
+    /// Time a deferred request was held, until it was released, rejected,
+    /// expired or cancelled.
+    HeldMs,
+    /// Peer states fetched and taken (`replicas`).
+    ReplicaSyncOk,
+    /// Peer calls that failed or whose answer was refused.
+    ReplicaSyncFailed,
+    /// Peers counting now.
+    ReplicaPeersLive,
+    /// The in-flight limits learned for the endpoints, added up (`learned_limit`).
+    InFlightLimit,
+}
+
+impl Metric {
+    /// Every metric, in [`Metric::index`] order.
+    pub fn all() -> impl Iterator<Item = Metric> {
+        use Metric::*;
+        [Stock, QueueLength, Bypassed, Queued, Dispatched, Completed, CancelledInQueue]
+            .into_iter()
+            .chain(Outcome::ALL.into_iter().map(Rejected))
+            .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
+            .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive, InFlightLimit])
+    }
+
+    /// Its position in [`Metric::all`].
+    pub fn index(self) -> usize {
+        let outcomes = Outcome::ALL.len();
+        match self {
+            Metric::Stock => 0,
+            Metric::QueueLength => 1,
+            Metric::Bypassed => 2,
+            Metric::Queued => 3,
+            Metric::Dispatched => 4,
+            Metric::Completed => 5,
+            Metric::CancelledInQueue => 6,
+            Metric::Rejected(o) => 7 + o.code() as usize,
+            Metric::QueueWaitMs => 7 + outcomes,
+            Metric::ScrapesOk => 8 + outcomes,
+            Metric::ScrapesFailed => 9 + outcomes,
+            Metric::SlotsReclaimed => 10 + outcomes,
+            Metric::Deferred => 11 + outcomes,
+            Metric::HeldMs => 12 + outcomes,
+            Metric::ReplicaSyncOk => 13 + outcomes,
+            Metric::ReplicaSyncFailed => 14 + outcomes,
+            Metric::ReplicaPeersLive => 15 + outcomes,
+            Metric::InFlightLimit => 16 + outcomes,
+        }
+    }
+
+    /// Its stat name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Stock => "sluice_stock",
+            Metric::QueueLength => "sluice_queue_length",
+            Metric::Bypassed => "sluice_requests_bypassed",
+            Metric::Queued => "sluice_requests_queued",
+            Metric::Dispatched => "sluice_requests_dispatched",
+            Metric::Completed => "sluice_requests_completed",
+            Metric::CancelledInQueue => "sluice_requests_cancelled_in_queue",
+            Metric::Rejected(o) => o.stat(),
+            Metric::QueueWaitMs => "sluice_queue_wait_ms",
+            Metric::ScrapesOk => "sluice_scrapes_ok",
+            Metric::ScrapesFailed => "sluice_scrapes_failed",
+            Metric::SlotsReclaimed => "sluice_slots_reclaimed",
+            Metric::Deferred => "sluice_requests_deferred",
+            Metric::HeldMs => "sluice_held_ms",
+            Metric::ReplicaSyncOk => "sluice_replica_sync_ok",
+            Metric::ReplicaSyncFailed => "sluice_replica_sync_failed",
+            Metric::ReplicaPeersLive => "sluice_replica_peers_live",
+            Metric::InFlightLimit => "sluice_in_flight_limit",
+        }
+    }
+
+    /// How it is kept.
+    pub fn kind(self) -> MetricKind {
+        match self {
+            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => MetricKind::Gauge,
+            Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
+            _ => MetricKind::Counter,
+        }
+    }
+}

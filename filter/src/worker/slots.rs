@@ -1,0 +1,179 @@
+//! Slots: how a request takes one unit of stock, for a bypass (the streams)
+//! or a dispatch from the queue (the role). The stock band (each endpoint's
+//! learned limit under the operator's cap), the pool's saturation gate, a
+//! replica's share of the bound, the router, and the affinity index the
+//! router reads.
+
+use super::{Env, Host};
+use crate::config::{Config, NoEndpoint};
+use crate::replicas;
+use crate::scheduler::Slot;
+use crate::shared::{self, Permit};
+use crate::wire::RouteInfo;
+use sluice_policies::admission::{Band, PoolBand};
+use sluice_policies::capacity::Capacity;
+use sluice_policies::overload::LoadSignals;
+use sluice_policies::routing::{AffinityIndex, EndpointView, RouteContext, Scratch};
+
+/// Prefix blocks and sessions remembered for affinity, per VM.
+const AFFINITY_CAPACITY: usize = 1 << 16;
+
+/// What this VM takes stock and routes with.
+pub(super) struct Slots {
+    /// Which endpoint served which prefix blocks and sessions.
+    pub(super) affinity: AffinityIndex,
+    /// The router's buffers, reused from one request to the next.
+    route_scratch: Scratch,
+    /// xorshift state for the weighted-random picker.
+    rng: u64,
+    /// Each endpoint's learned in-flight limit as of the last tick (`None`:
+    /// learning is off).
+    pub(super) limits: Vec<Option<f64>>,
+    /// Next endpoint for requests the filter does not schedule.
+    passthrough_next: usize,
+}
+
+impl Slots {
+    /// The slots of worker `worker`, whose queue is `queue` (they seed its picker).
+    pub(super) fn new(cfg: &Config, worker: u32, queue: u32) -> Slots {
+        // Until the lease holder has learned anything: slow start from nothing.
+        let initial_limit = cfg.learned_limit.map(|h| Capacity::default().limit(&h));
+        Slots {
+            affinity: AffinityIndex::new(AFFINITY_CAPACITY, cfg.routing.speculative_ttl_ms),
+            route_scratch: Scratch::default(),
+            rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | queue as u64),
+            limits: vec![initial_limit; cfg.endpoints.len()],
+            passthrough_next: worker as usize,
+        }
+    }
+
+    /// The band of the whole pool: every endpoint's, added up.
+    pub(super) fn pool_band(&self, cfg: &Config) -> PoolBand {
+        PoolBand::of(self.limits.iter().map(|&l| cfg.bounds.band(l)))
+    }
+
+    /// The overload ladder's signals: stock over the band's upper bound,
+    /// `queued` over the queue's capacity, and the streams' `tail_ratio` (the
+    /// p95 of recent TTFT over objective).
+    pub(super) fn load_signals<H: Host>(&self, env: &Env<H>, queued: u64, tail_ratio: f64) -> LoadSignals {
+        let n = env.endpoints();
+        let upper = self.pool_band(&env.cfg).upper;
+        let own = shared::stock(&env.host, n);
+        // With replicas: the stock the band reads (this replica's part of the global one).
+        let peers = env.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&env.host, n, env.now, r.max_age_ms));
+        let stock = peers.map_or(own, |p| p.load(own)) as f64;
+        LoadSignals {
+            load: if upper > 0.0 { stock / upper } else { 1.0 },
+            queue_pressure: queued as f64 / env.cfg.bands.total_capacity as f64,
+            tail_ratio,
+        }
+    }
+
+    /// Takes one unit of stock for request `req`, held by worker `owner`, if
+    /// the band (for a pop from the queue, or for a bypass) and the pool's
+    /// saturation allow, on the endpoint the router picks. Both read the
+    /// in-flight counts of this very attempt, so each decision sees the ones
+    /// before it (the predicted load, and a pool that fills up between two
+    /// scrapes). The caller keeps its heartbeat alive first.
+    ///
+    /// `from_queue`: a dispatch from the queue, else a bypass. `held`: the slots held back for
+    /// this replica's light tenants other than the request's (`replicas`; see
+    /// [`crate::scheduler::Scheduler::set_tenant_parts`]).
+    pub(super) fn take_slot<H: Host>(
+        &mut self,
+        env: &Env<H>,
+        owner: u32,
+        req: u64,
+        route: &RouteInfo,
+        from_queue: bool,
+        held: u32,
+    ) -> Slot<Permit> {
+        let held = u64::from(held);
+        let cfg = &*env.cfg;
+        let n = cfg.endpoints.len();
+        let now = env.now;
+        let routing = &cfg.routing;
+        let scraping = routing.scrape_cluster.is_some();
+        // Health comes from scrapes and from resets seen on requests (quarantine).
+        let records = shared::records(&env.host, n);
+        // Each endpoint's band: the learned limit under the operator's cap.
+        let limits = &self.limits;
+        let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
+        let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
+            (0..n)
+                .map(|i| {
+                    let full = !band(i).has_room(load[i], from_queue);
+                    match &records[i] {
+                        r if scraping => EndpointView { full, ..r.view(load[i], now) },
+                        r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
+                    }
+                })
+                .collect()
+        };
+        // With replicas, the band and the router count the live peers' requests too, except
+        // while this replica holds nothing: its one slot is its own whatever its peers say
+        // (honest ones leave it free; a lying one must not stall it).
+        let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&env.host, n, now, r.max_age_ms));
+        let global = |load: &[u32]| match &peers {
+            Some(p) if load.iter().any(|&k| k > 0) => p.global(load),
+            _ => load.to_vec(),
+        };
+        let allowed = |own: &[u32]| {
+            let load = &global(own)[..];
+            // The band scales with the endpoints that can take work: a hung
+            // server's requests must not hold the others back.
+            let healthy = |i: usize| records[i].healthy(now);
+            let (pool, stock) = shared::ready_stock(load, healthy, band);
+            // A replica keeps to its share of the bound (and all of them to the bound).
+            let own_stock = shared::ready_stock(own, healthy, band).1;
+            let stock = match &peers {
+                Some(p) if own.iter().any(|&k| k > 0) => p.stock(own_stock + held, stock + held, from_queue),
+                _ => stock + held,
+            };
+            let band = if from_queue { pool.may_pop(stock) } else { pool.may_bypass(stock, 0) };
+            // Full GPUs hold requests back; but never all of them, or nothing
+            // would finish to trigger the next attempt.
+            band && !(stock > 0 && scraping && routing.saturation.pool_saturated(&views(load)))
+        };
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let random = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
+        let request = route.as_request();
+        let (index, scratch) = (&self.affinity, &mut self.route_scratch);
+        let mut no_endpoint = false;
+        let pick = |load: &[u32]| {
+            let load = &global(load)[..];
+            let pool = views(load);
+            let cx = RouteContext { request, pool: &pool, index, now_ms: now };
+            let chosen = routing.router.pick(&cx, random, scratch);
+            // None healthy (not merely all full): reject, or fail open to the least loaded with room.
+            let none_healthy = chosen.is_none() && !pool.iter().any(|e| e.healthy);
+            no_endpoint = none_healthy && routing.on_no_endpoint == NoEndpoint::Reject;
+            let room: Vec<u32> = pool.iter().map(|e| if e.full { u32::MAX } else { e.in_flight }).collect();
+            let fallback = || shared::least_loaded(&room).filter(|&i| !pool[i].full);
+            chosen.or_else(|| if none_healthy && !no_endpoint { fallback() } else { None })
+        };
+        match shared::acquire(&env.host, n, owner, allowed, pick) {
+            Some((permit, stock)) => {
+                env.publish_stock(stock);
+                self.affinity.record(req, &request, permit.endpoint() as usize, now);
+                Slot::Granted(permit)
+            }
+            None if no_endpoint => Slot::NoEndpoint,
+            None => Slot::Wait,
+        }
+    }
+
+    /// Where a request the filter does not schedule goes: see
+    /// [`super::Worker::passthrough_endpoint`].
+    pub(super) fn passthrough_endpoint<H: Host>(&mut self, env: &Env<H>) -> usize {
+        let n = env.endpoints();
+        let now = env.now;
+        let records = shared::records(&env.host, n);
+        let start = self.passthrough_next;
+        let pick = (0..n).map(|k| (start + k) % n).find(|&i| records[i].healthy(now)).unwrap_or(start % n);
+        self.passthrough_next = (pick + 1) % n;
+        pick
+    }
+}

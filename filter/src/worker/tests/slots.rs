@@ -1,0 +1,143 @@
+use super::support::*;
+use crate::scheduler::Slot;
+use crate::worker::slots::Slots;
+use crate::worker::Env;
+use crate::worker::*;
+
+#[test]
+fn stock_stuck_on_a_sick_endpoint_does_not_block_the_healthy_one() {
+    let p = Rc::new(Process::default());
+    let mut w = vm(&p, 1, config(serde_json::json!({})), 0);
+    // A hung server holds two requests, over its one slot: the pool's two slots
+    // are taken, but only one of them counts there.
+    shared::heartbeat(&p.store, 9, 0, &[]);
+    let _stuck: Vec<Permit> =
+        (0..2).map(|_| shared::acquire(&p.store, 2, 9, |_| true, |_| Some(0)).unwrap().0).collect();
+    assert_eq!(endpoint_of(admit(&mut w, 0, 1, "a")), 1, "the healthy one takes it");
+    assert_eq!(admit(&mut w, 0, 2, "a"), Admission::Queued, "now both are full");
+    // Its scrapes fail: it no longer counts at all, and its slot is not given to anyone.
+    shared::update_record(&p.store, 2, 0, |r| r.failures = 1);
+    w.on_tick(100);
+    w.on_queue_ready(100, queue_id(&p, "sluice.worker.1"));
+    assert!(p.resumed.borrow().is_empty(), "{:?}", p.resumed.borrow());
+}
+
+#[test]
+fn bypasses_between_two_scrapes_spread_instead_of_herding() {
+    let p = Rc::new(Process::default());
+    let mut w = vm(&p, 1, scraping(serde_json::json!({})), 0);
+    // Endpoint 0 looked best at the scrape.
+    scrape(&mut w, 50, |e| if e == 0 { vllm(0, 4, 0.1) } else { vllm(1, 4, 0.3) });
+    let mut got = [0; 4];
+    for ctx in 1..=12 {
+        got[endpoint_of(admit_route(&mut w, 60, ctx, &[]))] += 1;
+    }
+    assert!(got.iter().all(|&n| n >= 2), "the burst spreads: {got:?}");
+    // The next scrape takes what is in flight as its baseline: what the
+    // servers now report replaces the correction.
+    scrape(&mut w, 100, |_| vllm(0, 7, 0.3));
+    let records = shared::records(&p.store, 4);
+    assert_eq!(records.iter().map(|r| r.in_flight_at_scrape).collect::<Vec<_>>(), got);
+    assert!(records.iter().zip(got).all(|(r, n)| r.view(n, 100).since_scrape() == 0.0));
+}
+
+#[test]
+fn a_queued_request_is_routed_when_it_is_dispatched_not_when_it_is_queued() {
+    let p = Rc::new(Process::default());
+    let cfg = scraping(serde_json::json!({
+        "endpoints": ["127.0.0.1:1", "127.0.0.1:2"],
+        "lower_bound_per_backend": 2, "upper_bound_per_backend": 2,
+    }));
+    let mut w = vm(&p, 1, cfg, 0);
+    scrape(&mut w, 50, |e| if e == 0 { vllm(0, 1, 0.1) } else { vllm(3, 8, 0.5) });
+    assert_eq!(endpoint_of(admit_route(&mut w, 60, 1, &[])), 0);
+    assert_eq!(endpoint_of(admit_route(&mut w, 60, 2, &[])), 0);
+    assert_eq!(endpoint_of(admit_route(&mut w, 60, 3, &[])), 1, "endpoint 0 is at its bound");
+    assert_eq!(endpoint_of(admit_route(&mut w, 60, 4, &[])), 1);
+    assert_eq!(admit_route(&mut w, 60, 5, &[]), Admission::Queued, "the band is full");
+    w.on_queue_ready(60, queue_id(&p, SCHEDULER_QUEUE));
+    // When it enqueued, endpoint 0 looked best; by the time slots free up, endpoint 1 does.
+    scrape(&mut w, 100, |e| if e == 0 { vllm(4, 8, 0.7) } else { vllm(0, 0, 0.0) });
+    w.at(110).finish(1, Ended::default());
+    w.at(110).finish(3, Ended::default());
+    w.on_queue_ready(110, queue_id(&p, SCHEDULER_QUEUE));
+    w.on_queue_ready(110, queue_id(&p, "sluice.worker.1"));
+    assert_eq!(*p.resumed.borrow(), vec![(1, 5, "127.0.0.1:2".to_string())]);
+}
+
+#[test]
+fn prefix_entries_are_speculative_until_the_first_token_confirms_them() {
+    let p = Rc::new(Process::default());
+    let cfg = || scraping(serde_json::json!({"routing": {"scrape_cluster": "c", "speculative_ttl_ms": 100}}));
+    let mut w = vm(&p, 1, cfg(), 0);
+    scrape(&mut w, 0, |_| vllm(0, 0, 0.0));
+    let held = |w: &Worker<Vm>, now: u64| {
+        let mut out = vec![0.0; 4];
+        w.hub.slots.affinity.match_lengths(&[7, 8, 9], now, &mut out);
+        out
+    };
+    let e = endpoint_of(admit_route(&mut w, 10, 1, &[7, 8, 9]));
+    assert_eq!(held(&w, 109)[e], 3.0, "speculative, within its TTL");
+    assert_eq!(held(&w, 110), [0.0; 4], "expired: no first token yet");
+    w.at(150).charge(1, 1);
+    assert_eq!(held(&w, 10_000)[e], 3.0, "confirmed by the first token");
+    // From the queue: the scheduler VM routed it, the stream's VM sees the
+    // first token, and the charge it sends confirms it at the scheduler.
+    let p = Rc::new(Process::default());
+    let cfg = || {
+        scraping(serde_json::json!({
+            "lower_bound_per_backend": 0.25, "upper_bound_per_backend": 0.25,
+            "routing": {"scrape_cluster": "c", "speculative_ttl_ms": 100},
+        }))
+    };
+    let mut scheduler = vm(&p, 1, cfg(), 0);
+    let mut worker = vm(&p, 2, cfg(), 0);
+    scrape(&mut scheduler, 0, |_| vllm(0, 0, 0.0));
+    assert!(matches!(admit_route(&mut worker, 10, 1, &[]), Admission::Bypass(_)));
+    assert_eq!(admit_route(&mut worker, 10, 2, &[7, 8, 9]), Admission::Queued);
+    scheduler.on_queue_ready(10, queue_id(&p, SCHEDULER_QUEUE));
+    worker.at(20).finish(1, Ended::default());
+    scheduler.on_queue_ready(20, queue_id(&p, SCHEDULER_QUEUE));
+    worker.on_queue_ready(20, queue_id(&p, "sluice.worker.2"));
+    let e = p.resumed.borrow().last().map(|r| r.2[r.2.len() - 1..].parse::<usize>().unwrap() - 1).unwrap();
+    assert_eq!(held(&scheduler, 20)[e], 3.0, "the scheduler VM recorded where it sent the prefix");
+    worker.at(300).charge(2, 1);
+    worker.on_tick(300);
+    assert_eq!(held(&scheduler, 300), [0.0; 4], "expired before the charge is read");
+    scheduler.on_queue_ready(300, queue_id(&p, SCHEDULER_QUEUE));
+    assert_eq!(held(&scheduler, 300)[e], 3.0, "confirmed by the worker's charge");
+}
+
+/// The slots of worker `worker` over `cfg`, on a host of their own, at time 0.
+fn slots_alone(cfg: Config, worker: u32) -> (Rc<Process>, Env<Vm>, Slots) {
+    let p = Rc::new(Process::default());
+    let slots = Slots::new(&cfg, worker, 1);
+    let env = Env { host: Vm(p.clone(), worker), now: 0, cfg: Rc::new(cfg), worker };
+    (p, env, slots)
+}
+
+#[test]
+fn requests_the_filter_does_not_schedule_take_the_healthy_endpoints_in_turn() {
+    let cfg = config(serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}));
+    let (p, env, mut slots) = slots_alone(cfg, 1);
+    shared::update_record(&p.store, 3, 2, |r| r.quarantined_until_ms = 1000);
+    let picks: Vec<usize> = (0..4).map(|_| slots.passthrough_endpoint(&env)).collect();
+    assert_eq!(picks, [1, 0, 1, 0], "starting at its worker number, the quarantined one skipped");
+    assert_eq!(shared::stock(&p.store, 3), 0, "no stock is taken");
+}
+
+#[test]
+fn a_slot_is_taken_while_the_band_has_room_and_recorded_for_affinity() {
+    let cfg = config(serde_json::json!({"endpoints": ["127.0.0.1:1"]}));
+    let (p, env, mut slots) = slots_alone(cfg, 1);
+    shared::heartbeat(&p.store, 1, 0, &[]);
+    let route = RouteInfo { prefix: vec![7], ..RouteInfo::default() };
+    let Slot::Granted(permit) = slots.take_slot(&env, 1, 1 << 32 | 1, &route, false, 0) else {
+        panic!("an empty endpoint with a bound of 1 has room")
+    };
+    assert_eq!(permit.endpoint(), 0);
+    assert_eq!(slots.take_slot(&env, 1, 1 << 32 | 2, &route, false, 0), Slot::Wait, "the bound of 1 is reached");
+    let mut held = vec![0.0];
+    slots.affinity.match_lengths(&[7], 0, &mut held);
+    assert_eq!(held, [1.0], "the prefix is remembered where it went");
+}
