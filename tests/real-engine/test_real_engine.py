@@ -155,6 +155,50 @@ def test_engine_priority_lets_critical_jump_vllm_queue(gateway, engines, engine_
         assert all(vip.first_token > o.first_token for o in waiting), (vip, waiting)
 
 
+# --- accounting -------------------------------------------------------------------------------
+
+
+def test_the_engines_prompt_count_corrects_the_tenants_charge(gateway, engines):
+    """Issue 19, finding 5: sluice charges a prompt at dispatch by an estimate (4 bytes a token) and
+    corrects it from vLLM's `usage.prompt_tokens` when the request ends. CJK text is about a token
+    a byte for this byte-level tokenizer, four times the estimate; this English text, less than it.
+    Tenants "dense" (CJK) and "plain" (English, the same bytes) queue 6 requests each behind a
+    one-slot bound. Uncorrected, both cost the same and VTC alternates them (3 of plain's among
+    the first 6 served); corrected, a dense request costs plain's four, so after the first of
+    dense's plain goes about four times in a row (5 of the first 6)."""
+    a = engines[0]
+    envoy = gateway([a.endpoint], **explicit_bound(1))
+    dense_text = "漢字仮名交じり文" * 40  # 320 characters, 960 bytes
+    plain_text = ("the gateway queues the requests of every tenant fairly " * 20)[:960]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            send = lambda tenant, text, n: asyncio.create_task(
+                stream_chat(client, envoy.url, tenant, chat_body(n, text)))
+            before = a.metrics().get("vllm:prompt_tokens_total", 0.0)
+            o = await send("dense", dense_text, 1)
+            counted = [a.metrics().get("vllm:prompt_tokens_total", 0.0) - before]
+            o2 = await send("plain", plain_text, 1)
+            counted.append(a.metrics().get("vllm:prompt_tokens_total", 0.0) - before - counted[0])
+            assert o.status == 200 and o2.status == 200, (o, o2)
+            blocker = send("blocker", "Tell me about the gateway.", 1500)
+            await wait_async(lambda: a.load()[0] == 1, 60, "the blocker running", a.proc)
+            queued = envoy.stat("sluice_requests_queued")
+            tasks = [send(t, text, 4) for _ in range(6) for t, text in (("dense", dense_text), ("plain", plain_text))]
+            await wait_async(lambda: envoy.stat("sluice_requests_queued") >= queued + 12, 60, "12 queued")
+            assert a.load()[0] == 1, "the blocker still runs: everything queued behind it"
+            return counted, await asyncio.gather(*tasks), await blocker
+
+    counted, served, blocker = asyncio.run(scenario())
+    for o in [*served, blocker]:
+        assert o.status == 200 and not o.error and o.first_token is not None, o
+    order = [o.tenant for o in sorted(served, key=lambda o: o.first_token)]
+    print(f"\nprompt tokens vLLM counted: dense {counted[0]:.0f}, plain {counted[1]:.0f} (estimate 240 each); "
+          f"served after the blocker: {' '.join(t[0] for t in order)}")
+    assert counted[0] > 2 * counted[1], f"the premise: vLLM counts the CJK prompt far above the English one: {counted}"
+    assert order[:6].count("plain") >= 5, f"VTC charged dense for the prompt vLLM counted: {order}"
+
+
 # --- clients that leave -----------------------------------------------------------------------
 
 
