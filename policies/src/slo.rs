@@ -241,7 +241,10 @@ pub struct Estimator {
     group_rate: Vec<(f64, Moments)>,
     /// Throughput of the busiest window seen, used until a saturated one is.
     tput_floor: f64,
-    window_start: u64,
+    /// When the current throughput window opened; `None` before the first
+    /// [`Estimator::advance`], which opens it (the host's clock is epoch
+    /// milliseconds: a window from 0 would average its work over decades).
+    window_start: Option<u64>,
     window_work: f64,
     window_saturated: bool,
     /// Completions in the current window, for the load factor's `T_m`.
@@ -264,7 +267,7 @@ impl Estimator {
             groups: HashMap::new(),
             group_rate: Vec::new(),
             tput_floor: 0.0,
-            window_start: 0,
+            window_start: None,
             window_work: 0.0,
             window_saturated: true,
             window_done: 0,
@@ -278,11 +281,16 @@ impl Estimator {
     /// waiting in the queue now (so the pool runs at its in-flight bound).
     pub fn advance(&mut self, now_ms: u64, saturated: bool) {
         self.window_saturated &= saturated;
+        let Some(start) = self.window_start else {
+            // The first window opens now, with the work already seen in it.
+            self.window_start = Some(now_ms);
+            return;
+        };
         let w = self.cfg.window_ms.max(1);
-        if now_ms < self.window_start.saturating_add(w) {
+        if now_ms < start.saturating_add(w) {
             return;
         }
-        let secs = (now_ms - self.window_start) as f64 / 1000.0;
+        let secs = (now_ms - start) as f64 / 1000.0;
         let rate = self.window_work / secs;
         if self.window_saturated && self.window_work > 0.0 {
             self.tput.observe(rate, 0.1);
@@ -296,7 +304,7 @@ impl Estimator {
         }
         self.tput_floor = self.tput_floor.max(rate);
         self.load.arrivals(self.window_arrivals as f64 / secs);
-        self.window_start = now_ms;
+        self.window_start = Some(now_ms);
         self.window_work = 0.0;
         self.group_rate.iter_mut().for_each(|(w, _)| *w = 0.0);
         self.window_done = 0;
@@ -684,6 +692,21 @@ mod tests {
         }
         assert!((m.mean - 200.0).abs() < 10.0, "{m:?}");
         assert!((m.var.sqrt() - 100.0).abs() < 10.0, "{m:?}");
+    }
+
+    /// Issue 22, item 4.6: work seen before the first clock tick (a takeover) must not make a
+    /// window that began at 0 while the clock is epoch milliseconds.
+    #[test]
+    fn the_first_window_opens_at_the_first_clock_reading() {
+        let t0 = 1_795_000_000_000;
+        let mut e = Estimator::new(EstimatorConfig::default());
+        let g = e.group("m");
+        e.on_output(500, g);
+        e.advance(t0, true);
+        e.on_output(500, g);
+        e.advance(t0 + 1000, true);
+        let tput = e.throughput().expect("one saturated window");
+        assert!((tput - 1000.0).abs() < 1e-6, "1,000 tokens in the first second, not ~0: {tput}");
     }
 
     /// Issue 19, finding 9: model names are the client's; distinct 65 KB names filled the keys
