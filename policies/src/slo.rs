@@ -765,7 +765,8 @@ mod tests {
     fn throughput_is_learned_only_from_saturated_windows_and_prediction_waits_for_it() {
         let mut e = Estimator::new(EstimatorConfig::default());
         assert_eq!(e.predict_ttft(0.0, Work::default(), true, 100, 0.0, 0), None, "no data: no guess");
-        // One unsaturated second at 500 tok/s, then saturated seconds at 2000 tok/s.
+        // The clock starts at 0; one unsaturated second at 500 tok/s, then saturated seconds at 2000 tok/s.
+        e.advance(0, false);
         e.on_output(500, 0);
         e.advance(1000, false);
         assert_eq!(e.throughput(), Some(500.0), "the floor until a saturated window");
@@ -787,6 +788,7 @@ mod tests {
         let mut e = Estimator::new(EstimatorConfig::default());
         let (a, b) = (e.group("big"), e.group("small"));
         assert_eq!((a, b, e.group("big")), (0, 1, 0));
+        e.advance(0, true);
         for s in 1..10 {
             e.on_output(3000, a);
             e.advance(s * 1000, true);
