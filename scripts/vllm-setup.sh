@@ -55,10 +55,19 @@ if [ -f "$VENV/.lock-sha256" ] && [ "$(cat "$VENV/.lock-sha256")" = "$want" ]; t
   exit 0
 fi
 # A venv built from another lock may hold packages the new one dropped: start from scratch.
-log "installing $LOCK into $VENV (about 6 GB; a few minutes)"
 rm -rf "$VENV"
+# The venv takes 6.3 GB and pip holds the downloaded wheels (about 3 GB) until it has installed
+# them all: say so before starting rather than fail half-way with ENOSPC.
+NEED_GB=10
+have_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')
+if [ "${have_kb:-0}" -lt $((NEED_GB * 1024 * 1024)) ]; then
+  echo "vllm-setup: installing vLLM needs about $NEED_GB GB free on this disk; $(df -Ph . | awk 'NR == 2 { print $4 }') is free ($(pwd))" >&2
+  exit 1
+fi
+log "installing $LOCK into $VENV (about 6 GB; a few minutes)"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --no-deps -r "$LOCK"
+# No pip cache: a second copy of the wheels would outlive the install.
+"$VENV/bin/pip" install --quiet --no-cache-dir --no-deps -r "$LOCK"
 # Fail here, not in the first test, if the set does not import.
 "$VENV/bin/python" -c "import vllm, openai, pytest, tokenizers, yaml, httpx" 2>/dev/null || {
   echo "vllm-setup: $VENV was installed but does not import vllm/openai/pytest" >&2
