@@ -157,6 +157,14 @@ impl<H: Host> Env<H> {
         self.cfg.endpoints.len()
     }
 
+    /// With `replicas`: the live peers' requests on each endpoint and this
+    /// replica's part of the bound (`None` without replicas, or with no
+    /// fresh exchange).
+    fn peer_load(&self) -> Option<crate::replicas::PeerLoad> {
+        let r = self.cfg.replicas.as_ref()?;
+        crate::replicas::peer_load(&self.host, self.endpoints(), self.now, r.max_age_ms)
+    }
+
     fn publish_stock(&self, stock: u64) {
         self.host.record(Metric::Stock, stock);
     }

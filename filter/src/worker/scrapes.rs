@@ -3,7 +3,6 @@
 //! shared record (which the slots' router and saturation gate read).
 
 use super::{Env, Host, Metric, DESTINATION};
-use crate::replicas;
 use crate::shared;
 use hashbrown::HashMap;
 use sluice_policies::routing::EndpointMetrics;
@@ -22,11 +21,9 @@ pub(super) struct Scrapes {
 /// The requests in flight on each endpoint, from this gateway: this
 /// process's, and with `replicas` the live peers' too (what the
 /// saturation gate compares with a page).
-fn pool_load<H: Host>(env: &Env<H>, now: u64) -> Vec<u32> {
-    let n = env.cfg.endpoints.len();
-    let own = shared::load(&env.host, n);
-    let peers = env.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&env.host, n, now, r.max_age_ms));
-    peers.map_or(own.clone(), |p| p.global(&own))
+fn pool_load<H: Host>(env: &Env<H>) -> Vec<u32> {
+    let own = shared::load(&env.host, env.endpoints());
+    env.peer_load().map_or_else(|| own.clone(), |p| p.global(&own))
 }
 
 impl Scrapes {
@@ -46,7 +43,7 @@ impl Scrapes {
             return Vec::new();
         }
         let n = env.cfg.endpoints.len();
-        let (records, load) = (shared::records(&env.host, n), pool_load(env, now));
+        let (records, load) = (shared::records(&env.host, n), pool_load(env));
         let interval = |i: usize| {
             let r = &records[i];
             let busy = r.failures > 0 || routing.saturation.saturated(&r.view(load[i], now));
@@ -78,7 +75,7 @@ impl Scrapes {
         // was on its way there); taken as not, it would count twice whenever
         // the page did show it, and hold the pool back until the next scrape.
         let now = env.now;
-        let in_flight_at_scrape = pool_load(env, now)[endpoint];
+        let in_flight_at_scrape = pool_load(env)[endpoint];
         let parsed = page.map(|p| {
             let text = String::from_utf8_lossy(p);
             EndpointMetrics::from_prometheus(&text, env.cfg.routing.model_servers[endpoint])

@@ -6,7 +6,6 @@
 
 use super::{Env, Host};
 use crate::config::{Config, NoEndpoint};
-use crate::replicas;
 use crate::scheduler::Slot;
 use crate::shared::{self, Permit};
 use crate::wire::RouteInfo;
@@ -60,8 +59,7 @@ impl Slots {
         let upper = self.pool_band(&env.cfg).upper;
         let own = shared::stock(&env.host, n);
         // With replicas: the stock the band reads (this replica's part of the global one).
-        let peers = env.cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&env.host, n, env.now, r.max_age_ms));
-        let stock = peers.map_or(own, |p| p.load(own)) as f64;
+        let stock = env.peer_load().map_or(own, |p| p.load(own)) as f64;
         LoadSignals {
             load: if upper > 0.0 { stock / upper } else { 1.0 },
             queue_pressure: queued as f64 / env.cfg.bands.total_capacity as f64,
@@ -113,7 +111,7 @@ impl Slots {
         // With replicas, the band and the router count the live peers' requests too, except
         // while this replica holds nothing: its one slot is its own whatever its peers say
         // (honest ones leave it free; a lying one must not stall it).
-        let peers = cfg.replicas.as_ref().and_then(|r| replicas::peer_load(&env.host, n, now, r.max_age_ms));
+        let peers = env.peer_load();
         let global = |load: &[u32]| match &peers {
             Some(p) if load.iter().any(|&k| k > 0) => p.global(load),
             _ => load.to_vec(),
