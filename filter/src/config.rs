@@ -161,6 +161,8 @@ struct RawRouting {
     on_no_endpoint: NoEndpoint,
     #[serde(default = "default_quarantine_ms")]
     quarantine_ms: u64,
+    #[serde(default = "default_quarantine_after")]
+    quarantine_after: u32,
 }
 
 impl Default for RawRouting {
@@ -209,6 +211,11 @@ fn default_speculative_ttl_ms() -> u64 {
 fn default_quarantine_ms() -> u64 {
     1000
 }
+/// Envoy's outlier detection ejects a host after 5 consecutive errors; a
+/// gateway that routes every request sees fewer of them per worker.
+fn default_quarantine_after() -> u32 {
+    3
+}
 
 /// Metrics scraping and endpoint selection.
 #[derive(Clone, Debug)]
@@ -243,8 +250,13 @@ pub struct Routing {
     pub speculative_ttl_ms: u64,
     /// What to do when no endpoint is healthy.
     pub on_no_endpoint: NoEndpoint,
-    /// How long an endpoint that reset a connection is avoided.
+    /// How long an endpoint that failed `quarantine_after` requests in a row
+    /// is avoided.
     pub quarantine_ms: u64,
+    /// Requests in a row (as one worker saw them) an endpoint must refuse or
+    /// reset before it is avoided: one reset among successes is that
+    /// request's bad luck, not the endpoint's.
+    pub quarantine_after: u32,
 }
 
 impl Routing {
@@ -558,6 +570,9 @@ impl Config {
                 r.prefix_max_blocks
             ));
         }
+        if !(1..=1000).contains(&r.quarantine_after) {
+            return Err(format!("field `routing.quarantine_after` must be in 1..=1000, got {}", r.quarantine_after));
+        }
         let scraping = r.scrape_cluster.is_some();
         let routing = Routing {
             // Without metrics only the gateway's own counts are real: least-request.
@@ -584,6 +599,7 @@ impl Config {
             speculative_ttl_ms: r.speculative_ttl_ms,
             on_no_endpoint: r.on_no_endpoint,
             quarantine_ms: r.quarantine_ms,
+            quarantine_after: r.quarantine_after,
         };
         if raw.tenant_header.is_empty() {
             return Err("field `tenant_header` must not be empty".into());

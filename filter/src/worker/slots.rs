@@ -30,6 +30,9 @@ pub(super) struct Slots {
     pub(super) limits: Vec<Option<f64>>,
     /// Next endpoint for requests the filter does not schedule.
     passthrough_next: usize,
+    /// Requests in a row that each endpoint refused or reset, as this VM saw
+    /// them ([`Slots::request_ended`]).
+    failure_streak: Vec<u32>,
 }
 
 impl Slots {
@@ -43,7 +46,21 @@ impl Slots {
             rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | queue as u64),
             limits: vec![initial_limit; cfg.endpoints.len()],
             passthrough_next: worker as usize,
+            failure_streak: vec![0; cfg.endpoints.len()],
         }
+    }
+
+    /// A request on `endpoint` ended, `failed` (refused or reset by the
+    /// backend) or not. `true` when that makes `after` failures in a row:
+    /// the endpoint is to be avoided. Any other end breaks the streak, so
+    /// that scattered resets on a busy pool (1 % of requests put 3 endpoints
+    /// out of the band a third of the time) take nothing out, while a dead
+    /// backend, which fails every request, is found after `after` of them
+    /// (Envoy's outlier detection counts consecutive errors the same way).
+    pub(super) fn request_ended(&mut self, endpoint: usize, failed: bool, after: u32) -> bool {
+        let Some(streak) = self.failure_streak.get_mut(endpoint) else { return false };
+        *streak = if failed { streak.saturating_add(1) } else { 0 };
+        *streak >= after
     }
 
     /// The band of the whole pool: every endpoint's, added up.

@@ -470,12 +470,14 @@ impl Streams {
         match self.map.remove(&ctx) {
             Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, .. }) => {
                 let endpoint = permit.endpoint();
-                if upstream_failed {
-                    let until = env.now + env.cfg.routing.quarantine_ms;
+                let routing = &env.cfg.routing;
+                if hub.slots.request_ended(endpoint as usize, upstream_failed, routing.quarantine_after) {
+                    let until = env.now + routing.quarantine_ms;
                     log::warn!(
-                        "endpoint {} failed a request; avoiding it for {} ms",
+                        "endpoint {} failed {} requests in a row; avoiding it for {} ms",
                         env.cfg.endpoints[endpoint as usize],
-                        env.cfg.routing.quarantine_ms
+                        routing.quarantine_after,
+                        routing.quarantine_ms
                     );
                     shared::update_record(&env.host, env.endpoints(), endpoint as usize, |r| {
                         r.quarantined_until_ms = r.quarantined_until_ms.max(until)

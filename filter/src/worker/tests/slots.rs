@@ -141,3 +141,43 @@ fn a_slot_is_taken_while_the_band_has_room_and_recorded_for_affinity() {
     slots.affinity.match_lengths(&[7], 0, &mut held);
     assert_eq!(held, [1.0], "the prefix is remembered where it went");
 }
+
+#[test]
+fn an_endpoint_is_avoided_after_failures_in_a_row_not_after_one_reset() {
+    let p = Rc::new(Process::default());
+    let mut w = vm(&p, 1, config(serde_json::json!({"routing": {"quarantine_after": 3}})), 0);
+    let n = w.hub.env.endpoints();
+    let failed = Ended { upstream_failed: true, ..Ended::default() };
+    let quarantined = |now| shared::records(&p.store, n).iter().map(|r| !r.healthy(now)).collect::<Vec<_>>();
+    // Each endpoint's requests end in this order: resets scattered among
+    // successes (each that request's bad luck), then three in a row (a
+    // backend that fails every request).
+    let ends = [failed, Ended::default(), failed, failed, Ended::default(), failed, failed, failed];
+    let mut ctx = 0;
+    let mut seen = vec![0; n];
+    let mut quarantined_after = vec![None; n];
+    while seen.iter().any(|&k| k < ends.len()) {
+        ctx += 1;
+        let e = endpoint_of(admit(&mut w, 10, ctx, "a"));
+        assert!(seen[e] < ends.len(), "endpoint {e} quarantined, yet picked");
+        w.at(10).finish(ctx, ends[seen[e]]);
+        seen[e] += 1;
+        if quarantined(10)[e] && quarantined_after[e].is_none() {
+            quarantined_after[e] = Some(seen[e]);
+        }
+    }
+    assert_eq!(quarantined_after, vec![Some(ends.len()); n], "only the streak of three takes one out");
+    assert!(quarantined(10 + 999).iter().all(|&q| q));
+    assert!(quarantined(10 + 1000).iter().all(|&q| !q), "for quarantine_ms");
+}
+
+#[test]
+fn quarantine_after_is_checked() {
+    for bad in [0, 1001] {
+        let e = Config::from_json(
+            format!(r#"{{"endpoints":["127.0.0.1:1"],"routing":{{"quarantine_after":{bad}}}}}"#).as_bytes(),
+        )
+        .unwrap_err();
+        assert!(e.contains("routing.quarantine_after"), "{e}");
+    }
+}
