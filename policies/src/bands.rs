@@ -358,6 +358,13 @@ impl<A: Allocation> BandedQueue<A> {
                 None => return Err(RejectReason::QueueFull),
             }
         }
+        self.insert(band, req, meta)?;
+        Ok(evicted)
+    }
+
+    /// Queues `req` in `band` with no room checked: the band's own queue may
+    /// still refuse it (its flow is full).
+    fn insert(&mut self, band: Criticality, req: Request, meta: RequestMeta) -> Result<(), RejectReason> {
         let (id, flow) = (req.id, req.flow);
         self.bands[band.index()].push_with(req, meta)?;
         self.tenants.hold(flow);
@@ -365,7 +372,27 @@ impl<A: Allocation> BandedQueue<A> {
         self.next_order += 1;
         self.where_is.insert(id, (band, order));
         self.order[band.index()].insert((order, id));
-        Ok(evicted)
+        Ok(())
+    }
+
+    /// Ranks queued request `id` again under `meta` (a deadline lost, a new
+    /// prediction), in its band and flow, as the newest of its band. It keeps
+    /// the place it holds in the capacity: no room is checked and nothing is
+    /// evicted, and its tenant and its band's credit stay as they were.
+    /// `None` when `id` is not queued; `Some(Err(req))` hands the request
+    /// back, out of the queue, if its band refuses it (which a flow it just
+    /// left cannot do): the caller must answer it.
+    pub fn requeue(&mut self, id: u64, meta: RequestMeta) -> Option<Result<(), Request>> {
+        let (band, _) = *self.where_is.get(&id)?;
+        let owed = self.owed;
+        let r = self.remove(id)?;
+        self.owed = owed;
+        let back = r.clone();
+        let result = self.insert(band, r, meta).map_err(|_| back);
+        if result.is_err() && self.bands[band.index()].is_empty() {
+            self.owed[band.index()] = 0;
+        }
+        Some(result)
     }
 
     /// Request `r` left the queue; its tenant may become idle (not forgotten
@@ -529,6 +556,24 @@ mod tests {
         assert_eq!(q.push(Critical, r(4, a)), Ok(None));
         assert_eq!(q.push(Critical, r(5, a)), Ok(None));
         assert_eq!(q.len(), 4);
+    }
+
+    #[test]
+    fn a_requeued_request_keeps_its_place_in_a_full_queue() {
+        let mut q = BandedQueue::new(limits(5, 2), |_| Fcfs::default());
+        let a = q.flow_id("a");
+        q.push(Standard, r(1, a)).unwrap();
+        q.push(Sheddable, r(2, a)).unwrap();
+        q.push(Standard, r(3, a)).unwrap();
+        q.push(Critical, r(4, a)).unwrap();
+        q.push(Critical, r(5, a)).unwrap();
+        // A push of request 1 now would evict 2; a requeue takes no room.
+        assert_eq!(q.requeue(1, RequestMeta::default()), Some(Ok(())));
+        assert_eq!((q.len(), q.band_of(1), q.band_of(2)), (5, Some(Standard), Some(Sheddable)));
+        assert_eq!(q.requeue(9, RequestMeta::default()), None, "not queued");
+        // It is now the newest of its band: evicted before 3, after sheddable.
+        assert_eq!(q.push(Critical, r(6, a)).unwrap().map(|r| r.id), Some(2));
+        assert_eq!(q.push(Critical, r(7, a)).unwrap().map(|r| r.id), Some(1));
     }
 
     #[test]

@@ -408,7 +408,15 @@ impl Scheduler {
                 |s: &Scheduler, z: f64| s.slo.as_ref().is_some_and(|slo| slo.unattainable_now(next, now_ms, z));
             if demotes && drops < MAX_DROPS_PER_PUMP && unattainable(self, 0.0) {
                 drops += 1;
-                slo::demote(&mut self.queue, self.slo.as_mut(), next);
+                if !slo::demote(&mut self.queue, self.slo.as_mut(), next) {
+                    // Out of the queue all the same: answered, never lost.
+                    self.routes.remove(&next);
+                    self.left_queue(next);
+                    out.push((
+                        worker_of(next),
+                        ToWorker::Reject { req: RequestId(next), outcome: Outcome::SloUnattainable },
+                    ));
+                }
                 continue;
             }
             if drops < MAX_DROPS_PER_PUMP && drop_z.is_some_and(|z| unattainable(self, z)) {

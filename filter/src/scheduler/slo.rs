@@ -135,29 +135,32 @@ impl SloState {
 /// effort (behind every request that can still make it, as the policy's
 /// choice only), instead of taking a slot from one that can. Serving the
 /// hopeless first is how deadline orders collapse under overload.
-pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) {
-    let Some(band) = queue.band_of(req) else { return };
-    let Some(flow) = queue.peek().filter(|(_, r)| r.id == req).map(|(_, r)| r.flow) else { return };
-    // Held so that the tenant is not forgotten between the two steps.
-    queue.hold(flow);
-    if let Some(r) = queue.remove(req) {
-        let meta = RequestMeta {
-            predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
-            ..Default::default()
-        };
-        // Room was just made in the same band and flow: it fits again.
-        let back = queue.push_with(band, r, meta);
-        debug_assert!(matches!(back, Ok(None)), "re-queued in place: {back:?}");
-        if let Some(slo) = slo {
-            if let Some(q) = slo.queued.get_mut(&req) {
-                q.deadline = None;
-                if let Some(index) = slo.work.get_mut(&q.at) {
-                    if let Some(w) = index.remove(req) {
-                        index.insert(req, f64::INFINITY, w);
-                    }
+///
+/// It keeps its place in the queue ([`sluice_policies::bands::BandedQueue::requeue`]):
+/// re-pushed against the room left after `critical_reserve` it could evict
+/// another request unanswered or be refused itself (issue 22, item 4.1).
+/// Returns false when it is no longer queued all the same (its band refused
+/// it): the caller answers it, its SLO entry is left to the caller too.
+pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) -> bool {
+    let Some(r) = queue.peek().map(|(_, r)| r).filter(|r| r.id == req) else { return true };
+    let meta = RequestMeta {
+        predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
+        ..Default::default()
+    };
+    match queue.requeue(req, meta) {
+        Some(Ok(())) => {}
+        Some(Err(_)) => return false,
+        None => return true,
+    }
+    if let Some(slo) = slo {
+        if let Some(q) = slo.queued.get_mut(&req) {
+            q.deadline = None;
+            if let Some(index) = slo.work.get_mut(&q.at) {
+                if let Some(w) = index.remove(req) {
+                    index.insert(req, f64::INFINITY, w);
                 }
             }
         }
     }
-    queue.release(flow);
+    true
 }

@@ -972,3 +972,54 @@ fn the_engines_prompt_count_replaces_the_estimate_charged_at_dispatch() {
     s.on_message(charge(2, "a", 10, 0, true), 2, &mut out);
     assert_eq!(counter(&s), Some(1020.0));
 }
+
+/// Issue 22, item 4.1: a demoted request was taken out and pushed again against
+/// the room left after `critical_reserve`. With critical requests in the
+/// reserve, the push evicted the newest sheddable request without an answer
+/// (its client waited for the worker's TTL), or was refused and the demoted
+/// request itself vanished. It keeps its place: nothing is evicted or lost.
+#[test]
+fn a_demoted_request_keeps_its_place_when_critical_requests_fill_the_reserve() {
+    let in_band = |band: Criticality, ctx: u32, ttft_ms: Option<u32>| {
+        let mut m = enqueue_in(band, 0, ctx, &format!("t{ctx}"), 0);
+        if let ToScheduler::Enqueue { deadline, .. } = &mut m {
+            *deadline = ttft_ms.map(|ttft_ms| Deadline { at_ms: ttft_ms as u64, ttft_ms });
+        }
+        m
+    };
+    for demoted in [Criticality::Standard, Criticality::Sheddable] {
+        // The hopeless request's band is owed the second dispatch.
+        let (standard, sheddable) = if demoted == Criticality::Standard { (0.5, 0.1) } else { (0.1, 0.5) };
+        let extra = format!(
+            r#","total_capacity":5,"critical_reserve":3,"band_min_share":{{"standard":{standard},"sheddable":{sheddable}}},"slo":{{"order":"slack"}}"#
+        );
+        let mut s = Scheduler::new(&cfg("fcfs", &extra));
+        let mut out = Vec::new();
+        // Two below critical (the room outside the reserve), then the reserve filled.
+        let (hopeless, other) = match demoted {
+            Criticality::Standard => ((Criticality::Standard, 1), (Criticality::Sheddable, 2)),
+            _ => ((Criticality::Sheddable, 1), (Criticality::Standard, 2)),
+        };
+        s.on_message(in_band(hopeless.0, hopeless.1, Some(1_000)), 0, &mut out);
+        s.on_message(in_band(other.0, other.1, None), 0, &mut out);
+        for ctx in 10..13 {
+            s.on_message(in_band(Criticality::Critical, ctx, None), 0, &mut out);
+        }
+        // One critical dispatch owes the lower bands their share; the reserve is filled again.
+        s.pump(0, &mut slots(1), &mut out);
+        s.on_message(in_band(Criticality::Critical, 13, None), 0, &mut out);
+        assert_eq!((dispatched(&out), s.len()), (vec![10], 5), "{demoted:?}: {out:?}");
+        out.clear();
+        // At 2 s request 1 has missed its objective and is demoted in its band.
+        s.pump(2_000, &mut slots(0), &mut out);
+        assert!(out.is_empty(), "{demoted:?}: nobody answered: {out:?}");
+        assert_eq!(s.len(), 5, "{demoted:?}: nothing vanished from the queue");
+        assert_eq!(s.queue.band_of(1), Some(demoted), "still queued, as best effort");
+        assert_eq!(s.queue.band_of(2), Some(other.0), "{demoted:?}: nothing evicted to make room");
+        // Every request is served in the end, each exactly once.
+        s.pump(2_000, &mut slots(10), &mut out);
+        let mut all = dispatched(&out);
+        all.sort_unstable();
+        assert_eq!(all, vec![1, 2, 11, 12, 13], "{demoted:?}: {out:?}");
+    }
+}
