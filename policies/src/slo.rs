@@ -337,6 +337,11 @@ impl Estimator {
         g
     }
 
+    /// Model groups allocated so far (at most 64).
+    pub fn groups(&self) -> usize {
+        self.group_rate.len()
+    }
+
     /// `tokens` output tokens were generated for a request of model group `group`.
     pub fn on_output(&mut self, tokens: u32, group: usize) {
         self.add_work(tokens as f64, group);

@@ -315,12 +315,13 @@ impl Scheduler {
             return; // a resend after a takeover race: already queued
         }
         let max = (max_tokens > 0).then_some(max_tokens);
-        let mut meta = RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, service_ms: None };
+        let mut meta = RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, ..Default::default() };
         let mut slo_entry = None;
         if let Some(slo) = self.slo.as_mut() {
             slo.est.on_arrival();
             let work = slo.est.work(&tenant, &route.model, input_tokens, max);
             let at = (band_code(band) as usize, slo.est.group(&route.model));
+            meta.group = at.1 as u32;
             let service = slo.est.prefill_ms(input_tokens).0;
             meta.service_ms = Some(service.min(u32::MAX as f64) as u32);
             // The key this request is served by in its band: its rank

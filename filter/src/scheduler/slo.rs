@@ -11,6 +11,7 @@ use crate::wire::Deadline;
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::order::RequestMeta;
+use sluice_policies::queue::Urgency;
 use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
 
 /// Entries summed for a newcomer's work ahead before the whole band is taken instead.
@@ -38,6 +39,8 @@ pub(super) struct SloState {
     /// group): QLM's request groups, each drained at its own rate.
     pub(super) work: HashMap<(usize, usize), WorkIndex>,
     pub(super) queued: HashMap<u64, QueuedSlo>,
+    /// The hold's thresholds, kept to reuse their allocation.
+    urgency: Urgency,
 }
 
 impl SloState {
@@ -55,6 +58,7 @@ impl SloState {
             }),
             work: HashMap::new(),
             queued: HashMap::new(),
+            urgency: Urgency::default(),
         }
     }
 
@@ -83,9 +87,19 @@ impl SloState {
             }
         }
         if let Some(ample) = self.hold_batch_slack_ms {
-            // At risk: its dispatch key falls before the next slot is expected to free.
-            let next_slot = self.est.predict_ttft(0.0, Work::default(), true, 0, 0.0, 0);
-            let urgency = next_slot.map(|wait| (now_ms as f64 + wait, now_ms as f64 + ample as f64));
+            // At risk: its dispatch key falls before its model group's next
+            // slot is expected to free (each group drains at its own rate).
+            let groups = self.est.groups().max(1);
+            let now = now_ms as f64;
+            self.urgency.at_risk_below.clear();
+            for g in 0..groups {
+                match self.est.predict_ttft(0.0, Work::default(), true, 0, 0.0, g) {
+                    Some(wait) => self.urgency.at_risk_below.push(now + wait),
+                    None => self.urgency.at_risk_below.clear(),
+                }
+            }
+            self.urgency.ample_from = now + ample as f64;
+            let urgency = (!self.urgency.at_risk_below.is_empty()).then_some(&self.urgency);
             for band in Criticality::ALL {
                 queue.band_mut(band).set_urgency(urgency);
             }

@@ -1023,3 +1023,45 @@ fn a_demoted_request_keeps_its_place_when_critical_requests_fill_the_reserve() {
         assert_eq!(all, vec![1, 2, 11, 12, 13], "{demoted:?}: {out:?}");
     }
 }
+
+/// Issue 22, item 4.11: the hold's at-risk test took the next slot's wait at model group
+/// 0's rate whatever the request's group. Model a drains ten times faster than model b:
+/// a request of b due in 300 ms is at risk (b's next slot is ~550 ms away), though it
+/// would not be at a's rate (~55 ms).
+#[test]
+fn the_hold_takes_the_next_slot_at_the_rate_of_the_request_s_model_group() {
+    let mut s = Scheduler::new(&cfg(
+        "vtc",
+        r#","slo":{"order":"slack","fairness_window":0,"hold_batch_slack_ms":60000,"input_token_cost":0}"#,
+    ));
+    let with_model = |ctx: u32, tenant: &str, model: &str, now: u64, ttft_ms: u32| {
+        let mut m = enqueue_slo(ctx, tenant, now, ttft_ms, 0);
+        if let ToScheduler::Enqueue { route, .. } = &mut m {
+            route.model = model.into();
+        }
+        m
+    };
+    // Saturated, one request completing every 50 ms, a and b in turn: a's of 1,000
+    // tokens (10,000 per second), b's of 100 (1,000 per second).
+    let mut out = Vec::new();
+    let mut now = 0;
+    for i in 0..200u32 {
+        let model = if i % 2 == 0 { "a" } else { "b" };
+        s.on_message(with_model(10_000 + i, "warm", model, now, 3_600_000), now, &mut out);
+    }
+    for i in 0..200u32 {
+        s.pump(now, &mut slots(1), &mut out);
+        now += 50;
+        let tokens = if i % 2 == 0 { 1000 } else { 100 };
+        s.on_message(charge(10_000 + i as u64, "warm", 0, tokens, true), now, &mut out);
+    }
+    s.pump(now, &mut slots(0), &mut out);
+    out.clear();
+    s.on_message(with_model(1, "x", "a", now, 3_600_000), now, &mut out);
+    s.on_message(with_model(2, "y", "b", now, 300), now, &mut out);
+    s.on_message(with_model(3, "y", "b", now, 300), now, &mut out);
+    // Tied counters: y's least slack goes first and y runs ahead; then y's next is at risk.
+    s.pump(now, &mut slots(1), &mut out);
+    s.pump(now, &mut slots(1), &mut out);
+    assert_eq!(dispatched(&out), vec![2, 3], "x's batch request waits: {out:?}");
+}
