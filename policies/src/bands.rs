@@ -358,13 +358,6 @@ impl<A: Allocation> BandedQueue<A> {
                 None => return Err(RejectReason::QueueFull),
             }
         }
-        self.insert(band, req, meta)?;
-        Ok(evicted)
-    }
-
-    /// Queues `req` in `band` with no room checked: the band's own queue may
-    /// still refuse it (its flow is full).
-    fn insert(&mut self, band: Criticality, req: Request, meta: RequestMeta) -> Result<(), RejectReason> {
         let (id, flow) = (req.id, req.flow);
         self.bands[band.index()].push_with(req, meta)?;
         self.tenants.hold(flow);
@@ -372,27 +365,25 @@ impl<A: Allocation> BandedQueue<A> {
         self.next_order += 1;
         self.where_is.insert(id, (band, order));
         self.order[band.index()].insert((order, id));
-        Ok(())
+        Ok(evicted)
     }
 
     /// Ranks queued request `id` again under `meta` (a deadline lost, a new
-    /// prediction), in its band and flow, as the newest of its band. It keeps
-    /// the place it holds in the capacity: no room is checked and nothing is
-    /// evicted, and its tenant and its band's credit stay as they were.
-    /// `None` when `id` is not queued; `Some(Err(req))` hands the request
-    /// back, out of the queue, if its band refuses it (which a flow it just
-    /// left cannot do): the caller must answer it.
-    pub fn requeue(&mut self, id: u64, meta: RequestMeta) -> Option<Result<(), Request>> {
-        let (band, _) = *self.where_is.get(&id)?;
-        let owed = self.owed;
-        let r = self.remove(id)?;
-        self.owed = owed;
-        let back = r.clone();
-        let result = self.insert(band, r, meta).map_err(|_| back);
-        if result.is_err() && self.bands[band.index()].is_empty() {
-            self.owed[band.index()] = 0;
+    /// prediction) in place ([`FairQueue::requeue`]), and makes it the newest
+    /// of its band (the first evicted). It keeps the place it holds in the
+    /// capacity: no room is checked, nothing is evicted, and its flow never
+    /// leaves the backlog. False when `id` is not queued.
+    pub fn requeue(&mut self, id: u64, meta: RequestMeta) -> bool {
+        let Some(&(band, order)) = self.where_is.get(&id) else { return false };
+        if !self.bands[band.index()].requeue(id, meta) {
+            return false;
         }
-        Some(result)
+        let newest = self.next_order;
+        self.next_order += 1;
+        self.order[band.index()].remove(&(order, id));
+        self.order[band.index()].insert((newest, id));
+        self.where_is.insert(id, (band, newest));
+        true
     }
 
     /// Request `r` left the queue; its tenant may become idle (not forgotten
@@ -568,9 +559,9 @@ mod tests {
         q.push(Critical, r(4, a)).unwrap();
         q.push(Critical, r(5, a)).unwrap();
         // A push of request 1 now would evict 2; a requeue takes no room.
-        assert_eq!(q.requeue(1, RequestMeta::default()), Some(Ok(())));
+        assert!(q.requeue(1, RequestMeta::default()));
         assert_eq!((q.len(), q.band_of(1), q.band_of(2)), (5, Some(Standard), Some(Sheddable)));
-        assert_eq!(q.requeue(9, RequestMeta::default()), None, "not queued");
+        assert!(!q.requeue(9, RequestMeta::default()), "not queued");
         // It is now the newest of its band: evicted before 3, after sheddable.
         assert_eq!(q.push(Critical, r(6, a)).unwrap().map(|r| r.id), Some(2));
         assert_eq!(q.push(Critical, r(7, a)).unwrap().map(|r| r.id), Some(1));

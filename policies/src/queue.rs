@@ -209,6 +209,13 @@ impl<A: Allocation> FairQueue<A> {
         let pos = self.head_pos(&self.flows[flow as usize]);
         let head = self.flows[flow as usize].get(pos);
         self.alloc.set_head(flow, head.map(|e| (e.seq, &e.req)));
+        self.index_head(flow);
+    }
+
+    /// `flow`'s head's rank may have changed: keeps the SLO index in step.
+    fn index_head(&mut self, flow: FlowId) {
+        let pos = self.head_pos(&self.flows[flow as usize]);
+        let head = self.flows[flow as usize].get(pos);
         if let Some(slo) = self.slo.as_mut() {
             if let Some(old) = slo.head_of.remove(&flow) {
                 slo.heads.remove(&(old.0, old.1, flow));
@@ -465,6 +472,35 @@ impl<A: Allocation> FairQueue<A> {
         self.head_changed(flow);
         self.compact();
         Some(req)
+    }
+
+    /// Ranks queued request `id` again under `meta` (a deadline lost, a new
+    /// prediction), in place: its flow stays backlogged throughout, and the
+    /// policy hears of a new head only if the head changed (taken out and
+    /// pushed again, the flow would leave the backlog and join it anew, and
+    /// VTC would lift its counter to the next-smallest). False when `id` is
+    /// not queued.
+    pub fn requeue(&mut self, id: u64, meta: RequestMeta) -> bool {
+        let Some(&flow) = self.flow_of.get(&id) else { return false };
+        let q = &self.flows[flow as usize];
+        let head_id = |q: &VecDeque<Entry>, pos: usize| q.get(pos).map(|e| e.req.id);
+        let was = head_id(q, self.head_pos(q));
+        let pos = q.iter().position(|e| e.req.id == id).expect("flow index out of step");
+        let mut e = self.flows[flow as usize].remove(pos).expect("position just found");
+        e.meta = meta;
+        if !self.fifo {
+            e.rank = self.order.rank(&e.req, &e.meta, self.now_ms);
+        }
+        let q = &mut self.flows[flow as usize];
+        let at = if self.fifo { pos } else { q.partition_point(|x| x.before(e.rank, e.seq)) };
+        q.insert(at, e);
+        let q = &self.flows[flow as usize];
+        if head_id(q, self.head_pos(q)) == was {
+            self.index_head(flow);
+        } else {
+            self.head_changed(flow);
+        }
+        true
     }
 
     /// Takes a request out wherever it stands (its client went away).

@@ -152,19 +152,18 @@ impl SloState {
 ///
 /// It keeps its place in the queue ([`sluice_policies::bands::BandedQueue::requeue`]):
 /// re-pushed against the room left after `critical_reserve` it could evict
-/// another request unanswered or be refused itself (issue 22, item 4.1).
-/// Returns false when it is no longer queued all the same (its band refused
-/// it): the caller answers it, its SLO entry is left to the caller too.
+/// another request unanswered or be refused itself (issue 22, item 4.1), and
+/// its flow left the backlog and joined it again, which lifted a VTC counter
+/// (item 4.8). Returns false when it is not queued (it was peeked, so this
+/// does not happen): the caller answers it, it must not vanish unanswered.
 pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) -> bool {
     let Some(r) = queue.peek().map(|(_, r)| r).filter(|r| r.id == req) else { return true };
     let meta = RequestMeta {
         predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
         ..Default::default()
     };
-    match queue.requeue(req, meta) {
-        Some(Ok(())) => {}
-        Some(Err(_)) => return false,
-        None => return true,
+    if !queue.requeue(req, meta) {
+        return false;
     }
     if let Some(slo) = slo {
         if let Some(q) = slo.queued.get_mut(&req) {

@@ -1065,3 +1065,27 @@ fn the_hold_takes_the_next_slot_at_the_rate_of_the_request_s_model_group() {
     s.pump(now, &mut slots(1), &mut out);
     assert_eq!(dispatched(&out), vec![2, 3], "x's batch request waits: {out:?}");
 }
+
+fn counter_of(s: &Scheduler, tenant: &str) -> Option<f64> {
+    let flow = s.queue.tenants().get(tenant)?;
+    s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(flow))
+}
+
+/// Issue 22, item 4.8: demoting a tenant's only queued request took it out of the
+/// backlog and back in, so VTC lifted its counter to the next-smallest one: the
+/// tenant lost the service it was owed.
+#[test]
+fn demoting_a_tenants_only_request_leaves_its_counter() {
+    let mut s = Scheduler::new(&cfg("vtc", r#","slo":{"order":"slack"}"#));
+    let mut out = Vec::new();
+    s.on_message(enqueue_slo(1, "a", 0, 1_000, 10), 0, &mut out);
+    // b bypassed while a waited (lifted to a's 0, then charged), then queued.
+    s.on_message(charge(50, "b", 1000, 0, true), 0, &mut out);
+    s.on_message(enqueue_slo(2, "b", 0, 60_000, 10), 0, &mut out);
+    assert_eq!((counter_of(&s, "a"), counter_of(&s, "b")), (Some(0.0), Some(1000.0)));
+    // At 2 s request 1 cannot make it: demoted, still queued, its tenant still owed.
+    s.pump(2_000, &mut slots(0), &mut out);
+    assert_eq!(s.queue.band_of(1), Some(Criticality::Standard));
+    assert_eq!(counter_of(&s, "a"), Some(0.0), "not lifted to b's counter");
+    assert!(out.is_empty(), "{out:?}");
+}
