@@ -209,14 +209,21 @@ impl Scheduler {
     /// closes its accounting, then its tenant may become idle and idle
     /// tenants past the cap may be forgotten. Only the first call for a
     /// request does anything; false for a request not running. `complete`:
-    /// it really finished (its output length is a sample for the estimator).
+    /// it really finished (its output length is a sample for the estimator
+    /// and the policy's length history), else `Accounting::on_abandon`.
     fn finish(&mut self, req: u64, complete: bool) -> bool {
         let Some(r) = self.running.remove(&req) else { return false };
         if let Some(slo) = self.slo.as_mut().filter(|_| complete) {
             let tenant = self.queue.flow_name(r.flow).unwrap_or_default();
             slo.est.on_complete(tenant, &r.model, r.output, (r.max_tokens > 0).then_some(r.max_tokens));
         }
-        self.queue.band_mut(r.band).policy_mut().on_complete(r.flow, req);
+        let policy = self.queue.band_mut(r.band).policy_mut();
+        if complete {
+            policy.on_complete(r.flow, req);
+        } else {
+            // Never ran, or its end is unknown: no sample of its tenant's lengths.
+            policy.on_abandon(r.flow, req);
+        }
         self.mark(r.flow);
         // Last: the tenant may be forgotten now.
         self.queue.release(r.flow);

@@ -1089,3 +1089,28 @@ fn demoting_a_tenants_only_request_leaves_its_counter() {
     assert_eq!(counter_of(&s, "a"), Some(0.0), "not lifted to b's counter");
     assert!(out.is_empty(), "{out:?}");
 }
+
+/// Issue 22, item 4.9: a dispatch whose stream had left (it never ran) completed for the
+/// policy like a finished request: VTC-predict took its 0 output tokens as a sample of
+/// its tenant's lengths, and under-charged the tenant's next requests.
+#[test]
+fn a_request_that_never_ran_is_no_sample_of_its_tenants_lengths() {
+    let mut s = Scheduler::new(&cfg("vtc-predict", ""));
+    let mut out = Vec::new();
+    // Two requests of 100 output tokens each complete.
+    for ctx in 0..2 {
+        s.on_message(enqueue(0, ctx, "a", 0), 0, &mut out);
+        s.pump(0, &mut slots(1), &mut out);
+        s.on_message(charge(ctx as u64, "a", 0, 100, true), 0, &mut out);
+    }
+    // The next is dispatched, but its client left before it reached a backend.
+    s.on_message(enqueue(0, 2, "a", 0), 0, &mut out);
+    s.pump(0, &mut slots(1), &mut out);
+    s.on_message(ToScheduler::Cancel { req: RequestId(2) }, 0, &mut out);
+    // The next dispatch is charged its input (100) and the mean of 100 and 100 (x2).
+    s.on_message(enqueue(0, 3, "a", 0), 0, &mut out);
+    let before = counter_of(&s, "a").unwrap();
+    s.pump(0, &mut slots(1), &mut out);
+    assert_eq!(dispatched(&out), vec![0, 1, 2, 3]);
+    assert_eq!(counter_of(&s, "a").unwrap() - before, 100.0 + 2.0 * 100.0, "predicted 100, not 66");
+}
