@@ -460,6 +460,12 @@ impl Estimator {
         }
     }
 
+    /// The pool's mean output tokens per request, once `min_samples`
+    /// requests completed (`None` before).
+    pub fn learned_output(&self) -> Option<f64> {
+        (self.all.m.n >= self.cfg.min_samples).then_some(self.all.m.mean)
+    }
+
     /// Saturated output-token throughput of the pool (tokens per second),
     /// or the busiest window seen before any saturated one; `None` before any output.
     pub fn throughput(&self) -> Option<f64> {

@@ -517,6 +517,14 @@ impl Scheduler {
         }
     }
 
+    /// The pool's mean output tokens per request as the estimator learned
+    /// it (`"slo"`), for the overload ladder's size of requests without
+    /// `max_tokens`; `None` until learned.
+    pub fn learned_output_tokens(&self) -> Option<u32> {
+        let mean = self.slo.as_ref()?.est.learned_output()?;
+        Some(mean.round().clamp(1.0, u32::MAX as f64) as u32)
+    }
+
     /// Requests dispatched (or bypassed) and not yet done.
     pub fn running(&self) -> usize {
         self.running.len()

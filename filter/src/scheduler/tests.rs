@@ -1114,3 +1114,14 @@ fn a_request_that_never_ran_is_no_sample_of_its_tenants_lengths() {
     assert_eq!(dispatched(&out), vec![0, 1, 2, 3]);
     assert_eq!(counter_of(&s, "a").unwrap() - before, 100.0 + 2.0 * 100.0, "predicted 100, not 66");
 }
+
+/// Issue 22, item 4.4: what the lease holder publishes for the overload ladder to size
+/// requests without `max_tokens`.
+#[test]
+fn the_learned_output_length_is_the_pools_mean_once_learned() {
+    let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{}"#));
+    assert_eq!(s.learned_output_tokens(), None, "nothing completed: the ladder keeps its prior");
+    warm_up(&mut s, 10);
+    assert_eq!(s.learned_output_tokens(), Some(100));
+    assert_eq!(Scheduler::new(&cfg("fcfs", "")).learned_output_tokens(), None, "no estimator without slo");
+}
