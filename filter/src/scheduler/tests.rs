@@ -1125,3 +1125,38 @@ fn the_learned_output_length_is_the_pools_mean_once_learned() {
     assert_eq!(s.learned_output_tokens(), Some(100));
     assert_eq!(Scheduler::new(&cfg("fcfs", "")).learned_output_tokens(), None, "no estimator without slo");
 }
+
+/// Issue 22, item 4.12: the scheduler's High Budget First path. Arrivals far above the
+/// measured completion rate switch PARD's order: the most budget goes first, requests
+/// without an objective last, and (with dropping) queued best-effort work is not counted
+/// ahead of a request with a deadline (item 4.3).
+#[test]
+fn under_pard_an_overload_switches_the_scheduler_to_high_budget_first() {
+    let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"order":"pard","drop":{"quantile":0.5}}"#));
+    let mut now = warm_up(&mut s, 60);
+    let mut out = Vec::new();
+    // A burst of best-effort work from twelve tenants: 300 arrivals a second for three
+    // seconds while the pool serves 20 a second.
+    let mut ctx = 0;
+    for _ in 0..3 {
+        for _ in 0..300 {
+            s.on_message(enqueue(0, ctx, &format!("t{}", ctx % 12), now), now, &mut out);
+            ctx += 1;
+        }
+        now += 1_000;
+        s.pump(now, &mut slots(0), &mut out);
+    }
+    assert_eq!((out.len(), s.len()), (0, 900), "best effort is never refused");
+    let load = s.slo.as_ref().unwrap().est.load();
+    assert!(load.is_hbf(), "μ = {:?}, ε = {}", load.mu(), load.epsilon());
+    assert!(s.queue.band(Criticality::Standard).is_high_budget_first());
+    // 900 best-effort requests queued (~45 s of work): 5 s is in reach, as HBF serves
+    // best effort last.
+    s.on_message(enqueue_slo(20_000, "b", now, 5_000, 100), now, &mut out);
+    s.on_message(enqueue_slo(20_001, "c", now, 7_200_000, 100), now, &mut out);
+    assert!(out.is_empty(), "best-effort work is not ahead under HBF: {out:?}");
+    s.pump(now, &mut slots(3), &mut out);
+    let first = dispatched(&out);
+    assert_eq!(first[..2], [20_001, 20_000], "the most budget first, best effort after: {first:?}");
+    assert!(first[2] < 10_000);
+}
