@@ -16,9 +16,10 @@
 //!
 //! where `W_ahead` is the predicted output work of the requests that will be
 //! dispatched before it (see [`WorkIndex`]), `W_slot` one mean request's work
-//! (prompt and output, in the throughput's unit; with the pool at its in-flight bound, a slot frees after about one mean
-//! request's worth of service: the least-remaining of `R` running requests
-//! has about `L/(R+1)` tokens left, decoded at `Θ/R`), and `Θ` the
+//! (prompt and output, in the throughput's unit; with the pool at its
+//! in-flight bound, a slot frees after about one mean request's worth of
+//! service: the least-remaining of `R` running requests has about `L/(R+1)`
+//! tokens left, decoded at `Θ/R`), and `Θ` the
 //! saturated throughput. Lengths are independent and summed, so the work has
 //! mean `Σμ` and variance `Σσ²`; its λ-quantile (normal approximation) gives
 //! PARD's conservative estimate `F⁻¹(λ)`. Until a saturated window has been

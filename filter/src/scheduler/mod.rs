@@ -322,7 +322,8 @@ impl Scheduler {
             return; // a resend after a takeover race: already queued
         }
         let max = (max_tokens > 0).then_some(max_tokens);
-        let mut meta = RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, ..Default::default() };
+        let mut meta =
+            RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, ..Default::default() };
         let mut slo_entry = None;
         if let Some(slo) = self.slo.as_mut() {
             slo.est.on_arrival();
