@@ -27,6 +27,10 @@ pub const LOAD_KEY: &str = "sluice.load";
 pub const ALIVE_PREFIX: &str = "sluice.alive.";
 /// Requests queued at the scheduler, as it last published.
 pub const QUEUED_KEY: &str = "sluice.queued";
+/// The pool's mean output tokens per request as the lease holder's estimator
+/// learned it (`"slo"`; absent or 0: not learned): the overload ladder's size of
+/// a request without `max_tokens`, instead of the prior.
+pub const OUTPUT_MEAN_KEY: &str = "sluice.output_mean";
 /// Counter handing out worker numbers.
 pub const WORKERS_KEY: &str = "sluice.workers";
 /// The scheduler lease.

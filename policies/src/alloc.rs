@@ -87,6 +87,13 @@ pub trait Accounting {
     /// per-request state is released and estimates are corrected. Exactly
     /// once per dispatch.
     fn on_complete(&mut self, flow: FlowId, id: u64);
+    /// As [`Accounting::on_complete`], for a dispatched request that never
+    /// ran (its client left before it reached a backend) or whose end is
+    /// unknown: estimates are corrected, but its output is no sample of its
+    /// flow's lengths. Policies that learn no lengths keep this default.
+    fn on_abandon(&mut self, flow: FlowId, id: u64) {
+        self.on_complete(flow, id)
+    }
     /// Drops every piece of state kept for `flow`, which is idle: not
     /// backlogged (its head was last set to `None`, or never set) and with no
     /// dispatched request awaiting [`Accounting::on_complete`]. Afterwards the id
@@ -202,6 +209,9 @@ impl<A: Accounting + ?Sized> Accounting for Box<A> {
     }
     fn on_complete(&mut self, flow: FlowId, id: u64) {
         (**self).on_complete(flow, id)
+    }
+    fn on_abandon(&mut self, flow: FlowId, id: u64) {
+        (**self).on_abandon(flow, id)
     }
     fn forget(&mut self, flow: FlowId) {
         (**self).forget(flow)

@@ -368,6 +368,24 @@ impl<A: Allocation> BandedQueue<A> {
         Ok(evicted)
     }
 
+    /// Ranks queued request `id` again under `meta` (a deadline lost, a new
+    /// prediction) in place ([`FairQueue::requeue`]), and makes it the newest
+    /// of its band (the first evicted). It keeps the place it holds in the
+    /// capacity: no room is checked, nothing is evicted, and its flow never
+    /// leaves the backlog. False when `id` is not queued.
+    pub fn requeue(&mut self, id: u64, meta: RequestMeta) -> bool {
+        let Some(&(band, order)) = self.where_is.get(&id) else { return false };
+        if !self.bands[band.index()].requeue(id, meta) {
+            return false;
+        }
+        let newest = self.next_order;
+        self.next_order += 1;
+        self.order[band.index()].remove(&(order, id));
+        self.order[band.index()].insert((newest, id));
+        self.where_is.insert(id, (band, newest));
+        true
+    }
+
     /// Request `r` left the queue; its tenant may become idle (not forgotten
     /// here: the caller may still charge it).
     fn left(&mut self, r: &Request) {
@@ -529,6 +547,24 @@ mod tests {
         assert_eq!(q.push(Critical, r(4, a)), Ok(None));
         assert_eq!(q.push(Critical, r(5, a)), Ok(None));
         assert_eq!(q.len(), 4);
+    }
+
+    #[test]
+    fn a_requeued_request_keeps_its_place_in_a_full_queue() {
+        let mut q = BandedQueue::new(limits(5, 2), |_| Fcfs::default());
+        let a = q.flow_id("a");
+        q.push(Standard, r(1, a)).unwrap();
+        q.push(Sheddable, r(2, a)).unwrap();
+        q.push(Standard, r(3, a)).unwrap();
+        q.push(Critical, r(4, a)).unwrap();
+        q.push(Critical, r(5, a)).unwrap();
+        // A push of request 1 now would evict 2; a requeue takes no room.
+        assert!(q.requeue(1, RequestMeta::default()));
+        assert_eq!((q.len(), q.band_of(1), q.band_of(2)), (5, Some(Standard), Some(Sheddable)));
+        assert!(!q.requeue(9, RequestMeta::default()), "not queued");
+        // It is now the newest of its band: evicted before 3, after sheddable.
+        assert_eq!(q.push(Critical, r(6, a)).unwrap().map(|r| r.id), Some(2));
+        assert_eq!(q.push(Critical, r(7, a)).unwrap().map(|r| r.id), Some(1));
     }
 
     #[test]

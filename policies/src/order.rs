@@ -19,6 +19,10 @@ pub struct RequestMeta {
     /// Predicted milliseconds from dispatch to the first token, if an estimator gave one.
     #[serde(default)]
     pub service_ms: Option<u32>,
+    /// Its model group (QLM's request group; 0 with one model): the hold's
+    /// at-risk test takes the next slot at its group's rate ([`crate::queue::Urgency`]).
+    #[serde(default)]
+    pub group: u32,
 }
 
 /// Predicted total tokens: prompt plus the prediction, else `max_tokens`, else `default_output`.

@@ -9,8 +9,9 @@
 //! weight-2 work is rejected, above `reject_long_above` (0.80) weight-1 work
 //! too. The seed publishes the thresholds, the buckets and the bucket
 //! weights; it does not publish its signal weights, so the defaults here
-//! (0.5, 0.3, 0.2) are ours, and so are the tail window and the
-//! `retry-after` scaling.
+//! (0.3 load, 0.4 queue, 0.3 tail) are ours, and so are the tail window and
+//! the `retry-after` scaling. Load alone tops at 0.3: a pool at its
+//! in-flight bound is the normal operating point, not overload.
 
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -99,9 +100,12 @@ pub struct OverloadLadder {
 impl Default for OverloadLadder {
     fn default() -> Self {
         OverloadLadder {
-            w_load: 0.5,
-            w_queue: 0.3,
-            w_tail: 0.2,
+            // Load alone (a pool at its in-flight bound, the normal operating
+            // point) stays under `defer_above`: shedding needs a backlog or a
+            // tail nearing its objective besides (issue 22, item 4.4).
+            w_load: 0.3,
+            w_queue: 0.4,
+            w_tail: 0.3,
             defer_above: 0.45,
             reject_xlong_above: 0.65,
             reject_long_above: 0.80,
@@ -316,6 +320,26 @@ mod tests {
         assert_eq!(row(10.0), [Admit, Admit, Reject, Reject], "short and medium are never deferred nor rejected");
     }
 
+    /// Issue 22, item 4.4: a pool at its in-flight bound with nothing queued is the normal
+    /// operating point (stock at the default watermark is 2/2.2 of the upper bound); the
+    /// old weights (0.5 on load) put its severity at 0.455, past `defer_above`.
+    #[test]
+    fn the_default_ladder_defers_nothing_at_the_normal_operating_point() {
+        let l = OverloadLadder::default();
+        for load in [2.0 / 2.2, 1.0] {
+            let busy = LoadSignals { load, queue_pressure: 0.0, tail_ratio: 0.0 };
+            assert_eq!([Long, XLong].map(|c| l.decide(l.severity(&busy), c)), [Admit, Admit], "load {load}");
+            // A tail at half its objective is healthy too.
+            let tail = LoadSignals { tail_ratio: 0.5, ..busy };
+            assert_eq!(l.decide(l.severity(&tail), Long), Admit, "load {load}");
+        }
+        // A backlog or a tail near its objective is not.
+        let backlog = LoadSignals { load: 1.0, queue_pressure: 0.5, tail_ratio: 0.0 };
+        assert_eq!(l.decide(l.severity(&backlog), Long), Defer);
+        let late = LoadSignals { load: 1.0, queue_pressure: 0.0, tail_ratio: 0.9 };
+        assert_eq!(l.decide(l.severity(&late), Long), Defer);
+    }
+
     #[test]
     fn bucket_weights_are_the_seeds() {
         assert_eq!([Short, Medium, Long, XLong].map(SizeClass::weight), [0, 0, 1, 2]);
@@ -325,12 +349,12 @@ mod tests {
     fn severity_weights_clamped_signals() {
         let l = OverloadLadder::default();
         let s = LoadSignals { load: 1.0, queue_pressure: 0.5, tail_ratio: 0.0 };
-        assert!((l.severity(&s) - 0.65).abs() < 1e-12);
+        assert!((l.severity(&s) - 0.5).abs() < 1e-12);
         let wild = LoadSignals { load: 7.0, queue_pressure: f64::NAN, tail_ratio: f64::INFINITY };
-        assert!((l.severity(&wild) - 0.7).abs() < 1e-12, "clamped to [0, 1], NaN counts as 0");
+        assert!((l.severity(&wild) - 0.6).abs() < 1e-12, "clamped to [0, 1], NaN counts as 0");
         let hot = LoadSignals { load: 1.0, queue_pressure: 1.0, tail_ratio: 0.0 };
         assert_eq!(l.evaluate(&hot, Some(2000)), Reject);
-        assert_eq!(l.evaluate(&hot, Some(500)), Defer, "0.8 is not above reject_long_above");
+        assert_eq!(l.evaluate(&hot, Some(500)), Defer, "0.7 is not above reject_long_above");
         assert_eq!(l.evaluate(&hot, Some(200)), Admit);
         let hotter = LoadSignals { tail_ratio: 0.5, ..hot };
         assert_eq!(l.evaluate(&hotter, Some(500)), Reject, "the tail signal tips long work into rejection");

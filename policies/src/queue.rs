@@ -86,12 +86,34 @@ pub struct FairQueue<A> {
 struct SloSelect {
     window: f64,
     hbf: bool,
-    /// `(at_risk_below, ample_from)`: see [`FairQueue::set_urgency`].
-    urgency: Option<(f64, f64)>,
+    /// See [`FairQueue::set_urgency`].
+    urgency: Option<Urgency>,
     /// (rank bits, seq, flow) of each flow whose head has a finite rank.
     heads: BTreeSet<(u64, u64, FlowId)>,
     head_of: HashMap<FlowId, (u64, u64)>,
 }
+
+/// QLM's hold of slack-rich work ([`FairQueue::set_urgency`]), in ranks (the
+/// ordering's: deadline minus predicted service, in ms).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Urgency {
+    /// Per model group ([`RequestMeta::group`]): a head ranked below it is at
+    /// risk (it must be dispatched before its group's next slot is expected to
+    /// free). Groups past the end take the last entry; empty: nothing is at risk.
+    pub at_risk_below: Vec<f64>,
+    /// A head ranked from it, or without a deadline, has ample slack.
+    pub ample_from: f64,
+}
+
+impl Urgency {
+    /// The at-risk bound of model group `group`.
+    fn risk(&self, group: u32) -> Option<f64> {
+        self.at_risk_below.get(group as usize).or(self.at_risk_below.last()).copied()
+    }
+}
+
+/// Heads looked at for one at risk, per choice (bounded however many flows wait).
+const MAX_RISK_SCAN: usize = 16;
 
 impl<A: Allocation> FairQueue<A> {
     /// An empty queue.
@@ -145,15 +167,19 @@ impl<A: Allocation> FairQueue<A> {
         }
     }
 
-    /// QLM's hold of slack-rich work: while the least-ranked head is at risk
-    /// (rank below `at_risk_below`: it must be dispatched before the next
-    /// slot is expected to free) and the policy's own choice has ample slack
-    /// (its head ranks from `ample_from`, or has no deadline), the at-risk
-    /// one goes first even beyond the fairness window. `None` turns it off.
-    /// Ranks are the ordering's (deadline minus predicted service, in ms).
-    pub fn set_urgency(&mut self, urgency: Option<(f64, f64)>) {
+    /// QLM's hold of slack-rich work: while a head is at risk (ranked below
+    /// its model group's `at_risk_below`: it must be dispatched before that
+    /// group's next slot is expected to free) and the policy's own choice has
+    /// ample slack (its head ranks from `ample_from`, or has no deadline), the
+    /// at-risk one goes first even beyond the fairness window: the least
+    /// ranked at risk, or under High Budget First the most ranked at risk
+    /// (the most budget among those that need a slot now). `None` turns it off.
+    pub fn set_urgency(&mut self, urgency: Option<&Urgency>) {
         if let Some(slo) = self.slo.as_mut() {
-            slo.urgency = urgency;
+            match (urgency, slo.urgency.as_mut()) {
+                (Some(u), Some(mine)) => mine.clone_from(u),
+                (u, _) => slo.urgency = u.cloned(),
+            }
         }
     }
 
@@ -183,6 +209,13 @@ impl<A: Allocation> FairQueue<A> {
         let pos = self.head_pos(&self.flows[flow as usize]);
         let head = self.flows[flow as usize].get(pos);
         self.alloc.set_head(flow, head.map(|e| (e.seq, &e.req)));
+        self.index_head(flow);
+    }
+
+    /// `flow`'s head's rank may have changed: keeps the SLO index in step.
+    fn index_head(&mut self, flow: FlowId) {
+        let pos = self.head_pos(&self.flows[flow as usize]);
+        let head = self.flows[flow as usize].get(pos);
         if let Some(slo) = self.slo.as_mut() {
             if let Some(old) = slo.head_of.remove(&flow) {
                 slo.heads.remove(&(old.0, old.1, flow));
@@ -203,15 +236,33 @@ impl<A: Allocation> FairQueue<A> {
         if pick.is_none() {
             return Some(fair);
         }
-        let &(bits, _, flow) = pick?;
+        let &(_, _, flow) = pick?;
         if self.alloc.as_lead().and_then(|l| l.lead(flow)).is_none_or(|lead| lead <= slo.window) {
             return Some(flow);
         }
-        let held = slo.urgency.is_some_and(|(risk, ample)| {
-            bits < crate::slo::key_bits(risk)
-                && self.head_entry(fair).is_none_or(|e| crate::slo::key_bits(e.rank) >= crate::slo::key_bits(ample))
-        });
-        Some(if held { flow } else { fair })
+        Some(slo.urgency.as_ref().and_then(|u| self.held(slo, u, fair)).unwrap_or(fair))
+    }
+
+    /// The flow whose at-risk head goes before `fair`'s under the hold, if any
+    /// (see [`FairQueue::set_urgency`]); at most [`MAX_RISK_SCAN`] heads looked at.
+    fn held(&self, slo: &SloSelect, u: &Urgency, fair: FlowId) -> Option<FlowId> {
+        use crate::slo::key_bits;
+        let ample = self.head_entry(fair).is_none_or(|e| key_bits(e.rank) >= key_bits(u.ample_from));
+        let most = u.at_risk_below.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if !ample || most == f64::NEG_INFINITY {
+            return None;
+        }
+        let below = slo.heads.range(..(key_bits(most), 0, 0));
+        let at_risk = |&&(bits, _, flow): &&(u64, u64, FlowId)| {
+            let group = self.head_entry(flow).map_or(0, |e| e.meta.group);
+            u.risk(group).is_some_and(|risk| bits < key_bits(risk))
+        };
+        let found = if slo.hbf {
+            below.rev().take(MAX_RISK_SCAN).find(at_risk)
+        } else {
+            below.take(MAX_RISK_SCAN).find(at_risk)
+        };
+        found.map(|&(_, _, flow)| flow)
     }
 
     /// Tracks at most `max` flows while enough of them are idle (see
@@ -421,6 +472,35 @@ impl<A: Allocation> FairQueue<A> {
         self.head_changed(flow);
         self.compact();
         Some(req)
+    }
+
+    /// Ranks queued request `id` again under `meta` (a deadline lost, a new
+    /// prediction), in place: its flow stays backlogged throughout, and the
+    /// policy hears of a new head only if the head changed (taken out and
+    /// pushed again, the flow would leave the backlog and join it anew, and
+    /// VTC would lift its counter to the next-smallest). False when `id` is
+    /// not queued.
+    pub fn requeue(&mut self, id: u64, meta: RequestMeta) -> bool {
+        let Some(&flow) = self.flow_of.get(&id) else { return false };
+        let q = &self.flows[flow as usize];
+        let head_id = |q: &VecDeque<Entry>, pos: usize| q.get(pos).map(|e| e.req.id);
+        let was = head_id(q, self.head_pos(q));
+        let pos = q.iter().position(|e| e.req.id == id).expect("flow index out of step");
+        let mut e = self.flows[flow as usize].remove(pos).expect("position just found");
+        e.meta = meta;
+        if !self.fifo {
+            e.rank = self.order.rank(&e.req, &e.meta, self.now_ms);
+        }
+        let q = &mut self.flows[flow as usize];
+        let at = if self.fifo { pos } else { q.partition_point(|x| x.before(e.rank, e.seq)) };
+        q.insert(at, e);
+        let q = &self.flows[flow as usize];
+        if head_id(q, self.head_pos(q)) == was {
+            self.index_head(flow);
+        } else {
+            self.head_changed(flow);
+        }
+        true
     }
 
     /// Takes a request out wherever it stands (its client went away).
@@ -657,12 +737,37 @@ mod tests {
         q.push_with(r(3, b, 1), due(100)).unwrap();
         assert_eq!(q.pop().map(|r| r.id), Some(1), "tied counters: the least slack");
         assert_eq!(q.peek().map(|r| r.id), Some(2), "window 0: the fair choice");
-        q.set_urgency(Some((200.0, 60_000.0)));
+        q.set_urgency(Some(&Urgency { at_risk_below: vec![200.0], ample_from: 60_000.0 }));
         assert_eq!(q.peek().map(|r| r.id), Some(3), "b is at risk and a has an hour: a waits");
-        q.set_urgency(Some((50.0, 60_000.0)));
+        q.set_urgency(Some(&Urgency { at_risk_below: vec![50.0], ample_from: 60_000.0 }));
         assert_eq!(q.peek().map(|r| r.id), Some(2), "not at risk yet");
-        q.set_urgency(Some((200.0, 7_200_000.0)));
+        q.set_urgency(Some(&Urgency { at_risk_below: vec![200.0], ample_from: 7_200_000.0 }));
         assert_eq!(q.peek().map(|r| r.id), Some(2), "a's slack is not ample enough to hold");
+    }
+
+    /// Issue 22, item 4.11: under High Budget First the hold read the largest-ranked head,
+    /// never at risk, so it never held anything.
+    #[test]
+    fn the_hold_works_under_high_budget_first() {
+        let mut q = FairQueue::with_order(QueueLimits::default(), Vtc::new(VtcWeights::default()), Box::new(Edf))
+            .with_slo_window(0.0);
+        let (a, b, c) = (q.flow_id("a"), q.flow_id("b"), q.flow_id("c"));
+        q.push_with(r(1, b, 0), due(0)).unwrap();
+        q.push_with(r(4, c, 0), due(1)).unwrap();
+        q.push_with(r(2, a, 0), due(3_600_000)).unwrap();
+        q.push_with(r(3, b, 1), due(100)).unwrap();
+        q.push_with(r(5, c, 1), due(7_200_000)).unwrap();
+        assert_eq!((q.pop().map(|r| r.id), q.pop().map(|r| r.id)), (Some(1), Some(4)), "tied counters: EDF");
+        // b and c ran ahead: VTC's choice is a (an hour of slack); b's head is due in 100 ms.
+        q.set_high_budget_first(true);
+        assert_eq!(q.peek().map(|r| r.id), Some(2), "c has the most budget but runs ahead: the fair choice");
+        q.set_urgency(Some(&Urgency { at_risk_below: vec![200.0], ample_from: 60_000.0 }));
+        assert_eq!(q.peek().map(|r| r.id), Some(3), "b is at risk and a has an hour: a waits, as under LBF");
+        q.set_high_budget_first(false);
+        assert_eq!(q.peek().map(|r| r.id), Some(3));
+        // Each model group's next slot: b's head (group 0) is not at risk at 50 ms.
+        q.set_urgency(Some(&Urgency { at_risk_below: vec![50.0, 200.0], ample_from: 60_000.0 }));
+        assert_eq!(q.peek().map(|r| r.id), Some(2));
     }
 
     #[test]

@@ -16,9 +16,10 @@
 //!
 //! where `W_ahead` is the predicted output work of the requests that will be
 //! dispatched before it (see [`WorkIndex`]), `W_slot` one mean request's work
-//! (with the pool at its in-flight bound, a slot frees after about one mean
-//! request's worth of service: the least-remaining of `R` running requests
-//! has about `L/(R+1)` tokens left, decoded at `Θ/R`), and `Θ` the
+//! (prompt and output, in the throughput's unit; with the pool at its
+//! in-flight bound, a slot frees after about one mean request's worth of
+//! service: the least-remaining of `R` running requests has about `L/(R+1)`
+//! tokens left, decoded at `Θ/R`), and `Θ` the
 //! saturated throughput. Lengths are independent and summed, so the work has
 //! mean `Σμ` and variance `Σσ²`; its λ-quantile (normal approximation) gives
 //! PARD's conservative estimate `F⁻¹(λ)`. Until a saturated window has been
@@ -231,6 +232,9 @@ pub struct Estimator {
     lengths: HashMap<(String, String), Keyed>,
     by_model: HashMap<String, Keyed>,
     all: Keyed,
+    /// Prompt tokens of dispatched requests, for a request's whole work in
+    /// the throughput's unit ([`Estimator::slot_work`]).
+    prompts: Moments,
     prefill: Fit,
     /// Saturated output-token throughput, tokens per second.
     tput: Moments,
@@ -262,6 +266,7 @@ impl Estimator {
             lengths: HashMap::new(),
             by_model: HashMap::new(),
             all: Keyed::default(),
+            prompts: Moments::default(),
             prefill: Fit::default(),
             tput: Moments::default(),
             groups: HashMap::new(),
@@ -333,6 +338,11 @@ impl Estimator {
         g
     }
 
+    /// Model groups allocated so far (at most 64).
+    pub fn groups(&self) -> usize {
+        self.group_rate.len()
+    }
+
     /// `tokens` output tokens were generated for a request of model group `group`.
     pub fn on_output(&mut self, tokens: u32, group: usize) {
         self.add_work(tokens as f64, group);
@@ -341,7 +351,21 @@ impl Estimator {
     /// A request of model group `group` with `input_tokens` was dispatched:
     /// its prefill is work done.
     pub fn on_dispatch(&mut self, input_tokens: u32, group: usize) {
+        self.prompts.observe(input_tokens as f64, self.cfg.alpha);
         self.add_work(self.cfg.input_cost * input_tokens as f64, group);
+    }
+
+    /// The work of the slot a queued request waits for: one mean request's,
+    /// `input_cost · prompt + output` as the throughput counts it (the
+    /// output alone made prefill-heavy traffic's slot wait near zero).
+    fn slot_work(&self) -> Work {
+        let out = if self.all.m.n == 0 {
+            self.output("", "", None)
+        } else {
+            Work { mean: self.all.m.mean.max(1.0), var: self.all.m.var }
+        };
+        let c = self.cfg.input_cost;
+        Work { mean: out.mean + c * self.prompts.mean, var: out.var + c * c * self.prompts.var }
     }
 
     fn add_work(&mut self, work: f64, group: usize) {
@@ -437,6 +461,12 @@ impl Estimator {
         }
     }
 
+    /// The pool's mean output tokens per request, once `min_samples`
+    /// requests completed (`None` before).
+    pub fn learned_output(&self) -> Option<f64> {
+        (self.all.m.n >= self.cfg.min_samples).then_some(self.all.m.mean)
+    }
+
     /// Saturated output-token throughput of the pool (tokens per second),
     /// or the busiest window seen before any saturated one; `None` before any output.
     pub fn throughput(&self) -> Option<f64> {
@@ -470,9 +500,7 @@ impl Estimator {
         let mut ms = elapsed_ms + pre + z * pre_var.sqrt();
         if queued {
             let tput = self.throughput_of(group)?;
-            let slot = Work { mean: self.all.m.mean.max(1.0), var: self.all.m.var };
-            let slot = if self.all.m.n == 0 { self.output("", "", None) } else { slot };
-            let w = ahead + slot;
+            let w = ahead + self.slot_work();
             ms += (w.mean + z * w.var.sqrt()).max(0.0) / tput * 1000.0;
         }
         Some(ms.max(0.0))
@@ -631,7 +659,8 @@ impl WorkIndex {
     }
 
     /// Work of the requests served before request `id` with `key`: keys
-    /// below it, ties by id (`reverse`: above it, for High Budget First).
+    /// below it, ties by id (`reverse`: above it and finite, for High Budget
+    /// First, which serves requests without a deadline last).
     /// Scans at most `max_scan` entries; past them it answers the total (an
     /// upper bound).
     pub fn ahead(&self, key: f64, id: u64, reverse: bool, max_scan: usize) -> Work {
@@ -649,7 +678,11 @@ impl WorkIndex {
             true
         };
         if reverse {
-            for (_, x) in self.entries.range((std::ops::Bound::Excluded(k), std::ops::Bound::Unbounded)).rev() {
+            // High Budget First serves best-effort work (an infinite key) last:
+            // only the larger finite keys are ahead.
+            let best_effort = (key_bits(f64::INFINITY), 0);
+            let range = (std::ops::Bound::Excluded(k), std::ops::Bound::Excluded(best_effort));
+            for (_, x) in self.entries.range(range).rev() {
                 if !add(x) {
                     break;
                 }
@@ -783,6 +816,27 @@ mod tests {
         assert_eq!(e.predict_ttft(100.0, Work::default(), false, 0, 0.0, 0), Some(100.0), "not queued: no wait");
     }
 
+    /// Issue 22, item 4.5: the pool's throughput counts `input_cost · prompt + output`, so the
+    /// work of the slot a request waits for must too. It took the mean output alone: requests
+    /// of 4,000 prompt tokens and 10 output tokens waited ~1 ms for a slot, not ~500 ms.
+    #[test]
+    fn the_slot_wait_counts_prompts_in_the_throughputs_unit() {
+        let mut e = Estimator::new(EstimatorConfig { input_cost: 1.0, ..EstimatorConfig::default() });
+        e.advance(0, true);
+        // Two requests of 4,000 + 10 complete every second: 8,020 units per second.
+        for s in 1..20 {
+            for _ in 0..2 {
+                e.on_dispatch(4000, 0);
+                e.on_output(10, 0);
+                e.on_complete("t", "m", 10, None);
+            }
+            e.advance(s * 1000, true);
+        }
+        assert!((e.throughput().unwrap() - 8020.0).abs() < 1.0, "{:?}", e.throughput());
+        let wait = e.predict_ttft(0.0, Work::default(), true, 0, 0.0, 0).unwrap();
+        assert!((wait - 500.0).abs() < 5.0, "one request's work (4,010) at 8,020 per second: {wait}");
+    }
+
     #[test]
     fn each_model_group_drains_at_its_own_rate_once_several_are_served() {
         let mut e = Estimator::new(EstimatorConfig::default());
@@ -849,6 +903,22 @@ mod tests {
             b.arrivals(2.0);
         }
         assert!(!b.is_hbf() && b.switches() == switches + 1);
+    }
+
+    /// Issue 22, item 4.3: High Budget First serves best-effort work (an infinite key) last,
+    /// so it is never ahead of a request with a deadline; it was counted as ahead.
+    #[test]
+    fn under_high_budget_first_best_effort_work_is_not_ahead() {
+        let mut w = WorkIndex::default();
+        for i in 0..4u64 {
+            w.insert(i, i as f64 * 10.0, Work { mean: 1.0, var: 1.0 });
+        }
+        for i in 10..20u64 {
+            w.insert(i, f64::INFINITY, Work { mean: 100.0, var: 1.0 });
+        }
+        assert_eq!(w.ahead(15.0, 99, true, 100), Work { mean: 2.0, var: 2.0 }, "only the larger finite keys");
+        assert_eq!(w.ahead(15.0, 99, false, 100), Work { mean: 2.0, var: 2.0 });
+        assert_eq!(w.ahead(15.0, 99, true, 1).mean, w.total().mean, "a truncated scan is still the total");
     }
 
     #[test]

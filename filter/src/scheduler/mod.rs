@@ -209,14 +209,21 @@ impl Scheduler {
     /// closes its accounting, then its tenant may become idle and idle
     /// tenants past the cap may be forgotten. Only the first call for a
     /// request does anything; false for a request not running. `complete`:
-    /// it really finished (its output length is a sample for the estimator).
+    /// it really finished (its output length is a sample for the estimator
+    /// and the policy's length history), else `Accounting::on_abandon`.
     fn finish(&mut self, req: u64, complete: bool) -> bool {
         let Some(r) = self.running.remove(&req) else { return false };
         if let Some(slo) = self.slo.as_mut().filter(|_| complete) {
             let tenant = self.queue.flow_name(r.flow).unwrap_or_default();
             slo.est.on_complete(tenant, &r.model, r.output, (r.max_tokens > 0).then_some(r.max_tokens));
         }
-        self.queue.band_mut(r.band).policy_mut().on_complete(r.flow, req);
+        let policy = self.queue.band_mut(r.band).policy_mut();
+        if complete {
+            policy.on_complete(r.flow, req);
+        } else {
+            // Never ran, or its end is unknown: no sample of its tenant's lengths.
+            policy.on_abandon(r.flow, req);
+        }
         self.mark(r.flow);
         // Last: the tenant may be forgotten now.
         self.queue.release(r.flow);
@@ -315,12 +322,14 @@ impl Scheduler {
             return; // a resend after a takeover race: already queued
         }
         let max = (max_tokens > 0).then_some(max_tokens);
-        let mut meta = RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, service_ms: None };
+        let mut meta =
+            RequestMeta { deadline_ms: deadline.map(|d| d.at_ms), predicted_output: max, ..Default::default() };
         let mut slo_entry = None;
         if let Some(slo) = self.slo.as_mut() {
             slo.est.on_arrival();
             let work = slo.est.work(&tenant, &route.model, input_tokens, max);
             let at = (band_code(band) as usize, slo.est.group(&route.model));
+            meta.group = at.1 as u32;
             let service = slo.est.prefill_ms(input_tokens).0;
             meta.service_ms = Some(service.min(u32::MAX as f64) as u32);
             // The key this request is served by in its band: its rank
@@ -408,7 +417,15 @@ impl Scheduler {
                 |s: &Scheduler, z: f64| s.slo.as_ref().is_some_and(|slo| slo.unattainable_now(next, now_ms, z));
             if demotes && drops < MAX_DROPS_PER_PUMP && unattainable(self, 0.0) {
                 drops += 1;
-                slo::demote(&mut self.queue, self.slo.as_mut(), next);
+                if !slo::demote(&mut self.queue, self.slo.as_mut(), next) {
+                    // Out of the queue all the same: answered, never lost.
+                    self.routes.remove(&next);
+                    self.left_queue(next);
+                    out.push((
+                        worker_of(next),
+                        ToWorker::Reject { req: RequestId(next), outcome: Outcome::SloUnattainable },
+                    ));
+                }
                 continue;
             }
             if drops < MAX_DROPS_PER_PUMP && drop_z.is_some_and(|z| unattainable(self, z)) {
@@ -499,6 +516,14 @@ impl Scheduler {
                 self.finish(id, false);
             }
         }
+    }
+
+    /// The pool's mean output tokens per request as the estimator learned
+    /// it (`"slo"`), for the overload ladder's size of requests without
+    /// `max_tokens`; `None` until learned.
+    pub fn learned_output_tokens(&self) -> Option<u32> {
+        let mean = self.slo.as_ref()?.est.learned_output()?;
+        Some(mean.round().clamp(1.0, u32::MAX as f64) as u32)
     }
 
     /// Requests dispatched (or bypassed) and not yet done.

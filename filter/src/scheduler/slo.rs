@@ -11,6 +11,7 @@ use crate::wire::Deadline;
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::order::RequestMeta;
+use sluice_policies::queue::Urgency;
 use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
 
 /// Entries summed for a newcomer's work ahead before the whole band is taken instead.
@@ -38,6 +39,8 @@ pub(super) struct SloState {
     /// group): QLM's request groups, each drained at its own rate.
     pub(super) work: HashMap<(usize, usize), WorkIndex>,
     pub(super) queued: HashMap<u64, QueuedSlo>,
+    /// The hold's thresholds, kept to reuse their allocation.
+    urgency: Urgency,
 }
 
 impl SloState {
@@ -55,6 +58,7 @@ impl SloState {
             }),
             work: HashMap::new(),
             queued: HashMap::new(),
+            urgency: Urgency::default(),
         }
     }
 
@@ -83,9 +87,19 @@ impl SloState {
             }
         }
         if let Some(ample) = self.hold_batch_slack_ms {
-            // At risk: its dispatch key falls before the next slot is expected to free.
-            let next_slot = self.est.predict_ttft(0.0, Work::default(), true, 0, 0.0, 0);
-            let urgency = next_slot.map(|wait| (now_ms as f64 + wait, now_ms as f64 + ample as f64));
+            // At risk: its dispatch key falls before its model group's next
+            // slot is expected to free (each group drains at its own rate).
+            let groups = self.est.groups().max(1);
+            let now = now_ms as f64;
+            self.urgency.at_risk_below.clear();
+            for g in 0..groups {
+                match self.est.predict_ttft(0.0, Work::default(), true, 0, 0.0, g) {
+                    Some(wait) => self.urgency.at_risk_below.push(now + wait),
+                    None => self.urgency.at_risk_below.clear(),
+                }
+            }
+            self.urgency.ample_from = now + ample as f64;
+            let urgency = (!self.urgency.at_risk_below.is_empty()).then_some(&self.urgency);
             for band in Criticality::ALL {
                 queue.band_mut(band).set_urgency(urgency);
             }
@@ -135,29 +149,31 @@ impl SloState {
 /// effort (behind every request that can still make it, as the policy's
 /// choice only), instead of taking a slot from one that can. Serving the
 /// hopeless first is how deadline orders collapse under overload.
-pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) {
-    let Some(band) = queue.band_of(req) else { return };
-    let Some(flow) = queue.peek().filter(|(_, r)| r.id == req).map(|(_, r)| r.flow) else { return };
-    // Held so that the tenant is not forgotten between the two steps.
-    queue.hold(flow);
-    if let Some(r) = queue.remove(req) {
-        let meta = RequestMeta {
-            predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
-            ..Default::default()
-        };
-        // Room was just made in the same band and flow: it fits again.
-        let back = queue.push_with(band, r, meta);
-        debug_assert!(matches!(back, Ok(None)), "re-queued in place: {back:?}");
-        if let Some(slo) = slo {
-            if let Some(q) = slo.queued.get_mut(&req) {
-                q.deadline = None;
-                if let Some(index) = slo.work.get_mut(&q.at) {
-                    if let Some(w) = index.remove(req) {
-                        index.insert(req, f64::INFINITY, w);
-                    }
+///
+/// It keeps its place in the queue ([`sluice_policies::bands::BandedQueue::requeue`]):
+/// re-pushed against the room left after `critical_reserve` it could evict
+/// another request unanswered or be refused itself (issue 22, item 4.1), and
+/// its flow left the backlog and joined it again, which lifted a VTC counter
+/// (item 4.8). Returns false when it is not queued (it was peeked, so this
+/// does not happen): the caller answers it, it must not vanish unanswered.
+pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) -> bool {
+    let Some(r) = queue.peek().map(|(_, r)| r).filter(|r| r.id == req) else { return true };
+    let meta = RequestMeta {
+        predicted_output: (r.max_output_tokens > 0).then_some(r.max_output_tokens),
+        ..Default::default()
+    };
+    if !queue.requeue(req, meta) {
+        return false;
+    }
+    if let Some(slo) = slo {
+        if let Some(q) = slo.queued.get_mut(&req) {
+            q.deadline = None;
+            if let Some(index) = slo.work.get_mut(&q.at) {
+                if let Some(w) = index.remove(req) {
+                    index.insert(req, f64::INFINITY, w);
                 }
             }
         }
     }
-    queue.release(flow);
+    true
 }

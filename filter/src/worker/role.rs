@@ -147,6 +147,13 @@ impl SchedulerRole {
         let (n, now) = (env.endpoints(), env.now);
         role.scheduler.expire(now, &mut out);
         role.scheduler.on_congestion(severity);
+        // The ladder sizes requests without `max_tokens` by the lengths
+        // learned here; a new holder that learned nothing yet leaves the last.
+        if let Some(mean) = role.scheduler.learned_output_tokens().filter(|_| env.cfg.overload.is_some()) {
+            if shared::get_u64(&env.host, shared::OUTPUT_MEAN_KEY) != mean as u64 {
+                shared::write_u64(&env.host, shared::OUTPUT_MEAN_KEY, mean as u64);
+            }
+        }
         // Requests dispatched by a worker that vanished never send `done`.
         role.scheduler.bound_running(MAX_RUNNING);
         // Tenants that went idle by cancellation or expiry, a few per tick.

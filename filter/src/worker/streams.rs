@@ -139,11 +139,12 @@ fn encode_after(pending: &[ToScheduler], msg: &ToScheduler) -> Vec<u8> {
 }
 
 /// The output a request is expected to produce, for the ladder's size
-/// buckets: its `max_tokens` when given, else unknown (`None`, which the
-/// ladder sizes by its prior). The one place an output-length estimator
-/// plugs in.
-fn expected_output_tokens(req: &openai::CompletionRequest) -> Option<u32> {
-    (req.max_tokens > 0).then_some(req.max_tokens)
+/// buckets: its `max_tokens` when given, else the pool's mean output as the
+/// lease holder's estimator learned it (`learned`, 0 when nothing was), else
+/// unknown (`None`, which the ladder sizes by its prior).
+fn expected_output_tokens(req: &openai::CompletionRequest, learned: u64) -> Option<u32> {
+    let learned = (learned > 0).then(|| learned.min(u32::MAX as u64) as u32);
+    (req.max_tokens > 0).then_some(req.max_tokens).or(learned)
 }
 
 /// The request's first-token deadline: its objective (the `"slo"`
@@ -223,7 +224,8 @@ impl Streams {
         let mut may_bypass = queued == 0 && hub.env.cfg.bypass;
         let mut deferred = None;
         if let Some(ladder) = hub.env.cfg.overload {
-            let class = ladder.classify(expected_output_tokens(req));
+            let learned = if req.max_tokens > 0 { 0 } else { shared::get_u64(&hub.env.host, shared::OUTPUT_MEAN_KEY) };
+            let class = ladder.classify(expected_output_tokens(req, learned));
             let severity = ladder.severity(&hub.slots.load_signals(&hub.env, queued, self.tail_ratio));
             match ladder.decide(severity, class) {
                 LadderDecision::Admit => {}

@@ -32,6 +32,11 @@ pub trait Charge {
     fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
         0.0
     }
+    /// As [`Charge::complete`] for a request that never ran or whose end is
+    /// unknown ([`Accounting::on_abandon`]): no sample of the flow's lengths.
+    fn abandon(&mut self, flow: FlowId, id: u64) -> f64 {
+        self.complete(flow, id)
+    }
     /// Drops per-flow pricing state of an idle flow (see [`Accounting::forget`]).
     fn forget(&mut self, _flow: FlowId) {}
     /// Length of the per-flow pricing tables.
@@ -180,6 +185,28 @@ impl Tracked {
         }
     }
 
+    /// Closes request `id`: the refund of an over-prediction; its output
+    /// joins its flow's length history only if `sample` (it really ran).
+    fn close(&mut self, flow: FlowId, id: u64, sample: bool) -> f64 {
+        let Some(l) = self.live.remove(&id) else { return 0.0 };
+        let window = match self.predictor {
+            Predictor::None => 0,
+            Predictor::History { window } | Predictor::Oracle { window } => window,
+        };
+        if window > 0 && sample {
+            let h = slot(&mut self.history, flow);
+            if h.len() == window {
+                h.pop_front();
+            }
+            h.push_back(l.nq.min(u32::MAX as u64) as u32);
+        }
+        if l.nq < l.predicted {
+            self.h.eval(l.np, l.nq as f64) - self.h.eval(l.np, l.predicted as f64)
+        } else {
+            0.0
+        }
+    }
+
     /// The output length charged at dispatch for `req`.
     pub fn prediction(&self, req: &Request) -> u64 {
         match self.predictor {
@@ -223,23 +250,11 @@ impl Charge for Tracked {
     }
 
     fn complete(&mut self, flow: FlowId, id: u64) -> f64 {
-        let Some(l) = self.live.remove(&id) else { return 0.0 };
-        let window = match self.predictor {
-            Predictor::None => 0,
-            Predictor::History { window } | Predictor::Oracle { window } => window,
-        };
-        if window > 0 {
-            let h = slot(&mut self.history, flow);
-            if h.len() == window {
-                h.pop_front();
-            }
-            h.push_back(l.nq.min(u32::MAX as u64) as u32);
-        }
-        if l.nq < l.predicted {
-            self.h.eval(l.np, l.nq as f64) - self.h.eval(l.np, l.predicted as f64)
-        } else {
-            0.0
-        }
+        self.close(flow, id, true)
+    }
+
+    fn abandon(&mut self, flow: FlowId, id: u64) -> f64 {
+        self.close(flow, id, false)
     }
 
     /// The flow's output history goes: its next requests are predicted from
@@ -475,6 +490,11 @@ impl<C: Charge> Accounting for CounterPolicy<C> {
 
     fn on_complete(&mut self, flow: FlowId, id: u64) {
         let s = self.charge.complete(flow, id);
+        self.add(flow, s);
+    }
+
+    fn on_abandon(&mut self, flow: FlowId, id: u64) {
+        let s = self.charge.abandon(flow, id);
         self.add(flow, s);
     }
 

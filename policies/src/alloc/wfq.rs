@@ -27,6 +27,8 @@ use std::collections::BTreeSet;
 struct Tagged {
     bits: u64,
     seq: u64,
+    /// The head request's id: only its dispatch is the flow's.
+    id: u64,
     /// `V` when the head was tagged, if the flow had fallen behind it (its
     /// head then starts at `V`, and a refund cannot take it below); 0 when the
     /// head continues the flow's own chain of tags.
@@ -80,15 +82,15 @@ impl Wfq {
         self.last_finish.get(flow as usize).copied().unwrap_or(0.0)
     }
 
-    /// Tags `flow`'s new head `(seq, size)`, or takes the flow out of the backlog.
-    fn place(&mut self, flow: FlowId, head: Option<(u64, f64)>) {
+    /// Tags `flow`'s new head `(seq, id, size)`, or takes the flow out of the backlog.
+    fn place(&mut self, flow: FlowId, head: Option<(u64, u64, f64)>) {
         if let Some(h) = slot(&mut self.head_key, flow).take() {
             self.backlog.remove(&(h.bits, h.seq, flow));
         }
-        if let Some((seq, size)) = head {
+        if let Some((seq, id, size)) = head {
             let behind = self.virtual_time > *slot(&mut self.last_finish, flow);
             let floor = if behind { self.virtual_time } else { 0.0 };
-            self.index(flow, Tagged { bits: 0, seq, floor, cost: size / self.weights.get(flow) });
+            self.index(flow, Tagged { bits: 0, seq, id, floor, cost: size / self.weights.get(flow) });
         }
     }
 
@@ -120,7 +122,7 @@ impl Selection for Wfq {
 
     fn set_head(&mut self, flow: FlowId, head: Option<Head<'_>>) {
         let size = |r: &Request| size_tokens(r, self.default_output);
-        self.place(flow, head.map(|(seq, r)| (seq, size(r))));
+        self.place(flow, head.map(|(seq, r)| (seq, r.id, size(r))));
     }
 
     fn next(&self) -> Option<FlowId> {
@@ -133,10 +135,13 @@ impl Accounting for Wfq {
         self.weights.on_flow(flow, name);
     }
 
-    /// Only a request dispatched from the backlog moves the clocks: one that
-    /// bypassed an empty queue belongs to the past an idle flow does not claim.
+    /// Only a request dispatched from the backlog (its flow's head) moves the
+    /// clocks: one that bypassed an empty queue belongs to the past an idle
+    /// flow does not claim, also when its charge arrives after its flow
+    /// became backlogged (it is not the head, which keeps its tag).
     fn on_dispatch(&mut self, req: &Request) {
-        if let Some(tag) = self.head_tag(req.flow) {
+        let head = self.head_key.get(req.flow as usize).copied().flatten().filter(|h| h.id == req.id);
+        if let Some(tag) = head.map(|h| f64::from_bits(h.bits)) {
             *slot(&mut self.last_finish, req.flow) = tag;
             if tag > self.virtual_time {
                 self.virtual_time = tag;
@@ -229,6 +234,27 @@ mod tests {
         assert_eq!(w.last_finish(0), tag + 300.0, "the size grows with the prompt the engine counted");
     }
 
+    /// Issue 22, item 4.7: a bypass charged a tick late, after its flow became backlogged,
+    /// was taken for the head's dispatch: `V` and the flow's finish time jumped to the
+    /// head's tag, and the bypass's unused estimate was refunded at completion.
+    #[test]
+    fn a_bypass_charged_while_its_flow_is_backlogged_moves_no_clock() {
+        let mut w = Wfq::new(FlowWeights::default(), 256);
+        w.set_head(1, Some((0, &req(1, 1, 10, 10))));
+        w.on_dispatch(&req(1, 1, 10, 10));
+        w.set_head(1, None);
+        w.set_head(0, Some((1, &req(2, 0, 100, 10))));
+        let before = (w.virtual_time(), w.last_finish(0), w.head_tag(0));
+        // Request 99 of flow 0 bypassed the queue before request 2 was queued.
+        w.on_dispatch(&req(99, 0, 50, 500));
+        w.on_output(0, 99, 10);
+        w.on_complete(0, 99);
+        assert_eq!((w.virtual_time(), w.last_finish(0), w.head_tag(0)), before);
+        // The head's own dispatch still moves them.
+        w.on_dispatch(&req(2, 0, 100, 10));
+        assert_eq!((w.virtual_time(), w.last_finish(0)), (before.2.unwrap(), before.2.unwrap()));
+    }
+
     /// Serves `n` requests from always-backlogged flows and counts tokens per flow.
     fn serve(w: &mut Wfq, sizes: &[u32], n: usize) -> Vec<u64> {
         let mut seq = 0;
@@ -237,10 +263,12 @@ mod tests {
             w.set_head(f as FlowId, Some((seq, &req(seq + 1, f as FlowId, s, 0))));
             seq += 1;
         }
+        let mut head: Vec<u64> = (1..=sizes.len() as u64).collect();
         for _ in 0..n {
             let f = w.next().unwrap();
-            let r = req(seq, f, sizes[f as usize], 0);
+            let r = req(head[f as usize], f, sizes[f as usize], 0);
             w.on_dispatch(&r);
+            head[f as usize] = seq + 1;
             tokens[f as usize] += sizes[f as usize] as u64;
             w.set_head(f, Some((seq, &req(seq + 1, f, sizes[f as usize], 0))));
             seq += 1;
@@ -299,10 +327,12 @@ mod tests {
             w.set_head(f, Some((seq, &req(seq, f, 100, 0))));
             seq += 1;
         }
+        let mut head = [0, 1];
         for _ in 0..n {
             let f = w.next().unwrap();
-            let (id, i) = (seq, f as usize);
+            let (id, i) = (head[f as usize], f as usize);
             w.on_dispatch(&req(id, f, 100, 0));
+            head[i] = seq + 1;
             w.set_head(f, Some((seq + 1, &req(seq + 1, f, 100, 0))));
             seq += 2;
             w.on_output(f, id, outputs[i]);

@@ -168,11 +168,27 @@ fn short_and_medium_requests_pass_the_ladder_and_buckets_go_by_expected_output()
     assert_eq!(metric(&p, "sluice_requests_queued"), 6);
 }
 
+/// Issue 22, item 4.4: a request without `max_tokens` was always sized by the prior
+/// (medium: never shed) while the lease holder's estimator had learned the pool's lengths.
+#[test]
+fn a_request_without_max_tokens_is_sized_by_the_learned_output_length() {
+    let p = Rc::new(Process::default());
+    let mut w = vm(&p, 1, config(serde_json::json!({"overload": {"w_load": 1.0}})), 0);
+    let _full = foreign_stock(&p, 2, 2);
+    assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, None), Admission::Queued, "nothing learned: the prior, medium");
+    // The pool's requests were learned to produce 2,000 tokens: xlong, refused at severity 1.
+    shared::write_u64(&p.store, shared::OUTPUT_MEAN_KEY, 2000);
+    assert!(matches!(admit_sized(&mut w, 0, 2, STANDARD, None), Admission::Overloaded { .. }));
+    assert_eq!(admit_sized(&mut w, 0, 3, STANDARD, Some(100)), Admission::Queued, "the client's bound comes first");
+}
+
 #[test]
 fn a_deferred_request_stays_out_of_the_queue_until_severity_falls() {
     let p = Rc::new(Process::default());
-    let mut w = vm(&p, 1, config(serde_json::json!({"overload": {}})), 0);
-    // Load 1.0 at the default weights: severity 0.5, above defer_above.
+    // Load 1.0 at the old default weight of load (0.5): severity 0.5, above defer_above.
+    // The defaults themselves no longer defer on a full pool alone: that is the normal
+    // operating point, not overload (issue 22, item 4.4); this test is about the hold.
+    let mut w = vm(&p, 1, config(serde_json::json!({"overload": {"w_load": 0.5}})), 0);
     let full = foreign_stock(&p, 2, 2);
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
     assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(200)), Admission::Queued, "medium is not deferred");
@@ -222,7 +238,8 @@ fn the_hold_releases_a_bounded_number_per_tick_oldest_first() {
 #[test]
 fn held_requests_expire_at_the_ttl_and_cancelled_ones_leave_quietly() {
     let p = Rc::new(Process::default());
-    let mut w = vm(&p, 1, config(serde_json::json!({"overload": {}, "queue_ttl_ms": 1000})), 0);
+    // A full pool defers at a load weight of 0.5 (the defaults do not: issue 22, item 4.4).
+    let mut w = vm(&p, 1, config(serde_json::json!({"overload": {"w_load": 0.5}, "queue_ttl_ms": 1000})), 0);
     let _full = foreign_stock(&p, 2, 2);
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
     assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(5000)), Admission::Held);
@@ -287,7 +304,8 @@ fn retry_after_on_ladder_rejects_grows_with_severity() {
 #[test]
 fn the_hold_is_bounded_by_the_queue_capacity() {
     let p = Rc::new(Process::default());
-    let cfg = serde_json::json!({"overload": {}, "total_capacity": 2, "flow_capacity": 2});
+    // A full pool defers at a load weight of 0.5 (the defaults do not: issue 22, item 4.4).
+    let cfg = serde_json::json!({"overload": {"w_load": 0.5}, "total_capacity": 2, "flow_capacity": 2});
     let mut w = vm(&p, 1, config(cfg), 0);
     let _full = foreign_stock(&p, 2, 2);
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
