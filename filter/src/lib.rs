@@ -8,6 +8,7 @@
 
 pub mod config;
 #[doc(hidden)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod openai;
 pub mod outcome;

@@ -13,6 +13,7 @@
 pub mod admission;
 pub mod alloc;
 pub mod bands;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod capacity;
 pub mod order;
