@@ -45,6 +45,9 @@ pub struct JwtAuth {
     pub header: String,
     /// The issuer's JWKS (JSON), inline.
     pub jwks: String,
+    /// Let a request without a token through, as `default_tenant` (its tenant header is removed
+    /// all the same); an invalid token is refused either way. The reference configs require one.
+    pub allow_missing: bool,
 }
 
 impl JwtAuth {
@@ -56,6 +59,7 @@ impl JwtAuth {
             claim: TENANT_CLAIM.into(),
             header: TENANT_HEADER.into(),
             jwks: PLACEHOLDER_JWKS.into(),
+            allow_missing: false,
         }
     }
 
@@ -65,11 +69,18 @@ impl JwtAuth {
         let audiences = json!(self.audiences);
         // A YAML single-quoted scalar keeps the JWKS readable on one line (a quote is doubled).
         let jwks = format!("'{}'", self.jwks.replace('\'', "''"));
+        let requires = if self.allow_missing {
+            "{ requires_any: { requirements: [{ provider_name: issuer }, { allow_missing: {} }] } }"
+        } else {
+            "{ provider_name: issuer }"
+        };
         format!(
             r#"          # The tenant is the verified token's `{claim_plain}` claim, never what the client says. First, any
-          # tenant header the client sent is removed (a route's request_headers_to_remove would
-          # act after sluice has read it); a token without the claim then leaves no header, and
-          # sluice schedules it as default_tenant.
+          # tenant header the client sent is removed. jwt_authn (1.40) also drops a claim_to_headers
+          # header from every request its rules cover; this holds for routes outside them too and
+          # whatever Envoy version runs. A route's request_headers_to_remove would act after
+          # sluice has read it. A token without the claim then leaves no header, and sluice
+          # schedules it as default_tenant.
           - name: envoy.filters.http.header_mutation
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
@@ -95,7 +106,7 @@ impl JwtAuth {
                   - {{ header_name: {header}, claim_name: {claim} }}
               rules:
               - match: {{ prefix: "/" }}
-                requires: {{ provider_name: issuer }}
+                requires: {requires}
 "#,
             claim_plain = self.claim,
         )

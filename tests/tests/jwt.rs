@@ -90,26 +90,41 @@ async fn send(client: &LoadClient, addr: SocketAddr, r: &ChatRequest) -> Outcome
     client.send(addr, r, Instant::now()).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_tenant_is_the_verified_tokens_claim_and_bad_tokens_never_reach_a_backend() -> anyhow::Result<()> {
-    let _g = serial();
-    let issuer = Issuer::new();
-    // One backend, about 25 ms a token: the blocker below holds its one slot for seconds (its
-    // 480 tokens fit the profile's 512-token context).
+/// One backend behind Envoy with `jwt`'s filters before sluice: one slot (about 25 ms a token,
+/// so the blocker's 480 tokens, which fit the profile's 512-token context, hold it for seconds)
+/// and one queued request per tenant.
+async fn start(name: &str, jwt: JwtAuth) -> anyhow::Result<(Envoy, Backends)> {
     let pool = Backends::start(backends(1, 0.04)).await?;
     let pc = with_overrides(
         default_plugin_config(&pool.endpoints(), "fcfs"),
         json!({"lower_bound_per_backend": 1, "upper_bound_per_backend": 1, "flow_capacity": 1}),
     );
-    let jwt = JwtAuth { jwks: issuer.jwks(), ..JwtAuth::reference() };
     assert_eq!(jwt.header, TENANT_HEADER);
-    let envoy = Envoy::start(EnvoyOptions { jwt: Some(jwt), ..EnvoyOptions::with_filter("jwt", pc) }).await?;
+    let envoy = Envoy::start(EnvoyOptions { jwt: Some(jwt), ..EnvoyOptions::with_filter(name, pc) }).await?;
+    Ok((envoy, pool))
+}
+
+/// A request of `max_tokens` sent in the background.
+fn spawn(client: &LoadClient, addr: SocketAddr, r: ChatRequest) -> tokio::task::JoinHandle<Outcome> {
+    let c = client.clone();
+    tokio::spawn(async move { send(&c, addr, &r).await })
+}
+
+/// Sends `r` and checks that sluice refused it for its tenant's full queue.
+async fn assert_tenant_full(client: &LoadClient, addr: SocketAddr, r: &ChatRequest, what: &str) {
+    let o = send(client, addr, r).await;
+    assert_eq!(o.status, Some(429), "{what}: {o:?}");
+    assert_outcome_reject(&o, &["rejected-flow-capacity"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tenant_is_the_verified_tokens_claim_and_bad_tokens_never_reach_a_backend() -> anyhow::Result<()> {
+    let _g = serial();
+    let issuer = Issuer::new();
+    let (envoy, _pool) = start("jwt", JwtAuth { jwks: issuer.jwks(), ..JwtAuth::reference() }).await?;
     let addr = envoy.listener;
     let client = LoadClient::new(Duration::from_secs(60));
-    let spawn = |r: ChatRequest| {
-        let c = client.clone();
-        tokio::spawn(async move { send(&c, addr, &r).await })
-    };
+    let spawn = |r: ChatRequest| spawn(&client, addr, r);
 
     // A valid token reaches the backend.
     let o = send(&client, addr, &request(Some(&issuer.sign(&claims(Some("alice")))), None, 4)).await;
@@ -123,9 +138,8 @@ async fn the_tenant_is_the_verified_tokens_claim_and_bad_tokens_never_reach_a_ba
     envoy.wait_stats("alice queued", Duration::from_secs(10), |s| s.value("sluice_queue_length") == 1.0).await?;
 
     // alice's token with bob's header: scheduled as alice, so her full flow refuses it.
-    let o = send(&client, addr, &request(Some(&issuer.sign(&claims(Some("alice")))), Some("bob"), 4)).await;
-    assert_eq!(o.status, Some(429), "alice's token with a forged tenant header: {o:?}");
-    assert_outcome_reject(&o, &["rejected-flow-capacity"]);
+    let forged = request(Some(&issuer.sign(&claims(Some("alice")))), Some("bob"), 4);
+    assert_tenant_full(&client, addr, &forged, "alice's token with a forged tenant header").await;
 
     // A valid token without the claim: the default tenant, queued beside alice's.
     let anonymous = spawn(request(Some(&issuer.sign(&claims(None))), None, 4));
@@ -134,9 +148,8 @@ async fn the_tenant_is_the_verified_tokens_claim_and_bad_tokens_never_reach_a_ba
         .await?;
     // Such a token with a tenant header of the client's choosing: still the default tenant (the
     // header was removed), whose flow is full.
-    let o = send(&client, addr, &request(Some(&issuer.sign(&claims(None))), Some("carol"), 4)).await;
-    assert_eq!(o.status, Some(429), "a token without the claim and a forged tenant header: {o:?}");
-    assert_outcome_reject(&o, &["rejected-flow-capacity"]);
+    let forged = request(Some(&issuer.sign(&claims(None))), Some("carol"), 4);
+    assert_tenant_full(&client, addr, &forged, "a token without the claim and a forged tenant header").await;
 
     // Bad or missing tokens: jwt_authn's 401 (403 for a token meant for another audience), before
     // sluice (nothing more queued or refused by it) and before any backend.
@@ -181,6 +194,37 @@ async fn the_tenant_is_the_verified_tokens_claim_and_bad_tokens_never_reach_a_ba
     // The blocker's client leaves; the queued requests are served.
     blocker.abort();
     for (who, t) in [("alice", alice), ("the default tenant", anonymous)] {
+        let o = t.await?;
+        assert!(o.ok() && o.tokens == 4, "{who}'s queued request: {o:?}");
+    }
+    Ok(())
+}
+
+/// With `allow_missing` (not the reference's choice, documented as the alternative), a request
+/// without a token is let through as the default tenant, whatever tenant header it carries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_tenant_header_is_removed_all_the_same() -> anyhow::Result<()> {
+    let _g = serial();
+    let issuer = Issuer::new();
+    let jwt = JwtAuth { jwks: issuer.jwks(), allow_missing: true, ..JwtAuth::reference() };
+    let (envoy, _pool) = start("jwt-allow-missing", jwt).await?;
+    let addr = envoy.listener;
+    let client = LoadClient::new(Duration::from_secs(60));
+    let blocker = spawn(&client, addr, request(Some(&issuer.sign(&claims(Some("blocker")))), None, 480));
+    envoy.wait_stats("the blocker dispatched", Duration::from_secs(10), |s| s.value("sluice_stock") == 1.0).await?;
+    // No token: the default tenant, whose one queued request fills its flow.
+    let anonymous = spawn(&client, addr, request(None, None, 4));
+    envoy.wait_stats("the default tenant queued", Duration::from_secs(10), |s| s.value("sluice_queue_length") == 1.0).await?;
+    assert_tenant_full(&client, addr, &request(None, Some("carol"), 4), "no token and a forged tenant header").await;
+    // A token still names its tenant, and a bad one is still refused.
+    let alice = spawn(&client, addr, request(Some(&issuer.sign(&claims(Some("alice")))), Some("default"), 4));
+    envoy.wait_stats("alice queued", Duration::from_secs(10), |s| s.value("sluice_queue_length") == 2.0).await?;
+    let mut expired = claims(Some("alice"));
+    expired["exp"] = (now_s() - 3600).into();
+    let o = send(&client, addr, &request(Some(&issuer.sign(&expired)), None, 4)).await;
+    assert_eq!(o.status, Some(401), "an expired token: {o:?}");
+    blocker.abort();
+    for (who, t) in [("the default tenant", anonymous), ("alice", alice)] {
         let o = t.await?;
         assert!(o.ok() && o.tokens == 4, "{who}'s queued request: {o:?}");
     }
