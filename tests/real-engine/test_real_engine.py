@@ -57,13 +57,16 @@ def test_openai_sdk_chat_and_completions(gateway):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    usages = [chat.usage, chunks[-1].usage]
 
     comp = client.completions.create(model=MODEL, prompt="The gateway", max_tokens=5, extra_body=ignore_eos)
     assert comp.object == "text_completion" and comp.usage.completion_tokens == 5
+    usages.append(comp.usage)
 
     chunks = list(client.completions.create(model=MODEL, prompt="The gateway", max_tokens=6, stream=True,
                                             stream_options={"include_usage": True}, extra_body=ignore_eos))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    usages.append(chunks[-1].usage)
     # Usually one chunk per token, but a busy server sends the tokens it has in one chunk.
     assert 1 <= sum(1 for c in chunks if c.choices) <= 6
 
@@ -71,6 +74,16 @@ def test_openai_sdk_chat_and_completions(gateway):
     harness.wait_for(lambda: envoy.stat("sluice_requests_completed") == 4, 30,
                      "sluice_requests_completed == 4", envoy.proc)
     assert envoy.stat("sluice_stock") == 0
+    # The tokens charged (issue 20) are vLLM's own counts: the prompts as its tokenizer and chat
+    # template made them, not the gateway's estimate, which the template's tokens exceed here.
+    stats = envoy.stats()
+    prompt, output = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    print(f"\ntokens charged: prompt {stats.get('sluice_tokens_charged_prompt')} (vLLM {prompt}, estimate "
+          f"{stats.get('sluice_tokens_estimated_prompt')}), output {stats.get('sluice_tokens_charged_output')} "
+          f"(vLLM {output})")
+    assert stats.get("sluice_tokens_charged_prompt") == prompt
+    assert stats.get("sluice_tokens_charged_output") == output == 7 + 9 + 5 + 6
+    assert stats.get("sluice_tokens_estimated_prompt") < prompt
 
 
 def test_raw_streaming_keeps_vllm_framing(gateway, engines):

@@ -17,6 +17,102 @@ pub const REFERENCE_WASM_PATH: &str = "target/wasm32-wasip1/release/sluice_filte
 /// and Envoy Gateway manifests pull it, and the Kubernetes Deployment mounts it as an image volume.
 pub const FILTER_IMAGE: &str = "ghcr.io/example/sluice-filter:0.1.0";
 
+/// The public key of the reference configs' placeholder JWKS: a P-256 key whose private half was
+/// discarded when it was made, so no token verifies until an operator puts their issuer's keys in
+/// its place.
+pub const PLACEHOLDER_JWKS: &str = r#"{"keys":[{"kty":"EC","crv":"P-256","alg":"ES256","use":"sig","kid":"replace-with-your-issuers-keys","x":"o0D0ju-jwBV5KsGQTStbrufKtEDlTnAzipHhCou6v3I","y":"i3P47RvNxA1t5qZfg26ij4oufB5bMXFTka7C5NJUns4"}]}"#;
+/// Issuer of the reference configs' JWT provider (a placeholder).
+pub const PLACEHOLDER_ISSUER: &str = "https://issuer.example.com";
+/// Where the Istio and Envoy Gateway examples fetch the issuer's JWKS (a placeholder).
+pub const PLACEHOLDER_JWKS_URI: &str = "https://issuer.example.com/.well-known/jwks.json";
+/// Audience the reference configs require in a token.
+pub const REFERENCE_AUDIENCE: &str = "sluice";
+/// The token claim that names the tenant in the reference configs.
+pub const TENANT_CLAIM: &str = "tenant";
+
+/// Tenants from an authenticated identity: Envoy's `jwt_authn` requires a bearer token signed by
+/// `jwks` and copies its `claim` into `header` (the plugin's `tenant_header`), after a
+/// `header_mutation` filter removed any copy of that header the client sent.
+#[derive(Debug, Clone)]
+pub struct JwtAuth {
+    /// The `iss` a token must carry.
+    pub issuer: String,
+    /// Accepted `aud` values (empty: not checked).
+    pub audiences: Vec<String>,
+    /// The claim copied into `header`.
+    pub claim: String,
+    /// The tenant header sluice reads.
+    pub header: String,
+    /// The issuer's JWKS (JSON), inline.
+    pub jwks: String,
+    /// Let a request without a token through, as `default_tenant` (its tenant header is removed
+    /// all the same); an invalid token is refused either way. The reference configs require one.
+    pub allow_missing: bool,
+}
+
+impl JwtAuth {
+    /// The reference configs' provider: placeholder issuer and keys, the `tenant` claim.
+    pub fn reference() -> Self {
+        Self {
+            issuer: PLACEHOLDER_ISSUER.into(),
+            audiences: vec![REFERENCE_AUDIENCE.into()],
+            claim: TENANT_CLAIM.into(),
+            header: TENANT_HEADER.into(),
+            jwks: PLACEHOLDER_JWKS.into(),
+            allow_missing: false,
+        }
+    }
+
+    /// The two `http_filters` entries that go before sluice's.
+    fn filters(&self) -> String {
+        let (issuer, header, claim) = (json!(self.issuer), json!(self.header), json!(self.claim));
+        let audiences = json!(self.audiences);
+        // A YAML single-quoted scalar keeps the JWKS readable on one line (a quote is doubled).
+        let jwks = format!("'{}'", self.jwks.replace('\'', "''"));
+        let requires = if self.allow_missing {
+            "{ requires_any: { requirements: [{ provider_name: issuer }, { allow_missing: {} }] } }"
+        } else {
+            "{ provider_name: issuer }"
+        };
+        format!(
+            r#"          # The tenant is the verified token's `{claim_plain}` claim, never what the client says. First, any
+          # tenant header the client sent is removed. jwt_authn (1.40) also drops a claim_to_headers
+          # header from every request its rules cover; this holds for routes outside them too and
+          # whatever Envoy version runs. A route's request_headers_to_remove would act after
+          # sluice has read it. A token without the claim then leaves no header, and sluice
+          # schedules it as default_tenant.
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+                - remove: {header}
+          # Every request needs a valid bearer token (Authorization: Bearer ...) of the issuer, or
+          # gets 401 here: it never reaches sluice or a backend. The token is not forwarded
+          # upstream. Replace issuer, audiences and local_jwks with your identity provider's (the
+          # placeholder key verifies nothing: its private half does not exist), or fetch its keys
+          # with remote_jwks {{ http_uri: {{ uri, cluster, timeout }}, cache_duration }} and a
+          # cluster for the issuer.
+          - name: envoy.filters.http.jwt_authn
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
+              providers:
+                issuer:
+                  issuer: {issuer}
+                  audiences: {audiences}
+                  local_jwks:
+                    inline_string: {jwks}
+                  claim_to_headers:
+                  - {{ header_name: {header}, claim_name: {claim} }}
+              rules:
+              - match: {{ prefix: "/" }}
+                requires: {requires}
+"#,
+            claim_plain = self.claim,
+        )
+    }
+}
+
 /// The sluice filter inside an Envoy config.
 #[derive(Debug, Clone)]
 pub struct FilterSpec {
@@ -108,6 +204,9 @@ pub struct EnvoyConfig {
     pub request_body_buffer_limit: Option<u64>,
     /// The replicas exchange's internal listener and peers cluster, when the filter has `replicas`.
     pub replicas: Option<ReplicaListener>,
+    /// Tenants from a verified token on the main listener ([`JwtAuth`]); `None` takes the
+    /// tenant header as the client sent it.
+    pub jwt: Option<JwtAuth>,
 }
 
 /// The pool routes' `request_body_buffer_limit` for a plugin configuration: its `max_body_bytes`
@@ -453,6 +552,7 @@ impl EnvoyConfig {
             stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
             replicas: None,
+            jwt: Some(JwtAuth::reference()),
         }
     }
 
@@ -487,6 +587,9 @@ impl EnvoyConfig {
         out.push_str("stats_flush_interval: 1s\n");
         out.push_str("static_resources:\n  listeners:\n");
         let mut filters = String::new();
+        if let Some(j) = &self.jwt {
+            filters.push_str(&j.filters());
+        }
         if let Some(f) = &self.filter {
             filters.push_str(&wasm_filter("sluice", "sluice", &f.wasm_path, &f.plugin_config));
         }
@@ -554,6 +657,8 @@ pub fn render_istio_wasmplugin(plugin_config: &Value) -> String {
 # The route to the model servers must use an ORIGINAL_DST cluster on {DESTINATION_HEADER}
 # (or the override_host load-balancing policy), see envoy/README.md; envoy/istio-routes.yaml
 # holds the routes, path normalisation, timeouts and buffer limits that go with it.
+# Phase STATS: after Istio's authentication and authorization filters, so sluice schedules only
+# requests envoy/istio-auth.yaml let through, by the tenant their verified token names.
 apiVersion: extensions.istio.io/v1alpha1
 kind: WasmPlugin
 metadata:
@@ -565,7 +670,7 @@ spec:
       istio: ingressgateway
   url: oci://{FILTER_IMAGE}
   imagePullPolicy: IfNotPresent
-  phase: AUTHZ
+  phase: STATS
   type: HTTP
   pluginConfig:
 {yaml_config}"#
@@ -805,7 +910,8 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
         "metadata": {"name": "sluice-client", "namespace": "default"},
         "spec": {
             "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-gateway"}],
-            "path": {"escapedSlashesAction": "RejectRequest", "disableMergeSlashes": false}
+            "path": {"escapedSlashesAction": "RejectRequest", "disableMergeSlashes": false},
+            "headers": {"earlyRequestHeaders": {"remove": [tenant_header_of(plugin_config)]}}
         }
     });
     let backend = json!({
@@ -840,7 +946,9 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
             comment: vec![
                 "Path normalisation on the gateway's listeners: Envoy Gateway always sets normalize_path and",
                 "merges slashes unless disableMergeSlashes; %2F / %5C in a path are refused (400) rather than",
-                "decoded (its default is UnescapeAndRedirect).",
+                "decoded (its default is UnescapeAndRedirect). earlyRequestHeaders removes a tenant header",
+                "the client sent before any filter runs: only the token names the tenant",
+                "(envoy-gateway-auth.yaml).",
             ],
             value: client,
         },
@@ -858,6 +966,135 @@ pub fn envoy_gateway_route_documents(plugin_config: &Value) -> Vec<Document> {
             ],
             value: backend,
         },
+    ]
+}
+
+/// The tenant header the plugin configuration names (its `tenant_header`, else the default).
+fn tenant_header_of(plugin_config: &Value) -> String {
+    plugin_config.get("tenant_header").and_then(Value::as_str).unwrap_or(TENANT_HEADER).to_string()
+}
+
+/// Header removal that Istio's API lacks: Envoy's `header_mutation` filter first in the ingress
+/// gateway's chain, so a client's own tenant header is gone before `jwt_authn` and sluice run.
+fn remove_header_filter(header: &str) -> Value {
+    json!({
+        "name": "sluice.remove-client-tenant",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": header}]}
+        }
+    })
+}
+
+/// Tenants from a verified token on Istio (rendered as `envoy/istio-auth.yaml`): a
+/// RequestAuthentication copying the claim into the tenant header, an AuthorizationPolicy that
+/// refuses requests without a valid token, and an EnvoyFilter removing the client's header first.
+pub fn istio_auth_documents(plugin_config: &Value) -> Vec<Document> {
+    let header = tenant_header_of(plugin_config);
+    let gateway = json!({"matchLabels": {"istio": "ingressgateway"}});
+    let authn = json!({
+        "apiVersion": "security.istio.io/v1",
+        "kind": "RequestAuthentication",
+        "metadata": {"name": "sluice-tenant", "namespace": "istio-system"},
+        "spec": {
+            "selector": gateway,
+            "jwtRules": [{
+                "issuer": PLACEHOLDER_ISSUER,
+                "audiences": [REFERENCE_AUDIENCE],
+                "jwksUri": PLACEHOLDER_JWKS_URI,
+                "outputClaimToHeaders": [{"header": header, "claim": TENANT_CLAIM}]
+            }]
+        }
+    });
+    let authz = json!({
+        "apiVersion": "security.istio.io/v1",
+        "kind": "AuthorizationPolicy",
+        "metadata": {"name": "sluice-require-token", "namespace": "istio-system"},
+        "spec": {
+            "selector": gateway,
+            "action": "ALLOW",
+            "rules": [{"from": [{"source": {"requestPrincipals": ["*"]}}]}]
+        }
+    });
+    let strip = json!({
+        "apiVersion": "networking.istio.io/v1alpha3",
+        "kind": "EnvoyFilter",
+        "metadata": {"name": "sluice-client-tenant", "namespace": "istio-system"},
+        "spec": {
+            "workloadSelector": {"labels": {"istio": "ingressgateway"}},
+            "configPatches": [{
+                "applyTo": "HTTP_FILTER",
+                "match": {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}},
+                "patch": {"operation": "INSERT_FIRST", "value": remove_header_filter(&header)}
+            }]
+        }
+    });
+    vec![
+        Document {
+            comment: vec![
+                "A valid token's `tenant` claim becomes the tenant header sluice reads (Envoy's jwt_authn, which",
+                "Istio runs before the WasmPlugin, phase STATS). A request with an invalid or expired token",
+                "gets 401. Replace issuer, audiences and jwksUri with your identity provider's.",
+            ],
+            value: authn,
+        },
+        Document {
+            comment: vec![
+                "RequestAuthentication alone lets a request without a token through: this refuses it (403),",
+                "before sluice (the WasmPlugin's phase STATS comes after authorization).",
+            ],
+            value: authz,
+        },
+        Document {
+            comment: vec![
+                "The client's own tenant header is removed before any filter runs, so only the token names",
+                "the tenant (a token without the claim is scheduled as default_tenant). A VirtualService's",
+                "headers.request.remove acts at routing, after sluice has read it.",
+            ],
+            value: strip,
+        },
+    ]
+}
+
+/// Tenants from a verified token on Envoy Gateway (rendered as `envoy/envoy-gateway-auth.yaml`):
+/// a SecurityPolicy on the pool's route. The client's tenant header is removed by the
+/// ClientTrafficPolicy of `envoy/envoy-gateway-routes.yaml` (`earlyRequestHeaders`).
+pub fn envoy_gateway_auth_documents(plugin_config: &Value) -> Vec<Document> {
+    let header = tenant_header_of(plugin_config);
+    let policy = json!({
+        "apiVersion": "gateway.envoyproxy.io/v1alpha1",
+        "kind": "SecurityPolicy",
+        "metadata": {"name": "sluice-tenant", "namespace": "default"},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm-route"}],
+            "jwt": {"providers": [{
+                "name": "issuer",
+                "issuer": PLACEHOLDER_ISSUER,
+                "audiences": [REFERENCE_AUDIENCE],
+                "remoteJWKS": {"uri": PLACEHOLDER_JWKS_URI},
+                "claimToHeaders": [{"header": header, "claim": TENANT_CLAIM}]
+            }]}
+        }
+    });
+    vec![Document {
+        comment: vec![
+            "Every request on the pool's route needs a valid token (401 without one, or with an invalid",
+            "or expired one); its `tenant` claim becomes the tenant header sluice reads (Envoy Gateway",
+            "runs jwt_authn before wasm). The client's own copy of that header is removed before any",
+            "filter by the ClientTrafficPolicy in envoy-gateway-routes.yaml (earlyRequestHeaders), so a",
+            "token without the claim is scheduled as default_tenant. Replace issuer, audiences and",
+            "remoteJWKS with your identity provider's.",
+        ],
+        value: policy,
+    }]
+}
+
+/// The authentication manifests for Istio and Envoy Gateway, as (relative path, documents).
+pub fn auth_manifests() -> Vec<(&'static str, Vec<Document>)> {
+    let pc = reference_plugin_config();
+    vec![
+        ("envoy/istio-auth.yaml", istio_auth_documents(&pc)),
+        ("envoy/envoy-gateway-auth.yaml", envoy_gateway_auth_documents(&pc)),
     ]
 }
 
@@ -883,7 +1120,7 @@ pub fn route_manifests() -> Vec<(&'static str, Vec<Document>)> {
 /// Every checked-in file under `envoy/` the renderer produces, as (relative path, contents).
 pub fn reference_files() -> Vec<(&'static str, String)> {
     let mut files = plugin_manifests();
-    for (rel, docs) in route_manifests() {
+    for (rel, docs) in route_manifests().into_iter().chain(auth_manifests()) {
         let header = [
             "Generated by tests/src/config.rs (`sluice-demo --write-reference-configs`); the test",
             "`reference_configs_are_current` keeps this file in sync. What envoy/envoy.yaml guarantees",

@@ -1,6 +1,6 @@
 //! Starting real Envoy on free loopback ports and reading its admin interface.
 
-use crate::config::{EnvoyConfig, FilterSpec, FloorSpec, ReplicaListener};
+use crate::config::{EnvoyConfig, FilterSpec, FloorSpec, JwtAuth, ReplicaListener};
 use crate::process::{log_dir, new_log_path, ChildGuard};
 use crate::stats::Stats;
 use crate::{paths, raw_http};
@@ -45,6 +45,8 @@ pub struct EnvoyOptions {
     pub request_body_buffer_limit: Option<u64>,
     /// The replicas exchange's internal listener and peers (the plugin config needs `replicas`).
     pub replica_listener: Option<ReplicaListener>,
+    /// Tenants from a verified token ([`JwtAuth`]); `None` trusts the client's tenant header.
+    pub jwt: Option<JwtAuth>,
 }
 
 impl EnvoyOptions {
@@ -68,6 +70,7 @@ impl EnvoyOptions {
             stream_idle_timeout: crate::config::DEFAULT_STREAM_IDLE_TIMEOUT,
             request_body_buffer_limit: None,
             replica_listener: None,
+            jwt: None,
         }
     }
 }
@@ -136,6 +139,7 @@ impl Envoy {
                 stream_idle_timeout: opts.stream_idle_timeout,
                 request_body_buffer_limit: opts.request_body_buffer_limit,
                 replicas: opts.replica_listener.clone(),
+                jwt: opts.jwt.clone(),
             };
             let yaml = cfg.render();
             std::fs::create_dir_all(log_dir())?;

@@ -78,6 +78,8 @@ pub struct Outcome {
     pub tokens: u64,
     /// `usage.completion_tokens` if the response carried usage.
     pub usage_completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens` if the response carried usage.
+    pub usage_prompt_tokens: Option<u64>,
     /// Whether a streaming response ended with `data: [DONE]`.
     pub saw_done: bool,
     /// `x-sluice-reject-reason` response header.
@@ -175,6 +177,7 @@ impl LoadClient {
             latency: Duration::ZERO,
             tokens: 0,
             usage_completion_tokens: None,
+            usage_prompt_tokens: None,
             saw_done: false,
             reject_reason: None,
             retry_after: None,
@@ -242,6 +245,9 @@ impl LoadClient {
                 if let Some(u) = v.pointer("/usage/completion_tokens").and_then(Value::as_u64) {
                     o.usage_completion_tokens = Some(u);
                 }
+                if let Some(u) = v.pointer("/usage/prompt_tokens").and_then(Value::as_u64) {
+                    o.usage_prompt_tokens = Some(u);
+                }
             }
         }
         if status != 200 {
@@ -250,6 +256,7 @@ impl LoadClient {
             o.ttft = Some(start.elapsed());
             if let Ok(v) = serde_json::from_slice::<Value>(&whole) {
                 o.usage_completion_tokens = v.pointer("/usage/completion_tokens").and_then(Value::as_u64);
+                o.usage_prompt_tokens = v.pointer("/usage/prompt_tokens").and_then(Value::as_u64);
                 o.tokens = o.usage_completion_tokens.unwrap_or(0);
             }
         }

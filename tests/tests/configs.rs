@@ -4,8 +4,9 @@
 
 use serde_json::{Map, Value};
 use sluice_e2e::config::{
-    is_plain_yaml_key, plugin_manifests, reference_files, reference_plugin_config, request_body_limit_for,
-    route_manifests, EnvoyConfig, CONNECTION_BUFFER_LIMIT, DEFAULT_STREAM_IDLE_TIMEOUT, POOL_ROUTES,
+    auth_manifests, is_plain_yaml_key, plugin_manifests, reference_files, reference_plugin_config,
+    request_body_limit_for, route_manifests, EnvoyConfig, CONNECTION_BUFFER_LIMIT, DEFAULT_STREAM_IDLE_TIMEOUT,
+    POOL_ROUTES, TENANT_CLAIM,
 };
 use sluice_e2e::paths::{envoy_bin, repo_root};
 
@@ -47,7 +48,7 @@ fn reference_envoy_config_normalises_and_routes_only_the_pool() {
         assert!(yaml.contains(&format!("path: \"{path}\"")), "no exact route for {path}");
         assert!(yaml.contains(&format!("exact: {method} }}")), "no {method} match");
     }
-    assert_eq!(yaml.matches("prefix: \"/\"").count(), 1, "one catch-all");
+    assert_eq!(yaml.matches("- match: { prefix: \"/\" }\n                direct_response:").count(), 1, "one catch-all");
     assert!(yaml.contains("direct_response:\n                  status: 404"), "{yaml}");
     // The idle timeout must outlast a request's wait in the queue.
     let ttl_ms = reference_plugin_config()["queue_ttl_ms"].as_u64().unwrap();
@@ -77,6 +78,62 @@ fn body_limit_follows_max_body_bytes() {
     assert!(cfg.render().contains("request_body_buffer_limit: 12345"));
 }
 
+/// envoy.yaml takes the tenant from a verified token: the client's tenant header is removed, then
+/// jwt_authn (required on every route) copies the claim into the header the plugin reads, and
+/// both run before sluice. The e2e test `tests/tests/jwt.rs` shows what this does in Envoy.
+#[test]
+fn reference_envoy_config_takes_the_tenant_from_a_verified_token() {
+    let yaml = EnvoyConfig::reference().render();
+    let header = reference_plugin_config()["tenant_header"].as_str().unwrap().to_string();
+    let at = |needle: &str| yaml.find(needle).unwrap_or_else(|| panic!("envoy.yaml lacks `{needle}`"));
+    let (strip, authn, sluice) = (
+        at("- name: envoy.filters.http.header_mutation"),
+        at("- name: envoy.filters.http.jwt_authn"),
+        at("- name: envoy.filters.http.wasm"),
+    );
+    assert!(strip < authn && authn < sluice, "order: header removal, jwt_authn, then sluice");
+    assert!(yaml[strip..authn].contains(&format!("- remove: \"{header}\"")), "the client's tenant header is not removed");
+    assert!(
+        yaml[authn..sluice].contains(&format!("{{ header_name: \"{header}\", claim_name: \"{TENANT_CLAIM}\" }}")),
+        "the claim does not become the tenant header"
+    );
+    // Required on every path (no allow_missing): a request without a valid token gets 401.
+    assert!(yaml[authn..sluice].contains("- match: { prefix: \"/\" }\n                requires: { provider_name: issuer }"));
+    assert!(!yaml.contains("allow_missing"));
+}
+
+/// The Istio and Envoy Gateway manifests do the same with their platforms' resources.
+#[test]
+fn auth_manifests_take_the_tenant_from_a_verified_token() {
+    let header = reference_plugin_config()["tenant_header"].as_str().unwrap().to_string();
+    let claim_to_header = |v: &Value, key: &str| {
+        v.pointer(key).and_then(Value::as_array).is_some_and(|a| {
+            a.iter().any(|m| m["header"].as_str() == Some(&header) && m["claim"].as_str() == Some(TENANT_CLAIM))
+        })
+    };
+    for (rel, docs) in auth_manifests() {
+        let kinds: Vec<&str> = docs.iter().map(|d| d.value["kind"].as_str().unwrap()).collect();
+        if rel.contains("istio") {
+            assert_eq!(kinds, ["RequestAuthentication", "AuthorizationPolicy", "EnvoyFilter"], "{rel}");
+            assert!(claim_to_header(&docs[0].value, "/spec/jwtRules/0/outputClaimToHeaders"), "{rel}");
+            assert_eq!(docs[1].value["spec"]["rules"][0]["from"][0]["source"]["requestPrincipals"], serde_json::json!(["*"]));
+            let patch = &docs[2].value["spec"]["configPatches"][0];
+            assert_eq!(patch["patch"]["operation"], "INSERT_FIRST", "{rel}: the header must go before jwt_authn");
+            assert_eq!(patch["patch"]["value"]["typed_config"]["mutations"]["request_mutations"][0]["remove"], header);
+        } else {
+            assert_eq!(kinds, ["SecurityPolicy"], "{rel}");
+            assert!(claim_to_header(&docs[0].value, "/spec/jwt/providers/0/claimToHeaders"), "{rel}");
+            assert!(docs[0].value.pointer("/spec/jwt/optional").is_none(), "{rel}: a token is required");
+            let client = route_manifests()
+                .into_iter()
+                .flat_map(|(_, d)| d)
+                .find(|d| d.value["kind"] == "ClientTrafficPolicy")
+                .expect("a ClientTrafficPolicy");
+            assert_eq!(client.value["spec"]["headers"]["earlyRequestHeaders"]["remove"], serde_json::json!([header]));
+        }
+    }
+}
+
 /// Envoy itself accepts envoy/envoy.yaml (`--mode validate` parses and checks the whole bootstrap
 /// without binding ports or starting workers).
 #[test]
@@ -99,7 +156,7 @@ fn envoy_validates_the_reference_config() {
 /// exactly the value it was rendered from.
 #[test]
 fn route_manifests_are_yaml_that_reads_back() {
-    for (rel, docs) in route_manifests() {
+    for (rel, docs) in route_manifests().into_iter().chain(auth_manifests()) {
         let text = std::fs::read_to_string(repo_root().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"));
         let parsed: Vec<Value> = split_documents(&text)
             .iter()

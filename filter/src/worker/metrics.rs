@@ -54,6 +54,17 @@ pub enum Metric {
     ReplicaPeersLive,
     /// The in-flight limits learned for the endpoints, added up (`learned_limit`).
     InFlightLimit,
+    /// Prompt tokens charged to tenants, added when a dispatched request
+    /// ends: the engine's `usage.prompt_tokens` where it reported one, else
+    /// the estimate made at dispatch (what the policy was charged finally).
+    TokensChargedPrompt,
+    /// Output tokens charged to tenants, as they are charged (streamed
+    /// chunks, corrected by `usage.completion_tokens` at the end).
+    TokensChargedOutput,
+    /// The dispatch-time estimate of the same prompts as
+    /// [`Metric::TokensChargedPrompt`]: the two apart show how far the
+    /// estimate is off the engine's count.
+    TokensEstimatedPrompt,
 }
 
 impl Metric {
@@ -65,6 +76,7 @@ impl Metric {
             .chain(Outcome::ALL.into_iter().map(Rejected))
             .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
             .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive, InFlightLimit])
+            .chain([TokensChargedPrompt, TokensChargedOutput, TokensEstimatedPrompt])
     }
 
     /// Its position in [`Metric::all`].
@@ -89,6 +101,9 @@ impl Metric {
             Metric::ReplicaSyncFailed => 14 + outcomes,
             Metric::ReplicaPeersLive => 15 + outcomes,
             Metric::InFlightLimit => 16 + outcomes,
+            Metric::TokensChargedPrompt => 17 + outcomes,
+            Metric::TokensChargedOutput => 18 + outcomes,
+            Metric::TokensEstimatedPrompt => 19 + outcomes,
         }
     }
 
@@ -113,6 +128,9 @@ impl Metric {
             Metric::ReplicaSyncFailed => "sluice_replica_sync_failed",
             Metric::ReplicaPeersLive => "sluice_replica_peers_live",
             Metric::InFlightLimit => "sluice_in_flight_limit",
+            Metric::TokensChargedPrompt => "sluice_tokens_charged_prompt",
+            Metric::TokensChargedOutput => "sluice_tokens_charged_output",
+            Metric::TokensEstimatedPrompt => "sluice_tokens_estimated_prompt",
         }
     }
 

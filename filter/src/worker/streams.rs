@@ -470,7 +470,7 @@ impl Streams {
         }
         let env = &hub.env;
         match self.map.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, .. }) => {
+            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, prompt_tokens: estimate, .. }) => {
                 let endpoint = permit.endpoint();
                 let routing = &env.cfg.routing;
                 if hub.slots.request_ended(endpoint as usize, upstream_failed, routing.quarantine_after) {
@@ -488,6 +488,11 @@ impl Streams {
                 let stock = permit.release(&env.host, env.endpoints());
                 env.publish_stock(stock);
                 env.host.add(Metric::Completed, 1);
+                // What the scheduler ends up charging for the prompt: the engine's count replaces
+                // the estimate (scheduler `charge`), so both are counted at the end, side by side.
+                env.host.add(Metric::TokensChargedPrompt, u64::from(prompt_tokens.unwrap_or(estimate)));
+                env.host.add(Metric::TokensEstimatedPrompt, u64::from(estimate));
+                env.host.add(Metric::TokensChargedOutput, u64::from(uncharged_tokens));
                 // A response that was not streamed: its first token came with the rest.
                 let first_token_ms = (!first_seen && uncharged_tokens > 0 && !upstream_failed)
                     .then(|| env.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32);
@@ -531,6 +536,7 @@ impl Streams {
         if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, .. }) =
             self.map.get_mut(&ctx)
         {
+            hub.env.host.add(Metric::TokensChargedOutput, u64::from(tokens));
             if tokens > 0 {
                 // The engine's pace: the time its iterations take at the batch it runs now.
                 if let Some(pace) = self.pace.get_mut(permit.endpoint() as usize) {

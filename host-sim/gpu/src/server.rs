@@ -59,6 +59,9 @@ pub struct ServerConfig {
     pub instant: bool,
     /// Tokens generated when the request gives no `max_tokens`.
     pub default_max_tokens: u32,
+    /// Tokens added to every chat prompt's count, as a real engine's chat template adds them to
+    /// `usage.prompt_tokens` (a gateway's estimate from the message text does not see them).
+    pub chat_template_tokens: u32,
 }
 
 impl ServerConfig {
@@ -72,6 +75,7 @@ impl ServerConfig {
             time_scale: 1.0,
             instant: false,
             default_max_tokens: 64,
+            chat_template_tokens: 0,
         }
     }
 
@@ -147,6 +151,7 @@ pub async fn start(cfg: ServerConfig) -> anyhow::Result<RunningServer> {
             engine,
             profile: cfg.profile.clone(),
             default_max_tokens: cfg.default_max_tokens,
+            chat_template_tokens: cfg.chat_template_tokens,
             counter: AtomicU64::new(0),
         });
         tasks.push(tokio::spawn(accept_loop(l, backend)));
@@ -246,6 +251,7 @@ struct Backend {
     engine: Option<Arc<Engine>>,
     profile: GpuProfile,
     default_max_tokens: u32,
+    chat_template_tokens: u32,
     counter: AtomicU64,
 }
 
@@ -347,10 +353,13 @@ async fn completion(b: Arc<Backend>, ep: Endpoint, req: Request<Incoming>) -> Re
         }
         Err(e) => return error(&b, &api_error(400, "invalid_request_error", format!("cannot read request body: {e}"))),
     };
-    let parsed = match parse_request(ep, &body) {
+    let mut parsed = match parse_request(ep, &body) {
         Ok(p) => p,
         Err(e) => return error(&b, &e),
     };
+    if ep == Endpoint::Chat {
+        parsed.prompt_tokens = parsed.prompt_tokens.saturating_add(b.chat_template_tokens);
+    }
     let priority = parsed.priority;
     let mut r = generate(b, ep, parsed, request_id.as_deref()).await;
     if let Some(p) = priority {

@@ -121,6 +121,16 @@ async fn non_streaming_chat_counts_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_template_adds_to_chat_prompts_only() {
+    let s = server(GpuProfile::fast(), |c| c.chat_template_tokens = 15).await;
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hello, world!"}],"max_tokens":2}"#;
+    let v = post(s.addrs[0], "/v1/chat/completions", chat).await.json();
+    assert_eq!(v["usage"]["prompt_tokens"], 4 + 15, "{v}");
+    let v = post(s.addrs[0], "/v1/completions", r#"{"model":"m","prompt":"hello, world!","max_tokens":2}"#).await.json();
+    assert_eq!(v["usage"]["prompt_tokens"], 4, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_max_tokens_applies() {
     let s = server(GpuProfile::fast(), |c| c.default_max_tokens = 7).await;
     let r = post(s.addrs[0], "/v1/completions", r#"{"model":"m","prompt":[1,2,3,4,5,6]}"#).await;

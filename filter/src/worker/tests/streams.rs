@@ -395,3 +395,37 @@ fn the_charges_of_one_request_fold_until_it_ends() {
     assert!(!merge_charge(&mut charge(2, 0, 1, false, None), &charge(1, 0, 1, false, None)), "another request");
     assert!(!merge_charge(&mut charge(1, 0, 1, false, None), &charge(1, 5, 0, false, None)), "a dispatch stays apart");
 }
+
+#[test]
+fn the_tokens_charged_are_counted_the_prompt_as_the_engine_counted_it() {
+    let p = Rc::new(Process::default());
+    let bounds =
+        serde_json::json!({"endpoints": ["127.0.0.1:1"], "lower_bound_per_backend": 1, "upper_bound_per_backend": 1});
+    let mut w = vm(&p, 1, config(bounds), 0);
+    assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Bypass(0));
+    let estimate = match &w.streams.pending[..] {
+        [ToScheduler::Charge(Charge { dispatched: Some(d), .. })] => u64::from(d.input_tokens),
+        other => panic!("one bypass charge: {other:?}"),
+    };
+    assert!(estimate > 0 && estimate != 57);
+    assert_eq!(admit(&mut w, 1, 2, "b"), Admission::Queued, "the only slot is held");
+    // Streamed chunks are counted as they are charged; the prompt only at the end.
+    w.at(5).charge(1, 2);
+    w.at(6).charge(1, 3);
+    assert_eq!(metric(&p, "sluice_tokens_charged_output"), 5);
+    assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 0);
+    // The engine's usage: one more output token, and 57 prompt tokens where we estimated fewer.
+    w.at(7).finish(1, Ended { uncharged_tokens: 1, prompt_tokens: Some(57), ..Ended::default() });
+    assert_eq!(metric(&p, "sluice_tokens_charged_output"), 6);
+    assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 57, "the engine's count, not the estimate");
+    assert_eq!(metric(&p, "sluice_tokens_estimated_prompt"), estimate);
+    // A queued request that leaves is never charged.
+    w.at(8).finish(2, Ended::default());
+    assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 57);
+    // Without a usage report the estimate is what was charged.
+    assert_eq!(admit(&mut w, 9, 3, "a"), Admission::Bypass(0));
+    w.at(10).finish(3, Ended { uncharged_tokens: 4, ..Ended::default() });
+    assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 57 + estimate);
+    assert_eq!(metric(&p, "sluice_tokens_estimated_prompt"), 2 * estimate);
+    assert_eq!(metric(&p, "sluice_tokens_charged_output"), 10);
+}

@@ -39,6 +39,10 @@ struct Args {
     /// Tokens to generate when a request has neither max_tokens nor max_completion_tokens.
     #[arg(long, default_value_t = 64)]
     default_max_tokens: u32,
+    /// Tokens a chat template adds to every chat prompt: counted in `usage.prompt_tokens` and in
+    /// the KV cache, as a real engine counts its template (vLLM's tiny test model: 15).
+    #[arg(long, default_value_t = 0)]
+    chat_template_tokens: u32,
     /// Override the profile's running-batch limit (vLLM --max-num-seqs).
     #[arg(long)]
     max_num_seqs: Option<u32>,
@@ -92,6 +96,7 @@ fn run(args: Args) -> anyhow::Result<()> {
         time_scale: args.time_scale,
         instant: args.instant,
         default_max_tokens: args.default_max_tokens,
+        chat_template_tokens: args.chat_template_tokens,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
