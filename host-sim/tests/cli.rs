@@ -28,6 +28,8 @@ fn help_documents_every_option() {
         "--csv",
         "--svg-service",
         "--svg-latency",
+        "--svg-ttft-cdf",
+        "--svg-clients",
         "--slo-ttft-ms",
         "--progress",
         "--cas-conflict-rate",
@@ -66,28 +68,38 @@ fn a_trace_run_prints_a_deterministic_report() {
         csv.push_str(&format!("{},c{},{},{}\n", i as f64 * 0.1, i % 2, 30, 20));
     }
     std::fs::write(&trace, csv).unwrap();
-    let run = || {
-        let out = sim()
-            .args([
-                "--wasm",
-                wasm.to_str().unwrap(),
-                "--trace",
-                trace.to_str().unwrap(),
-                "--format",
-                "vtc-csv",
-                "--profile",
-                "fast",
-                "--backends",
-                "2",
-            ])
-            .output()
-            .unwrap();
+    let figures = ["--svg-service", "--svg-latency", "--svg-ttft-cdf", "--svg-clients"];
+    let run = |k: usize| {
+        let paths: Vec<String> =
+            figures.iter().map(|f| dir.join(format!("{k}{f}.svg")).display().to_string()).collect();
+        let mut args = vec![
+            "--wasm",
+            wasm.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+            "--format",
+            "vtc-csv",
+            "--profile",
+            "fast",
+            "--backends",
+            "2",
+        ];
+        for (f, p) in figures.iter().zip(&paths) {
+            args.extend([*f, p.as_str()]);
+        }
+        let out = sim().args(args).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stderr).contains("x real time"));
-        out.stdout
+        let svgs: Vec<String> = paths.iter().map(|p| std::fs::read_to_string(p).unwrap()).collect();
+        (out.stdout, svgs)
     };
-    let a = run();
-    assert_eq!(a, run());
+    let (a, svgs) = run(0);
+    assert_eq!((a.clone(), svgs.clone()), run(1), "the report and the figures are byte-identical");
+    assert!(
+        svgs.iter().all(|s| s.starts_with("<svg") && s.contains("c0") && s.contains("c1")),
+        "a legend or labels per client"
+    );
+    assert!(svgs[2].contains("time to first token (s)") && svgs[3].contains("p90 TTFT (s)"), "axes carry units");
     let v: serde_json::Value = serde_json::from_slice(&a).unwrap();
     assert_eq!(v["requests"], 30);
     assert_eq!(v["outcomes"]["ok"], 30);

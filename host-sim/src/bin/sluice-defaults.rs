@@ -14,6 +14,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use host_sim::sim::report::Report;
 use host_sim::sim::scenario::round_robin_config;
+use host_sim::sim::table::Table;
 use host_sim::Scenario;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -91,8 +92,18 @@ fn cases(quick: bool) -> Vec<Case> {
         },
         Case { name: "azure-conv", profile: "llama3-8b-a100", backends: 2, workload: conv() },
         Case { name: "azure-conv", profile: "llama3-8b-a10g", backends: 4, workload: conv() },
-        Case { name: "flood", profile: "llama2-7b-a10g", backends: 4, workload: flood(100.0, if quick { 40.0 } else { 80.0 }) },
-        Case { name: "flood", profile: "llama3-8b-h100", backends: 1, workload: flood(400.0, if quick { 20.0 } else { 40.0 }) },
+        Case {
+            name: "flood",
+            profile: "llama2-7b-a10g",
+            backends: 4,
+            workload: flood(100.0, if quick { 40.0 } else { 80.0 }),
+        },
+        Case {
+            name: "flood",
+            profile: "llama3-8b-h100",
+            backends: 1,
+            workload: flood(400.0, if quick { 20.0 } else { 40.0 }),
+        },
     ]
 }
 
@@ -147,8 +158,19 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
     let (wasm, floor) = (read(&cli.wasm)?, read(&cli.floor_wasm)?);
-    println!("| workload | pool | configuration | output tok/s | vs no gateway | not ok | TTFT p50 s | TTFT p99 s | mean batch |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    // Rows print as each run ends (a full run takes minutes), so the header goes first by hand.
+    let main_header = Table::with_columns([
+        "workload",
+        "pool",
+        "configuration",
+        "output tok/s",
+        "vs no gateway",
+        "not ok",
+        "TTFT p50 s",
+        "TTFT p99 s",
+        "mean batch",
+    ]);
+    print!("{}", main_header.markdown());
     let mut fairness = Vec::new();
     let mut arena = Vec::new();
     for case in cases(cli.quick) {
@@ -163,15 +185,19 @@ fn main() -> Result<()> {
             let tps = r.report.output_tokens_per_s;
             let base_tps = *base.get_or_insert(tps);
             let t = &r.report.ttft_ms;
-            println!(
-                "| {} | {pool} | {label} | {tps:.0} | {:.2} | {} | {:.2} | {:.2} | {:.1} |",
-                case.name,
-                tps / base_tps,
-                r.rejected(),
-                t.p50 / 1e3,
-                t.p99 / 1e3,
-                r.mean_batch()
-            );
+            let mut line = main_header.clone();
+            line.row([
+                case.name.to_string(),
+                pool.clone(),
+                label.to_string(),
+                format!("{tps:.0}"),
+                format!("{:.2}", tps / base_tps),
+                r.rejected().to_string(),
+                format!("{:.2}", t.p50 / 1e3),
+                format!("{:.2}", t.p99 / 1e3),
+                format!("{:.1}", r.mean_batch()),
+            ]);
+            print!("{}", line.markdown_rows());
             if case.name == "flood" && overrides.is_some() {
                 let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
                 fairness.push((pool.clone(), label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s()));
@@ -184,20 +210,42 @@ fn main() -> Result<()> {
         }
     }
     if !fairness.is_empty() {
-        println!();
-        println!("| flood on | configuration | output tok/s (vtc) | modest TTFT p50 fcfs → vtc | ratio |");
-        println!("|---|---|---|---|---|");
+        let mut t = Table::with_columns([
+            "flood on",
+            "configuration",
+            "output tok/s (vtc)",
+            "modest TTFT p50 fcfs → vtc",
+            "ratio",
+        ]);
         for (pool, label, tps, fcfs, vtc) in fairness {
-            println!("| {pool} | {label} | {tps:.0} | {fcfs:.2} s → {vtc:.2} s | {:.1}× |", fcfs / vtc);
+            t.row([
+                pool,
+                label.to_string(),
+                format!("{tps:.0}"),
+                format!("{fcfs:.2} s → {vtc:.2} s"),
+                format!("{:.1}×", fcfs / vtc),
+            ]);
         }
+        print!("\n{}", t.markdown());
     }
     if !arena.is_empty() {
-        println!();
-        println!("| arena on | configuration | output tok/s (vtc) | service difference max fcfs → vtc | avg fcfs → vtc |");
-        println!("|---|---|---|---|---|");
+        let mut t = Table::with_columns([
+            "arena on",
+            "configuration",
+            "output tok/s (vtc)",
+            "service difference max fcfs → vtc",
+            "avg fcfs → vtc",
+        ]);
         for (pool, label, tps, (fmax, favg), (vmax, vavg)) in arena {
-            println!("| {pool} | {label} | {tps:.0} | {fmax:.0} → {vmax:.0} | {favg:.0} → {vavg:.0} |");
+            t.row([
+                pool,
+                label.to_string(),
+                format!("{tps:.0}"),
+                format!("{fmax:.0} → {vmax:.0}"),
+                format!("{favg:.0} → {vavg:.0}"),
+            ]);
         }
+        print!("\n{}", t.markdown());
     }
     Ok(())
 }

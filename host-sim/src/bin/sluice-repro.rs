@@ -17,7 +17,8 @@ use std::time::Instant;
 /// RPM(5/20/30); then WFQ across models with criticality bands.
 ///
 /// Writes `<out>/<workload>/table.md`, `table.csv`, `clients.md`, `acc-diff.svg`,
-/// `<policy>-service-rate.svg`, `<policy>-response-time.svg`, `<out>/bands/…` and
+/// `ttft-cdf.svg` (TTFT CDF per policy), `clients.svg` (service share and TTFT per client and
+/// policy), `<policy>-service-rate.svg`, `<policy>-response-time.svg`, `<out>/bands/…` and
 /// `<out>/summary.md` (every table), and prints the tables. Runs are deterministic for a seed.
 #[derive(Parser, Debug)]
 #[command(name = "sluice-repro", version)]
@@ -166,6 +167,8 @@ fn run(cli: Cli) -> Result<()> {
         write(&dir.join("table.csv"), &repro::table2_csv(&w.name, &rows))?;
         write(&dir.join("clients.md"), &clients)?;
         write(&dir.join("acc-diff.svg"), &repro::acc_diff_svg(w, &mine))?;
+        write(&dir.join("ttft-cdf.svg"), &repro::ttft_cdf_svg(w, &mine))?;
+        write(&dir.join("clients.svg"), &repro::clients_svg(w, &mine))?;
         for c in &mine {
             let (svc, rt) = repro::case_svgs(w, c);
             write(&dir.join(format!("{}-service-rate.svg", slug(&c.policy))), &svc)?;

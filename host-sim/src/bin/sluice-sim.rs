@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::sim::report::records_csv;
+use host_sim::sim::report::{self, records_csv};
 use host_sim::sim::workload::TraceFormat;
 use host_sim::Scenario;
 use std::io::Write;
@@ -86,12 +86,19 @@ struct Cli {
     /// Write the module's log records here (JSON lines).
     #[arg(long)]
     logs: Option<PathBuf>,
-    /// Write an SVG plot of each client's service rate over time here.
+    /// Write an SVG plot of each client's service rate over time here (the 8 busiest clients
+    /// in colour, the rest grey).
     #[arg(long)]
     svg_service: Option<PathBuf>,
     /// Write an SVG plot of each client's end-to-end latency by arrival time here.
     #[arg(long)]
     svg_latency: Option<PathBuf>,
+    /// Write an SVG plot of the CDF of each client's time to first token here.
+    #[arg(long)]
+    svg_ttft_cdf: Option<PathBuf>,
+    /// Write an SVG bar chart per client (service received, mean and p90 TTFT) here.
+    #[arg(long)]
+    svg_clients: Option<PathBuf>,
     /// Draw a progress bar on stderr even when it is not a terminal (it is drawn on a terminal anyway).
     #[arg(long)]
     progress: bool,
@@ -230,12 +237,17 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(p) = &cli.csv {
         std::fs::write(p, records_csv(&recs)).with_context(|| format!("writing {}", p.display()))?;
     }
-    if let Some(p) = &cli.svg_service {
-        std::fs::write(p, report.service_rate_svg()).with_context(|| format!("writing {}", p.display()))?;
-    }
-    if let Some(p) = &cli.svg_latency {
-        std::fs::write(p, host_sim::sim::report::latency_svg(&recs))
-            .with_context(|| format!("writing {}", p.display()))?;
+    let busiest = report::busiest_clients(&recs);
+    let figures: [(&Option<PathBuf>, &dyn Fn() -> String); 4] = [
+        (&cli.svg_service, &|| report.service_rate_svg(&busiest)),
+        (&cli.svg_latency, &|| report::latency_svg(&recs)),
+        (&cli.svg_ttft_cdf, &|| report::ttft_cdf_svg(&recs)),
+        (&cli.svg_clients, &|| report.clients_svg("this run", &[])),
+    ];
+    for (path, svg) in figures {
+        if let Some(p) = path {
+            std::fs::write(p, svg()).with_context(|| format!("writing {}", p.display()))?;
+        }
     }
     if let Some(p) = &cli.logs {
         let mut f =

@@ -8,7 +8,8 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use host_sim::experiments::slo_repro::{self as sr, Capacity, Pool, SloPlan, SloRow, SloTrace};
 use host_sim::experiments::slo_workload::{self as sw, AssignBy, Objective, SloClass};
-use host_sim::sim::report::{slug, svg_lines};
+use host_sim::sim::plot;
+use host_sim::sim::report::slug;
 use host_sim::sim::workload::WorkItem;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -319,7 +320,9 @@ fn run(cli: Cli) -> Result<()> {
             )?;
             write(
                 &cli.out.join(format!("qlm-{}-goodput.svg", t.name())),
-                &sr::by_load_svg(&title("goodput"), "requests meeting their objective / s", &mine, |m| m.goodput_rps),
+                &sr::by_load_svg(&title("goodput"), "goodput (requests meeting their objective / s)", &mine, |m| {
+                    m.goodput_rps
+                }),
             )?;
         }
     }
@@ -373,11 +376,12 @@ fn run(cli: Cli) -> Result<()> {
             results.into_iter().filter(|(r, _)| r.metrics.is_some()).map(|(r, s)| (r.config, s)).collect();
         write(
             &cli.out.join("pard-goodput.svg"),
-            &svg_lines(
+            &plot::lines_svg(
                 &format!("{}: goodput over time (10 s bins, by first token)", p.trace.name()),
                 "time (s)",
-                "requests meeting their objective / s",
+                "goodput (requests meeting their objective / s)",
                 &series,
+                &[],
             ),
         )?;
     }

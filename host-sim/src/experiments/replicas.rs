@@ -5,6 +5,7 @@
 
 use crate::experiments::repro::{self, CaseResult, PolicyCase, ReproOptions, ReproWorkload};
 use crate::sim::engine::{PeerExchange, RequestRecord};
+use crate::sim::table::{opt, Table};
 use anyhow::Result;
 use serde_json::{json, Value};
 
@@ -243,27 +244,24 @@ pub fn in_flight(records: &[RequestRecord]) -> (usize, f64) {
 
 /// The table in Markdown.
 pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
-    let mut s = format!(
-        "### {workload}\n\n| Case | Gateways | Max Diff | Avg Diff | Light-client TTFT (s) | Throughput (tok/s) | In flight max/mean | Failed/unfinished | Failover resets, gap (ms) | Syncs ok/failed |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    );
-    for r in rows {
-        let ttft = r.light_ttft_s.map_or("-".into(), |t| format!("{t:.2}"));
-        let gap = r.failover_gap_ms.map_or("-".into(), |g| format!("{}, {g:.0}", r.reset_by_failover));
-        s += &format!(
-            "| {} | {} | {:.2} | {:.2} | {} | {:.0} | {}/{:.1} | {} | {} | {}/{} |\n",
-            r.case,
-            r.gateways,
-            r.max_diff,
-            r.avg_diff,
-            ttft,
-            r.throughput,
-            r.max_in_flight,
-            r.mean_in_flight,
-            r.failed,
-            gap,
-            r.sync_ok,
-            r.sync_failed
-        );
+    let mut t = Table::new().left("Case");
+    for c in ["Gateways", "Max Diff", "Avg Diff", "Light-client TTFT (s)", "Throughput (tok/s)", "In flight max/mean"] {
+        t = t.right(c);
     }
-    s
+    let mut t = t.right("Failed/unfinished").right("Failover resets, gap (ms)").right("Syncs ok/failed");
+    for r in rows {
+        t.row([
+            r.case.clone(),
+            r.gateways.to_string(),
+            format!("{:.2}", r.max_diff),
+            format!("{:.2}", r.avg_diff),
+            opt(r.light_ttft_s, "-", |t| format!("{t:.2}")),
+            format!("{:.0}", r.throughput),
+            format!("{}/{:.1}", r.max_in_flight, r.mean_in_flight),
+            r.failed.to_string(),
+            opt(r.failover_gap_ms, "-", |g| format!("{}, {g:.0}", r.reset_by_failover)),
+            format!("{}/{}", r.sync_ok, r.sync_failed),
+        ]);
+    }
+    format!("### {workload}\n\n{}", t.markdown())
 }

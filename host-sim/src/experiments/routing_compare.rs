@@ -20,6 +20,7 @@
 
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 use crate::sim::report::Stats;
+use crate::sim::table::{opt, Table};
 use crate::sim::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
 use crate::sim::workload::{self, PrefixSharing, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
@@ -659,75 +660,98 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
 
 /// The comparison table in Markdown.
 pub fn markdown_table(results: &[RunResult]) -> String {
-    let mut s = String::from(
-        "| trace | load | seed | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | out tok/s | prefix hit | preempted | per backend | to dead after death |\n\
-         |---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n",
-    );
+    let mut t = Table::new().left("trace").right("load").right("seed").left("pool").left("picker").left("ok/sent");
+    for c in ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "out tok/s", "prefix hit", "preempted"] {
+        t = t.right(c);
+    }
+    let mut t = t.left("per backend").left("to dead after death");
     for r in results {
         let dead = if r.pool.contains("dies") {
             format!("{} (last +{:.0} ms)", r.sent_to_dead, r.last_to_dead_ms)
         } else {
             "-".into()
         };
-        let _ = writeln!(
-            s,
-            "| {} | {:.1} | {} | {} | {} | {}/{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.1}% | {} | {} | {} |",
-            r.trace,
-            r.load,
-            r.seed,
-            r.pool,
-            r.picker,
-            r.ok,
-            r.requests,
-            r.ttft_ms.p50,
-            r.ttft_ms.p99,
-            r.tpot_ms.p50,
-            r.tpot_ms.p99,
-            r.output_tokens_per_s,
-            r.prefix_hit_rate * 100.0,
-            r.preempted,
-            r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
-            dead
-        );
+        t.row([
+            r.trace.clone(),
+            format!("{:.1}", r.load),
+            r.seed.to_string(),
+            r.pool.clone(),
+            r.picker.to_string(),
+            format!("{}/{}", r.ok, r.requests),
+            format!("{:.0}", r.ttft_ms.p50),
+            format!("{:.0}", r.ttft_ms.p99),
+            format!("{:.1}", r.tpot_ms.p50),
+            format!("{:.1}", r.tpot_ms.p99),
+            format!("{:.0}", r.output_tokens_per_s),
+            format!("{:.1}%", r.prefix_hit_rate * 100.0),
+            r.preempted.to_string(),
+            per_backend(r),
+            dead,
+        ]);
     }
-    s
+    t.markdown()
+}
+
+/// Requests each backend got, `a/b/c`.
+fn per_backend(r: &RunResult) -> String {
+    r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/")
 }
 
 /// The comparison table as CSV (one row per run).
 pub fn csv(results: &[RunResult]) -> String {
-    let mut s = String::from(
-        "trace,load,seed,pool,picker,requests,ok,failed,unfinished,ttft_p50_ms,ttft_p99_ms,tpot_p50_ms,tpot_p99_ms,output_tokens_per_s,requests_per_s,prefix_hit_rate,preempted,per_backend,imbalance,sent_to_dead,last_to_dead_ms,final_stock,wall_s\n",
-    );
+    let mut t = Table::with_columns([
+        "trace",
+        "load",
+        "seed",
+        "pool",
+        "picker",
+        "requests",
+        "ok",
+        "failed",
+        "unfinished",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "output_tokens_per_s",
+        "requests_per_s",
+        "prefix_hit_rate",
+        "preempted",
+        "per_backend",
+        "imbalance",
+        "sent_to_dead",
+        "last_to_dead_ms",
+        "final_stock",
+        "wall_s",
+    ]);
     for r in results {
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.4},{:.4},{},{},{:.3},{},{},{},{:.2}",
-            r.trace,
-            r.load,
-            r.seed,
-            r.pool,
-            r.picker,
-            r.requests,
-            r.ok,
-            r.failed,
-            r.unfinished,
-            r.ttft_ms.p50,
-            r.ttft_ms.p99,
-            r.tpot_ms.p50,
-            r.tpot_ms.p99,
-            r.output_tokens_per_s,
-            r.requests_per_s,
-            r.prefix_hit_rate,
-            r.preempted,
-            r.per_backend.iter().map(|n| n.to_string()).collect::<Vec<_>>().join("/"),
-            r.imbalance,
-            r.sent_to_dead,
-            r.last_to_dead_ms,
-            r.final_stock,
-            r.wall_s
-        );
+        t.row([
+            r.trace.clone(),
+            r.load.to_string(),
+            r.seed.to_string(),
+            r.pool.clone(),
+            r.picker.to_string(),
+            r.requests.to_string(),
+            r.ok.to_string(),
+            r.failed.to_string(),
+            r.unfinished.to_string(),
+            r.ttft_ms.p50.to_string(),
+            r.ttft_ms.p99.to_string(),
+            r.tpot_ms.p50.to_string(),
+            r.tpot_ms.p99.to_string(),
+            format!("{:.3}", r.output_tokens_per_s),
+            format!("{:.4}", r.requests_per_s),
+            format!("{:.4}", r.prefix_hit_rate),
+            r.preempted.to_string(),
+            per_backend(r),
+            format!("{:.3}", r.imbalance),
+            r.sent_to_dead.to_string(),
+            r.last_to_dead_ms.to_string(),
+            r.final_stock.to_string(),
+            format!("{:.2}", r.wall_s),
+        ]);
     }
-    s
+    t.csv()
 }
 
 /// One row of the comparison: a picker on a trace, load and pool, over the seeds run.
@@ -820,60 +844,68 @@ pub fn rows(results: &[RunResult]) -> Vec<Row> {
 /// The rows in Markdown: p50 and p99 TTFT (p99's min–max over seeds), throughput, prefix hit
 /// rate, imbalance and the ratio to round-robin.
 pub fn rows_table(rows: &[Row]) -> String {
-    let mut s = String::from(
-        "| trace | load | pool | picker | ok/sent | TTFT p50 ms | TTFT p99 ms (min–max over seeds) | round-robin p99 ÷ this | out tok/s | prefix hit | imbalance |\n\
-         |---|---:|---|---|---|---:|---:|---:|---:|---:|---:|\n",
-    );
-    for r in rows {
-        let _ = writeln!(
-            s,
-            "| {} | {:.1} | {} | {} | {}/{} | {:.0} | {:.0} ({:.0}–{:.0}) | {} | {:.0} | {:.1}% | {:.2} |",
-            r.trace,
-            r.load,
-            r.pool,
-            r.picker,
-            r.ok,
-            r.requests,
-            r.ttft_p50_ms,
-            r.ttft_p99_ms,
-            r.ttft_p99_min_ms,
-            r.ttft_p99_max_ms,
-            r.rr_over_p99.map_or("-".into(), |x| format!("{x:.2}×")),
-            r.output_tokens_per_s,
-            r.prefix_hit_rate * 100.0,
-            r.imbalance
-        );
+    let mut t = Table::new().left("trace").right("load").left("pool").left("picker").left("ok/sent");
+    for c in ["TTFT p50 ms", "TTFT p99 ms (min–max over seeds)", "round-robin p99 ÷ this", "out tok/s"] {
+        t = t.right(c);
     }
-    s
+    let mut t = t.right("prefix hit").right("imbalance");
+    for r in rows {
+        t.row([
+            r.trace.clone(),
+            format!("{:.1}", r.load),
+            r.pool.clone(),
+            r.picker.to_string(),
+            format!("{}/{}", r.ok, r.requests),
+            format!("{:.0}", r.ttft_p50_ms),
+            format!("{:.0} ({:.0}–{:.0})", r.ttft_p99_ms, r.ttft_p99_min_ms, r.ttft_p99_max_ms),
+            opt(r.rr_over_p99, "-", |x| format!("{x:.2}×")),
+            format!("{:.0}", r.output_tokens_per_s),
+            format!("{:.1}%", r.prefix_hit_rate * 100.0),
+            format!("{:.2}", r.imbalance),
+        ]);
+    }
+    t.markdown()
 }
 
 /// The rows as CSV.
 pub fn rows_csv(rows: &[Row]) -> String {
-    let mut s = String::from(
-        "trace,load,pool,picker,seeds,requests,ok,ttft_p50_ms,ttft_p99_ms,ttft_p99_min_ms,ttft_p99_max_ms,rr_over_p99,output_tokens_per_s,prefix_hit_rate,imbalance\n",
-    );
+    let mut t = Table::with_columns([
+        "trace",
+        "load",
+        "pool",
+        "picker",
+        "seeds",
+        "requests",
+        "ok",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "ttft_p99_min_ms",
+        "ttft_p99_max_ms",
+        "rr_over_p99",
+        "output_tokens_per_s",
+        "prefix_hit_rate",
+        "imbalance",
+    ]);
     for r in rows {
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{:.1},{:.1},{:.1},{:.1},{},{:.1},{:.4},{:.3}",
-            r.trace,
-            r.load,
-            r.pool,
-            r.picker,
-            r.seeds,
-            r.requests,
-            r.ok,
-            r.ttft_p50_ms,
-            r.ttft_p99_ms,
-            r.ttft_p99_min_ms,
-            r.ttft_p99_max_ms,
-            r.rr_over_p99.map_or(String::new(), |x| format!("{x:.3}")),
-            r.output_tokens_per_s,
-            r.prefix_hit_rate,
-            r.imbalance
-        );
+        t.row([
+            r.trace.clone(),
+            r.load.to_string(),
+            r.pool.clone(),
+            r.picker.to_string(),
+            r.seeds.to_string(),
+            r.requests.to_string(),
+            r.ok.to_string(),
+            format!("{:.1}", r.ttft_p50_ms),
+            format!("{:.1}", r.ttft_p99_ms),
+            format!("{:.1}", r.ttft_p99_min_ms),
+            format!("{:.1}", r.ttft_p99_max_ms),
+            opt(r.rr_over_p99, "", |x| format!("{x:.3}")),
+            format!("{:.1}", r.output_tokens_per_s),
+            format!("{:.4}", r.prefix_hit_rate),
+            format!("{:.3}", r.imbalance),
+        ]);
     }
-    s
+    t.csv()
 }
 
 /// The issue's goal checked on the rows: the default (`kv-aware`) routing's p99 TTFT is never

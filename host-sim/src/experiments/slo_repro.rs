@@ -15,10 +15,12 @@
 //! and unfinished requests are misses. The objective travels as the trusted request header
 //! [`SLO_TTFT_HEADER`], as an upstream filter would set it.
 
-use crate::sim::scenario::profile_by_name;
 use crate::experiments::slo_workload::{self as sw, AssignBy, Bursts, Objective, SloClass, SLO_TTFT_HEADER};
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
-use crate::sim::report::{svg_lines, Stats};
+use crate::sim::plot;
+use crate::sim::report::Stats;
+use crate::sim::scenario::profile_by_name;
+use crate::sim::table::{opt, Table};
 use crate::sim::upstream::GpuUpstream;
 use crate::sim::workload::{self, TraceFormat, WorkItem};
 use anyhow::{bail, Context, Result};
@@ -28,7 +30,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice_gpu::GpuProfile;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::Path;
 
 /// Request header in which the filter tells the model server its TTFT prediction for the
@@ -729,37 +730,39 @@ fn secs(ms: f64) -> String {
     format!("{:.2}", ms / 1000.0)
 }
 
-fn estimator_cells(m: &SloMetrics) -> String {
+fn estimator_cells(m: &SloMetrics) -> [String; 3] {
     let e = &m.estimator;
     if e.n == 0 {
-        "- | - | -".into()
+        ["-".into(), "-".into(), "-".into()]
     } else {
-        format!("{} | {} | {}", e.n, secs(e.mae_ms), pct(e.within_20pct))
+        [e.n.to_string(), secs(e.mae_ms), pct(e.within_20pct)]
     }
+}
+
+/// A note on a run that did not run, as a Markdown cell (a `|` would end it).
+fn skipped_cell(r: &SloRow) -> String {
+    format!("skipped: {}", r.skipped.as_deref().unwrap_or("-").replace('|', "/"))
+}
+
+/// The estimator's three right-aligned columns, last in both tables.
+fn with_estimator_columns(t: Table) -> Table {
+    t.right("pred n").right("pred MAE s").right("pred ±20%")
 }
 
 /// The QLM-style table of one trace: every configuration at every load, with the attainment
 /// gain over `reference` in points and the throughput ratio to it at the same load.
 pub fn qlm_markdown(rows: &[SloRow], reference: &str, classes: &[SloClass]) -> String {
-    let names: Vec<&str> = classes.iter().map(|c| c.name.as_str()).collect();
-    let mut s = format!(
-        "| load | req/s | config | attain % | {} | vs {reference} (pts) | goodput req/s | thru req/s | thru ×{reference} | out tok/s | dropped % | expired % | TTFT p50 s | TTFT p99 s | pred n | pred MAE s | pred ±20% |\n",
-        names.iter().map(|n| format!("{n} %")).collect::<Vec<_>>().join(" | ")
-    );
-    s += &format!(
-        "|---:|---:|---|---:|{}---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        "---:|".repeat(names.len())
-    );
+    let mut t = Table::new().right("load").right("req/s").left("config").right("attain %");
+    for c in classes {
+        t = t.right(format!("{} %", c.name));
+    }
+    t = t.right(format!("vs {reference} (pts)")).right("goodput req/s").right("thru req/s");
+    t = t.right(format!("thru ×{reference}")).right("out tok/s").right("dropped %").right("expired %");
+    let mut t = with_estimator_columns(t.right("TTFT p50 s").right("TTFT p99 s"));
     for r in rows {
+        let (load, rate) = (format!("{:.1}", r.load), format!("{:.2}", r.rate_rps));
         let Some(m) = &r.metrics else {
-            let _ = writeln!(
-                s,
-                "| {:.1} | {:.2} | {} | skipped: {} |",
-                r.load,
-                r.rate_rps,
-                r.config,
-                r.skipped.as_deref().unwrap_or("-").replace('|', "/")
-            );
+            t.row([load, rate, r.config.clone(), skipped_cell(r)]);
             continue;
         };
         let reference =
@@ -771,41 +774,38 @@ pub fn qlm_markdown(rows: &[SloRow], reference: &str, classes: &[SloClass]) -> S
             ),
             None => ("-".into(), "-".into()),
         };
-        let per_class: Vec<String> = m.classes.iter().map(|c| pct(c.attainment)).collect();
-        let _ = writeln!(
-            s,
-            "| {:.1} | {:.2} | {} | {} | {} | {} | {:.3} | {:.3} | {} | {:.0} | {} | {} | {} | {} | {} |",
-            r.load,
-            r.rate_rps,
-            r.config,
-            pct(m.attainment),
-            per_class.join(" | "),
+        let mut cells = vec![load, rate, r.config.clone(), pct(m.attainment)];
+        cells.extend(m.classes.iter().map(|c| pct(c.attainment)));
+        cells.extend([
             gain,
-            m.goodput_rps,
-            m.throughput_rps,
+            format!("{:.3}", m.goodput_rps),
+            format!("{:.3}", m.throughput_rps),
             ratio,
-            m.output_tok_s,
+            format!("{:.0}", m.output_tok_s),
             pct(m.rate(m.dropped)),
             pct(m.rate(m.expired)),
             secs(m.ttft_ms.p50),
             secs(m.ttft_ms.p99),
-            estimator_cells(m)
-        );
+        ]);
+        cells.extend(estimator_cells(m));
+        t.row(cells);
     }
-    s
+    t.markdown()
 }
 
 /// The PARD-style table: goodput, drop and expiry rates of every configuration, and the goodput
 /// gain of `proactive` over each.
 pub fn pard_markdown(rows: &[SloRow], proactive: &str) -> String {
-    let mut s = String::from(
-        "| config | attain % | goodput req/s | goodput in bursts req/s | gain of proactive % | dropped % | expired % | thru req/s | TTFT p50 s | TTFT p99 s | pred n | pred MAE s | pred ±20% |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
+    let mut t = Table::new().left("config");
+    for c in ["attain %", "goodput req/s", "goodput in bursts req/s", "gain of proactive %", "dropped %"] {
+        t = t.right(c);
+    }
+    let mut t =
+        with_estimator_columns(t.right("expired %").right("thru req/s").right("TTFT p50 s").right("TTFT p99 s"));
     let subject = rows.iter().find(|r| r.config == proactive).and_then(|r| r.metrics.as_ref());
     for r in rows {
         let Some(m) = &r.metrics else {
-            let _ =
-                writeln!(s, "| {} | skipped: {} |", r.config, r.skipped.as_deref().unwrap_or("-").replace('|', "/"));
+            t.row([r.config.clone(), skipped_cell(r)]);
             continue;
         };
         let gain = match subject {
@@ -814,86 +814,116 @@ pub fn pard_markdown(rows: &[SloRow], proactive: &str) -> String {
             }
             _ => "-".into(),
         };
-        let _ = writeln!(
-            s,
-            "| {} | {} | {:.3} | {} | {} | {} | {} | {:.3} | {} | {} | {} |",
-            r.config,
+        let mut cells = vec![
+            r.config.clone(),
             pct(m.attainment),
-            m.goodput_rps,
-            r.burst_goodput_rps.map_or("-".into(), |g| format!("{g:.3}")),
+            format!("{:.3}", m.goodput_rps),
+            opt(r.burst_goodput_rps, "-", |g| format!("{g:.3}")),
             gain,
             pct(m.rate(m.dropped)),
             pct(m.rate(m.expired)),
-            m.throughput_rps,
+            format!("{:.3}", m.throughput_rps),
             secs(m.ttft_ms.p50),
             secs(m.ttft_ms.p99),
-            estimator_cells(m)
-        );
+        ];
+        cells.extend(estimator_cells(m));
+        t.row(cells);
     }
-    s
+    t.markdown()
 }
 
 /// CSV of rows (QLM and PARD alike; per-class attainment as `class:attainment` pairs).
 pub fn rows_csv(rows: &[SloRow]) -> String {
-    let mut s = String::from("trace,load,rate_rps,config,skipped,requests,met,attainment,class_attainment,goodput_rps,burst_goodput_rps,completed,throughput_rps,output_tok_s,dropped,expired,other_failed,unfinished,ttft_p50_ms,ttft_p99_ms,pred_n,pred_mae_ms,pred_within_20pct,wall_s\n");
+    let mut t = Table::with_columns([
+        "trace",
+        "load",
+        "rate_rps",
+        "config",
+        "skipped",
+        "requests",
+        "met",
+        "attainment",
+        "class_attainment",
+        "goodput_rps",
+        "burst_goodput_rps",
+        "completed",
+        "throughput_rps",
+        "output_tok_s",
+        "dropped",
+        "expired",
+        "other_failed",
+        "unfinished",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "pred_n",
+        "pred_mae_ms",
+        "pred_within_20pct",
+        "wall_s",
+    ]);
     for r in rows {
-        let skipped = r.skipped.as_deref().unwrap_or("").replace([',', '"', '\n'], " ");
         let m = r.metrics.clone().unwrap_or_default();
         let classes: Vec<String> = m.classes.iter().map(|c| format!("{}:{:.4}", c.class, c.attainment)).collect();
-        let _ = writeln!(
-            s,
-            "{},{},{:.4},{},{},{},{},{:.4},{},{:.4},{},{},{:.4},{:.1},{},{},{},{},{:.1},{:.1},{},{:.1},{:.4},{:.2}",
-            r.trace,
-            r.load,
-            r.rate_rps,
-            r.config,
-            skipped,
-            m.requests,
-            m.met,
-            m.attainment,
+        t.row([
+            r.trace.to_string(),
+            r.load.to_string(),
+            format!("{:.4}", r.rate_rps),
+            r.config.clone(),
+            r.skipped.clone().unwrap_or_default(),
+            m.requests.to_string(),
+            m.met.to_string(),
+            format!("{:.4}", m.attainment),
             classes.join(" "),
-            m.goodput_rps,
-            r.burst_goodput_rps.map_or(String::new(), |g| format!("{g:.4}")),
-            m.completed,
-            m.throughput_rps,
-            m.output_tok_s,
-            m.dropped,
-            m.expired,
-            m.other_failed,
-            m.unfinished,
-            m.ttft_ms.p50,
-            m.ttft_ms.p99,
-            m.estimator.n,
-            m.estimator.mae_ms,
-            m.estimator.within_20pct,
-            r.wall_s
-        );
+            format!("{:.4}", m.goodput_rps),
+            opt(r.burst_goodput_rps, "", |g| format!("{g:.4}")),
+            m.completed.to_string(),
+            format!("{:.4}", m.throughput_rps),
+            format!("{:.1}", m.output_tok_s),
+            m.dropped.to_string(),
+            m.expired.to_string(),
+            m.other_failed.to_string(),
+            m.unfinished.to_string(),
+            format!("{:.1}", m.ttft_ms.p50),
+            format!("{:.1}", m.ttft_ms.p99),
+            m.estimator.n.to_string(),
+            format!("{:.1}", m.estimator.mae_ms),
+            format!("{:.4}", m.estimator.within_20pct),
+            format!("{:.2}", r.wall_s),
+        ]);
     }
-    s
+    t.csv()
 }
 
 /// Per-request CSV of one run: class, objective, outcome, TTFT and the filter's prediction.
 pub fn records_csv(records: &[RequestRecord], objectives: &[Objective], classes: &[SloClass]) -> String {
-    let mut s =
-        String::from("id,client,class,objective_ms,arrival_us,status,outcome,reason,ttft_ms,predicted_ttft_ms,met\n");
+    let mut t = Table::with_columns([
+        "id",
+        "client",
+        "class",
+        "objective_ms",
+        "arrival_us",
+        "status",
+        "outcome",
+        "reason",
+        "ttft_ms",
+        "predicted_ttft_ms",
+        "met",
+    ]);
     for (r, o) in records.iter().zip(objectives) {
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{},{},{},{}",
-            r.id,
-            r.client,
-            classes.get(o.class).map_or("", |c| c.name.as_str()),
-            o.ttft_ms,
-            r.arrival_us,
-            r.status,
-            r.outcome,
-            r.reason.as_deref().unwrap_or("").replace([',', '"', '\n'], " "),
-            r.ttft_ms().map_or(String::new(), |t| format!("{t:.1}")),
-            r.upstream_header(PREDICTED_TTFT_HEADER).unwrap_or("").replace([',', '"', '\n'], " "),
-            met(r, o)
-        );
+        t.row([
+            r.id.to_string(),
+            r.client.clone(),
+            classes.get(o.class).map_or("", |c| c.name.as_str()).to_string(),
+            o.ttft_ms.to_string(),
+            r.arrival_us.to_string(),
+            r.status.to_string(),
+            r.outcome.to_string(),
+            r.reason.clone().unwrap_or_default(),
+            opt(r.ttft_ms(), "", |v| format!("{v:.1}")),
+            r.upstream_header(PREDICTED_TTFT_HEADER).unwrap_or("").to_string(),
+            met(r, o).to_string(),
+        ]);
     }
-    s
+    t.csv()
 }
 
 /// SVG of a metric against load, one line per configuration (rows of one trace).
@@ -907,7 +937,7 @@ pub fn by_load_svg(title: &str, y_label: &str, rows: &[SloRow], y: impl Fn(&SloM
     for v in series.values_mut() {
         v.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
-    svg_lines(title, "load (x capacity)", y_label, &series)
+    plot::lines_svg(title, "load (× capacity)", y_label, &series, &[])
 }
 
 #[cfg(test)]

@@ -5,6 +5,8 @@
 //! for the same scenario and seed.
 
 use crate::sim::engine::{RequestRecord, Sim};
+use crate::sim::plot;
+use crate::sim::table::{opt, Table};
 use crate::sim::upstream::GpuUpstream;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -373,31 +375,46 @@ impl Report {
 
 /// Per-request CSV (one row per request, in workload order).
 pub fn records_csv(recs: &[RequestRecord]) -> String {
-    let mut out = String::from("id,client,worker,arrival_us,prompt_tokens,output_tokens,status,outcome,reason,endpoint,dispatched_us,first_token_us,last_token_us,end_us,tokens_received,preemptions\n");
-    let o = |v: Option<u64>| v.map(|x| x.to_string()).unwrap_or_default();
+    let mut t = Table::with_columns([
+        "id",
+        "client",
+        "worker",
+        "arrival_us",
+        "prompt_tokens",
+        "output_tokens",
+        "status",
+        "outcome",
+        "reason",
+        "endpoint",
+        "dispatched_us",
+        "first_token_us",
+        "last_token_us",
+        "end_us",
+        "tokens_received",
+        "preemptions",
+    ]);
+    let o = |v: Option<u64>| opt(v, "", |x| x.to_string());
     for r in recs {
-        let reason = r.reason.clone().unwrap_or_default().replace(['"', ',', '\n'], " ");
-        out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-            r.id,
-            r.client,
-            r.worker,
-            r.arrival_us,
-            r.prompt_tokens,
-            r.output_tokens,
-            r.status,
-            r.outcome,
-            reason,
+        t.row([
+            r.id.to_string(),
+            r.client.clone(),
+            r.worker.to_string(),
+            r.arrival_us.to_string(),
+            r.prompt_tokens.to_string(),
+            r.output_tokens.to_string(),
+            r.status.to_string(),
+            r.outcome.to_string(),
+            r.reason.clone().unwrap_or_default(),
             r.endpoint.clone().unwrap_or_default(),
             o(r.dispatched_us),
             o(r.first_token_us),
             o(r.last_token_us),
             o(r.end_us),
-            r.tokens_received,
-            r.preemptions
-        ));
+            r.tokens_received.to_string(),
+            r.preemptions.to_string(),
+        ]);
     }
-    out
+    t.csv()
 }
 
 /// A label as a file-name part: lower-case ASCII letters and digits, anything else a dash.
@@ -411,77 +428,76 @@ pub fn slug(label: &str) -> String {
         .to_string()
 }
 
-/// A line chart as standalone SVG: one polyline per series, axes with min/max labels.
-pub fn svg_lines(title: &str, x_label: &str, y_label: &str, series: &BTreeMap<String, Vec<(f64, f64)>>) -> String {
-    const W: f64 = 900.0;
-    const H: f64 = 500.0;
-    const L: f64 = 70.0;
-    const R: f64 = 170.0;
-    const T: f64 = 40.0;
-    const B: f64 = 50.0;
-    let pts = series.values().flatten();
-    let (x1, y1) = pts.fold((0.0f64, 0.0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
-    let (x1, y1) = (if x1 > 0.0 { x1 } else { 1.0 }, if y1 > 0.0 { y1 * 1.05 } else { 1.0 });
-    let sx = |x: f64| L + x / x1 * (W - L - R);
-    let sy = |y: f64| H - B - y / y1 * (H - T - B);
-    let esc = |t: &str| t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
-    let mut out = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"22\" font-size=\"16\" text-anchor=\"middle\">{}</text>\n",
-        W / 2.0,
-        esc(title)
-    );
-    out += &format!(
-        "<line x1=\"{L}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{L}\" y1=\"{T}\" x2=\"{L}\" y2=\"{}\" stroke=\"black\"/>\n",
-        H - B,
-        W - R,
-        H - B,
-        H - B
-    );
-    out += &format!(
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{} (0 to {:.0})</text>\n",
-        (L + W - R) / 2.0,
-        H - 15.0,
-        esc(x_label),
-        x1
-    );
-    out += &format!(
-        "<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">{} (0 to {:.1})</text>\n",
-        H / 2.0,
-        H / 2.0,
-        esc(y_label),
-        y1
-    );
-    for (k, (name, pts)) in series.iter().enumerate() {
-        // Evenly spaced hues, deterministic per series index.
-        let color = format!("hsl({},70%,45%)", (k * 137) % 360);
-        let path: Vec<String> = pts.iter().map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y))).collect();
-        out += &format!(
-            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
-            path.join(" ")
-        );
-        let ly = T + 14.0 * k as f64;
-        out += &format!(
-            "<line x1=\"{}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{}\" y=\"{}\">{}</text>\n",
-            W - R + 10.0,
-            W - R + 30.0,
-            W - R + 35.0,
-            ly + 4.0,
-            esc(name)
-        );
-    }
-    out + "</svg>\n"
-}
-
 impl Report {
-    /// SVG of each client's service rate over time (the VTC seed's service-rate figures).
-    pub fn service_rate_svg(&self) -> String {
+    /// SVG of each client's service rate over time (the VTC seed's service-rate figures);
+    /// `highlight` names the clients drawn in colour when there are too many to tell apart.
+    pub fn service_rate_svg(&self, highlight: &[String]) -> String {
         let series = self
             .service_rate
             .iter()
             .map(|(c, v)| (c.clone(), v.iter().map(|(t, r)| (*t as f64, *r)).collect()))
             .collect();
-        svg_lines("Service rate per client, W(t-30s, t+30s) / 60s", "time (s)", "service units / s", &series)
+        plot::lines_svg(
+            "Service rate per client, W(t-30s, t+30s) / 60s",
+            "time (s)",
+            "service rate (service units / s)",
+            &series,
+            highlight,
+        )
     }
+
+    /// Per-client bars: service received, mean and p90 TTFT, for the clients in `clients`
+    /// (all when empty); `label` names the run in the legend.
+    pub fn clients_svg(&self, label: &str, clients: &[String]) -> String {
+        let keys: Vec<String> =
+            if clients.is_empty() { self.clients.keys().cloned().collect() } else { clients.to_vec() };
+        let col = |f: &dyn Fn(&ClientReport) -> f64| -> Vec<(String, Vec<f64>)> {
+            vec![(label.to_string(), keys.iter().map(|k| self.clients.get(k).map_or(0.0, f)).collect())]
+        };
+        plot::bars_svg(
+            "Per client: service received and time to first token",
+            "client",
+            &keys,
+            &[
+                plot::BarPanel { y_desc: "service (service units)".into(), series: col(&|c| c.service as f64) },
+                plot::BarPanel { y_desc: "mean TTFT (s)".into(), series: col(&|c| c.ttft_ms.mean / 1000.0) },
+                plot::BarPanel { y_desc: "p90 TTFT (s)".into(), series: col(&|c| c.ttft_ms.p90 / 1000.0) },
+            ],
+        )
+    }
+}
+
+/// TTFT (s) of each client's completed requests.
+pub fn ttft_by_client(recs: &[RequestRecord]) -> BTreeMap<String, Vec<f64>> {
+    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in recs.iter().filter(|r| r.outcome == "ok") {
+        if let Some(t) = r.ttft_ms() {
+            out.entry(r.client.clone()).or_default().push(t / 1000.0);
+        }
+    }
+    out
+}
+
+/// The clients with the most requests, at most [`plot::MAX_NAMED`], busiest first (ties by
+/// name): the ones a per-client figure draws in colour.
+pub fn busiest_clients(recs: &[RequestRecord]) -> Vec<String> {
+    let mut n: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in recs {
+        *n.entry(r.client.as_str()).or_default() += 1;
+    }
+    let mut v: Vec<(&str, usize)> = n.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    v.into_iter().take(plot::MAX_NAMED).map(|(c, _)| c.to_string()).collect()
+}
+
+/// SVG of the CDF of each client's TTFT (completed requests).
+pub fn ttft_cdf_svg(recs: &[RequestRecord]) -> String {
+    plot::cdf_svg(
+        "TTFT per client (completed requests)",
+        "time to first token (s)",
+        &ttft_by_client(recs),
+        &busiest_clients(recs),
+    )
 }
 
 /// SVG of each client's end-to-end latency by arrival time (completed requests).
@@ -492,7 +508,13 @@ pub fn latency_svg(recs: &[RequestRecord]) -> String {
             series.entry(r.client.clone()).or_default().push((r.arrival_us as f64 / 1e6, e / 1000.0));
         }
     }
-    svg_lines("Response time per client", "arrival (s)", "end-to-end latency (s)", &series)
+    plot::lines_svg(
+        "Response time per client",
+        "arrival (s)",
+        "end-to-end latency (s)",
+        &series,
+        &busiest_clients(recs),
+    )
 }
 
 #[cfg(test)]
