@@ -39,6 +39,7 @@ class Outcome:
     first_token: float | None = None  # monotonic time of the first choice event
     done: float | None = None
     completion_tokens: int = 0  # usage.completion_tokens of the last chunk
+    prompt_tokens: int = 0  # usage.prompt_tokens of the last chunk (the engine's count)
     error: str = ""
 
     @property
@@ -68,6 +69,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, tenant: str, bod
                     out.first_token = time.monotonic()
                 if chunk.get("usage"):
                     out.completion_tokens = chunk["usage"]["completion_tokens"]
+                    out.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
         out.done = time.monotonic()
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
@@ -290,6 +292,37 @@ class ClosedLoop:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
         return outcomes, t0, t1
+
+
+@dataclass
+class ConstantRate:
+    """An open-loop load: one streaming chat every `1 / rate` seconds for `duration_s` (as a load
+    generator's `constant` profile sends), sent to `base_urls` in turn, each with `prompt` and
+    `max_tokens` (ignore_eos, so exactly that many come back); then it waits for every request to
+    end. The tenant header is `tenant`."""
+
+    rate: float = 4.0
+    duration_s: float = 30.0
+    max_tokens: int = 64
+    prompt: str = "Tell me about the gateway."
+    tenant: str = "constant"
+
+    async def run(self, base_urls: list[str]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
+            start = time.monotonic()
+            sends = []
+            for i in itertools.count():
+                at = start + i / self.rate
+                if at >= start + self.duration_s:
+                    break
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                sends.append(asyncio.create_task(stream_chat(
+                    client, base_urls[i % len(base_urls)], self.tenant,
+                    chat_body(self.max_tokens, self.prompt), sink=outcomes)))
+            await asyncio.gather(*sends)
+        return outcomes
 
 
 def cpu_seconds_self() -> float:
