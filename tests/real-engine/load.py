@@ -258,6 +258,7 @@ class ClosedLoop:
     duration_s: float = 60.0
     ramp_s: float = 10.0
     tenants: int = 8
+    prompt: str = "Tell me about the gateway."
 
     async def run(self, base_urls: list[str], at_window=None) -> tuple[list[Outcome], float, float]:
         """The outcomes of every request sent (those cut off at the end with `done` None) and
@@ -276,7 +277,7 @@ class ClosedLoop:
                 await asyncio.sleep(self.ramp_s * i / self.concurrency)
                 while True:
                     url = base_urls[next(turn) % len(base_urls)]
-                    o = await stream_chat(client, url, f"tenant-{i % self.tenants}", chat_body(self.max_tokens),
+                    o = await stream_chat(client, url, f"tenant-{i % self.tenants}", chat_body(self.max_tokens, self.prompt),
                                           sink=outcomes)
                     if o.status != 200:
                         await asyncio.sleep(1.0)  # the gateway's retry-after: no spinning on 429s

@@ -13,7 +13,9 @@ chat, synthetic prompts of `--prompt-tokens` tokens of the model's own tokenizer
   (b) our client (`load.ConstantRate`) through Envoy + sluice;
   (c) our client straight to the two servers, in turn (no gateway);
   (d) guidellm straight to one server at half the rate (no gateway; guidellm has one target, and
-      half the rate is each server's share of (a)).
+      half the rate is each server's share of (a));
+  (e) guidellm straight to one server at the full rate (twice (a)'s load per server, still light
+      for vLLM; it separates what guidellm's own client costs at this rate from the gateway's part).
 
 and prints one table of the headline figures: requests ok / errored / cut off, request rate,
 output tokens a second, TTFT p50 and p99, inter-token latency. guidellm's JSON reports go to
@@ -190,7 +192,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds each run sends for")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--runs", default="a,b,c,d", help="which of the runs (a-d, above), in order")
+    p.add_argument("--runs", default="a,b,c,d,e", help="which of the runs (a-e, above), in order")
     p.add_argument("--json", type=Path, default=harness.WORK / "loadgen.json")
     a = p.parse_args()
     harness.exit_on_sigterm()
@@ -231,6 +233,10 @@ def main() -> None:
                 h = guidellm_headline(run_guidellm("guidellm-direct", servers[0].url, a.rate / 2,
                                                    seconds=a.duration, **common))
                 name = f"(d) guidellm → vLLM a at {a.rate / 2:g}/s"
+            elif run == "e":
+                h = guidellm_headline(run_guidellm("guidellm-direct-full", servers[0].url, a.rate,
+                                                   seconds=a.duration, **common))
+                name = f"(e) guidellm → vLLM a at {a.rate:g}/s"
             else:
                 raise SystemExit(f"unknown run {run!r}")
             rows.append((name, h))
