@@ -307,6 +307,7 @@ class ConstantRate:
     max_tokens: int = 64
     prompt: str = "Tell me about the gateway."
     tenant: str = "constant"
+    extra: dict = field(default_factory=dict)  # top-level body members set or replaced (chat_body's **extra)
 
     async def run(self, base_urls: list[str]) -> list[Outcome]:
         outcomes: list[Outcome] = []
@@ -321,7 +322,7 @@ class ConstantRate:
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
                 sends.append(asyncio.create_task(stream_chat(
                     client, base_urls[i % len(base_urls)], self.tenant,
-                    chat_body(self.max_tokens, self.prompt), sink=outcomes)))
+                    chat_body(self.max_tokens, self.prompt, **self.extra), sink=outcomes)))
             await asyncio.gather(*sends)
         return outcomes
 

@@ -15,7 +15,10 @@ chat, synthetic prompts of `--prompt-tokens` tokens of the model's own tokenizer
   (d) guidellm straight to one server at half the rate (no gateway; guidellm has one target, and
       half the rate is each server's share of (a));
   (e) guidellm straight to one server at the full rate (twice (a)'s load per server, still light
-      for vLLM; it separates what guidellm's own client costs at this rate from the gateway's part).
+      for vLLM; it separates what guidellm's own client costs at this rate from the gateway's part);
+  (f) our client through Envoy + sluice with guidellm's request body: the message's content as a
+      list of parts and `stream_options.continuous_usage_stats` (vLLM then puts `usage` in every
+      chunk, which the filter parses).
 
 and prints one table of the headline figures: requests ok / errored / cut off, request rate,
 output tokens a second, TTFT p50 and p99, inter-token latency. guidellm's JSON reports go to
@@ -165,10 +168,17 @@ def prompt_of(tokens: int, model_dir: Path = harness.MODEL_DIR) -> str:
     return tok.decode(tok.encode(text).ids[:tokens]).strip()
 
 
+def guidellm_body(prompt: str) -> dict:
+    """What guidellm's chat requests carry that load.chat_body's do not."""
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
 def run_ours(base_urls: list[str], rate: float, duration_s: float, prompt_tokens: int, output_tokens: int,
-             tenant: str = "ours") -> Headline:
-    lg = load.ConstantRate(rate=rate, duration_s=duration_s, max_tokens=output_tokens,
-                           prompt=prompt_of(prompt_tokens), tenant=tenant)
+             tenant: str = "ours", guidellm_shape: bool = False) -> Headline:
+    prompt = prompt_of(prompt_tokens)
+    lg = load.ConstantRate(rate=rate, duration_s=duration_s, max_tokens=output_tokens, prompt=prompt, tenant=tenant,
+                           extra=guidellm_body(prompt) if guidellm_shape else {})
     return outcomes_headline(asyncio.run(lg.run(base_urls)), duration_s)
 
 
@@ -192,7 +202,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds each run sends for")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--runs", default="a,b,c,d,e", help="which of the runs (a-e, above), in order")
+    p.add_argument("--runs", default="a,b,c,d,e,f", help="which of the runs (a-f, above), in order")
     p.add_argument("--json", type=Path, default=harness.WORK / "loadgen.json")
     a = p.parse_args()
     harness.exit_on_sigterm()
@@ -237,6 +247,9 @@ def main() -> None:
                 h = guidellm_headline(run_guidellm("guidellm-direct-full", servers[0].url, a.rate,
                                                    seconds=a.duration, **common))
                 name = f"(e) guidellm → vLLM a at {a.rate:g}/s"
+            elif run == "f":
+                h = run_ours([envoy.url], a.rate, a.duration, guidellm_shape=True, **common)
+                name = "(f) our client, guidellm's body → Envoy + sluice"
             else:
                 raise SystemExit(f"unknown run {run!r}")
             rows.append((name, h))
