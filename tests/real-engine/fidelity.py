@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import build_model
+import fit_profile
 import harness
 import load
 import loadgen
@@ -96,8 +97,12 @@ def run_real(a, prompt: str) -> tuple[dict, dict]:
         async def both():
             return await asyncio.gather(flood.run([envoy.url]), modest.run([envoy.url]))
 
+        itl0 = fit_profile.hist(servers, "vllm:inter_token_latency_seconds")
         f, m = asyncio.run(both())
+        itl1 = fit_profile.hist(servers, "vllm:inter_token_latency_seconds")
         stats = {k: v for k, v in envoy.stats().items() if k.startswith("sluice_requests") and "_bucket" not in k}
+        # The engines' own mean inter-token gap over the run: the step time the profile stands for.
+        stats["vllm_itl_mean_ms"] = 1000 * (itl1[0] - itl0[0]) / max(1.0, itl1[1] - itl0[1])
         return {"flood": tenant_row(f, a.duration), "modest": tenant_row(m, a.duration)}, stats
     finally:
         if envoy:
@@ -144,8 +149,10 @@ def main() -> None:
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; {vars(a)}", flush=True)
     # The chat template adds 15 tokens to this tokenizer's count of the text (measured: 64 → 79).
     prompt = loadgen.prompt_of(a.prompt_tokens - 15)
-    sim = sim_rows(run_sim(a, a.prompt_tokens), a.duration)
     real, stats = ({}, {}) if a.sim_only else run_real(a, prompt)
+    if real:  # saved before host-sim runs, so a missing binary loses nothing
+        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "real": real, "stats": stats}, indent=1))
+    sim = sim_rows(run_sim(a, a.prompt_tokens), a.duration)
     a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "real": real, "sim": sim, "stats": stats},
                                  indent=1))
     print("\n| tenant | side | sent / ok | TTFT p50 ms | TTFT p99 ms | TTFT mean ms | output tok/s | prompt tokens |")
