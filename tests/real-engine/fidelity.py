@@ -66,7 +66,8 @@ def run_sim(a, prompt_tokens: int) -> dict:
     scen = harness.WORK / "fidelity-scenario.json"
     out = harness.WORK / "fidelity-sim.json"
     scen.write_text(json.dumps(sim_scenario(a, prompt_tokens), indent=1))
-    subprocess.run([str(SIM_BIN), "--scenario", str(scen), "--json", str(out)], check=True,
+    subprocess.run([str(SIM_BIN), "--wasm", str(harness.FILTER_WASM), "--scenario", str(scen), "--json", str(out)],
+                   check=True,
                    stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -141,6 +142,7 @@ def main() -> None:
     p.add_argument("--policy", default="vtc")
     p.add_argument("--sim-only", action="store_true", help="host-sim alone (no vLLM)")
     p.add_argument("--json", type=Path, default=harness.WORK / "fidelity.json")
+    p.add_argument("--real-json", type=Path, help="take the real side from this earlier --json output")
     a = p.parse_args()
     harness.exit_on_sigterm()
     build_model.build(harness.MODEL_DIR)
@@ -149,11 +151,16 @@ def main() -> None:
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; {vars(a)}", flush=True)
     # The chat template adds 15 tokens to this tokenizer's count of the text (measured: 64 → 79).
     prompt = loadgen.prompt_of(a.prompt_tokens - 15)
-    real, stats = ({}, {}) if a.sim_only else run_real(a, prompt)
-    if real:  # saved before host-sim runs, so a missing binary loses nothing
-        a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "real": real, "stats": stats}, indent=1))
+    if a.real_json:  # a saved real side (its own run's arguments must match)
+        saved = json.loads(a.real_json.read_text())
+        real, stats = saved["real"], saved["stats"]
+    else:
+        real, stats = ({}, {}) if a.sim_only else run_real(a, prompt)
+    if real and not a.real_json:  # saved before host-sim runs, so a missing binary loses nothing
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "real": real, "stats": stats},
+                                     indent=1))
     sim = sim_rows(run_sim(a, a.prompt_tokens), a.duration)
-    a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "real": real, "sim": sim, "stats": stats},
+    a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "real": real, "sim": sim, "stats": stats},
                                  indent=1))
     print("\n| tenant | side | sent / ok | TTFT p50 ms | TTFT p99 ms | TTFT mean ms | output tok/s | prompt tokens |")
     print("|---|---|---|---|---|---|---|---|")
@@ -168,7 +175,7 @@ def main() -> None:
             print(f"| {t} | host-sim error | | {_err(s['ttft_p50'], r['ttft_p50'])} | {_err(s['ttft_p99'], r['ttft_p99'])} | "
                   f"{_err(s['ttft_mean'], r['ttft_mean'])} | {_err(s['tokens_per_s'], r['tokens_per_s'])} | |")
     if stats:
-        print("\nsluice stats (real): " + " ".join(f"{k}={v:g}" for k, v in sorted(stats.items()) if v))
+        print("\nreal side: " + " ".join(f"{k}={v:g}" for k, v in sorted(stats.items()) if v))
     print(f"\nraw figures in {a.json}")
 
 
