@@ -70,7 +70,7 @@ class Headline:
 
 def guidellm_argv(target: str, rate: float, *, prompt_tokens: int, output_tokens: int, out_json: Path,
                   seconds: float | None = None, requests: int | None = None, tenant: str = GUIDELLM_TENANT,
-                  model_dir: Path = harness.MODEL_DIR) -> list[str]:
+                  model_dir: Path = harness.MODEL_DIR, http2: bool = True) -> list[str]:
     """`guidellm run` at a constant `rate` against `target` for `seconds` or `requests` (the
     stopping constraint), synthetic prompts from the model directory's tokenizer, JSON report
     to `out_json`. Requests carry the tenant header. guidellm checks its target with `GET
@@ -79,6 +79,7 @@ def guidellm_argv(target: str, rate: float, *, prompt_tokens: int, output_tokens
     backend = {"kind": "openai_http", "target": target, "model": harness.MODEL,
                "request_format": "/v1/chat/completions", "timeout": 300,
                "api_routes": {"/health": "v1/models"},
+               "http2": http2,  # guidellm's default is True
                "extras": {"headers": {load.TENANT_HEADER: tenant}}}
     stop = (f"kind=max_requests,count={requests}" if requests is not None
             else f"kind=max_duration,seconds={seconds:g}")
@@ -204,6 +205,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--runs", default="a,b,c,d,e,f", help="which of the runs (a-f, above), in order")
     p.add_argument("--json", type=Path, default=harness.WORK / "loadgen.json")
+    p.add_argument("--http2", action=argparse.BooleanOptionalAction, default=True,
+                   help="guidellm's `http2` backend setting in (a) (its default: on)")
     a = p.parse_args()
     harness.exit_on_sigterm()
     build_model.build(harness.MODEL_DIR)
@@ -228,11 +231,14 @@ def main() -> None:
             t = time.monotonic()
             if run == "a":
                 before = envoy.stats()
-                h = guidellm_headline(run_guidellm("guidellm-gateway", envoy.url, a.rate, seconds=a.duration, **common))
-                name = "(a) guidellm → Envoy + sluice"
+                h = guidellm_headline(run_guidellm("guidellm-gateway", envoy.url, a.rate, seconds=a.duration,
+                                                   http2=a.http2, **common))
+                name = "(a) guidellm → Envoy + sluice" + ("" if a.http2 else " (http2: false)")
                 after = envoy.stats()
+                # The filter's request counters, and which HTTP version guidellm's connections spoke.
                 stats[run] = {k: after.get(k, 0) - before.get(k, 0) for k in after
-                              if k.startswith("sluice_requests") and "_bucket" not in k}
+                              if (k.startswith("sluice_requests") and "_bucket" not in k)
+                              or k.startswith("envoy_http_downstream_cx_http")}
             elif run == "b":
                 h = run_ours([envoy.url], a.rate, a.duration, **common)
                 name = "(b) our client → Envoy + sluice"
