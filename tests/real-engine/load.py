@@ -308,10 +308,11 @@ class ConstantRate:
     prompt: str = "Tell me about the gateway."
     tenant: str = "constant"
     extra: dict = field(default_factory=dict)  # top-level body members set or replaced (chat_body's **extra)
+    keepalive: bool = True  # False: a new connection for every request (as guidellm's client does)
 
     async def run(self, base_urls: list[str]) -> list[Outcome]:
         outcomes: list[Outcome] = []
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64 if self.keepalive else 0)
         async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
             start = time.monotonic()
             sends = []

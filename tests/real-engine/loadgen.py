@@ -18,7 +18,9 @@ chat, synthetic prompts of `--prompt-tokens` tokens of the model's own tokenizer
       for vLLM; it separates what guidellm's own client costs at this rate from the gateway's part);
   (f) our client through Envoy + sluice with guidellm's request body: the message's content as a
       list of parts and `stream_options.continuous_usage_stats` (vLLM then puts `usage` in every
-      chunk, which the filter parses).
+      chunk, which the filter parses);
+  (g) our client through Envoy + sluice opening a new connection for every request, as guidellm's
+      client does (Envoy counts one HTTP/1.1 downstream connection per guidellm request).
 
 and prints one table of the headline figures: requests ok / errored / cut off, request rate,
 output tokens a second, TTFT p50 and p99, inter-token latency. guidellm's JSON reports go to
@@ -176,10 +178,10 @@ def guidellm_body(prompt: str) -> dict:
 
 
 def run_ours(base_urls: list[str], rate: float, duration_s: float, prompt_tokens: int, output_tokens: int,
-             tenant: str = "ours", guidellm_shape: bool = False) -> Headline:
+             tenant: str = "ours", guidellm_shape: bool = False, keepalive: bool = True) -> Headline:
     prompt = prompt_of(prompt_tokens)
     lg = load.ConstantRate(rate=rate, duration_s=duration_s, max_tokens=output_tokens, prompt=prompt, tenant=tenant,
-                           extra=guidellm_body(prompt) if guidellm_shape else {})
+                           extra=guidellm_body(prompt) if guidellm_shape else {}, keepalive=keepalive)
     return outcomes_headline(asyncio.run(lg.run(base_urls)), duration_s)
 
 
@@ -256,6 +258,9 @@ def main() -> None:
             elif run == "f":
                 h = run_ours([envoy.url], a.rate, a.duration, guidellm_shape=True, **common)
                 name = "(f) our client, guidellm's body → Envoy + sluice"
+            elif run == "g":
+                h = run_ours([envoy.url], a.rate, a.duration, keepalive=False, **common)
+                name = "(g) our client, a connection per request → Envoy + sluice"
             else:
                 raise SystemExit(f"unknown run {run!r}")
             rows.append((name, h))
