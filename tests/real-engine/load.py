@@ -39,6 +39,7 @@ class Outcome:
     first_token: float | None = None  # monotonic time of the first choice event
     done: float | None = None
     completion_tokens: int = 0  # usage.completion_tokens of the last chunk
+    prompt_tokens: int = 0  # usage.prompt_tokens of the last chunk (the engine's count)
     error: str = ""
 
     @property
@@ -68,6 +69,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, tenant: str, bod
                     out.first_token = time.monotonic()
                 if chunk.get("usage"):
                     out.completion_tokens = chunk["usage"]["completion_tokens"]
+                    out.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
         out.done = time.monotonic()
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
@@ -256,6 +258,7 @@ class ClosedLoop:
     duration_s: float = 60.0
     ramp_s: float = 10.0
     tenants: int = 8
+    prompt: str = "Tell me about the gateway."
 
     async def run(self, base_urls: list[str], at_window=None) -> tuple[list[Outcome], float, float]:
         """The outcomes of every request sent (those cut off at the end with `done` None) and
@@ -274,7 +277,7 @@ class ClosedLoop:
                 await asyncio.sleep(self.ramp_s * i / self.concurrency)
                 while True:
                     url = base_urls[next(turn) % len(base_urls)]
-                    o = await stream_chat(client, url, f"tenant-{i % self.tenants}", chat_body(self.max_tokens),
+                    o = await stream_chat(client, url, f"tenant-{i % self.tenants}", chat_body(self.max_tokens, self.prompt),
                                           sink=outcomes)
                     if o.status != 200:
                         await asyncio.sleep(1.0)  # the gateway's retry-after: no spinning on 429s
@@ -290,6 +293,39 @@ class ClosedLoop:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
         return outcomes, t0, t1
+
+
+@dataclass
+class ConstantRate:
+    """An open-loop load: one streaming chat every `1 / rate` seconds for `duration_s` (as a load
+    generator's `constant` profile sends), sent to `base_urls` in turn, each with `prompt` and
+    `max_tokens` (ignore_eos, so exactly that many come back); then it waits for every request to
+    end. The tenant header is `tenant`."""
+
+    rate: float = 4.0
+    duration_s: float = 30.0
+    max_tokens: int = 64
+    prompt: str = "Tell me about the gateway."
+    tenant: str = "constant"
+    extra: dict = field(default_factory=dict)  # top-level body members set or replaced (chat_body's **extra)
+    keepalive: bool = True  # False: a new connection for every request (as guidellm's client does)
+
+    async def run(self, base_urls: list[str]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64 if self.keepalive else 0)
+        async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits) as client:
+            start = time.monotonic()
+            sends = []
+            for i in itertools.count():
+                at = start + i / self.rate
+                if at >= start + self.duration_s:
+                    break
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                sends.append(asyncio.create_task(stream_chat(
+                    client, base_urls[i % len(base_urls)], self.tenant,
+                    chat_body(self.max_tokens, self.prompt, **self.extra), sink=outcomes)))
+            await asyncio.gather(*sends)
+        return outcomes
 
 
 def cpu_seconds_self() -> float:

@@ -85,7 +85,8 @@ impl std::error::Error for ProfileError {}
 
 impl GpuProfile {
     /// Names accepted by [`GpuProfile::by_name`].
-    pub const NAMES: [&'static str; 5] = ["llama2-7b-a10g", "llama3-8b-h100", "llama3-8b-a100", "llama3-8b-a10g", "fast"];
+    pub const NAMES: [&'static str; 6] =
+        ["llama2-7b-a10g", "llama3-8b-h100", "llama3-8b-a100", "llama3-8b-a10g", "vllm-cpu-tiny", "fast"];
 
     /// Looks a profile up by name.
     pub fn by_name(name: &str) -> Option<GpuProfile> {
@@ -94,6 +95,7 @@ impl GpuProfile {
             "llama3-8b-h100" => Some(Self::llama3_8b_h100()),
             "llama3-8b-a100" => Some(Self::llama3_8b_a100()),
             "llama3-8b-a10g" => Some(Self::llama3_8b_a10g()),
+            "vllm-cpu-tiny" => Some(Self::vllm_cpu_tiny()),
             "fast" => Some(Self::fast()),
             _ => None,
         }
@@ -211,6 +213,43 @@ impl GpuProfile {
         p
     }
 
+    /// The real-engine tier's engine: vLLM 0.32 for CPU (`vllm-cpu`) serving the tiny random-weight
+    /// Llama of `tests/real-engine/build_model.py` (hidden 256, 2 layers) with the tier's flags
+    /// (`--max-model-len 2048`, 256 MiB of KV cache, `--enforce-eager`, one OMP thread) on this
+    /// project's 2-core machines, so that host-sim can be checked against an engine nobody here
+    /// wrote (issue 20, item 3; `tests/real-engine/fidelity.py`).
+    ///
+    /// Limits are vLLM's CPU defaults for the API server: 128 sequences, 2,048 batched tokens,
+    /// chunked prefill and prefix caching on, blocks of 128 tokens; 256 MiB at 2 KiB a token
+    /// (2 layers × K and V × 256 × bf16) is 131,072 tokens (vLLM's log: "KV cache size: 131,072
+    /// tokens"), 1,024 blocks. The time model was fitted by `tests/real-engine/fit_profile.py` to step
+    /// times measured on two such servers at once, from vLLM's own histograms; see
+    /// `docs/results/2026-11-26-fidelity.md` for the rows, the fit's errors and the machine's load,
+    /// which moves these figures more than anything else.
+    pub fn vllm_cpu_tiny() -> GpuProfile {
+        GpuProfile {
+            name: "vllm-cpu-tiny".into(),
+            served_model: "tiny".into(),
+            block_size: 128,
+            num_blocks: 1_024,
+            max_num_seqs: 128,
+            max_num_batched_tokens: 2_048,
+            max_model_len: 2_048,
+            chunked_prefill: true,
+            watermark: 0.01,
+            prefix_caching: true,
+            prefix_hash_tokens: 128,
+            time: TimeModel {
+                base_us: 6_645.5,
+                per_prefill_token_us: 5.5,
+                per_decode_seq_us: 502.3,
+                per_kv_token_us: 0.0,
+            },
+            max_loaded_models: 0,
+            swap_us: 0,
+        }
+    }
+
     /// A small, quick profile for tests: 64 blocks of 16 tokens, 1 ms iterations plus small terms.
     pub fn fast() -> GpuProfile {
         GpuProfile {
@@ -315,6 +354,8 @@ mod tests {
             assert_eq!(p.name, n);
         }
         assert_eq!(GpuProfile::llama2_7b_a10g().kv_tokens(), 10_000);
+        // vLLM's log for the tier's 256 MiB: "KV cache size: 131,072 tokens".
+        assert_eq!(GpuProfile::vllm_cpu_tiny().kv_tokens(), 131_072);
         assert!(GpuProfile::by_name("nope").is_none());
     }
 
