@@ -78,10 +78,10 @@ pub struct Deadline {
 #[derive(Clone, Debug, PartialEq)]
 pub enum ToScheduler {
     /// Queue this request (the worker that holds its paused stream is
-    /// `req >> 32`). `band` is a criticality code; `max_tokens` 0 is "not given".
+    /// `req >> 32`). `max_tokens` 0 is "not given".
     Enqueue {
         req: RequestId,
-        band: u8,
+        band: Criticality,
         input_tokens: u32,
         max_tokens: u32,
         arrival_ms: u64,
@@ -107,8 +107,8 @@ pub enum ToScheduler {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Charge {
     pub req: RequestId,
-    /// Its band's code.
-    pub band: u8,
+    /// Its band.
+    pub band: Criticality,
     /// Its tenant (a report for a request the scheduler does not know to
     /// run is charged to it; empty: to nobody).
     pub tenant: String,
@@ -169,6 +169,11 @@ impl<'a> Reader<'a> {
         self.0 = rest;
         Some(*head)
     }
+    /// A band's code; `None` for a code no sluice worker writes.
+    fn band(&mut self) -> Option<Criticality> {
+        Criticality::ALL.get(usize::from(self.u8()?)).copied()
+    }
+
     fn u8(&mut self) -> Option<u8> {
         self.take::<1>().map(|b| b[0])
     }
@@ -228,7 +233,7 @@ impl ToScheduler {
             ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline, route, tenant } => {
                 b.push(1);
                 b.extend_from_slice(&req.0.to_le_bytes());
-                b.push(*band);
+                b.push(band_code(*band));
                 b.extend_from_slice(&input_tokens.to_le_bytes());
                 b.extend_from_slice(&max_tokens.to_le_bytes());
                 b.extend_from_slice(&arrival_ms.to_le_bytes());
@@ -262,7 +267,7 @@ impl ToScheduler {
                 // Tag, request, band, flags; the bypass if flagged; the output; the tenant.
                 b.push(3);
                 b.extend_from_slice(&c.req.0.to_le_bytes());
-                b.push(c.band);
+                b.push(band_code(c.band));
                 let flags = if c.dispatched.is_some() { CHARGE_DISPATCHED } else { 0 }
                     | if c.done.is_some() { CHARGE_DONE } else { 0 };
                 b.push(flags);
@@ -289,7 +294,7 @@ impl ToScheduler {
         match r.u8()? {
             1 => Some(ToScheduler::Enqueue {
                 req: r.req()?,
-                band: r.u8()?,
+                band: r.band()?,
                 input_tokens: r.u32()?,
                 max_tokens: r.u32()?,
                 arrival_ms: r.u64()?,
@@ -306,7 +311,7 @@ impl ToScheduler {
                 r.0.is_empty().then_some(ToScheduler::Cancel { req })
             }
             3 => {
-                let (req, band, flags) = (r.req()?, r.u8()?, r.u8()?);
+                let (req, band, flags) = (r.req()?, r.band()?, r.u8()?);
                 if flags & !(CHARGE_DISPATCHED | CHARGE_DONE) != 0 {
                     return None;
                 }
@@ -421,7 +426,7 @@ mod tests {
         done: Option<Done>,
     ) -> ToScheduler {
         let output = Output { tokens, first_token_ms: first };
-        ToScheduler::Charge(Charge { req: RequestId(req), band: 1, tenant: "t".into(), dispatched, output, done })
+        ToScheduler::Charge(Charge { req: RequestId(req), band: Criticality::Standard, tenant: "t".into(), dispatched, output, done })
     }
 
     #[test]
@@ -429,7 +434,7 @@ mod tests {
         let to_sched = [
             ToScheduler::Enqueue {
                 req: RequestId(u64::MAX - 1),
-                band: 2,
+                band: Criticality::Sheddable,
                 input_tokens: 17,
                 max_tokens: 256,
                 arrival_ms: 1_700_000_000_123,
@@ -439,7 +444,7 @@ mod tests {
             },
             ToScheduler::Enqueue {
                 req: RequestId(0),
-                band: 0,
+                band: Criticality::Critical,
                 input_tokens: 0,
                 max_tokens: 0,
                 arrival_ms: 0,

@@ -29,7 +29,7 @@ use crate::outcome::Outcome;
 use crate::shared;
 use crate::slo::SloOrder;
 use crate::wire::{
-    band_code, band_of_code, worker_of, Charge, Deadline, Dispatched, Done, RequestId, RouteInfo, ToScheduler, ToWorker,
+    band_code, worker_of, Charge, Deadline, Dispatched, Done, RequestId, RouteInfo, ToScheduler, ToWorker,
 };
 use hashbrown::HashMap;
 use replicas::Replicas;
@@ -250,7 +250,7 @@ impl Scheduler {
     pub fn on_message(&mut self, msg: ToScheduler, now_ms: u64, out: &mut Vec<(u32, ToWorker)>) {
         match msg {
             ToScheduler::Enqueue { req, band, input_tokens, max_tokens, arrival_ms, deadline, route, tenant } => {
-                let (req, band) = (req.0, band_of_code(band));
+                let req = req.0;
                 let r = Enqueued { req, band, input_tokens, max_tokens, arrival_ms, deadline };
                 self.enqueue(r, route, tenant, now_ms, out)
             }
@@ -269,7 +269,7 @@ impl Scheduler {
         let (band, flow) = match self.running.get(&req) {
             Some(known) => (known.band, known.flow),
             None if tenant.is_empty() => return, // no longer running, and no tenant to charge
-            None => (band_of_code(band), self.queue.flow_id(&tenant)),
+            None => (band, self.queue.flow_id(&tenant)),
         };
         let bypassed = dispatched.is_some();
         if let Some(Dispatched { input_tokens, max_tokens, model }) = dispatched {

@@ -9,7 +9,7 @@ fn cfg(policy: &str, extra: &str) -> Config {
 fn enqueue_in(band: Criticality, worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
     ToScheduler::Enqueue {
         req: RequestId::new(worker, ctx),
-        band: band_code(band),
+        band,
         input_tokens: 100,
         max_tokens: 100,
         arrival_ms: t,
@@ -25,11 +25,11 @@ fn enqueue(worker: u32, ctx: u32, tenant: &str, t: u64) -> ToScheduler {
 
 /// A report of request `req` of `tenant`: a bypass with `input_tokens` (if any), then output, then its end.
 fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
-    charge_in(1, req, tenant, input_tokens, output_tokens, done)
+    charge_in(Criticality::Standard, req, tenant, input_tokens, output_tokens, done)
 }
 
 /// [`charge`] in band `band`.
-fn charge_in(band: u8, req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
+fn charge_in(band: Criticality, req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
     let dispatched = (input_tokens > 0).then(|| Dispatched { input_tokens, max_tokens: 0, model: String::new() });
     let output = Output { tokens: output_tokens, first_token_ms: None };
     ToScheduler::Charge(Charge {
@@ -528,7 +528,7 @@ fn counters_round_trip_through_the_shards() {
     let mut old = Scheduler::new(&c);
     let mut out = Vec::new();
     for (i, name) in ["a", "b", "c", "\u{e9}t\u{e9}", "x y"].iter().enumerate() {
-        let band = [0u8, 1, 2, 1, 1][i];
+        let band = Criticality::ALL[[0, 1, 2, 1, 1][i]];
         let m = charge_in(band, i as u64, name, 10 * (i as u32 + 1), 3, true);
         old.on_message(m, 0, &mut out);
     }
@@ -746,7 +746,7 @@ fn vtc_shares_of_backlogged_tenants_are_unchanged_by_churning_tenants() {
 fn enqueue_slo(ctx: u32, tenant: &str, now: u64, ttft_ms: u32, max_tokens: u32) -> ToScheduler {
     ToScheduler::Enqueue {
         req: RequestId(ctx as u64),
-        band: band_code(Criticality::Standard),
+        band: Criticality::Standard,
         input_tokens: 100,
         max_tokens,
         arrival_ms: now,
@@ -771,7 +771,7 @@ fn warm_up(s: &mut Scheduler, n: u32) -> u64 {
         let req = RequestId(10_000 + i as u64);
         let done = ToScheduler::Charge(Charge {
             req,
-            band: 1,
+            band: Criticality::Standard,
             tenant: "warm".into(),
             dispatched: None,
             output,
@@ -945,7 +945,7 @@ fn a_bypass_is_told_by_its_event_not_by_its_input_tokens() {
     let mut out = Vec::new();
     let dispatched = Some(Dispatched::default());
     let c =
-        Charge { req: RequestId(7), band: 1, tenant: "a".into(), dispatched, output: Output::default(), done: None };
+        Charge { req: RequestId(7), band: Criticality::Standard, tenant: "a".into(), dispatched, output: Output::default(), done: None };
     s.on_message(ToScheduler::Charge(c), 0, &mut out);
     assert_eq!(s.running(), 1, "an empty prompt's bypass runs all the same");
     s.on_message(charge(7, "a", 0, 3, true), 1, &mut out);
@@ -964,7 +964,7 @@ fn the_engines_prompt_count_replaces_the_estimate_charged_at_dispatch() {
     assert_eq!(counter(&s), Some(10.0));
     let output = Output { tokens: 5, first_token_ms: None };
     let done = Some(Done { prompt_tokens: Some(1000) });
-    let end = Charge { req: RequestId(1), band: 1, tenant: "a".into(), dispatched: None, output, done };
+    let end = Charge { req: RequestId(1), band: Criticality::Standard, tenant: "a".into(), dispatched: None, output, done };
     s.on_message(ToScheduler::Charge(end), 1, &mut out);
     assert_eq!(counter(&s), Some(1000.0 + 2.0 * 5.0), "charged as if counted right at dispatch");
     assert!(s.running.is_empty());

@@ -18,7 +18,6 @@ use crate::replicas;
 use crate::scheduler::Slot;
 use crate::shared::{self, Permit};
 use crate::slo::SloHeaders;
-use crate::wire::{band_code, band_of_code};
 use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Done, Output, RequestId, ToScheduler, ToWorker};
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
@@ -49,7 +48,7 @@ pub(super) enum Stream {
     /// prefill yet; see [`sluice_policies::capacity`]).
     Dispatched {
         tenant: String,
-        band: u8,
+        band: Criticality,
         permit: Permit,
         sent_ms: u64,
         first_seen: bool,
@@ -75,7 +74,7 @@ struct Sent {
 
 impl Stream {
     /// The entry of a request sent to a backend on `permit`.
-    fn dispatched(tenant: String, band: u8, permit: Permit, sent: Sent, prompt_tokens: u32) -> Stream {
+    fn dispatched(tenant: String, band: Criticality, permit: Permit, sent: Sent, prompt_tokens: u32) -> Stream {
         Stream::Dispatched {
             tenant,
             band,
@@ -242,7 +241,6 @@ impl Streams {
             }
         }
         let req_id = hub.env.request_id(ctx);
-        let band = band_code(band);
         if may_bypass {
             let held = if hub.env.cfg.replicas.is_some() { replicas::held_for(&hub.env.host, &tenant) } else { 0 };
             self.keep_alive(&hub.env, hub.lease_ms);
@@ -735,9 +733,9 @@ impl Streams {
 /// server's priority, when `engine_priority` is configured; whatever the
 /// client put in that field is overwritten. Called as the request leaves
 /// the gateway (bypass or dispatch), before it is resumed.
-fn write_engine_priority<H: Host>(env: &Env<H>, ctx: u32, band: u8) {
+fn write_engine_priority<H: Host>(env: &Env<H>, ctx: u32, band: Criticality) {
     let Some(p) = &env.cfg.engine_priority else { return };
-    let (field, value) = (p.field.as_str(), p.value(band_of_code(band)));
+    let (field, value) = (p.field.as_str(), p.value(band));
     if !env.host.edit_request_body(ctx, &|body| openai::set_top_level_int(body, field, value)) {
         log::warn!("could not write the engine priority into the body of stream {ctx}");
     }

@@ -379,7 +379,7 @@ fn the_charges_of_one_request_fold_until_it_ends() {
         let output = Output { tokens: output, first_token_ms: first };
         ToScheduler::Charge(Charge {
             req: RequestId(req),
-            band: 1,
+            band: Criticality::Standard,
             tenant: "t".into(),
             dispatched,
             output,
