@@ -488,22 +488,23 @@ impl Sim {
         self.records()
     }
 
+    /// Runs the next event if it is due by virtual time `t`; `false` when none is.
+    fn step_until(&mut self, t: u64) -> bool {
+        if !matches!(self.heap.peek(), Some(Reverse(s)) if s.at <= t) {
+            return false;
+        }
+        let Reverse(s) = self.heap.pop().expect("peeked");
+        self.now = s.at;
+        self.set_now(self.now);
+        self.events_run += 1;
+        self.dispatch(s.ev);
+        true
+    }
+
     /// Runs events up to virtual time `t` (inclusive), or until all requests have ended.
     pub fn run_until(&mut self, t: u64) {
         let horizon = self.cfg.horizon_us.unwrap_or(u64::MAX).min(t);
-        while self.open > 0 {
-            let Some(Reverse(s)) = self.heap.peek() else {
-                break;
-            };
-            if s.at > horizon {
-                break;
-            }
-            let Reverse(s) = self.heap.pop().expect("peeked");
-            self.now = s.at;
-            self.set_now(self.now);
-            self.events_run += 1;
-            self.dispatch(s.ev);
-        }
+        while self.open > 0 && self.step_until(horizon) {}
         if horizon < u64::MAX && self.now < horizon && self.open > 0 {
             self.now = horizon;
             self.set_now(horizon);
@@ -512,16 +513,7 @@ impl Sim {
 
     /// Runs events (ticks included) up to virtual time `t` even when no request is open.
     pub fn run_idle_until(&mut self, t: u64) {
-        while let Some(Reverse(s)) = self.heap.peek() {
-            if s.at > t {
-                break;
-            }
-            let Reverse(s) = self.heap.pop().expect("peeked");
-            self.now = s.at;
-            self.set_now(self.now);
-            self.events_run += 1;
-            self.dispatch(s.ev);
-        }
+        while self.step_until(t) {}
         self.now = self.now.max(t);
         self.set_now(self.now);
     }
