@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import time
@@ -146,9 +145,7 @@ def main() -> None:
     a = p.parse_args()
     harness.exit_on_sigterm()
     build_model.build(harness.MODEL_DIR)
-    git = lambda *c: subprocess.run(["git", *c], cwd=harness.REPO, capture_output=True, text=True).stdout.strip()
-    print(f"commit {git('rev-parse', '--short', 'HEAD')}; {os.cpu_count()} CPUs; load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; {vars(a)}", flush=True)
+    harness.print_run_header(str(vars(a)))
     # The chat template adds 15 tokens to this tokenizer's count of the text (measured: 64 → 79).
     prompt = loadgen.prompt_of(a.prompt_tokens - 15)
     if a.real_json:  # a saved real side (its own run's arguments must match)

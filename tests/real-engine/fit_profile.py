@@ -112,9 +112,7 @@ def main() -> None:
     a = p.parse_args()
     harness.exit_on_sigterm()
     build_model.build(harness.MODEL_DIR)
-    git = lambda *c: subprocess.run(["git", *c], cwd=harness.REPO, capture_output=True, text=True).stdout.strip()
-    print(f"commit {git('rev-parse', '--short', 'HEAD')}; {os.cpu_count()} CPUs; load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    harness.print_run_header("fitting the step times")
     engines = [harness.start_vllm(f"fit-vllm-{n}") for n in ("a", "b")]
     short = loadgen.prompt_of(8)
     long_ = loadgen.prompt_of(LONG_PROMPT)

@@ -160,6 +160,14 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def print_run_header(what: str) -> None:
+    """Prints the commit, the CPUs and the load average before a measurement, with `what` it
+    measures: figures on a shared 2-core machine are read with the load beside them."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"commit {head.stdout.strip()}; {os.cpu_count()} CPUs; load average {load}; {what}", flush=True)
+
+
 def wait_for(check, timeout_s: float, what: str, proc: Process | None = None, every_s: float = 0.2):
     """Polls `check()` until it returns a truthy value, which is returned; fails after `timeout_s`
     or as soon as `proc` exits."""

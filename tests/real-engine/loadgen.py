@@ -212,10 +212,8 @@ def main() -> None:
     a = p.parse_args()
     harness.exit_on_sigterm()
     build_model.build(harness.MODEL_DIR)
-    git = lambda *c: subprocess.run(["git", *c], cwd=harness.REPO, capture_output=True, text=True).stdout.strip()
-    print(f"commit {git('rev-parse', '--short', 'HEAD')}; {os.cpu_count()} CPUs; load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; rate {a.rate:g}/s for {a.duration:g} s, "
-          f"{a.prompt_tokens} prompt tokens, {a.output_tokens} output tokens", flush=True)
+    harness.print_run_header(f"rate {a.rate:g}/s for {a.duration:g} s, {a.prompt_tokens} prompt tokens, "
+                             f"{a.output_tokens} output tokens")
     servers = [harness.start_vllm(f"loadgen-vllm-{n}") for n in ("a", "b")]
     envoy = None
     rows: list[tuple[str, Headline]] = []
