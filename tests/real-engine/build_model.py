@@ -15,10 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-# Training text: the repository's prose and the policies' sources, a fixed list so the tokenizer
-# does not change when unrelated files are added. Order matters for determinism.
-TRAINING_FILES = ["README.md", "ARCHITECTURE.md", "envoy/README.md", "policies/src/alloc.rs", "filter/src/openai.rs"]
+# Training text: copies of the repository's prose and two sources as they were on 2026-11-26, kept
+# in tests/real-engine/tokenizer-corpus/ so that editing (or moving) those files never changes the
+# tokenizer, and with it the prompt counts the tests expect. Read in name order, for determinism.
+CORPUS = Path(__file__).resolve().parent / "tokenizer-corpus"
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, referenced by config.json
 MAX_MODEL_LEN = 2048
@@ -53,7 +53,10 @@ CHAT_TEMPLATE = (
 
 
 def training_text() -> list[str]:
-    return [(REPO / f).read_text(encoding="utf-8") for f in TRAINING_FILES]
+    files = sorted(CORPUS.glob("*.txt"))
+    if not files:
+        sys.exit(f"build_model: no training text in {CORPUS}")
+    return [f.read_text(encoding="utf-8") for f in files]
 
 
 def build(out: Path) -> None:
