@@ -1,7 +1,7 @@
 """Measures where the filter's token accounting departs from real vLLM (docs/real-engine.md,
 "What the filter gets wrong"). Not a test: it prints figures. Starts one vLLM server itself.
 
-The filter's rules, restated from filter/src/openai.rs: a prompt costs ceil(bytes / 4) tokens,
+The filter's rules, restated from filter/src/openai/request.rs: a prompt costs ceil(bytes / 4) tokens,
 bytes being those of every message `content` / part `text` string, or of `prompt` (a token-id
 array counts 0 bytes); a streamed response counts one token per SSE `data:` event whose choice
 carries non-empty text, unless a final `usage.completion_tokens` corrects it.
