@@ -62,6 +62,7 @@ def sim_scenario(a, prompt_tokens: int) -> dict:
 def run_sim(a, prompt_tokens: int) -> dict:
     if not SIM_BIN.exists():
         raise FileNotFoundError(f"{SIM_BIN} is missing: cargo build --release -p sluice-host-sim --bin sluice-sim")
+    harness.WORK.mkdir(parents=True, exist_ok=True)  # run alone (or first), nothing made it yet
     scen = harness.WORK / "fidelity-scenario.json"
     out = harness.WORK / "fidelity-sim.json"
     scen.write_text(json.dumps(sim_scenario(a, prompt_tokens), indent=1))
