@@ -117,7 +117,12 @@ impl SaturationThresholds {
             Some(_) if e.age_ms > self.staleness_ms => true,
             Some(_) => {
                 let p = e.predicted();
-                p.waiting / self.queue_depth >= 1.0 || p.kv_usage / self.kv_cache_util >= 1.0
+                // Full KV holds the batch at the page's size rather than letting it shrink: a
+                // request that finished since the page may be replaced (a new one holds less
+                // KV than the one that left). Waiting for usage under the threshold instead
+                // let a KV-bound engine drain by ~10 requests and refill in a burst.
+                let kv_full = p.kv_usage / self.kv_cache_util >= 1.0 && e.since_scrape() >= 0.0;
+                p.waiting / self.queue_depth >= 1.0 || kv_full
             }
         }
     }
@@ -339,6 +344,15 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert!(t.saturated(&EndpointView { in_flight: 4, ..view(&short, 0) }));
         // ...and empties with what finished.
         assert!(!t.saturated(&EndpointView { in_flight_at_scrape: 3, ..view(&queued, 0) }));
+        // Full KV holds the batch at the page's size: what finished since may be replaced, no more.
+        let kv_bound = m(0.0, 0.95);
+        let kv = |in_flight, in_flight_at_scrape| EndpointView { in_flight, in_flight_at_scrape, ..view(&kv_bound, 0) };
+        assert!(t.saturated(&kv(6, 6)), "nothing finished");
+        assert!(!t.saturated(&kv(5, 6)), "one finished: replace it");
+        assert!(t.saturated(&kv(7, 6)), "one sent since");
+        // A queue over its depth is not replaced into.
+        let kv_queued = m(6.0, 0.95);
+        assert!(t.saturated(&EndpointView { in_flight: 5, in_flight_at_scrape: 6, ..view(&kv_queued, 0) }));
     }
 
     #[test]

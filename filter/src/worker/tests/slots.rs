@@ -66,6 +66,27 @@ fn a_queued_request_is_routed_when_it_is_dispatched_not_when_it_is_queued() {
 }
 
 #[test]
+fn a_full_kv_cache_lets_a_finished_request_be_replaced_but_not_the_batch_grow() {
+    let p = Rc::new(Process::default());
+    let mut w = vm(&p, 1, scraping(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+    scrape(&mut w, 50, |_| vllm(0, 0, 0.1));
+    for ctx in 1..=3 {
+        assert_eq!(endpoint_of(admit_route(&mut w, 60, ctx, &[])), 0);
+    }
+    // The page: no queue, but KV over the threshold with 55 running (other clients' too).
+    scrape(&mut w, 100, |_| vllm(0, 55, 0.95));
+    assert_eq!(admit_route(&mut w, 110, 4, &[]), Admission::Queued, "the batch does not grow");
+    w.on_queue_ready(110, queue_id(&p, SCHEDULER_QUEUE));
+    // One finishes: KV is still predicted over the threshold (54 of 55), but the one
+    // that left may be replaced, at once rather than when usage falls under 0.8.
+    w.at(120).finish(1, Ended::default());
+    w.on_queue_ready(120, queue_id(&p, SCHEDULER_QUEUE));
+    w.on_queue_ready(120, queue_id(&p, "sluice.worker.1"));
+    assert_eq!(*p.resumed.borrow(), vec![(1, 4, "127.0.0.1:1".to_string())]);
+    assert_eq!(admit_route(&mut w, 130, 5, &[]), Admission::Queued, "and no more");
+}
+
+#[test]
 fn prefix_entries_are_speculative_until_the_first_token_confirms_them() {
     let p = Rc::new(Process::default());
     let cfg = || scraping(serde_json::json!({"routing": {"scrape_cluster": "c", "speculative_ttl_ms": 100}}));
