@@ -36,6 +36,10 @@ struct Cli {
     /// Only the workloads whose name contains this.
     #[arg(long)]
     only: Option<String>,
+    /// Also run the floods' FCFS/VTC comparison with seeds 2 to this, and add the spread of the
+    /// ratio over seeds 1 to this: one seed's ratio is one arrival pattern's.
+    #[arg(long, default_value_t = 1)]
+    seeds: u64,
 }
 
 /// A workload on a pool.
@@ -128,13 +132,17 @@ impl Row {
 }
 
 fn run(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &[u8]) -> Result<Row> {
+    run_seed(case, policy, overrides, wasm, floor, 1)
+}
+
+fn run_seed(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &[u8], seed: u64) -> Result<Row> {
     let mut filter = json!({"policy": policy, "queue_ttl_ms": 30_000});
     if let Some(o) = overrides {
         let o: Value = serde_json::from_str(o).expect("valid override");
         filter.as_object_mut().expect("object").extend(o.as_object().expect("object").clone());
     }
     let sc = json!({
-        "seed": 1,
+        "seed": seed,
         "workers": 2,
         "filter_config": filter,
         "backends": {"count": case.backends, "profile": case.profile},
@@ -200,7 +208,16 @@ fn main() -> Result<()> {
             print!("{}", line.markdown_rows());
             if case.name == "flood" && overrides.is_some() {
                 let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
-                fairness.push((pool.clone(), label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s()));
+                let mut ratios = vec![fcfs.modest_ttft_p50_s() / r.modest_ttft_p50_s()];
+                for seed in 2..=cli.seeds {
+                    eprintln!("{} on {pool}: {label}, seed {seed}", case.name);
+                    let p50 = |policy| {
+                        run_seed(&case, policy, overrides, &wasm, &floor, seed).map(|r| r.modest_ttft_p50_s())
+                    };
+                    ratios.push(p50("fcfs")? / p50("vtc")?);
+                }
+                ratios.sort_by(f64::total_cmp);
+                fairness.push((pool.clone(), label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s(), ratios));
             }
             if case.name == "arena" && overrides.is_some() {
                 let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
@@ -210,21 +227,27 @@ fn main() -> Result<()> {
         }
     }
     if !fairness.is_empty() {
-        let mut t = Table::with_columns([
-            "flood on",
-            "configuration",
-            "output tok/s (vtc)",
-            "modest TTFT p50 fcfs → vtc",
-            "ratio",
-        ]);
-        for (pool, label, tps, fcfs, vtc) in fairness {
-            t.row([
+        let mut columns: Vec<String> =
+            ["flood on", "configuration", "output tok/s (vtc)", "modest TTFT p50 fcfs → vtc", "ratio"]
+                .map(String::from)
+                .into();
+        if cli.seeds > 1 {
+            columns.push(format!("ratio, seeds 1–{}: min / median / max", cli.seeds));
+        }
+        let mut t = Table::with_columns(columns);
+        for (pool, label, tps, fcfs, vtc, ratios) in fairness {
+            let mut row = vec![
                 pool,
                 label.to_string(),
                 format!("{tps:.0}"),
                 format!("{fcfs:.2} s → {vtc:.2} s"),
                 format!("{:.1}×", fcfs / vtc),
-            ]);
+            ];
+            if cli.seeds > 1 {
+                let (min, med, max) = (ratios[0], ratios[ratios.len() / 2], ratios[ratios.len() - 1]);
+                row.push(format!("{min:.1}× / {med:.1}× / {max:.1}×"));
+            }
+            t.row(row);
         }
         print!("\n{}", t.markdown());
     }
