@@ -177,10 +177,14 @@ async fn run(args: Args) -> Result<()> {
     let backends = Backends::start(BackendOptions { instant: true, ..BackendOptions::new(1) }).await?;
     let endpoint = backends.endpoints()[0].clone();
     // A watermark far above the load keeps every request on the bypass path.
-    let pc = with_overrides(
+    let mut pc = with_overrides(
         default_plugin_config(std::slice::from_ref(&endpoint), "vtc"),
-        json!({"watermark_per_backend": 10_000, "learned_limit": null}),
+        json!({"watermark_per_backend": 10_000}),
     );
+    // No learned limit: `null` turns learning off (`with_overrides` takes a `null` for "remove the
+    // key", which left the default, learning, on: at 16 clients the limit it learned from the
+    // instant backend queued the requests and the run stopped).
+    pc["learned_limit"] = serde_json::Value::Null;
     // The instant backend answers one token whatever max_tokens says.
     let mut req = ChatRequest::chat(Some("bench"), 1);
     req.stream = !args.no_stream;
