@@ -359,10 +359,10 @@ mod tests {
             format!(r#"{{"a":"\"usage\":{{}}","b":[{{"usage":{{"completion_tokens":1}}}}],"usage":{usage}}}"#),
             format!(r#"{{"a":"\\","usage":{usage}}}"#),
             format!(r#"{{"nested":{{"usage":{usage}}}}}"#),
-            format!(r#"{{"choices":[{{"text":"usage"}}],"usage":null}}"#),
-            format!(r#"{{"x":{{"y":[1,{{"z":"}}]"}}]}},"usage":{{"completion_tokens":3}}}}"#),
+            r#"{"choices":[{"text":"usage"}],"usage":null}"#.to_string(),
+            r#"{"x":{"y":[1,{"z":"}]"}]},"usage":{"completion_tokens":3}}"#.to_string(),
             format!(r#"["usage",{usage}]"#),
-            format!(r#"{{"usage":{{"completion_tokens":99999999999}}}}"#),
+            r#"{"usage":{"completion_tokens":99999999999}}"#.to_string(),
         ];
         for d in &docs {
             assert_eq!(parse_usage(d.as_bytes()), tree(d.as_bytes()), "{d}");

@@ -291,7 +291,8 @@ fn print_cell(c: &Cell) {
         );
     }
     if let Some(counts) = &c.counts {
-        let each: Vec<String> = BENCH_COUNTS.iter().zip(counts).map(|((_, what), n)| format!("{what} {n:.2}")).collect();
+        let each: Vec<String> =
+            BENCH_COUNTS.iter().zip(counts).map(|((_, what), n)| format!("{what} {n:.2}")).collect();
         println!("sluice per request (ticks included): {}", each.join(", "));
     }
 }
