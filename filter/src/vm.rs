@@ -49,14 +49,73 @@ struct ProxyHost {
     root: u32,
     /// Metric ids, by [`Metric::index`].
     metrics: Vec<u32>,
+    /// What the benchmark counts (`bench` feature only).
+    #[cfg(feature = "bench")]
+    counts: bench::Counts,
 }
 
 impl Store for ProxyHost {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        #[cfg(feature = "bench")]
+        self.counts.count(bench::SHARED_GETS);
         hostcalls::get_shared_data(key).unwrap_or((None, None))
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
-        hostcalls::set_shared_data(key, Some(value), cas).is_ok()
+        let r = hostcalls::set_shared_data(key, Some(value), cas);
+        #[cfg(feature = "bench")]
+        {
+            self.counts.count(bench::SHARED_SETS);
+            if matches!(r, Err(proxy_wasm::types::Status::CasMismatch)) {
+                self.counts.count(bench::CAS_CONFLICTS);
+            }
+        }
+        r.is_ok()
+    }
+}
+
+/// Counts for `sluice-bench-bypass` (`--features bench`, never in the shipped filter): shared-data
+/// reads and writes, compare-and-swap conflicts and messages to shared queues, kept in the VM and
+/// added to `sluice_bench_*` counters on each tick; the benchmark divides them by the requests.
+#[cfg(feature = "bench")]
+mod bench {
+    use proxy_wasm::hostcalls;
+    use proxy_wasm::types::MetricType;
+    use std::cell::Cell;
+
+    pub const SHARED_GETS: usize = 0;
+    pub const SHARED_SETS: usize = 1;
+    pub const CAS_CONFLICTS: usize = 2;
+    pub const QUEUE_MESSAGES: usize = 3;
+    const NAMES: [&str; 4] = [
+        "sluice_bench_shared_gets",
+        "sluice_bench_shared_sets",
+        "sluice_bench_cas_conflicts",
+        "sluice_bench_queue_messages",
+    ];
+
+    #[derive(Default)]
+    pub struct Counts {
+        ids: Vec<u32>,
+        n: [Cell<u64>; 4],
+    }
+
+    impl Counts {
+        pub fn define() -> Counts {
+            let ids =
+                NAMES.iter().filter_map(|name| hostcalls::define_metric(MetricType::Counter, name).ok()).collect();
+            Counts { ids, ..Default::default() }
+        }
+        pub fn count(&self, what: usize) {
+            self.n[what].set(self.n[what].get() + 1);
+        }
+        pub fn flush(&self) {
+            for (id, n) in self.ids.iter().zip(&self.n) {
+                let k = n.take();
+                if k > 0 {
+                    let _ = hostcalls::increment_metric(*id, k as i64);
+                }
+            }
+        }
     }
 }
 
@@ -68,6 +127,8 @@ impl Host for ProxyHost {
         hostcalls::register_shared_queue(name).ok()
     }
     fn enqueue(&self, queue: u32, bytes: &[u8]) -> bool {
+        #[cfg(feature = "bench")]
+        self.counts.count(bench::QUEUE_MESSAGES);
         hostcalls::enqueue_shared_queue(queue, Some(bytes)).is_ok()
     }
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
@@ -172,7 +233,13 @@ impl RootContext for Root {
         }
         let vm_id = self.get_property(vec!["plugin_vm_id"]).and_then(|b| String::from_utf8(b).ok()).unwrap_or_default();
         let tick = Duration::from_millis(cfg.tick_ms);
-        let host = ProxyHost { vm_id, root: self.id, metrics };
+        let host = ProxyHost {
+            vm_id,
+            root: self.id,
+            metrics,
+            #[cfg(feature = "bench")]
+            counts: bench::Counts::define(),
+        };
         match Worker::new(cfg, host, now_ms()) {
             Ok(vm) => {
                 self.vm = Some(Rc::new(RefCell::new(vm)));
@@ -189,6 +256,8 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(vm) = &self.vm {
             vm.borrow_mut().on_tick(now_ms());
+            #[cfg(feature = "bench")]
+            vm.borrow().host().counts.flush();
         }
     }
 

@@ -27,6 +27,10 @@ fn a_bypassed_request_takes_its_slot_with_shared_data_alone_and_charges_in_tick_
     assert!(per_request <= 7.5, "shared-data calls per request: {per_request} ({t:?})");
     // Charges wait for the tick (50 ms = 125 requests here) and go as one message.
     assert!(calls("proxy_enqueue_shared_queue") * 50 <= n, "{t:?}");
+    // Stats are kept in the worker and flushed on the tick (issue 24): they were nine host calls
+    // a request (seven counters, the stock gauge twice).
+    let stats = calls("proxy_increment_metric") + calls("proxy_record_metric");
+    assert!(stats * 10 <= n, "stats calls: {stats} for {n} requests ({t:?})");
     // Nothing is logged on the bypass path (the first tick logs the lease).
     assert!(calls("proxy_log") <= 2, "{t:?}");
 }

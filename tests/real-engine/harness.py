@@ -334,7 +334,9 @@ class Envoy:
         return f"http://127.0.0.1:{self.port}"
 
     def stats(self) -> dict[str, float]:
-        """The filter's stats by short name (`sluice_scrapes_ok`), from Envoy's admin."""
+        """The filter's stats by short name (`sluice_scrapes_ok`), from Envoy's admin, read a few
+        ticks after the call: each worker flushes its counters and `sluice_stock` on its tick."""
+        time.sleep(0.2)
         r = httpx.get(f"http://127.0.0.1:{self.admin_port}/stats/prometheus", timeout=10)
         r.raise_for_status()
         return {k.removeprefix("envoy_wasmcustom_"): v for k, v in parse_prometheus(r.text).items()}

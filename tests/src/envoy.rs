@@ -10,6 +10,9 @@ use std::net::{SocketAddr, TcpListener};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// How long [`Envoy::stats`] waits before it reads: four of the harness's 50 ms ticks.
+const STATS_SETTLE: Duration = Duration::from_millis(200);
+
 /// A loopback port that was free a moment ago (the caller retries if it is taken by the time it binds).
 pub fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral loopback port")?;
@@ -200,8 +203,11 @@ impl Envoy {
         }
     }
 
-    /// One scrape of `/stats/prometheus`.
+    /// One scrape of `/stats/prometheus`, a few of the filter's ticks after the call: the filter
+    /// keeps its counters and stock gauge in each worker and flushes them on the tick (issue 24),
+    /// so what happened before the call is counted exactly only after one.
     pub async fn stats(&self) -> Result<Stats> {
+        tokio::time::sleep(STATS_SETTLE).await;
         let (status, body) = raw_http::get(self.admin, "/stats/prometheus").await?;
         if status != 200 {
             bail!("admin /stats/prometheus answered {status}");

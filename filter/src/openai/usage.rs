@@ -119,21 +119,91 @@ fn usage_in(json: &[u8]) -> Option<Usage> {
     parse_usage(json)
 }
 
-/// `usage.completion_tokens` and `usage.prompt_tokens` of a JSON document, parsed.
+/// `usage.completion_tokens` and `usage.prompt_tokens` of a JSON document. Only the `usage`
+/// object is parsed: the scan that finds it skips the rest (a chunk's id, model and choices)
+/// without validating it, which cost more than the rest of a bypassed request's response.
 fn parse_usage(json: &[u8]) -> Option<Usage> {
-    // Only those two are read; serde skips the rest without building it.
-    #[derive(serde::Deserialize)]
-    struct Chunk {
-        usage: Option<Raw>,
-    }
     #[derive(serde::Deserialize)]
     struct Raw {
         completion_tokens: Option<u64>,
         prompt_tokens: Option<u64>,
     }
-    let u = serde_json::from_slice::<Chunk>(json).ok()?.usage?;
+    // One value from where `usage`'s starts; what follows it is not read.
+    let mut de = serde_json::Deserializer::from_slice(top_level_member(json, b"usage")?);
+    let u = <Raw as serde::Deserialize>::deserialize(&mut de).ok()?;
     let clamp = |n: u64| n.min(u32::MAX as u64) as u32;
     Some(Usage { completion: u.completion_tokens.map(clamp), prompt: u.prompt_tokens.map(clamp) })
+}
+
+/// Where the value of member `key` of the JSON object `json` starts (the rest of `json` from
+/// there), found by a scan that jumps over strings and counts brackets: `None` when `json` is not
+/// an object or `key` is not one of its own members (a nested `usage` is not). Not a validator:
+/// the caller parses the value, and serde refuses a malformed one.
+fn top_level_member<'a>(json: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
+    let skip_ws = |mut i: usize| {
+        while json.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
+            i += 1;
+        }
+        i
+    };
+    let mut i = skip_ws(0);
+    if json.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    // Nesting at `i`, and whether the next string at the top level is a member's name.
+    let (mut depth, mut name_next) = (1usize, true);
+    while let Some(&b) = json.get(i) {
+        match b {
+            b'"' => {
+                let end = string_end(json, i + 1)?;
+                if depth == 1 && name_next {
+                    let colon = skip_ws(end + 1);
+                    if json.get(colon) != Some(&b':') {
+                        return None;
+                    }
+                    let value = skip_ws(colon + 1);
+                    if &json[i + 1..end] == key {
+                        return Some(&json[value..]);
+                    }
+                    name_next = false;
+                    i = value;
+                    continue;
+                }
+                i = end + 1;
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                i += 1;
+            }
+            b'}' | b']' => {
+                depth -= 1;
+                if depth == 0 {
+                    return None;
+                }
+                i += 1;
+            }
+            b',' => {
+                name_next = depth == 1;
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// The index of the quote that closes the string whose contents start at `from`.
+fn string_end(json: &[u8], mut from: usize) -> Option<usize> {
+    loop {
+        let q = from + memchr(b'"', json.get(from..)?)?;
+        // Escaped when an odd number of backslashes precede it.
+        let backslashes = json[from..q].iter().rev().take_while(|&&b| b == b'\\').count();
+        if backslashes % 2 == 0 {
+            return Some(q);
+        }
+        from = q + 1;
+    }
 }
 
 /// One pass over an SSE chunk, which runs for every token: does it carry
@@ -270,6 +340,35 @@ mod tests {
         none.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n");
         none.finish();
         assert_eq!(none.prompt_tokens(), None, "no usage, nothing to correct");
+    }
+
+    /// The scan finds what parsing the whole document finds, for well-formed documents: the
+    /// top-level `usage` only, whatever strings, escapes and nesting come before it.
+    #[test]
+    fn usage_is_found_as_parsing_the_whole_chunk_finds_it() {
+        let tree = |json: &[u8]| -> Option<Usage> {
+            let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+            let u = v.as_object()?.get("usage")?.as_object()?;
+            let n = |k: &str| u.get(k).and_then(|x| x.as_u64()).map(|n| n.min(u32::MAX as u64) as u32);
+            Some(Usage { completion: n("completion_tokens"), prompt: n("prompt_tokens") })
+        };
+        let usage = r#"{"prompt_tokens":20,"completion_tokens":7,"total_tokens":27}"#;
+        let docs = [
+            format!(r#"{{"id":"x","choices":[],"usage":{usage}}}"#),
+            format!(r#" {{ "usage" : {usage} , "id":"y"}}"#),
+            format!(r#"{{"a":"\"usage\":{{}}","b":[{{"usage":{{"completion_tokens":1}}}}],"usage":{usage}}}"#),
+            format!(r#"{{"a":"\\","usage":{usage}}}"#),
+            format!(r#"{{"nested":{{"usage":{usage}}}}}"#),
+            r#"{"choices":[{"text":"usage"}],"usage":null}"#.to_string(),
+            r#"{"x":{"y":[1,{"z":"}]"}]},"usage":{"completion_tokens":3}}"#.to_string(),
+            format!(r#"["usage",{usage}]"#),
+            r#"{"usage":{"completion_tokens":99999999999}}"#.to_string(),
+        ];
+        for d in &docs {
+            assert_eq!(parse_usage(d.as_bytes()), tree(d.as_bytes()), "{d}");
+        }
+        assert_eq!(parse_usage(docs[0].as_bytes()).and_then(|u| u.completion), Some(7));
+        assert_eq!(parse_usage(docs[4].as_bytes()), None, "a nested usage is not the response's");
     }
 
     #[test]

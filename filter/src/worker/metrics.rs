@@ -143,3 +143,49 @@ impl Metric {
         }
     }
 }
+
+/// The counters a worker adds to between ticks, and whether the stock changed: each was a host
+/// call per request on the bypass path (up to nine), and the tick flushes them in a few. Stats
+/// lag by at most a tick and are exact after it.
+pub(super) struct Tally {
+    /// Counts not flushed yet, by [`Metric::index`] (counters only).
+    counts: Vec<std::cell::Cell<u64>>,
+    /// This worker took or released stock since the last flush.
+    stock_moved: std::cell::Cell<bool>,
+}
+
+impl Tally {
+    pub(super) fn new() -> Tally {
+        Tally { counts: Metric::all().map(|_| Default::default()).collect(), stock_moved: Default::default() }
+    }
+
+    /// Adds `n` to counter `metric`, until the next flush.
+    pub(super) fn add(&self, metric: Metric, n: u64) {
+        if let Some(c) = self.counts.get(metric.index()) {
+            c.set(c.get().saturating_add(n));
+        }
+    }
+
+    /// Notes that the stock moved; the flush publishes it.
+    pub(super) fn stock_moved(&self) {
+        self.stock_moved.set(true);
+    }
+
+    /// Adds what was counted to the host's counters, and publishes the stock when it moved: as
+    /// the pool's live total (`stock`, read now), not as this worker last saw it, because workers
+    /// flush in the order of their ticks, not of their changes, and the gauge must end at the
+    /// last change.
+    pub(super) fn flush(&self, add: impl Fn(Metric, u64), stock: impl FnOnce() -> u64, record: impl FnOnce(u64)) {
+        for m in Metric::all() {
+            if let Some(c) = self.counts.get(m.index()) {
+                let n = c.take();
+                if n > 0 {
+                    add(m, n);
+                }
+            }
+        }
+        if self.stock_moved.take() {
+            record(stock());
+        }
+    }
+}

@@ -51,6 +51,7 @@ mod streams;
 #[cfg(test)]
 mod tests;
 
+use metrics::Tally;
 pub use metrics::{Metric, MetricKind};
 
 /// Header that carries the chosen backend to the ORIGINAL_DST cluster.
@@ -151,9 +152,29 @@ struct Env<H> {
     now: u64,
     cfg: Rc<Config>,
     worker: u32,
+    /// Counters and the stock gauge, flushed to the host on the tick.
+    tally: Tally,
 }
 
 impl<H: Host> Env<H> {
+    fn new(host: H, now: u64, cfg: Rc<Config>, worker: u32) -> Env<H> {
+        Env { host, now, cfg, worker, tally: Tally::new() }
+    }
+
+    /// Adds to a counter, flushed with the next tick.
+    fn add(&self, metric: Metric, n: u64) {
+        self.tally.add(metric, n);
+    }
+
+    /// Sends the counters kept since the last tick to the host, and the stock if it moved.
+    fn flush_stats(&self) {
+        let n = self.endpoints();
+        self.tally.flush(
+            |m, k| self.host.add(m, k),
+            || crate::shared::stock(&self.host, n),
+            |stock| self.host.record(Metric::Stock, stock),
+        );
+    }
     fn endpoints(&self) -> usize {
         self.cfg.endpoints.len()
     }
@@ -166,8 +187,9 @@ impl<H: Host> Env<H> {
         crate::replicas::peer_load(&self.host, self.endpoints(), self.now, r.max_age_ms)
     }
 
-    fn publish_stock(&self, stock: u64) {
-        self.host.record(Metric::Stock, stock);
+    /// The stock moved: the gauge follows on the tick.
+    fn publish_stock(&self) {
+        self.tally.stock_moved();
     }
 
     /// The id of this VM's stream `ctx` in the protocol: `worker << 32 | ctx`.
@@ -204,7 +226,7 @@ impl<H: Host> Worker<H> {
         let streams = Streams::new(&cfg, &host, worker, now);
         let slots = Slots::new(&cfg, worker, queue);
         let lease_ms = (20 * cfg.tick_ms).max(1000);
-        let env = Env { host, now, cfg: Rc::new(cfg), worker };
+        let env = Env::new(host, now, Rc::new(cfg), worker);
         Ok(Worker { streams, hub: Hub::new(env, lease_ms, queue, slots, SchedulerRole::new(n)) })
     }
 
@@ -279,6 +301,13 @@ impl<H: Host> Worker<H> {
         let Hub { env, role, slots, .. } = &mut self.hub;
         role.scrapes.send(env, role.holding.is_some());
         role.sync_replicas(env, slots);
+        env.flush_stats();
+    }
+
+    /// Sends the counters kept since the last tick now (tests read them without a tick).
+    #[cfg(test)]
+    fn flush_stats(&self) {
+        self.hub.env.flush_stats()
     }
 
     /// A shared queue this VM registered has messages.
@@ -316,8 +345,9 @@ impl<H: Host> Worker<H> {
         hub.role.learn_limits(&hub.env, hub.lease_ms, &mut hub.slots.limits);
         streams.resend_queued(hub);
         streams.flush_charges(hub);
-        // The tail signal, once per tick: admissions until the next one read it.
+        // The tail signal and the learned output, once per tick: admissions until the next one read them.
         streams.measure_tail(hub.env.now);
+        streams.refresh_output_mean(&hub.env.cfg, &hub.env.host);
         if let Some(queued) = hub.role.queued() {
             // Congestion-aware policies (DRR) reweight on the overload ladder's severity.
             let severity = hub.env.ladder().severity(&hub.slots.load_signals(&hub.env, queued, streams.tail_ratio));

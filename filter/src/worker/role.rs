@@ -162,7 +162,7 @@ impl SchedulerRole {
         // (crashed, reloaded under a new number) gives its slots back.
         for (worker, slots) in shared::reclaim_dead(&env.host, n, now, DEAD_AFTER_LEASES * lease_ms) {
             log::warn!("worker {worker} stopped ticking; reclaimed the {slots} slots it held");
-            env.host.add(Metric::SlotsReclaimed, slots);
+            env.add(Metric::SlotsReclaimed, slots);
         }
         // Only the counter shards that changed are saved, a bounded number
         // per tick, once a second: a takeover keeps the history, and the
@@ -191,12 +191,12 @@ impl SchedulerRole {
                 if offer == Offer::Newer {
                     scheduler.set_peer_service(ex.peer_services(env.now));
                 }
-                env.host.add(Metric::ReplicaSyncOk, 1);
+                env.add(Metric::ReplicaSyncOk, 1);
                 env.host.record(Metric::ReplicaPeersLive, ex.live(env.now) as u64);
                 env.host.set(replicas::PEER_LOAD_KEY, &peer_load, None);
             }
             Some(Answer::Duplicate { incarnation, log }) => {
-                env.host.add(Metric::ReplicaSyncFailed, 1);
+                env.add(Metric::ReplicaSyncFailed, 1);
                 if log {
                     log::error!(
                         "replicas: another replica publishes under this replica's id {} (incarnation {incarnation}, \
@@ -208,7 +208,7 @@ impl SchedulerRole {
                 return Some(false);
             }
             Some(Answer::Failed(why)) => {
-                env.host.add(Metric::ReplicaSyncFailed, 1);
+                env.add(Metric::ReplicaSyncFailed, 1);
                 log::debug!("replicas: {why}");
             }
         }
@@ -258,7 +258,7 @@ impl SchedulerRole {
         for _ in 0..sync.calls {
             match env.host.http_call(&cfg.peers_cluster, &headers, cfg.timeout_ms) {
                 Some(token) => ex.sent(token, now),
-                None => env.host.add(Metric::ReplicaSyncFailed, 1),
+                None => env.add(Metric::ReplicaSyncFailed, 1),
             }
         }
     }

@@ -83,7 +83,7 @@ impl Scrapes {
         let address = &env.cfg.endpoints[endpoint];
         match parsed {
             Some((Some(m), bad)) => {
-                env.host.add(Metric::ScrapesOk, 1);
+                env.add(Metric::ScrapesOk, 1);
                 if bad > 0 && !std::mem::replace(&mut self.logged_bad_metrics[endpoint], true) {
                     log::warn!("{address}/metrics has {bad} malformed lines; they are ignored (logged once)");
                 }
@@ -98,7 +98,7 @@ impl Scrapes {
                 });
             }
             _ => {
-                env.host.add(Metric::ScrapesFailed, 1);
+                env.add(Metric::ScrapesFailed, 1);
                 if !std::mem::replace(&mut self.logged_bad_metrics[endpoint], true) {
                     log::warn!(
                         "scraping {address} failed or found no known metric; it is avoided until a scrape succeeds"

@@ -170,8 +170,8 @@ impl Slots {
             chosen.or_else(|| if none_healthy && !no_endpoint { fallback() } else { None })
         };
         match shared::acquire(&env.host, n, owner, allowed, pick) {
-            Some((permit, stock)) => {
-                env.publish_stock(stock);
+            Some((permit, _stock)) => {
+                env.publish_stock();
                 self.affinity.record(req, &request, permit.endpoint() as usize, now);
                 Slot::Granted(permit)
             }

@@ -184,6 +184,10 @@ pub(super) struct Streams {
     pace: Vec<Pace>,
     /// When this VM last wrote its heartbeat.
     beat_ms: u64,
+    /// The pool's mean output as the lease holder last published it (with `overload`),
+    /// read once a tick instead of once a request: the ladder sizes requests without
+    /// `max_tokens` by it, and it moves slowly.
+    output_mean: u64,
 }
 
 impl Streams {
@@ -191,7 +195,7 @@ impl Streams {
     pub(super) fn new<H: Host>(cfg: &Config, host: &H, worker: u32, now: u64) -> Streams {
         let n = cfg.endpoints.len();
         shared::heartbeat(host, worker, now, &vec![Progress::default(); n]);
-        Streams {
+        let mut streams = Streams {
             map: HashMap::new(),
             held: HashMap::new(),
             pending: Vec::new(),
@@ -200,6 +204,16 @@ impl Streams {
             tail_ratio: 0.0,
             pace: vec![Pace::default(); n],
             beat_ms: now,
+            output_mean: 0,
+        };
+        streams.refresh_output_mean(cfg, host);
+        streams
+    }
+
+    /// Reads the learned mean output again (once a tick; only the ladder uses it).
+    pub(super) fn refresh_output_mean<H: Host>(&mut self, cfg: &Config, host: &H) {
+        if cfg.overload.is_some() {
+            self.output_mean = shared::get_u64(host, shared::OUTPUT_MEAN_KEY);
         }
     }
 
@@ -223,8 +237,7 @@ impl Streams {
         let mut may_bypass = queued == 0 && hub.env.cfg.bypass;
         let mut deferred = None;
         if let Some(ladder) = hub.env.cfg.overload {
-            let learned = if req.max_tokens > 0 { 0 } else { shared::get_u64(&hub.env.host, shared::OUTPUT_MEAN_KEY) };
-            let class = ladder.classify(expected_output_tokens(req, learned));
+            let class = ladder.classify(expected_output_tokens(req, self.output_mean));
             let severity = ladder.severity(&hub.slots.load_signals(&hub.env, queued, self.tail_ratio));
             match ladder.decide(severity, class) {
                 LadderDecision::Admit => {}
@@ -247,8 +260,8 @@ impl Streams {
             match hub.slots.take_slot(&hub.env, hub.env.worker, req_id.0, &route, false, held) {
                 Slot::Granted(permit) => {
                     let endpoint = permit.endpoint();
-                    hub.env.host.add(Metric::Bypassed, 1);
-                    hub.env.host.add(Metric::Dispatched, 1);
+                    hub.env.add(Metric::Bypassed, 1);
+                    hub.env.add(Metric::Dispatched, 1);
                     let dispatched = Dispatched {
                         input_tokens: req.prompt_tokens,
                         max_tokens: req.max_tokens,
@@ -286,7 +299,7 @@ impl Streams {
             tenant,
         };
         if let Some(class) = deferred {
-            hub.env.host.add(Metric::Deferred, 1);
+            hub.env.add(Metric::Deferred, 1);
             self.held.insert(ctx, Held { enqueue, arrival_ms, class, streamed: req.stream });
             return Admission::Held;
         }
@@ -307,7 +320,7 @@ impl Streams {
         // Undelivered (no VM holds the scheduler role yet, or the lease is
         // changing hands): it stays paused and goes on the next tick.
         let sent_to = self.send(hub, &enqueue).then_some(hub.epoch);
-        hub.env.host.add(Metric::Queued, 1);
+        hub.env.add(Metric::Queued, 1);
         self.map.insert(ctx, Stream::Queued { enqueue, arrival_ms, sent_to, held_ms, streamed });
     }
 
@@ -463,7 +476,7 @@ impl Streams {
         let Ended { uncharged_tokens, prompt_tokens, upstream_failed } = end;
         if self.unhold(&hub.env, ctx).is_some() {
             // Held, so the scheduler never heard of it.
-            hub.env.host.add(Metric::CancelledInQueue, 1);
+            hub.env.add(Metric::CancelledInQueue, 1);
             return;
         }
         let env = &hub.env;
@@ -483,14 +496,14 @@ impl Streams {
                         r.quarantined_until_ms = r.quarantined_until_ms.max(until)
                     });
                 }
-                let stock = permit.release(&env.host, env.endpoints());
-                env.publish_stock(stock);
-                env.host.add(Metric::Completed, 1);
+                permit.release(&env.host, env.endpoints());
+                env.publish_stock();
+                env.add(Metric::Completed, 1);
                 // What the scheduler ends up charging for the prompt: the engine's count replaces
                 // the estimate (scheduler `charge`), so both are counted at the end, side by side.
-                env.host.add(Metric::TokensChargedPrompt, u64::from(prompt_tokens.unwrap_or(estimate)));
-                env.host.add(Metric::TokensEstimatedPrompt, u64::from(estimate));
-                env.host.add(Metric::TokensChargedOutput, u64::from(uncharged_tokens));
+                env.add(Metric::TokensChargedPrompt, u64::from(prompt_tokens.unwrap_or(estimate)));
+                env.add(Metric::TokensEstimatedPrompt, u64::from(estimate));
+                env.add(Metric::TokensChargedOutput, u64::from(uncharged_tokens));
                 // A response that was not streamed: its first token came with the rest.
                 let first_token_ms = (!first_seen && uncharged_tokens > 0 && !upstream_failed)
                     .then(|| env.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32);
@@ -518,7 +531,7 @@ impl Streams {
                 }
             }
             Some(Stream::Queued { .. }) => {
-                env.host.add(Metric::CancelledInQueue, 1);
+                env.add(Metric::CancelledInQueue, 1);
                 let req = env.request_id(ctx);
                 self.send(hub, &ToScheduler::Cancel { req });
             }
@@ -534,7 +547,7 @@ impl Streams {
         if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, .. }) =
             self.map.get_mut(&ctx)
         {
-            hub.env.host.add(Metric::TokensChargedOutput, u64::from(tokens));
+            hub.env.add(Metric::TokensChargedOutput, u64::from(tokens));
             if tokens > 0 {
                 // The engine's pace: the time its iterations take at the batch it runs now.
                 if let Some(pace) = self.pace.get_mut(permit.endpoint() as usize) {
@@ -648,15 +661,15 @@ impl Streams {
                 let ttft_from_ms = arrival_ms.saturating_add(held_ms);
                 let sent = Sent { now: env.now, ttft_from_ms, objective_ms, streamed };
                 self.map.insert(ctx, Stream::dispatched(tenant, band, permit, sent, input_tokens));
-                env.host.add(Metric::Dispatched, 1);
+                env.add(Metric::Dispatched, 1);
                 env.host.record(Metric::QueueWaitMs, env.now.saturating_sub(arrival_ms));
                 return;
             }
         }
         // The stream is gone (or was dispatched twice after a takeover): give
         // the slot back and let the scheduler use it.
-        let stock = permit.release(&env.host, env.endpoints());
-        env.publish_stock(stock);
+        permit.release(&env.host, env.endpoints());
+        env.publish_stock();
         let msg = if self.map.contains_key(&ctx) {
             // Still held here (already running, or paused and not resumable):
             // its own end will close its accounting.
@@ -719,7 +732,7 @@ impl Streams {
     ) {
         self.replies_left = self.replies_left.saturating_sub(1);
         let (status, reason) = (why.status(), why.reason());
-        env.host.add(Metric::Rejected(why), 1);
+        env.add(Metric::Rejected(why), 1);
         let body = openai::error_body(message, why.error_type(), reason);
         let retry = retry_after_s.to_string();
         let headers = [("content-type", "application/json"), ("retry-after", retry.as_str()), (REJECT_REASON, reason)];

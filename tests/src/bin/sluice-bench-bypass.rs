@@ -16,7 +16,7 @@ use serde_json::json;
 use sluice_e2e::config::{with_overrides, DESTINATION_HEADER};
 use sluice_e2e::load::{closed_loop, summarize, Outcome, Summary};
 use sluice_e2e::{
-    default_plugin_config, paths, BackendOptions, Backends, ChatRequest, Envoy, EnvoyOptions, LoadClient,
+    default_plugin_config, paths, BackendOptions, Backends, ChatRequest, Envoy, EnvoyOptions, LoadClient, Stats,
 };
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -102,6 +102,25 @@ struct Cell {
     envoy_concurrency: u32,
     clients: usize,
     figures: Vec<(Path, Figures)>,
+    /// What sluice asked of Envoy per request it served, when built with `--features bench`
+    /// (`BENCH_COUNTS`, in that order); ticks included.
+    counts: Option<Vec<f64>>,
+}
+
+/// The counters a `--features bench` build of the filter keeps (`filter/src/vm.rs`), with the
+/// names the tables give them.
+const BENCH_COUNTS: [(&str, &str); 4] = [
+    ("sluice_bench_shared_gets", "shared-data reads"),
+    ("sluice_bench_shared_sets", "shared-data writes"),
+    ("sluice_bench_cas_conflicts", "CAS conflicts"),
+    ("sluice_bench_queue_messages", "queue messages"),
+];
+
+/// Sluice's counts per request between two scrapes, if the filter counts (`--features bench`).
+fn bench_counts(before: &Stats, after: &Stats, requests: usize) -> Option<Vec<f64>> {
+    after.get(BENCH_COUNTS[0].0)?;
+    let per = |k: &str| (after.value(k) - before.value(k)) / requests.max(1) as f64;
+    Some(BENCH_COUNTS.iter().map(|(k, _)| per(k)).collect())
 }
 
 impl Cell {
@@ -158,10 +177,14 @@ async fn run(args: Args) -> Result<()> {
     let backends = Backends::start(BackendOptions { instant: true, ..BackendOptions::new(1) }).await?;
     let endpoint = backends.endpoints()[0].clone();
     // A watermark far above the load keeps every request on the bypass path.
-    let pc = with_overrides(
+    let mut pc = with_overrides(
         default_plugin_config(std::slice::from_ref(&endpoint), "vtc"),
-        json!({"watermark_per_backend": 10_000, "learned_limit": null}),
+        json!({"watermark_per_backend": 10_000}),
     );
+    // No learned limit: `null` turns learning off (`with_overrides` takes a `null` for "remove the
+    // key", which left the default, learning, on: at 16 clients the limit it learned from the
+    // instant backend queued the requests and the run stopped).
+    pc["learned_limit"] = serde_json::Value::Null;
     // The instant backend answers one token whatever max_tokens says.
     let mut req = ChatRequest::chat(Some("bench"), 1);
     req.stream = !args.no_stream;
@@ -221,8 +244,11 @@ async fn run(args: Args) -> Result<()> {
             if queued > 0.0 {
                 bail!("{queued} requests were queued: the figures do not measure the bypass path alone");
             }
-            let figures = paths.iter().zip(&runs).map(|(&p, (o, e))| (p, Figures::of(o, *e))).collect();
-            let cell = Cell { envoy_concurrency: concurrency, clients, figures };
+            let figures: Vec<(Path, Figures)> =
+                paths.iter().zip(&runs).map(|(&p, (o, e))| (p, Figures::of(o, *e))).collect();
+            let served = figures.iter().find(|(p, _)| *p == Path::Sluice).map_or(0, |(_, f)| f.summary.requests);
+            let counts = bench_counts(&before, &after, served);
+            let cell = Cell { envoy_concurrency: concurrency, clients, figures, counts };
             print_cell(&cell);
             cells.push(cell);
         }
@@ -263,6 +289,11 @@ fn print_cell(c: &Cell) {
             filter.name(),
             rps * 100.0
         );
+    }
+    if let Some(counts) = &c.counts {
+        let each: Vec<String> =
+            BENCH_COUNTS.iter().zip(counts).map(|((_, what), n)| format!("{what} {n:.2}")).collect();
+        println!("sluice per request (ticks included): {}", each.join(", "));
     }
 }
 
@@ -315,6 +346,24 @@ fn write_tables(out: &std::path::Path, header: &str, cells: &[Cell]) -> Result<(
                 filter.name(),
                 rps * 100.0
             );
+        }
+    }
+    if cells.iter().any(|c| c.counts.is_some()) {
+        md.push_str(
+            "\nWhat sluice asked of Envoy per request it served (`--features bench` build; its ticks \
+             included, spread over its requests):\n\n| Envoy conc. | clients |",
+        );
+        for (_, what) in BENCH_COUNTS {
+            let _ = write!(md, " {what} |");
+        }
+        md.push_str(&format!("\n|---|---|{}\n", "---|".repeat(BENCH_COUNTS.len())));
+        for c in cells {
+            let Some(counts) = &c.counts else { continue };
+            let _ = write!(md, "| {} | {} |", c.envoy_concurrency, c.clients);
+            for n in counts {
+                let _ = write!(md, " {n:.2} |");
+            }
+            md.push('\n');
         }
     }
     let (md_path, csv_path) = (dir.join("bench-bypass.md"), dir.join("bench-bypass.csv"));

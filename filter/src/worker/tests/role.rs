@@ -122,6 +122,7 @@ fn a_replica_counts_its_peers_in_flight_against_the_bound_until_they_go_silent()
     let (mut a, mut b) = (vm(&pa, 1, replica(1), 0), vm(&pb, 1, replica(2), 0));
     assert_eq!(sync(&mut a, 0, None), 2, "`peers` calls per interval");
     assert_eq!(sync(&mut b, 0, None), 2);
+    b.flush_stats();
     assert_eq!(metric(&pb, "sluice_replica_sync_failed"), 2);
     // Past its start-up period (max_age_ms, when peers it has not heard may still exist)
     // and once its part is used (three publications), replica A alone fills the pool's
@@ -136,6 +137,7 @@ fn a_replica_counts_its_peers_in_flight_against_the_bound_until_they_go_silent()
     // B hears it: its first request takes the slot a replica always keeps (one over the
     // bound), its second waits.
     sync(&mut b, 1300, Some(&state_a));
+    b.flush_stats();
     assert!(metric(&pb, "sluice_replica_sync_ok") >= 1);
     assert!(matches!(admit(&mut b, 1310, 1, "y"), Admission::Bypass(_)));
     assert_eq!(admit(&mut b, 1310, 2, "y"), Admission::Queued);
@@ -360,7 +362,7 @@ fn without_replicas_nothing_is_published_nor_fetched() {
 
 /// The environment of VM `worker` of process `p` at `now`.
 fn env_of(p: &Rc<Process>, cfg: Config, worker: u32, now: u64) -> Env<Vm> {
-    Env { host: Vm(p.clone(), worker), now, cfg: Rc::new(cfg), worker }
+    Env::new(Vm(p.clone(), worker), now, Rc::new(cfg), worker)
 }
 
 #[test]

@@ -133,7 +133,7 @@ fn prefix_entries_are_speculative_until_the_first_token_confirms_them() {
 fn slots_alone(cfg: Config, worker: u32) -> (Rc<Process>, Env<Vm>, Slots) {
     let p = Rc::new(Process::default());
     let slots = Slots::new(&cfg, worker, 1);
-    let env = Env { host: Vm(p.clone(), worker), now: 0, cfg: Rc::new(cfg), worker };
+    let env = Env::new(Vm(p.clone(), worker), 0, Rc::new(cfg), worker);
     (p, env, slots)
 }
 

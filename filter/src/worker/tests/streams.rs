@@ -66,6 +66,7 @@ fn a_flood_of_rejects_is_answered_at_most_32_per_callback_in_order() {
     assert_eq!(body["error"]["code"], "rejected-flow-capacity");
     assert_eq!(body["error"]["type"], "rate_limit_error");
     assert!(body["error"]["message"].as_str().unwrap().contains("flow_capacity"), "{body}");
+    w.flush_stats();
     assert_eq!(p.metrics.borrow()["sluice_requests_rejected_flow_capacity"], 50);
 }
 
@@ -164,6 +165,7 @@ fn short_and_medium_requests_pass_the_ladder_and_buckets_go_by_expected_output()
     let req = openai::parse_request(body.as_bytes(), openai::PrefixHashing::OFF).unwrap();
     let who = Admit { tenant: "a".into(), band: STANDARD, route: RouteInfo::default(), slo: SloHeaders::default() };
     assert_eq!(w.at(0).admit(9, who, &req), Admission::Queued);
+    w.flush_stats();
     assert_eq!(metric(&p, "sluice_requests_deferred"), 0, "nothing short or medium is deferred");
     assert_eq!(metric(&p, "sluice_requests_queued"), 6);
 }
@@ -178,6 +180,9 @@ fn a_request_without_max_tokens_is_sized_by_the_learned_output_length() {
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, None), Admission::Queued, "nothing learned: the prior, medium");
     // The pool's requests were learned to produce 2,000 tokens: xlong, refused at severity 1.
     shared::write_u64(&p.store, shared::OUTPUT_MEAN_KEY, 2000);
+    // Read once a tick, not once a request (issue 24): until the tick, the prior.
+    assert_eq!(admit_sized(&mut w, 0, 4, STANDARD, None), Admission::Queued, "not read before the tick");
+    w.on_tick(0);
     assert!(matches!(admit_sized(&mut w, 0, 2, STANDARD, None), Admission::Overloaded { .. }));
     assert_eq!(admit_sized(&mut w, 0, 3, STANDARD, Some(100)), Admission::Queued, "the client's bound comes first");
 }
@@ -192,6 +197,7 @@ fn a_deferred_request_stays_out_of_the_queue_until_severity_falls() {
     let full = foreign_stock(&p, 2, 2);
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
     assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(200)), Admission::Queued, "medium is not deferred");
+    w.flush_stats();
     assert_eq!((metric(&p, "sluice_requests_deferred"), metric(&p, "sluice_requests_queued")), (1, 1));
     for t in [50, 100, 150] {
         shared::heartbeat(&p.store, 9, t, &[]);
@@ -244,6 +250,7 @@ fn held_requests_expire_at_the_ttl_and_cancelled_ones_leave_quietly() {
     assert_eq!(admit_sized(&mut w, 0, 1, STANDARD, Some(500)), Admission::Held);
     assert_eq!(admit_sized(&mut w, 0, 2, STANDARD, Some(5000)), Admission::Held);
     w.at(10).finish(2, Ended::default());
+    w.flush_stats();
     assert_eq!(metric(&p, "sluice_requests_cancelled_in_queue"), 1);
     w.on_tick(1000);
     assert!(p.replies.borrow().is_empty(), "not yet past the TTL");
@@ -409,23 +416,31 @@ fn the_tokens_charged_are_counted_the_prompt_as_the_engine_counted_it() {
     };
     assert!(estimate > 0 && estimate != 57);
     assert_eq!(admit(&mut w, 1, 2, "b"), Admission::Queued, "the only slot is held");
-    // Streamed chunks are counted as they are charged; the prompt only at the end.
+    // Streamed chunks are counted as they are charged; the prompt only at the end. The worker
+    // keeps the counts and flushes them with the tick (issue 24: three host calls per request
+    // end and one per chunk were on the request path).
     w.at(5).charge(1, 2);
     w.at(6).charge(1, 3);
+    assert_eq!(metric(&p, "sluice_tokens_charged_output"), 0, "kept in the worker until the tick");
+    w.on_tick(6);
     assert_eq!(metric(&p, "sluice_tokens_charged_output"), 5);
     assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 0);
+    assert_eq!(metric(&p, "sluice_stock"), 1, "the stock gauge follows on the tick");
     // The engine's usage: one more output token, and 57 prompt tokens where we estimated fewer.
+    // A queued request that leaves is never charged.
     w.at(7).finish(1, Ended { uncharged_tokens: 1, prompt_tokens: Some(57), ..Ended::default() });
+    w.at(8).finish(2, Ended::default());
+    w.on_tick(8);
     assert_eq!(metric(&p, "sluice_tokens_charged_output"), 6);
     assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 57, "the engine's count, not the estimate");
     assert_eq!(metric(&p, "sluice_tokens_estimated_prompt"), estimate);
-    // A queued request that leaves is never charged.
-    w.at(8).finish(2, Ended::default());
-    assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 57);
     // Without a usage report the estimate is what was charged.
     assert_eq!(admit(&mut w, 9, 3, "a"), Admission::Bypass(0));
     w.at(10).finish(3, Ended { uncharged_tokens: 4, ..Ended::default() });
+    w.on_tick(10);
     assert_eq!(metric(&p, "sluice_tokens_charged_prompt"), 57 + estimate);
     assert_eq!(metric(&p, "sluice_tokens_estimated_prompt"), 2 * estimate);
     assert_eq!(metric(&p, "sluice_tokens_charged_output"), 10);
+    assert_eq!(metric(&p, "sluice_stock"), 0);
+    assert_eq!(metric(&p, "sluice_requests_completed"), 2, "exact after the tick");
 }

@@ -19,7 +19,6 @@ mod request;
 
 pub use request::{ClientRequest, RequestRecord};
 
-
 /// Gateway settings outside the plugin.
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
@@ -482,9 +481,13 @@ impl Sim {
     }
 
     /// Runs until every request has ended (ticks alone do not keep the run going) or the
-    /// horizon is reached. Returns the records.
+    /// horizon is reached; when every request ended, then the VMs' next ticks, so that the
+    /// filter's stats count them all ([`Sim::settle_stats`]). Returns the records.
     pub fn run(&mut self) -> Vec<RequestRecord> {
         self.run_until(u64::MAX);
+        if self.open == 0 {
+            self.settle_stats();
+        }
         self.records()
     }
 
@@ -509,6 +512,15 @@ impl Sim {
             self.now = horizon;
             self.set_now(horizon);
         }
+    }
+
+    /// Runs every VM's next tick (and what is due before it), even when no request is open: the
+    /// filter flushes its counters and stock gauge on the tick, so stats read after a run are
+    /// exact only after this.
+    pub fn settle_stats(&mut self) {
+        let longest_ms = self.gws.iter().flat_map(|g| g.ticks.iter().map(|t| t.0)).max().unwrap_or(0);
+        let wait_us = 2 * u64::from(longest_ms) * 1000 + self.cfg.tick_jitter_us + 1;
+        self.run_idle_until(self.now + wait_us);
     }
 
     /// Runs events (ticks included) up to virtual time `t` even when no request is open.
