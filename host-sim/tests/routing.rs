@@ -182,6 +182,7 @@ fn prompts_share_exactly_the_text_of_their_shared_hash_blocks() {
         client: "c".into(),
         prompt_tokens: tokens,
         output_tokens: 1,
+        max_tokens: None,
         prefix_hashes: hashes,
         model: None,
         headers: Vec::new(),

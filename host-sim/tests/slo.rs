@@ -35,7 +35,7 @@ fn the_objective_header_reaches_the_server_and_upstream_headers_are_recorded() {
     };
     let mut sim = Sim::new(&wasm, &plugin, gw).unwrap();
     sim.add_upstream("10.0.0.1:8000", Box::new(GpuUpstream::new(pool().profile, 256).unwrap()));
-    let items: Vec<WorkItem> = sr::load_rows(SloTrace::Arena, traces(), 6).unwrap();
+    let items: Vec<WorkItem> = sr::load_rows(SloTrace::Arena, traces(), 6, Default::default(), 1).unwrap();
     let objectives = sw::assign_classes(&items, &sw::qlm_classes(), AssignBy::Row, 5).unwrap();
     let items = sw::with_objective_headers(&items, &objectives, SLO_TTFT_HEADER);
     for (i, w) in items.iter().enumerate() {
@@ -59,7 +59,7 @@ fn the_objective_header_reaches_the_server_and_upstream_headers_are_recorded() {
 fn a_refused_configuration_is_reported_with_the_field_not_run() {
     let plan = SloPlan::builtin();
     let cfg = sr::NamedConfig { name: "bad".into(), config: serde_json::json!({"no_such_key": 1}) };
-    let items = sr::load_rows(SloTrace::Arena, traces(), 20).unwrap();
+    let items = sr::load_rows(SloTrace::Arena, traces(), 20, Default::default(), 1).unwrap();
     let objectives = sw::assign_classes(&items, &plan.qlm.classes, AssignBy::Client, 1).unwrap();
     let (row, recs) =
         sr::run_row(&common::filter_wasm(), &pool(), &plan, &cfg, &items, &objectives, &plan.qlm.classes).unwrap();
@@ -76,7 +76,7 @@ fn loads_scaled_from_the_measured_capacity_load_the_pool_as_named() {
     let wasm = common::filter_wasm();
     let plan = SloPlan::builtin();
     let pool = pool();
-    let items = sr::load_rows(SloTrace::Arena, traces(), 400).unwrap();
+    let items = sr::load_rows(SloTrace::Arena, traces(), 400, Default::default(), 1).unwrap();
     let cap = sr::measure_capacity(&wasm, &pool, &plan, &items).unwrap();
     eprintln!("capacity {cap:?}");
     assert!(cap.rps > 0.5 && cap.requests == 400, "{cap:?}");
@@ -108,7 +108,7 @@ mod claims {
         let wasm = common::filter_wasm();
         let plan = SloPlan::builtin();
         let pool = pool();
-        let items = sr::load_rows(trace, traces(), trace.default_rows(true)).unwrap();
+        let items = sr::load_rows(trace, traces(), trace.default_rows(true), Default::default(), 1).unwrap();
         let cap = sr::measure_capacity(&wasm, &pool, &plan, &items).unwrap();
         let (w, objectives) =
             sr::qlm_workload(&items, &plan.qlm.classes, trace.assign_by(), 1, load * cap.rps).unwrap();
@@ -161,9 +161,9 @@ mod claims {
         let plan = SloPlan::builtin();
         let pool = pool();
         let p = &plan.pard;
-        let sample = sr::load_rows(p.trace, traces(), p.trace.default_rows(true)).unwrap();
+        let sample = sr::load_rows(p.trace, traces(), p.trace.default_rows(true), Default::default(), 1).unwrap();
         let cap = sr::measure_capacity(&wasm, &pool, &plan, &sample).unwrap();
-        let (items, objectives) = sr::pard_workload(p, traces(), cap.rps, 4, 1).unwrap();
+        let (items, objectives) = sr::pard_workload(p, traces(), cap.rps, 4, plan.max_tokens, 1).unwrap();
         let out: Vec<SloRow> = p
             .configs
             .iter()

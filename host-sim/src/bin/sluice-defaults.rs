@@ -36,6 +36,10 @@ struct Cli {
     /// Only the workloads whose name contains this.
     #[arg(long)]
     only: Option<String>,
+    /// How clients set `max_tokens`: `absent` (the default), `oracle`, a fixed cap or
+    /// `multiple:FACTOR[:SPREAD]` (docs/simulator.md).
+    #[arg(long, default_value = "absent")]
+    max_tokens: host_sim::sim::workload::MaxTokens,
 }
 
 /// A workload on a pool.
@@ -127,7 +131,7 @@ impl Row {
     }
 }
 
-fn run(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &[u8]) -> Result<Row> {
+fn run(case: &Case, policy: &str, overrides: Option<&str>, cli: &Cli, wasm: &[u8], floor: &[u8]) -> Result<Row> {
     let mut filter = json!({"policy": policy, "queue_ttl_ms": 30_000});
     if let Some(o) = overrides {
         let o: Value = serde_json::from_str(o).expect("valid override");
@@ -140,7 +144,8 @@ fn run(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &
         "backends": {"count": case.backends, "profile": case.profile},
         "workload": case.workload,
     });
-    let sc = Scenario::from_json(&sc.to_string())?;
+    let mut sc = Scenario::from_json(&sc.to_string())?;
+    sc.workload.set_max_tokens(cli.max_tokens);
     sc.validate()?;
     let items = sc.work_items(std::path::Path::new(""))?;
     let rr = overrides.is_none().then(|| round_robin_config(&sc));
@@ -181,7 +186,7 @@ fn main() -> Result<()> {
         let mut base = None;
         for (label, overrides) in VARIANTS {
             eprintln!("{} on {pool}: {label}", case.name);
-            let r = run(&case, "vtc", overrides, &wasm, &floor)?;
+            let r = run(&case, "vtc", overrides, &cli, &wasm, &floor)?;
             let tps = r.report.output_tokens_per_s;
             let base_tps = *base.get_or_insert(tps);
             let t = &r.report.ttft_ms;
@@ -199,11 +204,11 @@ fn main() -> Result<()> {
             ]);
             print!("{}", line.markdown_rows());
             if case.name == "flood" && overrides.is_some() {
-                let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
+                let fcfs = run(&case, "fcfs", overrides, &cli, &wasm, &floor)?;
                 fairness.push((pool.clone(), label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s()));
             }
             if case.name == "arena" && overrides.is_some() {
-                let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
+                let fcfs = run(&case, "fcfs", overrides, &cli, &wasm, &floor)?;
                 let d = |r: &Row| (r.report.service_difference.max, r.report.service_difference.avg);
                 arena.push((pool.clone(), label, tps, d(&fcfs), d(&r)));
             }
