@@ -127,8 +127,9 @@ impl MaxTokens {
         }
     }
 
-    /// The cap sent with a request whose answer is `output` tokens long.
-    fn draw(&self, rng: &mut ChaCha8Rng, output: u32) -> Option<u32> {
+    /// The cap sent with a request whose answer is `output` tokens long (`multiple` draws its
+    /// spread from `rng`).
+    pub fn draw(&self, rng: &mut ChaCha8Rng, output: u32) -> Option<u32> {
         match *self {
             MaxTokens::Absent => None,
             MaxTokens::Oracle => Some(output),
