@@ -124,16 +124,17 @@ mod claims {
         r.metrics.as_ref().unwrap_or_else(|| panic!("{name} skipped: {:?}", r.skipped))
     }
 
-    /// What the SLO order gains over FCFS at 1.5× capacity (`sluice-slo --quick`'s rows;
-    /// the simulation is deterministic, the bounds leave a margin under what it measures:
-    /// Arena +10.8 and +5.6 with dropping, of a possible +18; Azure conversation +34.6 and
-    /// +44.2; Azure code +20.6 and +26.1). The goal of +40 points holds only on Azure
+    /// What the SLO order gains over FCFS at 1.5× capacity (`sluice-slo --quick`'s rows, with
+    /// clients that send no `max_tokens`; the simulation is deterministic, the bounds leave a
+    /// margin under what it measures: Arena +12.6 and +7.6 with dropping; Azure conversation
+    /// +34.6 and +32.6 (dropping's bound was +35 while the clients sent the oracle cap: the
+    /// estimator that decides drops predicts worse without it); Azure code +23.7 and +25.7). The goal of +40 points holds only on Azure
     /// conversation with dropping here, and on no row of the full run;
     /// docs/results/2026-11-26-slo-qlm-pard.md says why.
     #[test]
     fn the_slo_order_gains_attainment_over_fcfs_at_overload() {
         for (trace, slo_gain, drop_gain) in
-            [(SloTrace::Arena, 0.08, 0.03), (SloTrace::AzureConv, 0.25, 0.35), (SloTrace::AzureCode, 0.15, 0.15)]
+            [(SloTrace::Arena, 0.08, 0.03), (SloTrace::AzureConv, 0.25, 0.28), (SloTrace::AzureCode, 0.15, 0.15)]
         {
             let rows = qlm_at(trace, 1.5);
             let (fcfs, slo, drop) = (get(&rows, "FCFS"), get(&rows, "SLO"), get(&rows, "SLO+drop"));
