@@ -128,8 +128,8 @@ mod claims {
     /// clients that send no `max_tokens`; the simulation is deterministic, the bounds leave a
     /// margin under what it measures: Arena +12.6 and +7.6 with dropping; Azure conversation
     /// +34.6 and +32.6 (dropping's bound was +35 while the clients sent the oracle cap: the
-    /// estimator that decides drops predicts worse without it); Azure code +23.7 and +25.7). The goal of +40 points holds only on Azure
-    /// conversation with dropping here, and on no row of the full run;
+    /// estimator that decides drops predicts worse without it); Azure code +23.7 and +25.7).
+    /// The goal of +40 points holds on no row here nor of the full run;
     /// docs/results/2026-11-26-slo-qlm-pard.md says why.
     #[test]
     fn the_slo_order_gains_attainment_over_fcfs_at_overload() {
