@@ -291,3 +291,40 @@ fn the_filter_survives_cas_races_between_workers() {
         assert_eq!((r.status, r.outcome), (200, "ok"), "{r:?}");
     }
 }
+
+/// A scenario of two clients answering 16 and 24 tokens, sending `max_tokens` as `cap` says
+/// (nothing when empty).
+fn capped(cap: &str) -> Scenario {
+    let field = if cap.is_empty() { String::new() } else { format!(r#", "max_tokens": {cap}"#) };
+    Scenario::from_json(&format!(
+        r#"{{"seed": 3, "filter_config": {{"policy": "vtc"}}, "backends": {{"count": 1, "profile": "fast"}},
+            "workload": {{"kind": "synthetic", "duration_s": 3, "clients": [
+                {{"name": "a", "rate": 5, "prompt_tokens": 40, "output_tokens": 16 {field}}},
+                {{"name": "b", "rate": 5, "prompt_tokens": 40, "output_tokens": 24 {field}}}]}}}}"#
+    ))
+    .expect("valid scenario")
+}
+
+#[test]
+fn answers_keep_their_length_whatever_max_tokens_and_a_tight_cap_cuts_them() {
+    let wasm = common::filter_wasm();
+    for (cap, want) in [("", None), (r#""oracle""#, None), ("4096", None), ("10", Some(10))] {
+        let (sim, _) = capped(cap).run(&wasm, Path::new(".")).expect("runs");
+        let recs = sim.records();
+        assert!(recs.len() > 20, "{cap}: {} requests", recs.len());
+        for r in &recs {
+            assert_eq!((r.status, r.outcome), (200, "ok"), "{cap}: {r:?}");
+            assert_eq!(r.tokens_received, want.unwrap_or(r.output_tokens), "{cap}: {r:?}");
+        }
+    }
+}
+
+#[test]
+fn a_bad_max_tokens_in_a_scenario_is_refused_naming_the_field() {
+    let trace = r#"{"backends": {"count": 1, "profile": "fast"},
+        "workload": {"kind": "trace", "format": "vtc-csv", "path": "t.csv", "max_tokens": "many"}}"#;
+    for text in [trace.to_string(), trace.replace(r#""many""#, "0")] {
+        let e = Scenario::from_json(&text).unwrap_err().to_string();
+        assert!(e.contains("max_tokens must be"), "{e}");
+    }
+}

@@ -42,6 +42,7 @@ fn poisson(rate: f64, duration_s: f64, prompt: u32, output: u32) -> Vec<WorkItem
         lengths: Default::default(),
         arrival: Default::default(),
         model: None,
+        max_tokens: Default::default(),
     };
     workload::synthetic(&[c], duration_s, 11).expect("valid workload")
 }
@@ -160,6 +161,7 @@ fn a_backend_dead_with_nothing_in_flight_is_dropped_after_its_scrapes_fail() {
         lengths: Default::default(),
         arrival: workload::Arrival::Uniform,
         model: None,
+        max_tokens: Default::default(),
     };
     let items = workload::synthetic(&[c], 3.0, 1).unwrap();
     let mut pool = PoolSpec::mixed("4 fast, one dies idle", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
@@ -182,6 +184,7 @@ fn prompts_share_exactly_the_text_of_their_shared_hash_blocks() {
         client: "c".into(),
         prompt_tokens: tokens,
         output_tokens: 1,
+        max_tokens: None,
         prefix_hashes: hashes,
         model: None,
         headers: Vec::new(),

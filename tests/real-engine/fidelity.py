@@ -50,11 +50,13 @@ def sim_scenario(a, prompt_tokens: int) -> dict:
         "seed": 1, "workers": 2, "filter_config": pc,
         "backends": {"count": 2, "profile": PROFILE},
         "model": harness.MODEL,
+        # The real side's clients send `max_tokens` (with ignore_eos), so host-sim's send it too:
+        # its default is to send none (docs/simulator.md), and the filter would see other requests.
         "workload": {"kind": "synthetic", "duration_s": a.duration, "clients": [
             {"name": "flood", "rate": a.flood_rate, "prompt_tokens": prompt_tokens, "output_tokens": a.max_tokens,
-             "arrival": {"kind": "uniform"}},
+             "arrival": {"kind": "uniform"}, "max_tokens": "oracle"},
             {"name": "modest", "rate": a.modest_rate, "prompt_tokens": prompt_tokens, "output_tokens": a.max_tokens,
-             "arrival": {"kind": "uniform"}},
+             "arrival": {"kind": "uniform"}, "max_tokens": "oracle"},
         ]},
     }
 

@@ -40,6 +40,10 @@ struct Cli {
     /// ratio over seeds 1 to this: one seed's ratio is one arrival pattern's.
     #[arg(long, default_value_t = 1)]
     seeds: u64,
+    /// How clients set `max_tokens`: `absent` (the default), `oracle`, a fixed cap or
+    /// `multiple:FACTOR[:SPREAD]` (docs/simulator.md).
+    #[arg(long, default_value = "absent")]
+    max_tokens: host_sim::sim::workload::MaxTokens,
 }
 
 /// A workload on a pool.
@@ -131,11 +135,19 @@ impl Row {
     }
 }
 
-fn run(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &[u8]) -> Result<Row> {
-    run_seed(case, policy, overrides, wasm, floor, 1)
+fn run(case: &Case, policy: &str, overrides: Option<&str>, cli: &Cli, wasm: &[u8], floor: &[u8]) -> Result<Row> {
+    run_seed(case, policy, overrides, cli, wasm, floor, 1)
 }
 
-fn run_seed(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], floor: &[u8], seed: u64) -> Result<Row> {
+fn run_seed(
+    case: &Case,
+    policy: &str,
+    overrides: Option<&str>,
+    cli: &Cli,
+    wasm: &[u8],
+    floor: &[u8],
+    seed: u64,
+) -> Result<Row> {
     let mut filter = json!({"policy": policy, "queue_ttl_ms": 30_000});
     if let Some(o) = overrides {
         let o: Value = serde_json::from_str(o).expect("valid override");
@@ -148,7 +160,8 @@ fn run_seed(case: &Case, policy: &str, overrides: Option<&str>, wasm: &[u8], flo
         "backends": {"count": case.backends, "profile": case.profile},
         "workload": case.workload,
     });
-    let sc = Scenario::from_json(&sc.to_string())?;
+    let mut sc = Scenario::from_json(&sc.to_string())?;
+    sc.workload.set_max_tokens(cli.max_tokens);
     sc.validate()?;
     let items = sc.work_items(std::path::Path::new(""))?;
     let rr = overrides.is_none().then(|| round_robin_config(&sc));
@@ -189,7 +202,7 @@ fn main() -> Result<()> {
         let mut base = None;
         for (label, overrides) in VARIANTS {
             eprintln!("{} on {pool}: {label}", case.name);
-            let r = run(&case, "vtc", overrides, &wasm, &floor)?;
+            let r = run(&case, "vtc", overrides, &cli, &wasm, &floor)?;
             let tps = r.report.output_tokens_per_s;
             let base_tps = *base.get_or_insert(tps);
             let t = &r.report.ttft_ms;
@@ -207,12 +220,12 @@ fn main() -> Result<()> {
             ]);
             print!("{}", line.markdown_rows());
             if case.name == "flood" && overrides.is_some() {
-                let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
+                let fcfs = run(&case, "fcfs", overrides, &cli, &wasm, &floor)?;
                 let mut ratios = vec![fcfs.modest_ttft_p50_s() / r.modest_ttft_p50_s()];
                 for seed in 2..=cli.seeds {
                     eprintln!("{} on {pool}: {label}, seed {seed}", case.name);
                     let p50 = |policy| {
-                        run_seed(&case, policy, overrides, &wasm, &floor, seed).map(|r| r.modest_ttft_p50_s())
+                        run_seed(&case, policy, overrides, &cli, &wasm, &floor, seed).map(|r| r.modest_ttft_p50_s())
                     };
                     ratios.push(p50("fcfs")? / p50("vtc")?);
                 }
@@ -220,7 +233,7 @@ fn main() -> Result<()> {
                 fairness.push((pool.clone(), label, tps, fcfs.modest_ttft_p50_s(), r.modest_ttft_p50_s(), ratios));
             }
             if case.name == "arena" && overrides.is_some() {
-                let fcfs = run(&case, "fcfs", overrides, &wasm, &floor)?;
+                let fcfs = run(&case, "fcfs", overrides, &cli, &wasm, &floor)?;
                 let d = |r: &Row| (r.report.service_difference.max, r.report.service_difference.avg);
                 arena.push((pool.clone(), label, tps, d(&fcfs), d(&r)));
             }

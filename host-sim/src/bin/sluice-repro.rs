@@ -59,6 +59,11 @@ struct Cli {
     /// requests blocked too long.
     #[arg(long, default_value_t = 0)]
     rpm_ttl_ms: u64,
+    /// How clients set `max_tokens`: `absent` (the default: real chat clients mostly send
+    /// none), `oracle` (exactly the output, as the seed's load generator did), a fixed cap
+    /// (`4096`) or `multiple:FACTOR[:SPREAD]`.
+    #[arg(long, default_value = "absent")]
+    max_tokens: host_sim::sim::workload::MaxTokens,
     /// Simulations run in parallel (default: available cores).
     #[arg(long)]
     jobs: Option<usize>,
@@ -86,6 +91,7 @@ fn run(cli: Cli) -> Result<()> {
         workers: cli.workers,
         watermark: cli.watermark,
         rpm_ttl_ms: cli.rpm_ttl_ms,
+        max_tokens: cli.max_tokens,
     };
     for o in &cli.only {
         if !repro::WORKLOAD_NAMES.contains(&o.as_str()) {

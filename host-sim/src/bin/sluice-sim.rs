@@ -61,6 +61,10 @@ struct Cli {
     /// Clients give up after this many seconds.
     #[arg(long)]
     client_timeout_s: Option<f64>,
+    /// How every client sets `max_tokens`, replacing the scenario's: `absent`, `oracle`, a
+    /// fixed cap or `multiple:FACTOR[:SPREAD]` (docs/simulator.md).
+    #[arg(long)]
+    max_tokens: Option<host_sim::sim::workload::MaxTokens>,
     /// SLO on time to first token, ms (adds attainment and goodput to the report).
     #[arg(long)]
     slo_ttft_ms: Option<f64>,
@@ -180,6 +184,9 @@ fn run(cli: Cli) -> Result<()> {
     }
     if let Some(l) = &cli.log_level {
         sc.log_level = Some(l.clone());
+    }
+    if let Some(m) = cli.max_tokens {
+        sc.workload.set_max_tokens(m);
     }
     if let host_sim::sim::scenario::Workload::Trace { limit, max_arrival_s, .. } = &mut sc.workload {
         if cli.limit.is_some() {

@@ -96,6 +96,10 @@ struct Cli {
     /// Also write one per-request CSV per run under `<out>/records/`.
     #[arg(long)]
     records: bool,
+    /// How clients set `max_tokens` (overrides the plan's `max_tokens`, whose default is
+    /// `absent`): `absent`, `oracle`, a fixed cap or `multiple:FACTOR[:SPREAD]`.
+    #[arg(long)]
+    max_tokens: Option<host_sim::sim::workload::MaxTokens>,
 }
 
 fn main() {
@@ -183,6 +187,9 @@ fn run(cli: Cli) -> Result<()> {
         names.is_empty() || c.name == always || names.contains(&c.name)
     };
     let mut plan = plan;
+    if let Some(m) = cli.max_tokens {
+        plan.max_tokens = m;
+    }
     let (reference, proactive) = (plan.qlm.reference.clone(), plan.pard.proactive.clone());
     plan.qlm.configs.retain(|c| keep(&cli.configs, &reference, c));
     plan.pard.configs.retain(|c| keep(&cli.configs, &proactive, c));
@@ -201,7 +208,9 @@ fn run(cli: Cli) -> Result<()> {
     }
     let rows: Vec<Vec<WorkItem>> = traces
         .iter()
-        .map(|&t| sr::load_rows(t, &cli.traces_dir, cli.rows.unwrap_or(t.default_rows(cli.quick))))
+        .map(|&t| {
+            sr::load_rows(t, &cli.traces_dir, cli.rows.unwrap_or(t.default_rows(cli.quick)), plan.max_tokens, cli.seed)
+        })
         .collect::<Result<_>>()?;
     let measured: Vec<Result<Option<Capacity>>> = sr::par_map(cli.jobs, &traces, |t| {
         let i = traces.iter().position(|x| x == t).expect("listed");
@@ -331,7 +340,7 @@ fn run(cli: Cli) -> Result<()> {
         let p = &plan.pard;
         let cap = capacity[&p.trace];
         let periods = cli.pard_periods.unwrap_or(if cli.quick { 4 } else { 10 });
-        let (items, objectives) = sr::pard_workload(p, &cli.traces_dir, cap, periods, cli.seed)?;
+        let (items, objectives) = sr::pard_workload(p, &cli.traces_dir, cap, periods, plan.max_tokens, cli.seed)?;
         let results = sr::par_map(cli.jobs, &p.configs, |cfg| {
             let r = sr::run_row(&wasm, &pool, &plan, cfg, &items, &objectives, &p.classes);
             if let Ok((row, _)) = &r {

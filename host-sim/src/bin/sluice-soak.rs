@@ -51,6 +51,10 @@ struct Cli {
     /// The filter's tick, ms.
     #[arg(long, default_value_t = 50)]
     tick_ms: u64,
+    /// How the tenants set `max_tokens`: `absent` (the default), `oracle`, a fixed cap or
+    /// `multiple:FACTOR[:SPREAD]`.
+    #[arg(long, default_value = "absent")]
+    max_tokens: host_sim::sim::workload::MaxTokens,
     /// Envoy's stream idle timeout (the route's `idle_timeout`), ms.
     #[arg(long, default_value_t = 5000)]
     idle_timeout_ms: u64,
@@ -176,6 +180,7 @@ fn run(cli: Cli) -> Result<bool> {
         rate_rps: cli.rate,
         queue_ttl_ms: cli.queue_ttl_ms,
         tick_ms: cli.tick_ms,
+        max_tokens: cli.max_tokens,
         idle_timeout_ms: cli.idle_timeout_ms,
         failure_policy: match cli.failure_policy.as_str() {
             "fail-closed" => FailurePolicy::FailClosed,

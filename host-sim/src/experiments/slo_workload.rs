@@ -301,6 +301,7 @@ mod tests {
             client: client.into(),
             prompt_tokens: 10,
             output_tokens: 5,
+            max_tokens: None,
             prefix_hashes: Vec::new(),
             model: None,
             headers: Vec::new(),

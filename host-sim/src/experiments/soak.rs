@@ -26,6 +26,7 @@
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 use crate::sim::faults::{hang_windows, FaultCounts, Faults, HangingUpstream};
 use crate::sim::upstream::GpuUpstream;
+use crate::sim::workload::MaxTokens;
 use anyhow::{bail, Result};
 use proxy_wasm_host::host::{FailurePolicy, PluginSpec};
 use proxy_wasm_host::state::Cluster;
@@ -140,6 +141,8 @@ pub struct SoakConfig {
     pub max_prompt_tokens: u32,
     /// Longest output, tokens (outputs are uniform in 1..=this).
     pub max_output_tokens: u32,
+    /// How the tenants set `max_tokens` (default: none sent).
+    pub max_tokens: MaxTokens,
     /// The filter's `queue_ttl_ms`.
     pub queue_ttl_ms: u64,
     /// The filter's `tick_ms`.
@@ -173,6 +176,7 @@ impl Default for SoakConfig {
             rate_rps: 600.0,
             max_prompt_tokens: 128,
             max_output_tokens: 16,
+            max_tokens: MaxTokens::Absent,
             queue_ttl_ms: 2000,
             tick_ms: 50,
             idle_timeout_ms: 5000,
@@ -431,6 +435,8 @@ impl SoakReport {
 /// busy (1.5 × rate) and quiet (0.5 × rate) phases of 5 s.
 pub fn workload(cfg: &SoakConfig) -> Vec<ClientRequest> {
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x50a_c0ad);
+    // Caps draw from their own stream, so they leave arrivals and lengths as they were.
+    let mut caps = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0xca95);
     let weights: Vec<f64> = (0..cfg.tenants).map(|k| (k + 1) as f64).collect();
     let total: f64 = weights.iter().sum();
     let mut t = 0.0f64;
@@ -448,7 +454,8 @@ pub fn workload(cfg: &SoakConfig) -> Vec<ClientRequest> {
         let prompt = rng.random_range(16..=cfg.max_prompt_tokens);
         let output = rng.random_range(1..=cfg.max_output_tokens);
         let name = format!("tenant-{tenant}");
-        out.push(ClientRequest::chat(id as u64, (t * 1e6) as u64, TENANT_HEADER, &name, "m", prompt, output));
+        let r = ClientRequest::chat(id as u64, (t * 1e6) as u64, TENANT_HEADER, &name, "m", prompt, output);
+        out.push(r.with_max_tokens(cfg.max_tokens.draw(&mut caps, output)));
     }
     out
 }

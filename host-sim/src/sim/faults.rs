@@ -366,7 +366,7 @@ mod tests {
     use crate::sim::upstream::{StaticResponse, StaticUpstream};
 
     fn req() -> UpstreamRequest {
-        UpstreamRequest { headers: Vec::new(), body: Vec::new(), prefix_hashes: Vec::new() }
+        UpstreamRequest { headers: Vec::new(), body: Vec::new(), prefix_hashes: Vec::new(), output_tokens: None }
     }
 
     /// Runs an upstream the way the engine does, returning (time, event) pairs.

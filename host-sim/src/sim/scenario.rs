@@ -269,7 +269,21 @@ pub enum Workload {
         /// Only requests arriving before this many seconds.
         #[serde(default)]
         max_arrival_s: Option<f64>,
+        /// How the trace's clients set `max_tokens` (default: they send none; the public
+        /// traces record none).
+        #[serde(default)]
+        max_tokens: workload::MaxTokens,
     },
+}
+
+impl Workload {
+    /// Makes every client of the workload set `max_tokens` by `m` (command-line overrides).
+    pub fn set_max_tokens(&mut self, m: workload::MaxTokens) {
+        match self {
+            Workload::Synthetic { clients, .. } => clients.iter_mut().for_each(|c| c.max_tokens = m),
+            Workload::Trace { max_tokens, .. } => *max_tokens = m,
+        }
+    }
 }
 
 fn default_workers() -> usize {
@@ -374,7 +388,7 @@ impl Scenario {
         match &self.workload {
             Workload::Synthetic { clients, duration_s } => workload::synthetic(clients, *duration_s, self.seed)
                 .map_err(|e| anyhow::anyhow!("scenario: workload.{e}")),
-            Workload::Trace { format, path, limit, max_arrival_s } => {
+            Workload::Trace { format, path, limit, max_arrival_s, max_tokens } => {
                 let p = base_dir.join(path);
                 let text = std::fs::read_to_string(&p).with_context(|| format!("reading trace {}", p.display()))?;
                 let mut items = workload::parse_trace(*format, &text).map_err(|errs| {
@@ -387,6 +401,7 @@ impl Scenario {
                 if let Some(n) = limit {
                     items.truncate(*n);
                 }
+                max_tokens.apply(&mut items, self.seed);
                 Ok(items)
             }
         }

@@ -17,6 +17,10 @@ pub struct UpstreamRequest {
     pub body: Vec<u8>,
     /// Prefix-block hashes of the prompt (trace metadata, for the prefix cache).
     pub prefix_hashes: Vec<u64>,
+    /// Tokens the model generates before it stops on its own (the trace's output: where the
+    /// real model emitted end-of-sequence); `None` when unknown. The request's `max_tokens`
+    /// only cuts this short, so what a client sends as its cap never lengthens an answer.
+    pub output_tokens: Option<u32>,
 }
 
 /// Something an upstream sends back for a request.
@@ -85,6 +89,8 @@ struct GenState {
     include_usage: bool,
     prompt: u32,
     target: u32,
+    /// `finish_reason` of the last token: `length` when the cap cut the answer, else `stop`.
+    finish: &'static str,
     produced: u32,
     started: bool,
 }
@@ -100,7 +106,8 @@ pub struct GpuUpstream {
 }
 
 impl GpuUpstream {
-    /// A server with the given profile; requests without `max_tokens` generate
+    /// A server with the given profile. A request generates its natural output
+    /// ([`UpstreamRequest::output_tokens`]) cut at its `max_tokens`; one with neither generates
     /// `default_max_tokens` tokens.
     pub fn new(profile: GpuProfile, default_max_tokens: u32) -> anyhow::Result<GpuUpstream> {
         let model = GpuModel::new(profile).map_err(|e| anyhow::anyhow!("GPU profile: {e}"))?;
@@ -139,7 +146,12 @@ impl Upstream for GpuUpstream {
             Ok(p) => p,
             Err(e) => return Self::error(id, e.status, e.message, e.param),
         };
-        let target = parsed.max_tokens.unwrap_or(self.default_max_tokens).max(1);
+        let (target, finish) = match (req.output_tokens, parsed.max_tokens) {
+            (Some(n), Some(cap)) if cap < n => (cap, "length"),
+            (Some(n), _) => (n, "stop"),
+            (None, cap) => (cap.unwrap_or(self.default_max_tokens), "length"),
+        };
+        let target = target.max(1);
         let gen = GenRequest {
             id,
             model: parsed.model.clone(),
@@ -159,6 +171,7 @@ impl Upstream for GpuUpstream {
                 include_usage: parsed.include_usage,
                 prompt: parsed.prompt_tokens,
                 target,
+                finish,
                 produced: 0,
                 started: false,
             },
@@ -214,7 +227,7 @@ impl Upstream for GpuUpstream {
                     for _ in 0..n {
                         let i = s.produced;
                         s.produced += 1;
-                        let finish = (s.produced == s.target).then_some("length");
+                        let finish = (s.produced == s.target).then_some(s.finish);
                         data.push_str("data: ");
                         data.push_str(&s.meta.chunk(i, finish));
                         data.push_str("\n\n");
@@ -240,7 +253,7 @@ impl Upstream for GpuUpstream {
                             headers: h(&[(":status", "200"), ("content-type", "application/json")]),
                             eos: false,
                         });
-                        let body = s.meta.full(s.prompt, s.produced, "length");
+                        let body = s.meta.full(s.prompt, s.produced, s.finish);
                         out.push(UpstreamEvent::Body { id, data: body.into_bytes(), tokens: s.produced, eos: true });
                     }
                 }
@@ -384,5 +397,39 @@ impl Upstream for StaticUpstream {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::engine::ClientRequest;
+
+    /// Tokens streamed and the last `finish_reason` of one request whose answer is 20 tokens,
+    /// sent with `cap`.
+    fn answer(cap: Option<u32>) -> (u32, String) {
+        let mut up = GpuUpstream::new(GpuProfile::fast(), 256).unwrap();
+        let c = ClientRequest::chat(1, 0, "x-tenant", "a", "m", 10, 20).with_max_tokens(cap);
+        let req = UpstreamRequest { headers: c.headers, body: c.body, prefix_hashes: vec![], output_tokens: Some(20) };
+        assert!(up.submit(0, 1, req).is_empty());
+        let (mut tokens, mut text) = (0, String::new());
+        while let Some(t) = up.next_event_us() {
+            for ev in up.advance(t) {
+                if let UpstreamEvent::Body { tokens: n, data, .. } = ev {
+                    tokens += n;
+                    text.push_str(&String::from_utf8(data).unwrap());
+                }
+            }
+        }
+        let finish = text.rsplit("\"finish_reason\":\"").next().unwrap().split('"').next().unwrap().to_string();
+        (tokens, finish)
+    }
+
+    #[test]
+    fn the_answer_ends_at_its_own_length_unless_max_tokens_cuts_it() {
+        assert_eq!(answer(None), (20, "stop".into()), "no cap: the trace's length, not the server default");
+        assert_eq!(answer(Some(4096)), (20, "stop".into()), "a loose cap never lengthens an answer");
+        assert_eq!(answer(Some(20)), (20, "stop".into()));
+        assert_eq!(answer(Some(7)), (7, "length".into()), "a tight cap cuts it");
     }
 }

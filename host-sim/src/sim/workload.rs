@@ -16,8 +16,11 @@ pub struct WorkItem {
     pub client: String,
     /// Prompt tokens.
     pub prompt_tokens: u32,
-    /// Output tokens.
+    /// Output tokens: where the model stops on its own (the trace's output).
     pub output_tokens: u32,
+    /// `max_tokens` the client sends (`None`: the field is absent); see [`MaxTokens`]. A cap
+    /// under `output_tokens` cuts the answer there.
+    pub max_tokens: Option<u32>,
     /// Prefix-block hashes (Mooncake `hash_ids`).
     pub prefix_hashes: Vec<u64>,
     /// Model asked for (default: the scenario's).
@@ -48,6 +51,163 @@ pub struct SyntheticClient {
     /// `model` of this client's requests (default: the scenario's).
     #[serde(default)]
     pub model: Option<String>,
+    /// How this client sets `max_tokens` (default: it sends none).
+    #[serde(default)]
+    pub max_tokens: MaxTokens,
+}
+
+/// How a client sets `max_tokens` in its requests. In JSON and on command lines: `"absent"`,
+/// `"oracle"`, a number (a fixed cap) or `{"multiple": f, "spread": s}`
+/// (`"multiple:f:s"` on a command line).
+///
+/// The default is `absent`, which is what the evidence says real chat traffic mostly sends:
+/// see docs/simulator.md, "What clients send as `max_tokens`".
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum MaxTokens {
+    /// No `max_tokens` field.
+    #[default]
+    Absent,
+    /// Exactly the output the request will produce: a client that knows the future, as load
+    /// generators that replay a trace do (kept to compare against).
+    Oracle,
+    /// The same cap on every request (a client's configured limit, e.g. 4096).
+    Fixed(u32),
+    /// The real output times `factor`, times a uniform draw in `[1 − spread, 1 + spread]`,
+    /// rounded and at least 1: a client that knows roughly how long its answers are.
+    Multiple {
+        /// Mean cap over real output.
+        factor: f64,
+        /// Relative half-width of the draw, in `[0, 1)`.
+        spread: f64,
+    },
+}
+
+impl MaxTokens {
+    /// Reads a setting from its JSON form; errors name `field`.
+    pub fn from_json(v: &serde_json::Value, field: &str) -> Result<MaxTokens, String> {
+        use serde_json::Value;
+        let m = match v {
+            Value::String(s) => return MaxTokens::from_text(s, field),
+            Value::Number(n) => match n.as_u64().and_then(|n| u32::try_from(n).ok()) {
+                Some(n) => MaxTokens::Fixed(n),
+                None => return Err(format!("{field} must be a whole number of tokens >= 1, got {n}")),
+            },
+            Value::Object(o) => {
+                if let Some(k) = o.keys().find(|k| !matches!(k.as_str(), "multiple" | "spread")) {
+                    return Err(format!("{field}: unknown field `{k}` (expected `multiple`, `spread`)"));
+                }
+                let num = |k: &str, default: Option<f64>| match o.get(k) {
+                    Some(x) => x.as_f64().ok_or_else(|| format!("{field}.{k} must be a number, got {x}")),
+                    None => default.ok_or_else(|| format!("{field}.{k} is required")),
+                };
+                MaxTokens::Multiple { factor: num("multiple", None)?, spread: num("spread", Some(0.0))? }
+            }
+            other => {
+                return Err(format!(
+                    "{field} must be \"absent\", \"oracle\", a number or {{\"multiple\": f, \"spread\": s}}, got {other}"
+                ))
+            }
+        };
+        m.validate(field)?;
+        Ok(m)
+    }
+
+    /// Checks ranges; errors name `field`.
+    pub fn validate(&self, field: &str) -> Result<(), String> {
+        match *self {
+            MaxTokens::Fixed(0) => Err(format!("{field} must be >= 1 (absent is \"absent\")")),
+            MaxTokens::Multiple { factor, spread } => {
+                positive(format!("{field}.multiple"), factor)?;
+                if !(0.0..1.0).contains(&spread) {
+                    return Err(format!("{field}.spread must be in [0, 1), got {spread}"));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The cap sent with a request whose answer is `output` tokens long (`multiple` draws its
+    /// spread from `rng`).
+    pub fn draw(&self, rng: &mut ChaCha8Rng, output: u32) -> Option<u32> {
+        match *self {
+            MaxTokens::Absent => None,
+            MaxTokens::Oracle => Some(output),
+            MaxTokens::Fixed(n) => Some(n),
+            MaxTokens::Multiple { factor, spread } => {
+                let x = output as f64 * factor * (1.0 - spread + 2.0 * spread * rng.random::<f64>());
+                Some(x.round().clamp(1.0, u32::MAX as f64) as u32)
+            }
+        }
+    }
+
+    /// Sets every item's `max_tokens` by this setting, from a stream seeded by `seed` alone (so
+    /// the caps never move arrivals or lengths).
+    pub fn apply(&self, items: &mut [WorkItem], seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x3c6e_f372_fe94_f82b);
+        for w in items {
+            w.max_tokens = self.draw(&mut rng, w.output_tokens);
+        }
+    }
+}
+
+impl std::str::FromStr for MaxTokens {
+    type Err = String;
+
+    /// `absent`, `oracle`, a number, or `multiple:FACTOR[:SPREAD]`.
+    fn from_str(s: &str) -> Result<MaxTokens, String> {
+        MaxTokens::from_text(s, "max_tokens")
+    }
+}
+
+impl MaxTokens {
+    fn from_text(s: &str, field: &str) -> Result<MaxTokens, String> {
+        let bad = || format!("{field} must be absent, oracle, a number or multiple:FACTOR[:SPREAD], got `{s}`");
+        let m = match s {
+            "absent" => MaxTokens::Absent,
+            "oracle" => MaxTokens::Oracle,
+            _ => match s.strip_prefix("multiple:") {
+                Some(rest) => {
+                    let mut it = rest.splitn(2, ':').map(|x| x.parse::<f64>().map_err(|_| bad()));
+                    let factor = it.next().ok_or_else(bad)??;
+                    MaxTokens::Multiple { factor, spread: it.next().transpose()?.unwrap_or(0.0) }
+                }
+                None => MaxTokens::Fixed(s.parse().map_err(|_| bad())?),
+            },
+        };
+        m.validate(field)?;
+        Ok(m)
+    }
+}
+
+impl fmt::Display for MaxTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MaxTokens::Absent => write!(f, "absent"),
+            MaxTokens::Oracle => write!(f, "oracle"),
+            MaxTokens::Fixed(n) => write!(f, "{n}"),
+            MaxTokens::Multiple { factor, spread } => write!(f, "multiple:{factor}:{spread}"),
+        }
+    }
+}
+
+impl serde::Serialize for MaxTokens {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match *self {
+            MaxTokens::Fixed(n) => s.serialize_u32(n),
+            MaxTokens::Multiple { factor, spread } => {
+                serde_json::json!({"multiple": factor, "spread": spread}).serialize(s)
+            }
+            _ => s.collect_str(self),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for MaxTokens {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = serde_json::Value::deserialize(d)?;
+        MaxTokens::from_json(&v, "max_tokens").map_err(serde::de::Error::custom)
+    }
 }
 
 /// Inter-arrival process of a synthetic client.
@@ -193,6 +353,7 @@ pub fn synthetic(clients: &[SyntheticClient], duration_s: f64, seed: u64) -> Res
             Arrival::Poisson | Arrival::Uniform => {}
         }
         c.lengths.validate(format!("clients[{ci}].lengths"))?;
+        c.max_tokens.validate(&format!("clients[{ci}].max_tokens"))?;
         // Lengths draw from their own stream, so varying them leaves arrivals as they were.
         let mut len_rng = ChaCha8Rng::seed_from_u64(seed ^ (0xd1b5_4a32_d192_ed03u64.wrapping_mul(ci as u64 + 1)));
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(ci as u64 + 1)));
@@ -253,15 +414,21 @@ pub fn synthetic(clients: &[SyntheticClient], duration_s: f64, seed: u64) -> Res
                 }
             }
         }
-        out.extend(times.into_iter().map(|t| WorkItem {
-            arrival_us: (t * 1e6) as u64,
-            client: c.name.clone(),
-            prompt_tokens: c.lengths.draw(&mut len_rng, c.prompt_tokens),
-            output_tokens: c.lengths.draw(&mut len_rng, c.output_tokens),
-            prefix_hashes: Vec::new(),
-            model: c.model.clone(),
-            headers: Vec::new(),
-        }));
+        let mut items: Vec<WorkItem> = times
+            .into_iter()
+            .map(|t| WorkItem {
+                arrival_us: (t * 1e6) as u64,
+                client: c.name.clone(),
+                prompt_tokens: c.lengths.draw(&mut len_rng, c.prompt_tokens),
+                output_tokens: c.lengths.draw(&mut len_rng, c.output_tokens),
+                max_tokens: None,
+                prefix_hashes: Vec::new(),
+                model: c.model.clone(),
+                headers: Vec::new(),
+            })
+            .collect();
+        c.max_tokens.apply(&mut items, seed.wrapping_add(ci as u64));
+        out.extend(items);
     }
     out.sort_by_key(|w| w.arrival_us);
     Ok(out)
@@ -382,6 +549,7 @@ fn parse_vtc(line: &str) -> Result<WorkItem, String> {
         client: client.to_string(),
         prompt_tokens: tokens("prompt_tokens", f[2])?,
         output_tokens: tokens("output_tokens", f[3])?,
+        max_tokens: None,
         prefix_hashes: Vec::new(),
         model: None,
         headers: Vec::new(),
@@ -432,6 +600,7 @@ fn parse_azure(line: &str, t0: &mut Option<i64>) -> Result<WorkItem, String> {
         client: "azure".into(),
         prompt_tokens: tokens("ContextTokens", f[1])?,
         output_tokens: tokens("GeneratedTokens", f[2])?,
+        max_tokens: None,
         prefix_hashes: Vec::new(),
         model: None,
         headers: Vec::new(),
@@ -457,6 +626,7 @@ fn parse_mooncake(line: &str) -> Result<WorkItem, String> {
         client: "mooncake".into(),
         prompt_tokens: tokens("input_length", &r.input_length.to_string())?,
         output_tokens: tokens("output_length", &r.output_length.to_string())?,
+        max_tokens: None,
         prefix_hashes: r.hash_ids,
         model: None,
         headers: Vec::new(),
@@ -593,19 +763,22 @@ pub fn prompt_text(item: &WorkItem, id: u64, block_tokens: u32) -> String {
     text
 }
 
-/// The streaming chat request row `id` becomes: [`prompt_text`] as its one message, asking for
-/// exactly `output_tokens` with usage in the last chunk, the row's headers added, and its
-/// `prefix_hashes` passed to the GPU model. `model` is used when the row names none.
+/// The streaming chat request row `id` becomes: [`prompt_text`] as its one message, the row's
+/// `max_tokens` when it has one, usage asked for in the last chunk, the row's headers added, and
+/// its `prefix_hashes` passed to the GPU model. Its answer is `output_tokens` long (cut at
+/// `max_tokens` if smaller). `model` is used when the row names none.
 pub fn chat_request(id: u64, item: &WorkItem, tenant_header: &str, model: &str, block_tokens: u32) -> ClientRequest {
     let model = item.model.as_deref().unwrap_or(model);
     let mut r = ClientRequest::chat(id, item.arrival_us, tenant_header, &item.client, model, 1, item.output_tokens);
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "model": model,
         "messages": [{"role": "user", "content": prompt_text(item, id, block_tokens)}],
-        "max_tokens": item.output_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    if let Some(cap) = item.max_tokens {
+        body["max_tokens"] = cap.into();
+    }
     r.body = serde_json::to_vec(&body).expect("json");
     for (k, v) in &mut r.headers {
         if k == "content-length" {
@@ -650,6 +823,7 @@ mod tests {
             lengths: Lengths::Fixed,
             arrival,
             model: None,
+            max_tokens: MaxTokens::Absent,
         }
     }
 
@@ -672,6 +846,79 @@ mod tests {
         assert!(synthetic(&[bad], 10.0, 1).unwrap_err().contains("clients[0].lengths.spread"));
         let bad = SyntheticClient { lengths: Lengths::LogNormal { cv: 0.0 }, ..base };
         assert!(synthetic(&[bad], 10.0, 1).unwrap_err().contains("clients[0].lengths.cv"));
+    }
+
+    /// The `max_tokens` of the JSON body a row becomes (`None`: absent).
+    fn sent_cap(w: &WorkItem) -> Option<u64> {
+        let r = chat_request(0, w, "x-tenant", "m", 16);
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(r.output_tokens, w.output_tokens, "the answer stays the row's output");
+        body.get("max_tokens").map(|v| v.as_u64().unwrap())
+    }
+
+    fn capped(json: &str) -> Result<Vec<WorkItem>, String> {
+        let mut c: SyntheticClient = serde_json::from_str(&format!(
+            r#"{{"name": "c", "rate": 20, "prompt_tokens": 50, "output_tokens": 200,
+                "lengths": {{"kind": "exponential"}} {json}}}"#
+        ))
+        .map_err(|e| e.to_string())?;
+        c.name = "c".into();
+        synthetic(&[c], 20.0, 5)
+    }
+
+    #[test]
+    fn clients_send_no_max_tokens_by_default_and_the_oracle_only_when_asked() {
+        let w = capped("").unwrap();
+        assert!(w.len() > 300 && w.iter().all(|x| x.max_tokens.is_none() && sent_cap(x).is_none()));
+        let o = capped(r#", "max_tokens": "oracle""#).unwrap();
+        assert!(o.iter().all(|x| sent_cap(x) == Some(x.output_tokens as u64)));
+        let f = capped(r#", "max_tokens": 4096"#).unwrap();
+        assert!(f.iter().all(|x| sent_cap(x) == Some(4096)));
+        // Caps move nothing else: the same arrivals and lengths whatever the client sends.
+        let strip = |v: &[WorkItem]| v.iter().map(|x| (x.arrival_us, x.output_tokens)).collect::<Vec<_>>();
+        assert_eq!((strip(&o), strip(&f)), (strip(&w), strip(&w)));
+        let m = capped(r#", "max_tokens": {"multiple": 2, "spread": 0.5}"#).unwrap();
+        assert_eq!(m, capped(r#", "max_tokens": {"multiple": 2, "spread": 0.5}"#).unwrap(), "seeded");
+        let ratio: Vec<f64> = m.iter().map(|x| x.max_tokens.unwrap() as f64 / x.output_tokens as f64).collect();
+        assert!(ratio.iter().all(|r| (0.9..3.1).contains(r)), "{ratio:?}");
+        assert!(ratio.iter().any(|&r| r < 1.5) && ratio.iter().any(|&r| r > 2.5), "spread around 2x");
+        let mean = ratio.iter().sum::<f64>() / ratio.len() as f64;
+        assert!((mean - 2.0).abs() < 0.1, "{mean}");
+    }
+
+    #[test]
+    fn bad_max_tokens_settings_are_refused_naming_the_field() {
+        for (json, field) in [
+            (r#""max_tokens": 0"#, "max_tokens"),
+            (r#""max_tokens": -5"#, "max_tokens"),
+            (r#""max_tokens": 1.5"#, "max_tokens"),
+            (r#""max_tokens": "lots""#, "max_tokens"),
+            (r#""max_tokens": {"multiple": 0}"#, "max_tokens.multiple"),
+            (r#""max_tokens": {"multiple": 2, "spread": 1}"#, "max_tokens.spread"),
+            (r#""max_tokens": {"spread": 0.1}"#, "max_tokens.multiple"),
+            (r#""max_tokens": {"multiple": 2, "sprad": 0.1}"#, "max_tokens: unknown field `sprad`"),
+        ] {
+            let e = capped(&format!(", {json}")).unwrap_err();
+            assert!(e.contains(field), "{json}: {e}");
+        }
+        // Built in code, the range check names the client.
+        let c = SyntheticClient { max_tokens: MaxTokens::Multiple { factor: 2.0, spread: -0.1 }, ..client(Arrival::Uniform, 1.0) };
+        assert!(synthetic(&[c], 5.0, 1).unwrap_err().contains("clients[0].max_tokens.spread"));
+        for (s, m) in [
+            ("absent", MaxTokens::Absent),
+            ("oracle", MaxTokens::Oracle),
+            ("4096", MaxTokens::Fixed(4096)),
+            ("multiple:1.5:0.2", MaxTokens::Multiple { factor: 1.5, spread: 0.2 }),
+            ("multiple:3", MaxTokens::Multiple { factor: 3.0, spread: 0.0 }),
+        ] {
+            assert_eq!(s.parse::<MaxTokens>(), Ok(m));
+            let json = serde_json::to_string(&m).unwrap();
+            assert_eq!(serde_json::from_str::<MaxTokens>(&json).unwrap(), m, "{json} round-trips");
+        }
+        for bad in ["", "0", "none", "multiple:", "multiple:x", "multiple:2:1"] {
+            let e = bad.parse::<MaxTokens>().unwrap_err();
+            assert!(e.starts_with("max_tokens"), "{bad}: {e}");
+        }
     }
 
     fn gaps(w: &[WorkItem]) -> (f64, f64) {
@@ -713,6 +960,7 @@ mod tests {
                 client: "c2".into(),
                 prompt_tokens: 3,
                 output_tokens: 4,
+                max_tokens: None,
                 prefix_hashes: vec![],
                 model: None,
                 headers: vec![],
@@ -752,6 +1000,7 @@ mod tests {
                 client: "c".into(),
                 prompt_tokens: p,
                 output_tokens: 1,
+                max_tokens: None,
                 prefix_hashes: Vec::new(),
                 model: None,
                 headers: Vec::new(),

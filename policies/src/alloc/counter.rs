@@ -10,8 +10,8 @@
 //! * Prediction ([`Tracked::predict`]) — Algorithm 3: the predicted output is charged at
 //!   dispatch, tokens beyond it as they arrive, and an over-prediction is refunded at completion.
 //! * Oracle ([`Tracked::oracle`]) — the prediction is the request's output
-//!   bound taken as its true length (exact in the simulator, whose backends
-//!   generate `max_tokens`).
+//!   bound taken as its true length (exact in the simulator when its clients
+//!   send the oracle cap, `"max_tokens": "oracle"`).
 
 use super::{slot, Accounting, Allocation, Counters, FlowWeights, Head, Lead, Selection, VtcWeights};
 use crate::{FlowId, Request};

@@ -91,6 +91,7 @@ pub fn run_bands(
             lengths: Default::default(),
             arrival: Arrival::Poisson,
             model: Some(b.model.clone()),
+            max_tokens: opts.max_tokens,
         })
         .collect();
     let items = workload::synthetic(&synth, duration_s, opts.seed).map_err(|e| anyhow::anyhow!(e))?;
@@ -118,7 +119,8 @@ pub fn run_bands(
             &b.model,
             w.prompt_tokens,
             w.output_tokens,
-        );
+        )
+        .with_max_tokens(w.max_tokens);
         r.client = w.client.clone();
         r.headers.push((CRITICALITY_HEADER.into(), b.band.clone().into_bytes()));
         sim.add_request(r);

@@ -32,7 +32,7 @@ use crate::sim::plot;
 use crate::sim::report::Report;
 use crate::sim::scenario::Scenario;
 use crate::sim::table::{opt, Table};
-use crate::sim::workload::{self, Arrival, SyntheticClient, TraceFormat, WorkItem};
+use crate::sim::workload::{self, Arrival, MaxTokens, SyntheticClient, TraceFormat, WorkItem};
 use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -168,6 +168,7 @@ pub fn uniform_client(client: &str, phases: &[Phase], seed: u64) -> Vec<WorkItem
                     client: client.to_string(),
                     prompt_tokens: p.prompt_tokens,
                     output_tokens: p.output_tokens,
+                    max_tokens: None,
                     prefix_hashes: Vec::new(),
                     model: None,
                     headers: Vec::new(),
@@ -260,11 +261,13 @@ pub struct ReproOptions {
     pub watermark: Option<u32>,
     /// Queue TTL of RPM rows, ms (0: the same as the other policies, i.e. none).
     pub rpm_ttl_ms: u64,
+    /// How every client sets `max_tokens` (default: none sent).
+    pub max_tokens: MaxTokens,
 }
 
 impl Default for ReproOptions {
     fn default() -> Self {
-        ReproOptions { quick: false, seed: 1, workers: 2, watermark: None, rpm_ttl_ms: 0 }
+        ReproOptions { quick: false, seed: 1, workers: 2, watermark: None, rpm_ttl_ms: 0, max_tokens: MaxTokens::Absent }
     }
 }
 
@@ -368,6 +371,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
         lengths: Default::default(),
         arrival: Arrival::Poisson,
         model: None,
+        max_tokens: MaxTokens::Absent,
     };
     let v = workload::synthetic(&[poisson("client1", 8.0, 64, 64), poisson("client2", 1.5, 256, 256)], dur, s)
         .map_err(|e| anyhow::anyhow!(e))?;
@@ -433,6 +437,9 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
     ).backlogged());
 
     let mut out: Vec<ReproWorkload> = out.into_iter().map(ReproWorkload::measured_within_trace).collect();
+    for w in &mut out {
+        opts.max_tokens.apply(&mut w.items, s);
+    }
     let text = std::fs::read_to_string(trace).with_context(|| format!("reading trace {}", trace.display()))?;
     let mut v = workload::parse_trace(TraceFormat::VtcCsv, &text).map_err(|errs| {
         anyhow::anyhow!(
@@ -444,6 +451,7 @@ pub fn seed_workloads(opts: &ReproOptions, trace: &Path) -> Result<Vec<ReproWork
     if opts.quick {
         v.retain(|w| w.arrival_us < 200_000_000);
     }
+    opts.max_tokens.apply(&mut v, s);
     let mut real = ReproWorkload::new(
         "arena-27",
         "Real trace: 27 Chatbot Arena clients, 600 s, mean 136 in / 256 out (§5.3, Table 2)",
@@ -570,11 +578,19 @@ pub struct CaseResult {
     pub wall_s: f64,
 }
 
-/// Runs one workload under one policy through the filter `wasm`.
+/// Runs one workload under one policy through the filter `wasm`. `VTC(oracle)` is VTC told
+/// each request's true output, which reaches the filter only as `max_tokens`: its clients send
+/// the oracle cap whatever [`ReproOptions::max_tokens`] says.
 pub fn run_case(wasm: &[u8], w: &ReproWorkload, p: &PolicyCase, opts: &ReproOptions) -> Result<CaseResult> {
     let t0 = std::time::Instant::now();
     let sc = scenario(filter_config(w, p, opts), w.horizon_s, opts)?;
-    let mut sim = sc.build(wasm, &w.items)?;
+    let mut sim = if *p == PolicyCase::vtc_oracle() && opts.max_tokens != MaxTokens::Oracle {
+        let mut items = w.items.clone();
+        MaxTokens::Oracle.apply(&mut items, opts.seed);
+        sc.build(wasm, &items)?
+    } else {
+        sc.build(wasm, &w.items)?
+    };
     sim.run();
     let report = sc.report(&sim);
     let records = sim.records();

@@ -124,8 +124,15 @@ impl SloTrace {
     }
 }
 
-/// The first `rows` rows of a trace in `dir`, arrivals relative to the first.
-pub fn load_rows(trace: SloTrace, dir: &Path, rows: usize) -> Result<Vec<WorkItem>> {
+/// The first `rows` rows of a trace in `dir`, arrivals relative to the first, each with the
+/// `max_tokens` its client sends (drawn from `seed`).
+pub fn load_rows(
+    trace: SloTrace,
+    dir: &Path,
+    rows: usize,
+    max_tokens: workload::MaxTokens,
+    seed: u64,
+) -> Result<Vec<WorkItem>> {
     let path = dir.join(trace.file());
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading trace {}", path.display()))?;
     let mut items = workload::parse_trace(trace.format(), &text).map_err(|errs| {
@@ -136,6 +143,7 @@ pub fn load_rows(trace: SloTrace, dir: &Path, rows: usize) -> Result<Vec<WorkIte
     if items.len() < 2 {
         bail!("trace {}: at least 2 rows are needed, got {}", path.display(), items.len());
     }
+    max_tokens.apply(&mut items, seed);
     Ok(items)
 }
 
@@ -189,6 +197,9 @@ pub struct SloPlan {
     pub qlm: QlmPlan,
     /// PARD-style comparison.
     pub pard: PardPlan,
+    /// How the clients of every trace set `max_tokens` (default: none sent).
+    #[serde(default)]
+    pub max_tokens: workload::MaxTokens,
 }
 
 /// `over` merged into `base`: objects key by key, recursively; anything else replaces.
@@ -365,7 +376,8 @@ pub fn run_records(
             MODEL,
             w.prompt_tokens,
             w.output_tokens,
-        );
+        )
+        .with_max_tokens(w.max_tokens);
         for (k, v) in &w.headers {
             r.add_header(k, v);
         }
@@ -635,17 +647,19 @@ pub fn qlm_workload(
 }
 
 /// The PARD-style workload: enough rows of the plan's trace (from `dir`) for `periods` calm +
-/// burst periods at `capacity_rps`, objectives by row as headers, re-timed in bursts.
+/// burst periods at `capacity_rps`, objectives by row as headers, re-timed in bursts; clients
+/// set `max_tokens` by `max_tokens`.
 pub fn pard_workload(
     plan: &PardPlan,
     dir: &Path,
     capacity_rps: f64,
     periods: usize,
+    max_tokens: workload::MaxTokens,
     seed: u64,
 ) -> Result<(Vec<WorkItem>, Vec<Objective>)> {
     let b = &plan.bursts;
     let n = (b.mean_load() * capacity_rps * (b.calm_s + b.burst_s) * periods.max(1) as f64).ceil() as usize;
-    let rows = load_rows(plan.trace, dir, n.max(2))?;
+    let rows = load_rows(plan.trace, dir, n.max(2), max_tokens, seed)?;
     let objectives =
         sw::assign_classes(&rows, &plan.classes, AssignBy::Row, seed).map_err(|e| anyhow::anyhow!("pard: {e}"))?;
     let items = sw::bursty(&sw::with_objective_headers(&rows, &objectives, SLO_TTFT_HEADER), capacity_rps, b, seed)

@@ -385,6 +385,7 @@ impl Sim {
             headers,
             body: std::mem::take(&mut s.forwarded),
             prefix_hashes: s.req.prefix_hashes.clone(),
+            output_tokens: (s.req.output_tokens > 0).then_some(s.req.output_tokens),
         };
         let f = &self.cfg.faults;
         if let Some(d) =

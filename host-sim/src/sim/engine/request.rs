@@ -23,7 +23,9 @@ pub struct ClientRequest {
     pub trailers: Option<HeaderMap>,
     /// Prompt tokens (reporting; the backend derives its own from the body).
     pub prompt_tokens: u32,
-    /// Output tokens asked for.
+    /// Output tokens of the answer: the model stops there on its own (end of sequence), unless
+    /// the body's `max_tokens` is smaller. 0 leaves the length to the body (or the backend's
+    /// default).
     pub output_tokens: u32,
     /// The client gives up (resets the stream) this long after arrival if not complete, µs.
     pub cancel_after_us: Option<u64>,
@@ -33,8 +35,9 @@ pub struct ClientRequest {
 }
 
 impl ClientRequest {
-    /// A streaming OpenAI chat request of `prompt_tokens` tokens (4 bytes each) asking for
-    /// exactly `output_tokens` tokens, with usage in the last chunk.
+    /// A streaming OpenAI chat request of `prompt_tokens` tokens (4 bytes each) whose answer is
+    /// `output_tokens` long, with usage in the last chunk. Its `max_tokens` is that length (an
+    /// oracle client); [`ClientRequest::with_max_tokens`] sends another cap or none.
     pub fn chat(
         id: u64,
         arrival_us: u64,
@@ -77,6 +80,26 @@ impl ClientRequest {
         }
     }
 
+    /// The same request with `max_tokens` set to `cap` in its JSON body, or removed when `None`
+    /// (the answer stays [`ClientRequest::output_tokens`] long unless `cap` is smaller).
+    pub fn with_max_tokens(mut self, cap: Option<u32>) -> ClientRequest {
+        let Ok(serde_json::Value::Object(mut body)) = serde_json::from_slice(&self.body) else {
+            return self;
+        };
+        match cap {
+            Some(c) => body.insert("max_tokens".into(), c.into()),
+            None => body.remove("max_tokens"),
+        };
+        self.body = serde_json::to_vec(&body).expect("json");
+        let len = self.body.len().to_string().into_bytes();
+        for (k, v) in &mut self.headers {
+            if k == "content-length" {
+                *v = len.clone();
+            }
+        }
+        self
+    }
+
     /// Adds a request header (name lower-cased, as Envoy passes names to filters).
     pub fn add_header(&mut self, name: &str, value: &str) {
         self.headers.push((name.to_ascii_lowercase(), value.as_bytes().to_vec()));
@@ -96,7 +119,7 @@ pub struct RequestRecord {
     pub arrival_us: u64,
     /// Prompt tokens.
     pub prompt_tokens: u32,
-    /// Output tokens asked for.
+    /// Output tokens of the answer (before any `max_tokens` cut it).
     pub output_tokens: u32,
     /// HTTP status the client got (0 = stream reset before any response).
     pub status: u16,
