@@ -538,10 +538,13 @@ pub struct Config {
 impl Config {
     /// Parses and validates; the error names the offending field and value.
     pub fn from_json(bytes: &[u8]) -> Result<Config, String> {
+        // Old names first, so that their errors name the replacement; then the typed read from
+        // the bytes, which also refuses a key written twice.
         let value: serde_json::Value =
             serde_json::from_slice(bytes).map_err(|e| format!("invalid plugin configuration: {e}"))?;
         renames::check(&value)?;
-        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+        let de = &mut serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
             if path.is_empty() || path == "." {

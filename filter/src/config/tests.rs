@@ -114,6 +114,7 @@ fn errors_name_the_field_and_value() {
         (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":800}}"#, "routing.max_scrape_interval_ms"),
         (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
         (r#"not json"#, "invalid plugin configuration"),
+        (r#"{"endpoints":["127.0.0.1:1"],"policy":"vtc","policy":"fcfs"}"#, "duplicate field `policy`"),
         (r#"{"endpoints":["127.0.0.1:1","127.0.0.1:1"]}"#, "listed twice"),
         (r#"{"endpoints":[{"address":"127.0.0.1:1","model_server":"tgi"}]}"#, "endpoints[0]"),
         (r#"{"endpoints":["127.0.0.1:1",7]}"#, "endpoints[1]"),
