@@ -1,5 +1,8 @@
 //! The plugin configuration: a JSON object, validated once in `on_configure`.
 
+mod renames;
+pub use renames::{KeyRename, ValueRename, KEYS as RENAMED_KEYS, VALUES as RENAMED_VALUES};
+
 use crate::openai::PrefixHashing;
 use crate::replicas::{RawReplicas, ReplicasConfig};
 use crate::slo::{SloConfig, SloOrder};
@@ -277,11 +280,52 @@ fn tagged<T: serde::de::DeserializeOwned>(field: &str, tag: &str, v: serde_json:
         serde_json::Value::String(name) => serde_json::json!({ tag: name }),
         other => other,
     };
+    nested(field, v)
+}
+
+/// Reads an object apart from the rest of the configuration, its errors named from `field`.
+fn nested<T: serde::de::DeserializeOwned>(field: &str, v: serde_json::Value) -> Result<T, String> {
     serde_path_to_error::deserialize(v).map_err(|e| {
         let path = e.path().to_string();
         let at = if path.is_empty() || path == "." { String::new() } else { format!(".{path}") };
         format!("field `{field}{at}`: {}", e.into_inner())
     })
+}
+
+/// Reads `slo` with the SLO order named by `order`: the SLO configuration,
+/// if it asks for more than objectives by band, and the TTFT objective of each band.
+fn parse_slo(
+    raw: Option<serde_json::Value>,
+    order: Option<SloOrder>,
+    default_output_tokens: u32,
+) -> Result<(Option<SloConfig>, BTreeMap<Criticality, u64>), String> {
+    let Some(v) = raw else {
+        return match order {
+            Some(_) => Err("field `order`: an SLO order (\"slo_slack\", \"pard\") needs an `slo` object".into()),
+            None => Ok((None, BTreeMap::new())),
+        };
+    };
+    let keys: Vec<String> = v.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+    let mut slo: SloConfig = nested("slo", v)?;
+    slo.order = order.unwrap_or_default();
+    slo.prior_output_tokens = default_output_tokens;
+    slo.validate().map_err(|e| format!("field `{e}"))?;
+    let band_ttft_ms = slo.band_ttft_ms();
+    // Objectives by band alone give deadlines, as `ttft_slo_ms` did, and run no estimator.
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let slo = (!slo.only_band_objectives(&keys)).then_some(slo);
+    Ok((slo, band_ttft_ms))
+}
+
+/// `vtc_oracle` reads the true output length, which only a simulator knows:
+/// a gateway refuses it, a filter built with the `simulator` feature accepts it.
+fn refuse_simulator_only(policy: &PolicySpec) -> Result<(), String> {
+    if matches!(policy, PolicySpec::VtcOracle { .. }) && !cfg!(feature = "simulator") {
+        return Err("field `policy`: \"vtc_oracle\" is simulator-only (it charges the true output length, \
+                    which a gateway never knows); use \"vtc_predict\""
+            .into());
+    }
+    Ok(())
 }
 
 /// The configuration as written by the operator; every key is optional but `endpoints`.
@@ -312,8 +356,6 @@ struct RawConfig {
     #[serde(default)]
     engine_priority: serde_json::Value,
     #[serde(default)]
-    ttft_slo_ms: BTreeMap<Criticality, u64>,
-    #[serde(default)]
     overload: Option<OverloadLadder>,
     #[serde(default)]
     replicas: Option<RawReplicas>,
@@ -337,7 +379,9 @@ struct RawConfig {
     #[serde(default = "default_learned_limit")]
     learned_limit: Option<Headroom>,
     #[serde(default = "default_deviation")]
-    percentage_deviation_for_bounds: f64,
+    bounds_deviation_fraction: f64,
+    #[serde(default = "default_output_tokens")]
+    default_output_tokens: u32,
     #[serde(default)]
     lower_bound_per_backend: Option<f64>,
     #[serde(default)]
@@ -348,8 +392,9 @@ struct RawConfig {
     tick_ms: u64,
     #[serde(default = "default_tenant_header_aliases")]
     tenant_header_aliases: Vec<String>,
+    /// Read apart (`nested`): which keys it gives decides whether an estimator runs.
     #[serde(default)]
-    slo: Option<SloConfig>,
+    slo: Option<serde_json::Value>,
 }
 
 fn default_tenant_header_aliases() -> Vec<String> {
@@ -402,6 +447,11 @@ fn default_learned_limit() -> Option<Headroom> {
 fn default_deviation() -> f64 {
     0.1
 }
+/// The output assumed for a request whose length is unknown, until something
+/// better is known (its `max_tokens`, a prediction, the estimator's mean).
+fn default_output_tokens() -> u32 {
+    256
+}
 fn default_retry_after_s() -> u32 {
     1
 }
@@ -443,8 +493,9 @@ pub struct Config {
     /// Where to write the band into the request body for the model server's
     /// own priority scheduling; `None`: the body goes as the client sent it.
     pub engine_priority: Option<EnginePriority>,
-    /// TTFT objective by band: requests get the deadline `arrival + objective` (for EDF orderings).
-    pub ttft_slo_ms: BTreeMap<Criticality, u64>,
+    /// TTFT objective by band (`slo.by_band`), used when no `slo` source
+    /// gives one: requests get the deadline `arrival + objective` (for EDF orderings).
+    pub band_ttft_ms: BTreeMap<Criticality, u64>,
     /// The black-box overload ladder, when enabled.
     pub overload: Option<OverloadLadder>,
     /// Largest request body accepted.
@@ -478,7 +529,7 @@ pub struct Config {
     /// Scraping and endpoint selection.
     pub routing: Routing,
     /// Service-level objectives and their use (estimation, SLO order,
-    /// proactive dropping); absent: none.
+    /// proactive dropping); absent: none, or only objectives by band.
     pub slo: Option<SloConfig>,
     /// State shared with other gateway replicas; absent: this gateway counts alone.
     pub replicas: Option<ReplicasConfig>,
@@ -487,6 +538,11 @@ pub struct Config {
 impl Config {
     /// Parses and validates; the error names the offending field and value.
     pub fn from_json(bytes: &[u8]) -> Result<Config, String> {
+        // Old names first, so that their errors name the replacement; then the typed read from
+        // the bytes, which also refuses a key written twice.
+        let value: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| format!("invalid plugin configuration: {e}"))?;
+        renames::check(&value)?;
         let de = &mut serde_json::Deserializer::from_slice(bytes);
         let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
@@ -634,9 +690,24 @@ impl Config {
         if raw.max_tenants == 0 {
             return Err("field `max_tenants` must be at least 1, got 0".into());
         }
-        let policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
+        if raw.default_output_tokens == 0 {
+            return Err("field `default_output_tokens` must be at least 1, got 0".into());
+        }
+        let mut policy: PolicySpec = tagged("policy", "policy", raw.policy)?;
+        policy.set_default_output(raw.default_output_tokens);
+        refuse_simulator_only(&policy)?;
         let work_conserving = policy.build().map_err(|e| format!("field `policy`: {e}"))?.as_paced_mut().is_none();
-        let order: OrderSpec = tagged("order", "order", raw.order)?;
+        // `order` names either an ordering inside flows or an SLO order (which
+        // orders across flows too, and inside them by slack).
+        let slo_order = raw.order.as_str().and_then(SloOrder::from_order_value);
+        let mut order: OrderSpec = match slo_order {
+            Some(_) => OrderSpec::Fifo,
+            None => tagged("order", "order", raw.order).map_err(|e| match e.contains("unknown variant") {
+                true => format!("{e}; or an SLO order, `slo_slack` or `pard`"),
+                false => e,
+            })?,
+        };
+        order.set_default_output(raw.default_output_tokens);
         order.build().map_err(|e| format!("field `order`: {e}"))?;
         let may_be_critical = raw.criticality_header.is_some()
             || raw.default_criticality == Criticality::Critical
@@ -655,7 +726,9 @@ impl Config {
         bands.validate("limits").map_err(|e| format!("field {}", e.trim_start_matches("limits.")))?;
         let band_min_share = MinShares::new("band_min_share", raw.band_min_share)?;
         let engine_priority = parse_engine_priority(raw.engine_priority)?;
-        if let Some(ladder) = &raw.overload {
+        let mut overload = raw.overload;
+        if let Some(ladder) = &mut overload {
+            ladder.default_output_tokens = raw.default_output_tokens;
             ladder.validate("overload").map_err(|e| format!("field `{e}"))?;
         }
         // A deadline order chooses across flows within the policy's fairness
@@ -663,13 +736,11 @@ impl Config {
         // limit, DRR) would put every flow inside it and be overridden.
         let name = policy.build().map_err(|e| format!("field `policy`: {e}"))?.name();
         let measures_lead = work_conserving && name != "drr";
-        if let Some(slo) = &raw.slo {
-            slo.validate().map_err(|e| format!("field `{e}"))?;
-            if slo.order != SloOrder::Fair && !measures_lead {
-                return Err(format!(
-                    "field `slo.order`: the SLO order needs a policy that measures how far a flow runs ahead (fcfs, the vtc family, wfq), not `{name}`"
-                ));
-            }
+        let (slo, band_ttft_ms) = parse_slo(raw.slo, slo_order, raw.default_output_tokens)?;
+        if slo_order.is_some() && !measures_lead {
+            return Err(format!(
+                "field `order`: an SLO order needs a policy that measures how far a flow runs ahead (fcfs, the vtc family, wfq), not `{name}`"
+            ));
         }
         if order == OrderSpec::Edf && !measures_lead {
             return Err(format!(
@@ -686,7 +757,7 @@ impl Config {
                 tenant_headers.push(h);
             }
         }
-        let deviation = raw.percentage_deviation_for_bounds;
+        let deviation = raw.bounds_deviation_fraction;
         // Explicit bounds win over a watermark, as they always did.
         let cap = match (raw.lower_bound_per_backend, raw.upper_bound_per_backend, raw.watermark_per_backend) {
             (None, None, None) => None,
@@ -714,7 +785,7 @@ impl Config {
             routing,
             tenant_header: raw.tenant_header.to_ascii_lowercase(),
             tenant_headers,
-            slo: raw.slo,
+            slo,
             default_tenant: raw.default_tenant,
             policy,
             bypass: work_conserving,
@@ -725,8 +796,8 @@ impl Config {
             bands,
             band_min_share,
             engine_priority,
-            ttft_slo_ms: raw.ttft_slo_ms,
-            overload: raw.overload,
+            band_ttft_ms,
+            overload,
             max_body_bytes: raw.max_body_bytes,
             max_drain_bytes: raw.max_drain_bytes,
             max_tenant_bytes: raw.max_tenant_bytes,
@@ -740,251 +811,4 @@ impl Config {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_follow_the_queuing_design() {
-        let c = Config::from_json(br#"{"endpoints":["127.0.0.1:8001"]}"#).unwrap();
-        assert_eq!(c.tenant_header, "x-gateway-inference-fairness-id");
-        assert_eq!(c.max_tenants, 10_000);
-        assert_eq!(c.default_tenant, "default");
-        assert_eq!(c.policy, tagged::<PolicySpec>("p", "policy", "vtc".into()).unwrap());
-        assert_eq!(c.order, OrderSpec::Fifo);
-        assert_eq!(
-            c.bands,
-            BandLimits { total_capacity: 1000, flow_capacity: 100, ttl_ms: 30_000, critical_reserve: 0 },
-            "no critical requests can exist, so nothing is reserved for them"
-        );
-        let critical = br#"{"endpoints":["127.0.0.1:1"],"criticality_header":"x-c","flow_capacity":900}"#;
-        let reserve = Config::from_json(critical).unwrap().bands.critical_reserve;
-        assert_eq!(reserve, 500, "flow_capacity, at most half the queue");
-        assert_eq!(c.default_criticality, Criticality::Standard);
-        assert!(c.band_min_share.is_strict(), "strict priority between bands");
-        assert_eq!(c.engine_priority, None, "the body goes as the client sent it");
-        assert!(c.criticality_header.is_none() && c.overload.is_none() && c.replicas.is_none());
-        assert_eq!(c.bounds.cap, None, "no fixed cap: the engine's limit is learned");
-        assert_eq!(c.learned_limit, Some(Headroom::default()));
-        let capped = Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"watermark_per_backend":2}"#).unwrap();
-        let cap = capped.bounds.cap.unwrap();
-        assert!((cap.upper_per_backend - 2.2).abs() < 1e-9);
-        assert!((cap.lower_per_backend - 1.8).abs() < 1e-9);
-        let off = Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"learned_limit":null}"#).unwrap();
-        assert_eq!(off.learned_limit, None);
-    }
-
-    #[test]
-    fn errors_name_the_field_and_value() {
-        let cases: &[(&str, &str)] = &[
-            (r#"{}"#, "endpoints"),
-            (r#"{"endpoints":[]}"#, "endpoints"),
-            (r#"{"endpoints":["backend:80"]}"#, "backend:80"),
-            (r#"{"endpoints":["127.0.0.1:1"],"policy":"lottery"}"#, "lottery"),
-            (r#"{"endpoints":["127.0.0.1:1"],"flow_capacity":0}"#, "flow_capacity"),
-            (r#"{"endpoints":["127.0.0.1:1"],"max_body_bytes":67108865}"#, "max_body_bytes"),
-            (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":0}"#, "max_tenant_bytes"),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"routing":{"prefix_block_tokens":4611686018427387904}}"#,
-                "prefix_block_tokens",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"max_tenant_bytes":3}"#, "default_tenant"),
-            (r#"{"endpoints":["127.0.0.1:1"],"max_tenants":0}"#, "max_tenants"),
-            (r#"{"endpoints":["127.0.0.1:1"],"replicas":{"id":1,"peers":2}}"#, "replicas.peers_cluster"),
-            (r#"{"endpoints":["127.0.0.1:1"],"replicas":{"id":1,"peers":2,"peers_cluster":"p","ttl":1}}"#, "replicas"),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"percentage_deviation_for_bounds":1.5}"#,
-                "percentage_deviation_for_bounds",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"lower_bound_per_backend":1}"#, "upper_bound_per_backend"),
-            (r#"{"endpoints":["127.0.0.1:1"],"endpoint":["x"]}"#, "endpoint"),
-            (r#"{"endpoints":["127.0.0.1:1"],"vtc":{"output":-1}}"#, "vtc"),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"policy":{"policy":"vtc","output_weight":"x"}}"#,
-                "field `policy`: invalid type: string \"x\"",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"policy":"rpm"}"#, "requests_per_minute"),
-            (r#"{"endpoints":["127.0.0.1:1"],"order":"lifo"}"#, "lifo"),
-            (r#"{"endpoints":["127.0.0.1:1"],"criticality_by_tenant":{"a":"urgent"}}"#, "criticality_by_tenant.a"),
-            (r#"{"endpoints":["127.0.0.1:1"],"total_capacity":10,"critical_reserve":10}"#, "critical_reserve"),
-            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"defer_above":0.9}}"#, "overload"),
-            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"medium_from_tokens":512}}"#, "medium_from_tokens"),
-            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"short_max_tokens":300}}"#, "short_max_tokens"),
-            (r#"{"endpoints":["127.0.0.1:1"],"overload":{"tail_window_requests":0}}"#, "overload.tail_window_requests"),
-            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"slack"},"policy":"drr"}"#, "slo.order"),
-            (r#"{"endpoints":["127.0.0.1:1"],"order":"edf","policy":"drr"}"#, "field `order`: `edf`"),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"order":"edf","policy":{"policy":"rpm","requests_per_minute":5}}"#,
-                "field `order`: `edf`",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"default":"gold"}}"#, "slo.default"),
-            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"drop":{"quantile":0.2}}}"#, "slo.drop.quantile"),
-            (r#"{"endpoints":["127.0.0.1:1"],"slo":{"order":"lbf"}}"#, "slo.order"),
-            (r#"{"endpoints":["127.0.0.1:1"],"tenant_header_aliases":[""]}"#, "tenant_header_aliases"),
-            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":1}}"#, "band_min_share.standard"),
-            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"sheddable":-0.5}}"#, "band_min_share.sheddable"),
-            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":0.5,"sheddable":0.5}}"#, "band_min_share"),
-            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"critical":0.1}}"#, "band_min_share.critical"),
-            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"bulk":0.1}}"#, "band_min_share"),
-            (r#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":"x"}}"#, "band_min_share"),
-            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":"tgi"}"#, "engine_priority"),
-            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":7}"#, "engine_priority"),
-            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"values":{"critical":0}}}"#, "standard is missing"),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"values":{"critical":0,"standard":"x","sheddable":2}}}"#,
-                "engine_priority.values",
-            ),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"field":"","values":{"critical":0,"standard":1,"sheddable":2}}}"#,
-                "engine_priority.field",
-            ),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"field":"model","values":{"critical":0,"standard":1,"sheddable":2}}}"#,
-                "engine_priority.field",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"engine_priority":{"feild":"p"}}"#, "feild"),
-            (r#"{"endpoints":["127.0.0.1:1"],"queue_ttl_ms":"soon"}"#, "`queue_ttl_ms`: invalid type: string \"soon\""),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_depth":"x"}}}"#,
-                "routing.saturation.queue_depth",
-            ),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_cluster":"c","saturation":{"staleness_ms":200}}}"#,
-                "routing.saturation.staleness_ms",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":800}}"#, "routing.max_scrape_interval_ms"),
-            (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
-            (r#"not json"#, "invalid plugin configuration"),
-            (r#"{"endpoints":["127.0.0.1:1","127.0.0.1:1"]}"#, "listed twice"),
-            (r#"{"endpoints":[{"address":"127.0.0.1:1","model_server":"tgi"}]}"#, "endpoints[0]"),
-            (r#"{"endpoints":["127.0.0.1:1",7]}"#, "endpoints[1]"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"kv_cache":-2}}}"#, "routing.weights.kv_cache"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"kv":1}}}"#, "routing.weights.kv"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":{"queue":"x"}}}"#, "routing.weights.queue"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"weights":[1]}}"#, "routing.weights"),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"routing":{"affinity_guard":{"max_ratio":0.5}}}"#,
-                "routing.affinity_guard.max_ratio",
-            ),
-            (
-                r#"{"endpoints":["127.0.0.1:1"],"routing":{"affinity_guard":{"max_extra":-1}}}"#,
-                "routing.affinity_guard.max_extra",
-            ),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"affinity_guard":{"abs":1}}}"#, "abs"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"prefix_max_blocks":0}}"#, "routing.prefix_max_blocks"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"prefix_max_blocks":5000}}"#, "routing.prefix_max_blocks"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"speculative_ttl_ms":-1}}"#, "routing.speculative_ttl_ms"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"metrics_path":"metrics"}}"#, "routing.metrics_path"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"picker":"best"}}"#, "best"),
-            (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_every":5}}"#, "scrape_every"),
-        ];
-        for (json, needle) in cases {
-            let err = Config::from_json(json.as_bytes()).unwrap_err();
-            assert!(err.contains(needle), "{json}: error {err:?} does not name {needle}");
-        }
-    }
-
-    #[test]
-    fn routing_defaults_and_per_endpoint_model_servers() {
-        let c = Config::from_json(
-            br#"{"endpoints":["127.0.0.1:1",{"address":"127.0.0.1:2","model_server":"sglang"}],
-                 "routing":{"scrape_cluster":"model_servers","model_server":"trtllm","session_header":"X-Session"}}"#,
-        )
-        .unwrap();
-        let r = &c.routing;
-        assert_eq!(r.model_servers, vec![ModelServer::Trtllm, ModelServer::Sglang]);
-        assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (50, "/metrics", 64));
-        assert_eq!(r.router.weights, Weights::default());
-        assert_eq!(r.router.guard, Some(LoadGuard::default()));
-        assert_eq!((r.prefix_max_blocks, r.speculative_ttl_ms), (128, 2000));
-        assert_eq!(r.prefix_hashing(), PrefixHashing { block_bytes: 64, max_blocks: 128 });
-        assert_eq!(r.saturation, SaturationThresholds::default());
-        assert_eq!(r.session_header.as_deref(), Some("x-session"));
-        assert_eq!(r.on_no_endpoint, NoEndpoint::FailOpen);
-        // Not scraping: least-request only.
-        let c = Config::from_json(br#"{"endpoints":["127.0.0.1:1"]}"#).unwrap();
-        assert!(c.routing.scrape_cluster.is_none());
-        assert_eq!(c.routing.router.weights, Weights::only("in_flight", 1.0).unwrap());
-        assert_eq!(c.routing.prefix_hashing(), PrefixHashing::OFF, "no prefix scorer, no hashing");
-        // A partial weights map overrides the defaults it names; `null` turns the guard off.
-        let c = Config::from_json(
-            br#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_cluster":"c","weights":{"prefix":0,"session":2},
-                 "affinity_guard":null,"prefix_max_blocks":16}}"#,
-        )
-        .unwrap();
-        let w = &c.routing.router.weights;
-        assert_eq!((w.get("prefix"), w.get("session"), w.get("queue")), (0.0, 2.0, 2.0));
-        assert_eq!(c.routing.router.guard, None);
-        assert_eq!(c.routing.prefix_max_blocks, 16);
-    }
-
-    #[test]
-    fn every_policy_of_the_library_is_selectable() {
-        for p in [
-            r#""fcfs""#,
-            r#""lcf""#,
-            r#""vtc""#,
-            r#"{"policy":"vtc","tenant_weights":{"gold":2}}"#,
-            r#"{"policy":"vtc-cost","cost":"profiled"}"#,
-            r#""vtc-predict""#,
-            r#"{"policy":"rpm","requests_per_minute":30}"#,
-            r#""wfq""#,
-            r#""drr""#,
-        ] {
-            let c = Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"policy":{p}}}"#).as_bytes());
-            assert!(c.is_ok(), "{p}: {:?}", c.err());
-        }
-        let rpm = br#"{"endpoints":["127.0.0.1:1"],"policy":{"policy":"rpm","requests_per_minute":5}}"#;
-        assert!(!Config::from_json(rpm).unwrap().bypass, "a rate limit must see every request");
-        assert!(Config::from_json(br#"{"endpoints":["127.0.0.1:1"]}"#).unwrap().bypass);
-        for o in [r#""edf""#, r#""shortest-predicted""#, r#"{"order":"feasible-set"}"#] {
-            let c = Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"order":{o}}}"#).as_bytes());
-            assert!(c.is_ok(), "{o}: {:?}", c.err());
-        }
-        let c = Config::from_json(
-            br#"{"endpoints":["127.0.0.1:1"],"criticality_header":"X-Criticality","criticality_by_tenant":{"batch":"sheddable"},
-                 "ttft_slo_ms":{"critical":2000},"overload":{}}"#,
-        )
-        .unwrap();
-        assert_eq!(c.criticality_header.as_deref(), Some("x-criticality"));
-        assert_eq!(c.criticality_by_tenant["batch"], Criticality::Sheddable);
-        assert_eq!(c.ttft_slo_ms[&Criticality::Critical], 2000);
-        assert_eq!(c.overload, Some(OverloadLadder::default()));
-        let c =
-            Config::from_json(br#"{"endpoints":["127.0.0.1:1"],"band_min_share":{"standard":0.2,"sheddable":0.05}}"#)
-                .unwrap();
-        assert_eq!(
-            (c.band_min_share.get(Criticality::Standard), c.band_min_share.get(Criticality::Sheddable)),
-            (0.2, 0.05)
-        );
-    }
-
-    #[test]
-    fn engine_priority_presets_and_custom_fields() {
-        let read = |v: &str| {
-            Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"engine_priority":{v}}}"#).as_bytes())
-                .unwrap()
-                .engine_priority
-        };
-        let vllm = read(r#""vllm""#).unwrap();
-        assert_eq!((vllm.field.as_str(), vllm.values), ("priority", [0, 1, 2]), "vLLM: lower goes first");
-        let sglang = read(r#""sglang""#).unwrap();
-        assert!(
-            sglang.value(Criticality::Critical) > sglang.value(Criticality::Sheddable),
-            "SGLang: higher goes first"
-        );
-        let custom = read(r#"{"field":"x-prio","values":{"critical":-5,"standard":0,"sheddable":5}}"#).unwrap();
-        assert_eq!((custom.field.as_str(), custom.value(Criticality::Standard)), ("x-prio", 0));
-        assert_eq!(read(r#"{"values":{"critical":9,"standard":8,"sheddable":7}}"#).unwrap().field, "priority");
-        assert_eq!(read("null"), None);
-    }
-
-    #[test]
-    fn explicit_bounds_are_a_cap() {
-        let c = Config::from_json(
-            br#"{"endpoints":["127.0.0.1:1"],"lower_bound_per_backend":1,"upper_bound_per_backend":4,"tenant_header":"X-Tenant"}"#,
-        )
-        .unwrap();
-        assert_eq!(c.bounds.cap, Some(StockBounds::explicit(1.0, 4.0).unwrap()));
-        assert_eq!(c.tenant_header, "x-tenant");
-    }
-}
+mod tests;

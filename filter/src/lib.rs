@@ -10,6 +10,7 @@ pub mod config;
 #[doc(hidden)]
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
+pub mod interface;
 pub mod openai;
 pub mod outcome;
 pub mod replicas;

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 
 /// Shared-data key of this replica's latest published state (JSON), which the
 /// internal listener serves.
-pub const STATE_KEY: &str = "sluice.replicas.state";
+pub const STATE_KEY: &str = crate::interface::REPLICA_STATE_KEY;
 /// Shared-data key of the live peers' in-flight counts per endpoint, with the
 /// time they were written.
 pub const PEER_LOAD_KEY: &str = "sluice.replicas.peer_load";

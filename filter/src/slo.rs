@@ -11,6 +11,7 @@
 //! `x-llm-d-inference-objective` naming an objective of the table.
 
 use serde::Deserialize;
+use sluice_policies::bands::Criticality;
 use std::collections::BTreeMap;
 
 /// One named objective.
@@ -22,19 +23,32 @@ pub struct Objective {
     pub ttft_ms: u64,
 }
 
-/// How the scheduler orders requests that carry objectives.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+/// How the scheduler orders requests that carry objectives: chosen by the
+/// top-level `"order"` (`"slo_slack"`, `"pard"`), which the configuration
+/// parser copies here; not a key of `"slo"`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SloOrder {
     /// The allocation policy alone (objectives still give deadlines to
     /// `"order": "edf"`, and proactive dropping still applies).
     #[default]
     Fair,
-    /// Least slack first across and inside flows, within the fairness window.
+    /// `"slo_slack"`: least slack first across and inside flows, within the
+    /// fairness window.
     Slack,
-    /// Like `slack`, switching to High Budget First while PARD's load factor
-    /// says the pool is under-provisioned.
+    /// `"pard"`: like `slo_slack`, switching to High Budget First while
+    /// PARD's load factor says the pool is under-provisioned.
     Pard,
+}
+
+impl SloOrder {
+    /// The top-level `"order"` value that selects `self`, if any.
+    pub fn from_order_value(v: &str) -> Option<SloOrder> {
+        match v {
+            "slo_slack" => Some(SloOrder::Slack),
+            "pard" => Some(SloOrder::Pard),
+            _ => None,
+        }
+    }
 }
 
 /// Proactive dropping (PARD).
@@ -80,6 +94,10 @@ pub struct SloConfig {
     /// The objective of everything else (none: best effort).
     #[serde(default)]
     pub default: Option<String>,
+    /// The objective of each criticality band, used when no source above
+    /// gives one (the deadline of EDF orderings by band).
+    #[serde(default)]
+    pub by_band: BTreeMap<Criticality, String>,
     /// Trusted headers carrying a TTFT objective in milliseconds; the first present wins.
     #[serde(default)]
     pub ttft_headers: Vec<String>,
@@ -90,8 +108,8 @@ pub struct SloConfig {
     /// as elapsed (as PARD counts upstream modules).
     #[serde(default)]
     pub elapsed_header: Option<String>,
-    /// The order of requests with objectives.
-    #[serde(default)]
+    /// The order of requests with objectives (set from the top-level `"order"`).
+    #[serde(skip)]
     pub order: SloOrder,
     /// Service units (the policy's: weighted tokens under VTC, virtual time
     /// under WFQ) a flow may run ahead of the policy's fair choice when the
@@ -105,8 +123,9 @@ pub struct SloConfig {
     /// to the upstream request, to measure the estimator.
     #[serde(default)]
     pub expose_prediction: bool,
-    /// Output tokens assumed for a tenant and model never seen complete.
-    #[serde(default = "default_prior")]
+    /// Output tokens assumed for a tenant and model never seen complete (set
+    /// from the top-level `"default_output_tokens"`).
+    #[serde(skip, default = "default_prior")]
     pub prior_output_tokens: u32,
     /// Work of a prompt token relative to an output token, for the
     /// estimator's unit of work (`cost · prompt + output`). The default is
@@ -136,6 +155,19 @@ pub struct SloHeaders {
 }
 
 impl SloConfig {
+    /// Whether the block only gives objectives by band (`objectives` and
+    /// `by_band`): deadlines and nothing else, so no estimator runs.
+    pub fn only_band_objectives(&self, keys: &[&str]) -> bool {
+        self.order == SloOrder::Fair
+            && keys.contains(&"by_band")
+            && keys.iter().all(|k| matches!(*k, "objectives" | "by_band"))
+    }
+
+    /// The TTFT objective of each band, in milliseconds.
+    pub fn band_ttft_ms(&self) -> BTreeMap<Criticality, u64> {
+        self.by_band.iter().filter_map(|(&b, o)| Some((b, self.objectives.get(o)?.ttft_ms))).collect()
+    }
+
     /// Checks names, ranges and cross-references; errors name the field.
     pub fn validate(&self) -> Result<(), String> {
         for (name, o) in &self.objectives {
@@ -162,6 +194,9 @@ impl SloConfig {
         if let Some(o) = &self.default {
             known("slo.default", o)?;
         }
+        for (band, o) in &self.by_band {
+            known(&format!("slo.by_band.{}", band.as_str()), o)?;
+        }
         let headers = self.ttft_headers.iter().map(|h| ("slo.ttft_headers", h));
         let headers = headers.chain(self.objective_headers.iter().map(|h| ("slo.objective_headers", h)));
         for (field, h) in headers.chain(self.elapsed_header.iter().map(|h| ("slo.elapsed_header", h))) {
@@ -180,9 +215,6 @@ impl SloConfig {
         }
         if !(self.input_token_cost.is_finite() && (0.0..=100.0).contains(&self.input_token_cost)) {
             return Err(format!("slo.input_token_cost must be in [0, 100], got {}", self.input_token_cost));
-        }
-        if self.prior_output_tokens == 0 {
-            return Err("slo.prior_output_tokens must be positive".into());
         }
         Ok(())
     }
@@ -276,7 +308,7 @@ mod tests {
             (r#"{"elapsed_header":""}"#, "slo.elapsed_header"),
             (r#"{"fairness_window":-1}"#, "slo.fairness_window"),
             (r#"{"drop":{"quantile":1.0}}"#, "slo.drop.quantile"),
-            (r#"{"prior_output_tokens":0}"#, "slo.prior_output_tokens"),
+            (r#"{"by_band":{"critical":"x"}}"#, "slo.by_band.critical"),
             (r#"{"input_token_cost":-1}"#, "slo.input_token_cost"),
         ] {
             let err = cfg(json).validate().unwrap_err();

@@ -63,7 +63,7 @@ fn check_deviation(deviation: f64) -> Result<(), BoundsError> {
     if deviation > 0.0 && deviation < 1.0 {
         Ok(())
     } else {
-        Err(BoundsError(format!("percentage_deviation_for_bounds must be in (0, 1), got {deviation}")))
+        Err(BoundsError(format!("bounds_deviation_fraction must be in (0, 1), got {deviation}")))
     }
 }
 
@@ -91,7 +91,7 @@ pub struct Bounds {
     /// bounds); `None`: no cap, the learned limits alone bound the stock.
     pub cap: Option<StockBounds>,
     /// How far above a learned limit bypasses may go while nothing waits
-    /// (`percentage_deviation_for_bounds`), as the configured band's upper
+    /// (`bounds_deviation_fraction`), as the configured band's upper
     /// bound stands above its watermark.
     pub deviation: f64,
 }
@@ -208,8 +208,8 @@ mod tests {
     #[test]
     fn bad_bands_are_refused_with_the_field_named() {
         assert!(StockBounds::from_watermark(0.0, 0.1).unwrap_err().0.contains("watermark_per_backend"));
-        assert!(StockBounds::from_watermark(2.0, 1.0).unwrap_err().0.contains("percentage_deviation_for_bounds"));
-        assert!(Bounds::new(None, 0.0).unwrap_err().0.contains("percentage_deviation_for_bounds"));
+        assert!(StockBounds::from_watermark(2.0, 1.0).unwrap_err().0.contains("bounds_deviation_fraction"));
+        assert!(Bounds::new(None, 0.0).unwrap_err().0.contains("bounds_deviation_fraction"));
         assert!(StockBounds::explicit(3.0, 2.0).is_err());
         assert!(StockBounds::explicit(1.0, f64::INFINITY).is_err());
         assert!(StockBounds::explicit(1.0, 4.0).is_ok());

@@ -530,9 +530,9 @@ mod tests {
         assert_eq!(w.get(0), 1.5);
         assert_eq!(w.get(1), 4.0);
         assert_eq!(w.get(7), 1.5, "a flow never named gets the default");
-        assert!(w.validate("tenant_weights").is_ok());
+        assert!(w.validate("weights").is_ok());
         let bad = FlowWeights::new(1.0, [("x".to_string(), 0.0)].into_iter().collect());
-        assert!(bad.validate("tenant_weights").unwrap_err().contains("tenant_weights.table[\"x\"]"));
+        assert!(bad.validate("weights").unwrap_err().contains("weights.table[\"x\"]"));
     }
 
     #[test]

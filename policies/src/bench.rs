@@ -23,11 +23,11 @@ pub const POLICIES: &[(&str, &str)] = &[
     ("rpm", r#"{"policy":"rpm","requests_per_minute":1000000000}"#),
     ("lcf", r#"{"policy":"lcf"}"#),
     ("vtc", r#"{"policy":"vtc"}"#),
-    ("vtc-weighted", r#"{"policy":"vtc","tenant_weights":{"t1":2,"t2":4}}"#),
-    ("vtc-cost", r#"{"policy":"vtc-cost","cost":"profiled"}"#),
-    ("vtc-predict", r#"{"policy":"vtc-predict"}"#),
-    ("vtc-oracle", r#"{"policy":"vtc-oracle"}"#),
-    ("wfq", r#"{"policy":"wfq","flow_weights":{"t1":2}}"#),
+    ("vtc-weighted", r#"{"policy":"vtc","weights":{"t1":2,"t2":4}}"#),
+    ("vtc-cost", r#"{"policy":"vtc_cost","cost":"profiled"}"#),
+    ("vtc-predict", r#"{"policy":"vtc_predict"}"#),
+    ("vtc-oracle", r#"{"policy":"vtc_oracle"}"#),
+    ("wfq", r#"{"policy":"wfq","weights":{"t1":2}}"#),
     ("drr", r#"{"policy":"drr","congestion_boost":{"t1":1}}"#),
 ];
 

@@ -98,7 +98,7 @@ pub struct ShortestPredicted {
 
 impl FlowOrder for ShortestPredicted {
     fn name(&self) -> &'static str {
-        "shortest-predicted"
+        "shortest_predicted"
     }
     fn rank(&self, req: &Request, meta: &RequestMeta, _now_ms: u64) -> f64 {
         predicted_tokens(req, meta, self.default_output)
@@ -126,7 +126,9 @@ pub struct FeasibleSet {
     pub ref_tokens: f64,
     /// How long before its deadline a request starts becoming urgent.
     pub horizon_ms: u64,
-    /// Output assumed when neither a prediction nor `max_tokens` is known.
+    /// Output assumed when neither a prediction nor `max_tokens` is known
+    /// (not read: the configuration's `default_output_tokens` sets it).
+    #[serde(skip)]
     pub default_output: u32,
 }
 
@@ -175,7 +177,7 @@ impl FeasibleSet {
 
 impl FlowOrder for FeasibleSet {
     fn name(&self) -> &'static str {
-        "feasible-set"
+        "feasible_set"
     }
     fn rank(&self, req: &Request, meta: &RequestMeta, now_ms: u64) -> f64 {
         -self.score(req, meta, now_ms)

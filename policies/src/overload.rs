@@ -86,7 +86,9 @@ pub struct OverloadLadder {
     /// ... at most this many: long; more: xlong.
     pub long_max_tokens: u32,
     /// Expected output of a request that gives no `max_tokens` (and that no
-    /// estimator sizes): the prior that buckets it.
+    /// estimator sizes): the prior that buckets it (not read: the
+    /// configuration's `default_output_tokens` sets it).
+    #[serde(skip)]
     pub default_output_tokens: u32,
     /// TTFT samples the tail signal keeps, at most (the most recent ones).
     pub tail_window_requests: usize,

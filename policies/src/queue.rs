@@ -790,7 +790,7 @@ mod tests {
 
     #[test]
     fn flow_names_reach_the_policy() {
-        let spec = r#"{"policy":"wfq","flow_weights":{"heavy":4}}"#;
+        let spec = r#"{"policy":"wfq","weights":{"heavy":4}}"#;
         let p = serde_json::from_str::<crate::spec::PolicySpec>(spec).unwrap().build().unwrap();
         let mut q = FairQueue::new(QueueLimits::default(), p);
         let heavy = q.flow_id("heavy");

@@ -3,11 +3,14 @@
 //! semantic errors name the offending field.
 //!
 //! ```json
-//! {"policy": "vtc", "input_weight": 1, "output_weight": 2, "tenant_weights": {"gold": 2}}
-//! {"policy": "vtc-cost", "cost": "profiled"}
-//! {"policy": "wfq", "flow_weights": {"llama-70b": 2}, "default_output_tokens": 256}
-//! {"order": "feasible-set", "w_wait": 1, "w_size": 1, "w_urgency": 1}
+//! {"policy": "vtc", "input_weight": 1, "output_weight": 2, "weights": {"gold": 2}}
+//! {"policy": "vtc_cost", "cost": "profiled"}
+//! {"policy": "wfq", "weights": {"llama-70b": 2}}
+//! {"order": "feasible_set", "w_wait": 1, "w_size": 1, "w_urgency": 1}
 //! ```
+//!
+//! The output assumed for a request without `max_tokens` is not written here:
+//! the plugin's one `default_output_tokens` sets it ([`PolicySpec::set_default_output`]).
 
 use crate::alloc::counter::{CostFn, CounterPolicy, Linear, Predictor, Tracked};
 use crate::alloc::drr::Drr;
@@ -47,7 +50,7 @@ fn quantum() -> f64 {
 
 /// An allocation policy and its parameters, tagged by `"policy"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(tag = "policy", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PolicySpec {
     /// First come, first served.
     Fcfs,
@@ -65,7 +68,7 @@ pub enum PolicySpec {
         #[serde(default = "two")]
         output_weight: f64,
     },
-    /// VTC, Algorithm 2; weighted when `tenant_weights` or `default_weight` are set.
+    /// VTC, Algorithm 2; weighted when `weights` or `default_weight` are set.
     Vtc {
         /// `w_p`.
         #[serde(default = "one")]
@@ -75,7 +78,7 @@ pub enum PolicySpec {
         output_weight: f64,
         /// Weight by tenant name.
         #[serde(default)]
-        tenant_weights: BTreeMap<String, f64>,
+        weights: BTreeMap<String, f64>,
         /// Weight of unlisted tenants.
         #[serde(default = "one")]
         default_weight: f64,
@@ -86,7 +89,7 @@ pub enum PolicySpec {
         cost: CostSpec,
         /// Weight by tenant name.
         #[serde(default)]
-        tenant_weights: BTreeMap<String, f64>,
+        weights: BTreeMap<String, f64>,
         /// Weight of unlisted tenants.
         #[serde(default = "one")]
         default_weight: f64,
@@ -104,7 +107,7 @@ pub enum PolicySpec {
         window: usize,
         /// Weight by tenant name.
         #[serde(default)]
-        tenant_weights: BTreeMap<String, f64>,
+        weights: BTreeMap<String, f64>,
         /// Weight of unlisted tenants.
         #[serde(default = "one")]
         default_weight: f64,
@@ -122,12 +125,13 @@ pub enum PolicySpec {
     Wfq {
         /// Weight by flow name.
         #[serde(default)]
-        flow_weights: BTreeMap<String, f64>,
+        weights: BTreeMap<String, f64>,
         /// Weight of unlisted flows.
         #[serde(default = "one")]
         default_weight: f64,
-        /// Output assumed for requests without `max_tokens`.
-        #[serde(default = "default_output")]
+        /// Output assumed for requests without `max_tokens` (not read: set
+        /// from the configuration's `default_output_tokens`).
+        #[serde(skip, default = "default_output")]
         default_output_tokens: u32,
     },
     /// Deficit round robin with congestion-aware weights and borrowing.
@@ -137,7 +141,7 @@ pub enum PolicySpec {
         quantum: f64,
         /// Weight by flow name.
         #[serde(default)]
-        flow_weights: BTreeMap<String, f64>,
+        weights: BTreeMap<String, f64>,
         /// Weight of unlisted flows.
         #[serde(default = "one")]
         default_weight: f64,
@@ -147,10 +151,21 @@ pub enum PolicySpec {
         /// Most unused deficit kept for borrowing, in tokens (default: one quantum).
         #[serde(default)]
         borrow_cap: Option<f64>,
-        /// Output assumed for requests without `max_tokens`.
-        #[serde(default = "default_output")]
+        /// Output assumed for requests without `max_tokens` (not read: set
+        /// from the configuration's `default_output_tokens`).
+        #[serde(skip, default = "default_output")]
         default_output_tokens: u32,
     },
+}
+
+impl PolicySpec {
+    /// Sets the output assumed for requests without `max_tokens`, for the
+    /// policies that size requests before they finish (WFQ, DRR).
+    pub fn set_default_output(&mut self, tokens: u32) {
+        if let PolicySpec::Wfq { default_output_tokens, .. } | PolicySpec::Drr { default_output_tokens, .. } = self {
+            *default_output_tokens = tokens;
+        }
+    }
 }
 
 fn weights(input: f64, output: f64) -> Result<VtcWeights, String> {
@@ -182,14 +197,14 @@ impl PolicySpec {
             PolicySpec::Lcf { input_weight, output_weight } => {
                 Box::new(CounterPolicy::lcf(weights(*input_weight, *output_weight)?))
             }
-            PolicySpec::Vtc { input_weight, output_weight, tenant_weights, default_weight } => {
-                let t = table("tenant_weights", *default_weight, tenant_weights)?;
+            PolicySpec::Vtc { input_weight, output_weight, weights: w, default_weight } => {
+                let t = table("weights", *default_weight, w)?;
                 Box::new(
                     CounterPolicy::with_charge("vtc", Linear(weights(*input_weight, *output_weight)?), true)
                         .with_weights(t),
                 )
             }
-            PolicySpec::VtcCost { cost, tenant_weights, default_weight } => {
+            PolicySpec::VtcCost { cost, weights: w, default_weight } => {
                 let h = match cost {
                     CostSpec::Named(n) if n == "profiled" => CostFn::profiled(),
                     CostSpec::Named(n) if n == "linear" => CostFn::linear(VtcWeights::default()),
@@ -201,30 +216,30 @@ impl PolicySpec {
                         *c
                     }
                 };
-                let t = table("tenant_weights", *default_weight, tenant_weights)?;
-                Box::new(CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true).with_weights(t))
+                let t = table("weights", *default_weight, w)?;
+                Box::new(CounterPolicy::with_charge("vtc_cost", Tracked::cost(h), true).with_weights(t))
             }
-            PolicySpec::VtcPredict { input_weight, output_weight, window, tenant_weights, default_weight } => {
+            PolicySpec::VtcPredict { input_weight, output_weight, window, weights: w, default_weight } => {
                 if *window == 0 {
                     return Err("window must be at least 1".into());
                 }
-                let t = table("tenant_weights", *default_weight, tenant_weights)?;
+                let t = table("weights", *default_weight, w)?;
                 let c = Tracked::predict(weights(*input_weight, *output_weight)?, *window);
-                Box::new(CounterPolicy::with_charge("vtc-predict", c, true).with_weights(t))
+                Box::new(CounterPolicy::with_charge("vtc_predict", c, true).with_weights(t))
             }
             PolicySpec::VtcOracle { input_weight, output_weight } => {
                 let c = Tracked::new(
                     CostFn::linear(weights(*input_weight, *output_weight)?),
                     Predictor::Oracle { window: 5 },
                 );
-                Box::new(CounterPolicy::with_charge("vtc-oracle", c, true))
+                Box::new(CounterPolicy::with_charge("vtc_oracle", c, true))
             }
-            PolicySpec::Wfq { flow_weights, default_weight, default_output_tokens } => {
-                Box::new(Wfq::new(table("flow_weights", *default_weight, flow_weights)?, *default_output_tokens))
+            PolicySpec::Wfq { weights: w, default_weight, default_output_tokens } => {
+                Box::new(Wfq::new(table("weights", *default_weight, w)?, *default_output_tokens))
             }
             PolicySpec::Drr {
                 quantum,
-                flow_weights,
+                weights: w,
                 default_weight,
                 congestion_boost,
                 borrow_cap,
@@ -243,7 +258,7 @@ impl PolicySpec {
                     return Err(format!("borrow_cap must be a non-negative number, got {cap}"));
                 }
                 let boost = FlowWeights::new(0.0, congestion_boost.clone());
-                let w = table("flow_weights", *default_weight, flow_weights)?;
+                let w = table("weights", *default_weight, w)?;
                 Box::new(Drr::new(*quantum, w, boost, cap, *default_output_tokens))
             }
         })
@@ -252,7 +267,7 @@ impl PolicySpec {
 
 /// An ordering inside flows, tagged by `"order"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "order", rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(tag = "order", rename_all = "snake_case", deny_unknown_fields)]
 pub enum OrderSpec {
     /// First in, first out.
     Fifo,
@@ -262,15 +277,26 @@ pub enum OrderSpec {
     Slack,
     /// Shortest predicted first.
     ShortestPredicted {
-        /// Output assumed without a prediction or `max_tokens`.
-        #[serde(default = "default_output")]
+        /// Output assumed without a prediction or `max_tokens` (not read: set
+        /// from the configuration's `default_output_tokens`).
+        #[serde(skip, default = "default_output")]
         default_output_tokens: u32,
     },
-    /// The feasible-set score.
+    /// The feasible_set score.
     FeasibleSet(FeasibleSet),
 }
 
 impl OrderSpec {
+    /// Sets the output assumed without a prediction or `max_tokens`, for the
+    /// orderings that size requests.
+    pub fn set_default_output(&mut self, tokens: u32) {
+        match self {
+            OrderSpec::ShortestPredicted { default_output_tokens } => *default_output_tokens = tokens,
+            OrderSpec::FeasibleSet(f) => f.default_output = tokens,
+            OrderSpec::Fifo | OrderSpec::Edf | OrderSpec::Slack => {}
+        }
+    }
+
     /// Builds the ordering, or names the field that is wrong.
     pub fn build(&self) -> Result<Box<dyn FlowOrder>, String> {
         Ok(match self {
@@ -307,12 +333,12 @@ mod tests {
             (r#"{"policy":"rpm","requests_per_minute":20}"#, "rpm"),
             (r#"{"policy":"lcf"}"#, "lcf"),
             (r#"{"policy":"vtc"}"#, "vtc"),
-            (r#"{"policy":"vtc","tenant_weights":{"gold":2}}"#, "vtc"),
-            (r#"{"policy":"vtc-cost","cost":"profiled"}"#, "vtc-cost"),
-            (r#"{"policy":"vtc-cost","cost":{"input":1,"output":2}}"#, "vtc-cost"),
-            (r#"{"policy":"vtc-predict"}"#, "vtc-predict"),
-            (r#"{"policy":"vtc-oracle"}"#, "vtc-oracle"),
-            (r#"{"policy":"wfq","flow_weights":{"m":2}}"#, "wfq"),
+            (r#"{"policy":"vtc","weights":{"gold":2}}"#, "vtc"),
+            (r#"{"policy":"vtc_cost","cost":"profiled"}"#, "vtc_cost"),
+            (r#"{"policy":"vtc_cost","cost":{"input":1,"output":2}}"#, "vtc_cost"),
+            (r#"{"policy":"vtc_predict"}"#, "vtc_predict"),
+            (r#"{"policy":"vtc_oracle"}"#, "vtc_oracle"),
+            (r#"{"policy":"wfq","weights":{"m":2}}"#, "wfq"),
             (r#"{"policy":"drr","congestion_boost":{"short":1}}"#, "drr"),
         ] {
             let spec = parse(json).unwrap_or_else(|e| panic!("{json}: {e}"));
@@ -322,8 +348,7 @@ mod tests {
 
     #[test]
     fn the_built_vtc_uses_its_parameters() {
-        let mut p =
-            parse(r#"{"policy":"vtc","tenant_weights":{"gold":4},"output_weight":1}"#).unwrap().build().unwrap();
+        let mut p = parse(r#"{"policy":"vtc","weights":{"gold":4},"output_weight":1}"#).unwrap().build().unwrap();
         p.on_flow(0, "gold");
         p.on_flow(1, "free");
         head(&mut p, 0, Some(0));
@@ -346,11 +371,11 @@ mod tests {
         assert!(e(r#"{"policy":"rpm","requests_per_minute":0}"#).contains("requests_per_minute"));
         assert!(e(r#"{"policy":"vtc","quantum":3}"#).contains("quantum"), "unknown fields are refused");
         assert!(e(r#"{"policy":"vtc","input_weight":-1}"#).contains("input_weight"));
-        assert!(e(r#"{"policy":"vtc","tenant_weights":{"a":0}}"#).contains("tenant_weights.table[\"a\"]"));
+        assert!(e(r#"{"policy":"vtc","weights":{"a":0}}"#).contains("weights.table[\"a\"]"));
         assert!(e(r#"{"policy":"vtc","default_weight":0}"#).contains("default_weight"));
-        assert!(e(r#"{"policy":"vtc-cost","cost":"cubic"}"#).contains("cost"));
-        assert!(e(r#"{"policy":"vtc-cost","cost":{"input":1,"output":-2}}"#).contains("cost.output"));
-        assert!(e(r#"{"policy":"vtc-predict","window":0}"#).contains("window"));
+        assert!(e(r#"{"policy":"vtc_cost","cost":"cubic"}"#).contains("cost"));
+        assert!(e(r#"{"policy":"vtc_cost","cost":{"input":1,"output":-2}}"#).contains("cost.output"));
+        assert!(e(r#"{"policy":"vtc_predict","window":0}"#).contains("window"));
         assert!(e(r#"{"policy":"drr","quantum":0}"#).contains("quantum"));
         assert!(e(r#"{"policy":"drr","congestion_boost":{"s":-1}}"#).contains("congestion_boost[\"s\"]"));
         assert!(e(r#"{"policy":"sjf"}"#).contains("sjf"));
@@ -361,13 +386,13 @@ mod tests {
         for (json, name) in [
             (r#"{"order":"fifo"}"#, "fifo"),
             (r#"{"order":"edf"}"#, "edf"),
-            (r#"{"order":"shortest-predicted"}"#, "shortest-predicted"),
-            (r#"{"order":"feasible-set","w_urgency":3}"#, "feasible-set"),
+            (r#"{"order":"shortest_predicted"}"#, "shortest_predicted"),
+            (r#"{"order":"feasible_set","w_urgency":3}"#, "feasible_set"),
         ] {
             let s: OrderSpec = serde_json::from_str(json).unwrap();
             assert_eq!(s.build().unwrap().name(), name);
         }
-        let s: OrderSpec = serde_json::from_str(r#"{"order":"feasible-set","ref_tokens":-1}"#).unwrap();
+        let s: OrderSpec = serde_json::from_str(r#"{"order":"feasible_set","ref_tokens":-1}"#).unwrap();
         assert!(s.build().err().unwrap().contains("ref_tokens"));
     }
 }

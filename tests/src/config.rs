@@ -236,7 +236,7 @@ pub fn default_plugin_config(endpoints: &[String], policy: &str) -> Value {
         "total_capacity": 1000,
         "flow_capacity": 100,
         "queue_ttl_ms": 30_000,
-        "percentage_deviation_for_bounds": 0.1,
+        "bounds_deviation_fraction": 0.1,
         "retry_after_s": 1,
         "tick_ms": 50
     })

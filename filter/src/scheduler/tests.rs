@@ -29,7 +29,14 @@ fn charge(req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: b
 }
 
 /// [`charge`] in band `band`.
-fn charge_in(band: Criticality, req: u64, tenant: &str, input_tokens: u32, output_tokens: u32, done: bool) -> ToScheduler {
+fn charge_in(
+    band: Criticality,
+    req: u64,
+    tenant: &str,
+    input_tokens: u32,
+    output_tokens: u32,
+    done: bool,
+) -> ToScheduler {
     let dispatched = (input_tokens > 0).then(|| Dispatched { input_tokens, max_tokens: 0, model: String::new() });
     let output = Output { tokens: output_tokens, first_token_ms: None };
     ToScheduler::Charge(Charge {
@@ -333,7 +340,10 @@ fn a_request_rejected_for_want_of_an_endpoint_is_not_charged() {
 #[test]
 fn a_dispatch_whose_stream_left_is_closed_once_and_its_prediction_refunded() {
     // The oracle charges input and max_tokens at dispatch: 100 + 2 x 100.
-    let mut s = Scheduler::new(&cfg("vtc-oracle", r#","max_tenants":1"#));
+    // A gateway's parser refuses the oracle (simulator-only); the scheduler runs what it is given.
+    let mut c = cfg("vtc", r#","max_tenants":1"#);
+    c.policy = serde_json::from_str(r#"{"policy":"vtc_oracle"}"#).unwrap();
+    let mut s = Scheduler::new(&c);
     let mut out = Vec::new();
     s.on_message(enqueue(0, 1, "a", 0), 0, &mut out);
     s.pump(0, &mut slots(1), &mut out);
@@ -482,7 +492,7 @@ use crate::shared::Store;
 
 #[test]
 fn a_hundred_thousand_tenants_stay_within_max_tenants() {
-    for policy in ["vtc", "fcfs", "wfq", "drr", "vtc-predict"] {
+    for policy in ["vtc", "fcfs", "wfq", "drr", "vtc_predict"] {
         let mut s = Scheduler::new(&cfg(policy, r#","max_tenants":100"#));
         let store = MapStore::default();
         let mut out = Vec::new();
@@ -638,7 +648,7 @@ fn forgotten_tenants_leave_the_saved_shards() {
 
 #[test]
 fn running_requests_hold_their_tenant_and_bound_running_releases_it() {
-    let mut s = Scheduler::new(&cfg("vtc-predict", r#","max_tenants":1"#));
+    let mut s = Scheduler::new(&cfg("vtc_predict", r#","max_tenants":1"#));
     let mut out = Vec::new();
     // Five bypassed requests of five tenants run at once: none may be forgotten.
     for i in 0..5u64 {
@@ -785,8 +795,10 @@ fn warm_up(s: &mut Scheduler, n: u32) -> u64 {
 
 #[test]
 fn proactive_dropping_answers_what_cannot_meet_its_objective_and_never_best_effort() {
-    let mut s =
-        Scheduler::new(&cfg("fcfs", r#","slo":{"order":"slack","drop":{"quantile":0.9},"expose_prediction":true}"#));
+    let mut s = Scheduler::new(&cfg(
+        "fcfs",
+        r#","order":"slo_slack","slo":{"drop":{"quantile":0.9},"expose_prediction":true}"#,
+    ));
     let now = warm_up(&mut s, 60);
     let mut out = Vec::new();
     // 40 queued requests of ~100 tokens: ~2 s of work at 2,000 tokens/s.
@@ -851,7 +863,7 @@ fn a_request_past_its_deadline_at_dispatch_is_dropped_not_sent() {
 
 #[test]
 fn without_dropping_nothing_is_refused_and_the_prediction_stays_inside() {
-    let mut s = Scheduler::new(&cfg("vtc", r#","slo":{"order":"pard"}"#));
+    let mut s = Scheduler::new(&cfg("vtc", r#","order":"pard","slo":{}"#));
     let now = warm_up(&mut s, 40);
     let mut out = Vec::new();
     s.on_message(enqueue_slo(1, "a", now, 1, 100), now, &mut out);
@@ -873,7 +885,7 @@ fn edf_orders_across_tenants_by_each_request_s_own_deadline() {
 #[test]
 fn batch_work_waits_while_an_interactive_request_is_at_risk() {
     let order = |hold: &str| {
-        let extra = format!(r#","slo":{{"order":"slack","fairness_window":0{hold}}}"#);
+        let extra = format!(r#","order":"slo_slack","slo":{{"fairness_window":0{hold}}}"#);
         let mut s = Scheduler::new(&cfg("vtc", &extra));
         let now = warm_up(&mut s, 40);
         let mut out = Vec::new();
@@ -891,7 +903,7 @@ fn batch_work_waits_while_an_interactive_request_is_at_risk() {
 
 #[test]
 fn without_dropping_the_slo_order_serves_the_hopeless_last_not_first() {
-    let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"order":"slack"}"#));
+    let mut s = Scheduler::new(&cfg("fcfs", r#","order":"slo_slack","slo":{}"#));
     let mut out = Vec::new();
     s.on_message(enqueue_slo(1, "a", 0, 1_000, 10), 0, &mut out);
     s.on_message(enqueue_slo(2, "b", 0, 60_000, 10), 0, &mut out);
@@ -944,8 +956,14 @@ fn a_bypass_is_told_by_its_event_not_by_its_input_tokens() {
     let mut s = Scheduler::new(&cfg("vtc", ""));
     let mut out = Vec::new();
     let dispatched = Some(Dispatched::default());
-    let c =
-        Charge { req: RequestId(7), band: Criticality::Standard, tenant: "a".into(), dispatched, output: Output::default(), done: None };
+    let c = Charge {
+        req: RequestId(7),
+        band: Criticality::Standard,
+        tenant: "a".into(),
+        dispatched,
+        output: Output::default(),
+        done: None,
+    };
     s.on_message(ToScheduler::Charge(c), 0, &mut out);
     assert_eq!(s.running(), 1, "an empty prompt's bypass runs all the same");
     s.on_message(charge(7, "a", 0, 3, true), 1, &mut out);
@@ -964,7 +982,8 @@ fn the_engines_prompt_count_replaces_the_estimate_charged_at_dispatch() {
     assert_eq!(counter(&s), Some(10.0));
     let output = Output { tokens: 5, first_token_ms: None };
     let done = Some(Done { prompt_tokens: Some(1000) });
-    let end = Charge { req: RequestId(1), band: Criticality::Standard, tenant: "a".into(), dispatched: None, output, done };
+    let end =
+        Charge { req: RequestId(1), band: Criticality::Standard, tenant: "a".into(), dispatched: None, output, done };
     s.on_message(ToScheduler::Charge(end), 1, &mut out);
     assert_eq!(counter(&s), Some(1000.0 + 2.0 * 5.0), "charged as if counted right at dispatch");
     assert!(s.running.is_empty());
@@ -991,7 +1010,7 @@ fn a_demoted_request_keeps_its_place_when_critical_requests_fill_the_reserve() {
         // The hopeless request's band is owed the second dispatch.
         let (standard, sheddable) = if demoted == Criticality::Standard { (0.5, 0.1) } else { (0.1, 0.5) };
         let extra = format!(
-            r#","total_capacity":5,"critical_reserve":3,"band_min_share":{{"standard":{standard},"sheddable":{sheddable}}},"slo":{{"order":"slack"}}"#
+            r#","total_capacity":5,"critical_reserve":3,"band_min_share":{{"standard":{standard},"sheddable":{sheddable}}},"order":"slo_slack","slo":{{}}"#
         );
         let mut s = Scheduler::new(&cfg("fcfs", &extra));
         let mut out = Vec::new();
@@ -1032,7 +1051,7 @@ fn a_demoted_request_keeps_its_place_when_critical_requests_fill_the_reserve() {
 fn the_hold_takes_the_next_slot_at_the_rate_of_the_request_s_model_group() {
     let mut s = Scheduler::new(&cfg(
         "vtc",
-        r#","slo":{"order":"slack","fairness_window":0,"hold_batch_slack_ms":60000,"input_token_cost":0}"#,
+        r#","order":"slo_slack","slo":{"fairness_window":0,"hold_batch_slack_ms":60000,"input_token_cost":0}"#,
     ));
     let with_model = |ctx: u32, tenant: &str, model: &str, now: u64, ttft_ms: u32| {
         let mut m = enqueue_slo(ctx, tenant, now, ttft_ms, 0);
@@ -1076,7 +1095,7 @@ fn counter_of(s: &Scheduler, tenant: &str) -> Option<f64> {
 /// tenant lost the service it was owed.
 #[test]
 fn demoting_a_tenants_only_request_leaves_its_counter() {
-    let mut s = Scheduler::new(&cfg("vtc", r#","slo":{"order":"slack"}"#));
+    let mut s = Scheduler::new(&cfg("vtc", r#","order":"slo_slack","slo":{}"#));
     let mut out = Vec::new();
     s.on_message(enqueue_slo(1, "a", 0, 1_000, 10), 0, &mut out);
     // b bypassed while a waited (lifted to a's 0, then charged), then queued.
@@ -1095,7 +1114,7 @@ fn demoting_a_tenants_only_request_leaves_its_counter() {
 /// its tenant's lengths, and under-charged the tenant's next requests.
 #[test]
 fn a_request_that_never_ran_is_no_sample_of_its_tenants_lengths() {
-    let mut s = Scheduler::new(&cfg("vtc-predict", ""));
+    let mut s = Scheduler::new(&cfg("vtc_predict", ""));
     let mut out = Vec::new();
     // Two requests of 100 output tokens each complete.
     for ctx in 0..2 {
@@ -1132,7 +1151,7 @@ fn the_learned_output_length_is_the_pools_mean_once_learned() {
 /// ahead of a request with a deadline (item 4.3).
 #[test]
 fn under_pard_an_overload_switches_the_scheduler_to_high_budget_first() {
-    let mut s = Scheduler::new(&cfg("fcfs", r#","slo":{"order":"pard","drop":{"quantile":0.5}}"#));
+    let mut s = Scheduler::new(&cfg("fcfs", r#","order":"pard","slo":{"drop":{"quantile":0.5}}"#));
     let mut now = warm_up(&mut s, 60);
     let mut out = Vec::new();
     // A burst of best-effort work from twelve tenants: 300 arrivals a second for three

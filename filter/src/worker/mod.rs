@@ -57,7 +57,7 @@ pub use metrics::{Metric, MetricKind};
 /// Header that carries the chosen backend to the ORIGINAL_DST cluster.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// Header naming why the gateway answered instead of a backend.
-pub const REJECT_REASON: &str = "x-sluice-reject-reason";
+pub const REJECT_REASON: &str = crate::interface::REJECT_REASON_HEADER;
 /// Header added to a dispatched request with the TTFT the estimator
 /// predicted when it was queued (with `slo.expose_prediction`).
 pub const PREDICTED_TTFT: &str = "x-sluice-predicted-ttft-ms";

@@ -147,7 +147,7 @@ fn expected_output_tokens(req: &openai::CompletionRequest, learned: u64) -> Opti
 }
 
 /// The request's first-token deadline: its objective (the `"slo"`
-/// sources, else its band's `ttft_slo_ms`) from its arrival here at `now`,
+/// sources, else its band's `slo.by_band`) from its arrival here at `now`,
 /// less what earlier stages already spent.
 fn deadline(
     cfg: &Config,
@@ -161,7 +161,7 @@ fn deadline(
         Some(cfg) => cfg.ttft_ms(slo, tenant, model),
         None => None,
     }
-    .or_else(|| cfg.ttft_slo_ms.get(&band).copied())?;
+    .or_else(|| cfg.band_ttft_ms.get(&band).copied())?;
     let ttft_ms = ttft_ms.min(u32::MAX as u64) as u32;
     let start = now.saturating_sub(slo.elapsed_ms);
     Some(Deadline { at_ms: start.saturating_add(ttft_ms as u64), ttft_ms })

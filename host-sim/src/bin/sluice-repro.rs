@@ -26,6 +26,11 @@ struct Cli {
     /// The filter module (build: `cargo build -p sluice-filter --target wasm32-wasip1 --release`).
     #[arg(long, default_value = "target/wasm32-wasip1/release/sluice_filter.wasm")]
     wasm: PathBuf,
+    /// The filter built with its `simulator` feature, for the VTC(oracle) rows (a gateway's
+    /// build refuses `vtc_oracle`); build: `CARGO_TARGET_DIR=target/simulator cargo build -p
+    /// sluice-filter --target wasm32-wasip1 --release --features simulator`.
+    #[arg(long, default_value = "target/simulator/wasm32-wasip1/release/sluice_filter.wasm")]
+    simulator_wasm: PathBuf,
     /// The 27-client real trace (`arrival_s,client,prompt_tokens,output_tokens`).
     #[arg(long, default_value = "host-sim/traces/chatbot-arena-27-clients.csv")]
     trace: PathBuf,
@@ -110,6 +115,13 @@ fn run(cli: Cli) -> Result<()> {
             w.policies.retain(|p| cli.policies.contains(&p.label));
         }
     }
+    let simulator_only = |p: &PolicyCase| p.policy["policy"] == "vtc_oracle";
+    let simulator_wasm = match workloads.iter().any(|w| w.policies.iter().any(simulator_only)) {
+        true => std::fs::read(&cli.simulator_wasm).with_context(|| {
+            format!("reading the simulator's filter module {} (for VTC(oracle))", cli.simulator_wasm.display())
+        })?,
+        false => Vec::new(),
+    };
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
 
     // Every (workload, policy) pair is an independent simulation: run them on a small pool.
@@ -124,7 +136,8 @@ fn run(cli: Cli) -> Result<()> {
                 let k = next.fetch_add(1, Ordering::SeqCst);
                 let Some((wi, p)) = cases.get(k) else { break };
                 let w = &workloads[*wi];
-                let r = repro::run_case(&wasm, w, p, &opts);
+                let module = if simulator_only(p) { &simulator_wasm } else { &wasm };
+                let r = repro::run_case(module, w, p, &opts);
                 if let Ok(c) = &r {
                     eprintln!(
                         "[{:>3}/{}] {:<22} {:<13} {:>6.1} s wall, {} requests, {:.0} s virtual",

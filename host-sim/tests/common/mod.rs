@@ -8,10 +8,21 @@ use std::sync::OnceLock;
 /// Builds `package` for wasm32-wasip1 (release) into a target dir under this test's tmp dir and
 /// returns the path of `<lib>.wasm`. Runs cargo once per test binary.
 pub fn build_wasm(package: &str, lib: &str) -> PathBuf {
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("wasm-target");
+    build_wasm_with(package, lib, &[], "wasm-target")
+}
+
+/// Builds `package` with `features` into the target dir `dir` under this test's tmp dir (a
+/// build with other features gets its own dir, so that the two artefacts never overwrite each other).
+fn build_wasm_with(package: &str, lib: &str, features: &[&str], dir: &str) -> PathBuf {
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join(dir);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let features = features.join(",");
+    let mut args = vec!["build", "-p", package, "--target", "wasm32-wasip1", "--release", "--quiet"];
+    if !features.is_empty() {
+        args.extend(["--features", &features]);
+    }
     let out = Command::new(cargo)
-        .args(["build", "-p", package, "--target", "wasm32-wasip1", "--release", "--quiet"])
+        .args(&args)
         .env("CARGO_TARGET_DIR", &target)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
@@ -35,6 +46,17 @@ pub fn filter_wasm() -> Vec<u8> {
             Err(_) => build_wasm("sluice-filter", "sluice_filter"),
         };
         eprintln!("filter under test: {}", path.display());
+        std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+    })
+    .clone()
+}
+
+/// The filter built with its `simulator` feature, which accepts the simulator-only policies
+/// (`vtc_oracle`) a gateway's build refuses.
+pub fn simulator_filter_wasm() -> Vec<u8> {
+    static F: OnceLock<Vec<u8>> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = build_wasm_with("sluice-filter", "sluice_filter", &["simulator"], "wasm-target-simulator");
         std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
     })
     .clone()

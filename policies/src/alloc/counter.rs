@@ -656,7 +656,7 @@ mod tests {
         );
         // A cost curve: the increment of h at the request's place on it.
         let h = CostFn::profiled();
-        let mut c = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);
+        let mut c = CounterPolicy::with_charge("vtc_cost", Tracked::cost(h), true);
         c.on_dispatch(&req(1, 0, 100));
         c.on_output(0, 1, 10);
         c.on_prompt(0, 1, 100, 400);
@@ -716,7 +716,7 @@ mod tests {
     #[test]
     fn cost_vtc_charges_the_increment_of_h_per_request() {
         let h = CostFn::profiled();
-        let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(h), true);
+        let mut v = CounterPolicy::with_charge("vtc_cost", Tracked::cost(h), true);
         head(&mut v, 0, Some(0));
         v.on_dispatch(&req(7, 0, 100));
         let mut expect = h.eval(100.0, 0.0);
@@ -739,7 +739,7 @@ mod tests {
     #[test]
     fn prediction_charges_the_mean_of_the_last_five_and_corrects() {
         let w = VtcWeights::default();
-        let mut v = CounterPolicy::with_charge("vtc-predict", Tracked::predict(w, 5), true);
+        let mut v = CounterPolicy::with_charge("vtc_predict", Tracked::predict(w, 5), true);
         // No history: nothing predicted, plain VTC.
         v.on_dispatch(&req(1, 0, 10));
         assert_eq!(v.counter(0), 10.0);
@@ -773,7 +773,7 @@ mod tests {
 
     #[test]
     fn oracle_charges_the_true_length_up_front_and_never_corrects() {
-        let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
+        let mut v = CounterPolicy::with_charge("vtc_oracle", Tracked::oracle(VtcWeights::default()), true);
         v.on_dispatch(&Request { max_output_tokens: 40, ..req(3, 0, 10) });
         assert_eq!(v.counter(0), 90.0);
         v.on_output(0, 3, 40);
@@ -787,7 +787,7 @@ mod tests {
 
     #[test]
     fn output_for_an_unknown_request_falls_back_to_the_linear_part() {
-        let mut v = CounterPolicy::with_charge("vtc-cost", Tracked::cost(CostFn::profiled()), true);
+        let mut v = CounterPolicy::with_charge("vtc_cost", Tracked::cost(CostFn::profiled()), true);
         v.on_output(2, 999, 10);
         assert_eq!(v.counter(2), 10.0);
         v.on_complete(2, 999);
@@ -796,7 +796,7 @@ mod tests {
 
     #[test]
     fn a_refund_never_drives_a_counter_negative() {
-        let mut v = CounterPolicy::with_charge("vtc-oracle", Tracked::oracle(VtcWeights::default()), true);
+        let mut v = CounterPolicy::with_charge("vtc_oracle", Tracked::oracle(VtcWeights::default()), true);
         v.on_dispatch(&Request { max_output_tokens: 50, ..req(1, 0, 0) });
         v.restore(0, 10.0);
         v.on_complete(0, 1);
@@ -865,7 +865,7 @@ mod tests {
 
     #[test]
     fn forgetting_drops_a_predictors_history() {
-        let mut v = CounterPolicy::with_charge("vtc-predict", Tracked::predict(VtcWeights::default(), 5), true);
+        let mut v = CounterPolicy::with_charge("vtc_predict", Tracked::predict(VtcWeights::default(), 5), true);
         v.on_dispatch(&req(1, 0, 0));
         v.on_output(0, 1, 10);
         v.on_complete(0, 1);

@@ -9,11 +9,11 @@ pub const POLICIES: &[&str] = &[
     r#"{"policy":"fcfs"}"#,
     r#"{"policy":"rpm","requests_per_minute":3}"#,
     r#"{"policy":"lcf"}"#,
-    r#"{"policy":"vtc","tenant_weights":{"t1":2}}"#,
-    r#"{"policy":"vtc-cost","cost":"profiled"}"#,
-    r#"{"policy":"vtc-predict"}"#,
-    r#"{"policy":"vtc-oracle"}"#,
-    r#"{"policy":"wfq","flow_weights":{"t2":3}}"#,
+    r#"{"policy":"vtc","weights":{"t1":2}}"#,
+    r#"{"policy":"vtc_cost","cost":"profiled"}"#,
+    r#"{"policy":"vtc_predict"}"#,
+    r#"{"policy":"vtc_oracle"}"#,
+    r#"{"policy":"wfq","weights":{"t2":3}}"#,
     r#"{"policy":"drr","quantum":16,"congestion_boost":{"t0":1}}"#,
 ];
 

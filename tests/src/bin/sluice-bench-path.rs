@@ -569,7 +569,7 @@ fn one_slot_config(probe: SocketAddr, total_capacity: usize) -> Value {
     with_overrides(
         default_plugin_config(&[probe.to_string()], "vtc"),
         json!({"lower_bound_per_backend": 1, "upper_bound_per_backend": 1, "watermark_per_backend": null,
-               "percentage_deviation_for_bounds": null, "total_capacity": total_capacity, "queue_ttl_ms": 600_000}),
+               "bounds_deviation_fraction": null, "total_capacity": total_capacity, "queue_ttl_ms": 600_000}),
     )
 }
 

@@ -11,7 +11,7 @@ fn the_in_flight_limit_grows_with_what_the_engine_starts() {
     let mut w = vm(&p, 1, one(), 0);
     w.on_tick(0);
     // Nothing learned yet: slow start from nothing (four requests and a
-    // headroom of one), bypasses 10 % over it (`percentage_deviation_for_bounds`).
+    // headroom of one), bypasses 10 % over it (`bounds_deviation_fraction`).
     assert_eq!(metric(&p, "sluice_in_flight_limit"), 5);
     for ctx in 1..=6 {
         assert_eq!(admit_streamed(&mut w, 1, ctx), Admission::Bypass(0), "{ctx}");

@@ -102,7 +102,7 @@ fn the_band_reaches_the_engine_as_its_priority_on_bypass_and_from_the_queue() {
 #[test]
 fn a_dispatch_that_finds_its_stream_gone_releases_the_slot_and_the_schedulers_entry() {
     let p = Rc::new(Process::default());
-    let mut w = vm(&p, 1, config(serde_json::json!({"endpoints": ["127.0.0.1:1"], "policy": "vtc-predict"})), 0);
+    let mut w = vm(&p, 1, config(serde_json::json!({"endpoints": ["127.0.0.1:1"], "policy": "vtc_predict"})), 0);
     assert_eq!(admit(&mut w, 0, 1, "a"), Admission::Bypass(0));
     assert_eq!(admit(&mut w, 0, 2, "b"), Admission::Queued, "the only slot is held");
     w.on_queue_ready(0, queue_id(&p, SCHEDULER_QUEUE));
@@ -325,7 +325,7 @@ fn the_tail_signal_is_the_p95_of_ttft_over_objective_and_ages_out() {
     let p = Rc::new(Process::default());
     let cfg = serde_json::json!({
         "overload": {"w_load": 0.0, "w_queue": 0.0, "w_tail": 1.0, "tail_window_ms": 10000},
-        "ttft_slo_ms": {"standard": 1000},
+        "slo": {"objectives": {"s": {"ttft_ms": 1000}}, "by_band": {"standard": "s"}},
         "lower_bound_per_backend": 100, "upper_bound_per_backend": 100,
     });
     let mut w = vm(&p, 1, config(cfg), 0);
@@ -362,7 +362,7 @@ fn time_held_by_the_ladder_is_left_out_of_the_ttft_sample() {
     let p = Rc::new(Process::default());
     let cfg = serde_json::json!({
         "endpoints": ["127.0.0.1:1"], "overload": {"w_load": 1.0, "w_queue": 0.0, "w_tail": 1.0},
-        "ttft_slo_ms": {"standard": 1000}, "lower_bound_per_backend": 2, "upper_bound_per_backend": 2,
+        "slo": {"objectives": {"s": {"ttft_ms": 1000}}, "by_band": {"standard": "s"}}, "lower_bound_per_backend": 2, "upper_bound_per_backend": 2,
     });
     let mut w = vm(&p, 1, config(cfg), 0);
     let busy = foreign_stock(&p, 1, 1);

@@ -83,16 +83,16 @@ impl PolicyCase {
     }
     /// VTC with length prediction (Algorithm 3).
     pub fn vtc_predict() -> PolicyCase {
-        Self::new("VTC(predict)", json!({"policy": "vtc-predict"}))
+        Self::new("VTC(predict)", json!({"policy": "vtc_predict"}))
     }
     /// VTC with the true output length.
     pub fn vtc_oracle() -> PolicyCase {
-        Self::new("VTC(oracle)", json!({"policy": "vtc-oracle"}))
+        Self::new("VTC(oracle)", json!({"policy": "vtc_oracle"}))
     }
     /// Weighted VTC with these tenant weights.
     pub fn weighted_vtc(weights: &[(&str, f64)]) -> PolicyCase {
         let w: BTreeMap<&str, f64> = weights.iter().copied().collect();
-        Self::new("WVTC", json!({"policy": "vtc", "tenant_weights": w}))
+        Self::new("WVTC", json!({"policy": "vtc", "weights": w}))
     }
     /// The seed's Table 2 baselines, in its order.
     pub fn table2() -> Vec<PolicyCase> {

@@ -838,7 +838,7 @@ mod tests {
         let c = p.resolve(&slo.config);
         assert_eq!(c["policy"], "vtc");
         assert_eq!(c["queue_ttl_ms"], p.base["queue_ttl_ms"]);
-        assert_eq!(c["slo"]["order"], "slack");
+        assert_eq!(c["order"], "slo_slack");
         assert_eq!(c["slo"]["ttft_headers"][0], SLO_TTFT_HEADER);
         let fcfs = p.resolve(&serde_json::json!({"policy": "fcfs", "queue_ttl_ms": 5}));
         assert!(fcfs.get("slo").is_none(), "no slo object unless the fragment has one");

@@ -129,7 +129,7 @@ impl Sim {
         }
         if let Some(target) = peer {
             // What the `replicas.serve` plugin answers: the state, or 404 before the first one.
-            resp = Some(match self.gws[target].host.shared_data(sluice_filter::replicas::STATE_KEY) {
+            resp = Some(match self.gws[target].host.shared_data(sluice_filter::interface::REPLICA_STATE_KEY) {
                 Some((v, _)) if !v.is_empty() => (vec![(":status".into(), b"200".to_vec())], v, Vec::new()),
                 _ => (vec![(":status".into(), b"404".to_vec())], Vec::new(), Vec::new()),
             });

@@ -45,7 +45,7 @@ pub struct GatewayConfig {
     pub seed: u64,
     /// Local-reply headers whose value is recorded as the reject reason (first present wins).
     /// Default: llm-d's [`LLM_D_REASON_HEADER`], then the filter's
-    /// `sluice_filter::worker::REJECT_REASON`.
+    /// `sluice_filter::interface::REJECT_REASON_HEADER`.
     pub reason_headers: Vec<String>,
     /// Prices of served tokens in the per-client service the engine accounts
     /// ([`Sim::service_buckets`]); default VTC's ([`ServicePrices::VTC`]).
@@ -78,7 +78,7 @@ impl Default for GatewayConfig {
             tick_jitter_us: 0,
             queue_post_delay_us: 0,
             seed: 0,
-            reason_headers: vec![LLM_D_REASON_HEADER.into(), sluice_filter::worker::REJECT_REASON.into()],
+            reason_headers: vec![LLM_D_REASON_HEADER.into(), sluice_filter::interface::REJECT_REASON_HEADER.into()],
             service_prices: ServicePrices::VTC,
             stream_idle_timeout_us: None,
             faults: Faults::default(),
