@@ -426,7 +426,14 @@ mod tests {
         done: Option<Done>,
     ) -> ToScheduler {
         let output = Output { tokens, first_token_ms: first };
-        ToScheduler::Charge(Charge { req: RequestId(req), band: Criticality::Standard, tenant: "t".into(), dispatched, output, done })
+        ToScheduler::Charge(Charge {
+            req: RequestId(req),
+            band: Criticality::Standard,
+            tenant: "t".into(),
+            dispatched,
+            output,
+            done,
+        })
     }
 
     #[test]

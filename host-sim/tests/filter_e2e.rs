@@ -328,3 +328,38 @@ fn a_bad_max_tokens_in_a_scenario_is_refused_naming_the_field() {
         assert!(e.contains("max_tokens must be"), "{e}");
     }
 }
+
+/// The overload ladder sizes a capped request by how much of their cap its tenant's requests
+/// used, not by the cap: clients that send a loose `max_tokens` (4096) for 64-token answers
+/// are short work, and a flood of them is not held or refused as xlong. Sized by the cap, every
+/// such request was xlong: hundreds refused with `rejected-overload` and the modest tenant's
+/// TTFT p50 near the queue TTL (docs/results/2026-11-26-realistic-max-tokens.md).
+#[test]
+fn a_loose_max_tokens_does_not_make_every_request_xlong_for_the_overload_ladder() {
+    let wasm = common::filter_wasm();
+    let run = |cap: &str| {
+        let field = if cap.is_empty() { String::new() } else { format!(r#", "max_tokens": {cap}"#) };
+        let clients: Vec<String> = (0..10)
+            .map(|i| format!(r#"{{"name": "t{i}", "rate": 15, "prompt_tokens": 128, "output_tokens": 64 {field}}}"#))
+            .chain([format!(r#"{{"name": "modest", "rate": 1, "prompt_tokens": 128, "output_tokens": 64 {field}}}"#)])
+            .collect();
+        let sc = Scenario::from_json(&format!(
+            r#"{{"seed": 1, "workers": 2, "filter_config": {{"policy": "vtc", "overload": {{}}}},
+                "backends": {{"count": 4, "profile": "llama2-7b-a10g"}},
+                "workload": {{"kind": "synthetic", "duration_s": 15, "clients": [{}]}}}}"#,
+            clients.join(",")
+        ))
+        .expect("valid scenario");
+        let (sim, report) = sc.run(&wasm, Path::new(".")).unwrap();
+        assert!(sim.host().traps().is_empty());
+        let overloaded = report.reasons.get("rejected-overload").copied().unwrap_or(0);
+        (overloaded, report.clients["modest"].ttft_ms.p50)
+    };
+    let (none_refused, none_p50) = run("");
+    let (loose_refused, loose_p50) = run("4096");
+    assert!(
+        loose_refused <= none_refused + 10 && loose_p50 <= 2.0 * none_p50 + 100.0,
+        "no cap: {none_refused} refused for overload, modest TTFT p50 {none_p50} ms; \
+         max_tokens 4096: {loose_refused} refused, p50 {loose_p50} ms"
+    );
+}

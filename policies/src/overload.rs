@@ -13,6 +13,8 @@
 //! the `retry-after` scaling. Load alone tops at 0.3: a pool at its
 //! in-flight bound is the normal operating point, not overload.
 
+use crate::slo::{key_name, Moments};
+use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
@@ -302,6 +304,56 @@ impl TailWindow {
     }
 }
 
+/// How much of its `max_tokens` each tenant's requests use, learned from the
+/// ones that finished, so that the ladder sizes a request by what it will
+/// likely produce rather than by its cap. Clients often send a loose cap
+/// (4096, or the model's maximum); sized by it, every request of such a
+/// client was xlong, and under load the ladder refused or held them all: 728
+/// refused and the modest tenant's TTFT p50 0.22 s → 23 s on the scenario of
+/// docs/results/2026-11-26-realistic-max-tokens.md. A client whose cap is
+/// its real length (fraction 1) keeps being sized by it.
+#[derive(Clone, Debug, Default)]
+pub struct CapUse {
+    tenants: HashMap<String, Moments>,
+    pool: Moments,
+}
+
+impl CapUse {
+    /// Tenants learned apart, at most; later ones share the pool's fraction
+    /// (tenant names come from clients).
+    pub const MAX_TENANTS: usize = 1024;
+    /// Finished requests a tenant (or the pool) needs before its fraction is used.
+    pub const MIN_SAMPLES: u64 = 3;
+    /// Weight of a new sample.
+    const ALPHA: f64 = 0.1;
+
+    /// A request of `tenant` that sent `cap` as `max_tokens` produced `output` tokens.
+    pub fn observe(&mut self, tenant: &str, cap: u32, output: u32) {
+        if cap == 0 {
+            return;
+        }
+        let used = (output as f64 / cap as f64).min(1.0);
+        self.pool.observe(used, Self::ALPHA);
+        let key = key_name(tenant);
+        if let Some(m) = self.tenants.get_mut(key) {
+            m.observe(used, Self::ALPHA);
+        } else if self.tenants.len() < Self::MAX_TENANTS {
+            let mut m = Moments::default();
+            m.observe(used, Self::ALPHA);
+            self.tenants.insert(key.to_string(), m);
+        }
+    }
+
+    /// The output expected of a request of `tenant` capped at `cap`: the cap
+    /// times the fraction its tenant's requests use (else the pool's); `None`
+    /// until either is learned (a cap alone says little: see the type's doc).
+    pub fn expected(&self, tenant: &str, cap: u32) -> Option<u32> {
+        let learned = |m: &Moments| (m.n >= Self::MIN_SAMPLES).then_some(m.mean);
+        let used = self.tenants.get(key_name(tenant)).and_then(learned).or_else(|| learned(&self.pool))?;
+        Some(((cap as f64 * used).ceil() as u32).clamp(1, cap.max(1)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,6 +392,34 @@ mod tests {
         assert_eq!(l.decide(l.severity(&backlog), Long), Defer);
         let late = LoadSignals { load: 1.0, queue_pressure: 0.0, tail_ratio: 0.9 };
         assert_eq!(l.decide(l.severity(&late), Long), Defer);
+    }
+
+    #[test]
+    fn a_cap_is_sized_by_the_fraction_its_tenant_uses() {
+        let mut u = CapUse::default();
+        assert_eq!(u.expected("loose", 4096), None, "nothing learned");
+        for _ in 0..3 {
+            u.observe("loose", 4096, 64);
+        }
+        assert_eq!(u.expected("loose", 4096), Some(64), "its own fraction");
+        let ladder = OverloadLadder::default();
+        assert_eq!(ladder.classify(u.expected("loose", 4096)), SizeClass::Short);
+        // A client whose cap is its length keeps being sized by it.
+        for _ in 0..3 {
+            u.observe("exact", 2000, 2000);
+        }
+        assert_eq!(u.expected("exact", 2000), Some(2000));
+        // A tenant not yet seen takes the pool's fraction; no cap is learned from.
+        let new = u.expected("new", 1000).unwrap();
+        assert!(new > 64 && new < 1000, "{new}");
+        u.observe("none", 0, 50);
+        assert_eq!(u.expected("none", 100), u.expected("new", 100));
+        // Bounded: past MAX_TENANTS, new tenants only move the pool.
+        for i in 0..CapUse::MAX_TENANTS + 10 {
+            u.observe(&format!("t{i}"), 100, 100);
+        }
+        assert_eq!(u.tenants.len(), CapUse::MAX_TENANTS);
+        assert_eq!(u.expected("loose", 4096), Some(64), "a learned tenant keeps its own");
     }
 
     #[test]

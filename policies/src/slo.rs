@@ -121,7 +121,7 @@ pub const MAX_KEY_NAME: usize = 256;
 /// `name` as the estimator keys it: at most [`MAX_KEY_NAME`] bytes, cut at a character boundary.
 /// A real model or tenant name is far shorter; longer ones sharing their first bytes share
 /// statistics, which costs only precision.
-fn key_name(name: &str) -> &str {
+pub(crate) fn key_name(name: &str) -> &str {
     if name.len() <= MAX_KEY_NAME {
         return name;
     }

@@ -262,7 +262,6 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,7 +22,7 @@ use crate::wire::{encode_batch, Charge, Deadline, Dispatched, Done, Output, Requ
 use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::capacity::{Pace, Progress};
-use sluice_policies::overload::{LadderDecision, SizeClass, TailWindow};
+use sluice_policies::overload::{CapUse, LadderDecision, SizeClass, TailWindow};
 
 /// Charges a worker holds before it flushes them without waiting for the tick.
 const MAX_PENDING_CHARGES: usize = 256;
@@ -57,6 +57,10 @@ pub(super) enum Stream {
         unstarted: bool,
         prompt_tokens: u32,
         last_token_ms: Option<u64>,
+        /// Its `max_tokens` (0: none), and the output tokens charged so far: at
+        /// the end, how much of its cap it used ([`CapUse`]).
+        cap: u32,
+        produced: u32,
     },
 }
 
@@ -74,7 +78,14 @@ struct Sent {
 
 impl Stream {
     /// The entry of a request sent to a backend on `permit`.
-    fn dispatched(tenant: String, band: Criticality, permit: Permit, sent: Sent, prompt_tokens: u32) -> Stream {
+    fn dispatched(
+        tenant: String,
+        band: Criticality,
+        permit: Permit,
+        sent: Sent,
+        prompt_tokens: u32,
+        cap: u32,
+    ) -> Stream {
         Stream::Dispatched {
             tenant,
             band,
@@ -86,6 +97,8 @@ impl Stream {
             unstarted: sent.streamed,
             prompt_tokens,
             last_token_ms: None,
+            cap,
+            produced: 0,
         }
     }
 }
@@ -138,12 +151,22 @@ fn encode_after(pending: &[ToScheduler], msg: &ToScheduler) -> Vec<u8> {
 }
 
 /// The output a request is expected to produce, for the ladder's size
-/// buckets: its `max_tokens` when given, else the pool's mean output as the
-/// lease holder's estimator learned it (`learned`, 0 when nothing was), else
-/// unknown (`None`, which the ladder sizes by its prior).
-fn expected_output_tokens(req: &openai::CompletionRequest, learned: u64) -> Option<u32> {
+/// buckets: its `max_tokens` scaled by the fraction of their cap its tenant's
+/// requests used (`cap_use`: a cap is a bound, often loose), else the pool's
+/// mean output as the lease holder's estimator learned it (`learned`, 0 when
+/// nothing was; under the cap), else unknown (`None`, which the ladder sizes
+/// by its prior). A cap alone is not taken for the length.
+fn expected_output_tokens(
+    req: &openai::CompletionRequest,
+    tenant: &str,
+    cap_use: &CapUse,
+    learned: u64,
+) -> Option<u32> {
     let learned = (learned > 0).then(|| learned.min(u32::MAX as u64) as u32);
-    (req.max_tokens > 0).then_some(req.max_tokens).or(learned)
+    match req.max_tokens {
+        0 => learned,
+        cap => cap_use.expected(tenant, cap).or(learned.map(|m| m.min(cap))),
+    }
 }
 
 /// The request's first-token deadline: its objective (the `"slo"`
@@ -188,6 +211,9 @@ pub(super) struct Streams {
     /// read once a tick instead of once a request: the ladder sizes requests without
     /// `max_tokens` by it, and it moves slowly.
     output_mean: u64,
+    /// How much of their `max_tokens` each tenant's finished requests used
+    /// (with `overload`): the ladder sizes a capped request by it.
+    pub(super) cap_use: CapUse,
 }
 
 impl Streams {
@@ -205,6 +231,7 @@ impl Streams {
             pace: vec![Pace::default(); n],
             beat_ms: now,
             output_mean: 0,
+            cap_use: CapUse::default(),
         };
         streams.refresh_output_mean(cfg, host);
         streams
@@ -237,7 +264,7 @@ impl Streams {
         let mut may_bypass = queued == 0 && hub.env.cfg.bypass;
         let mut deferred = None;
         if let Some(ladder) = hub.env.cfg.overload {
-            let class = ladder.classify(expected_output_tokens(req, self.output_mean));
+            let class = ladder.classify(expected_output_tokens(req, &tenant, &self.cap_use, self.output_mean));
             let severity = ladder.severity(&hub.slots.load_signals(&hub.env, queued, self.tail_ratio));
             match ladder.decide(severity, class) {
                 LadderDecision::Admit => {}
@@ -280,7 +307,8 @@ impl Streams {
                     write_engine_priority(&hub.env, ctx, band);
                     let objective_ms = deadline.map(|d| d.ttft_ms);
                     let sent = Sent { now, ttft_from_ms: now, objective_ms, streamed: req.stream };
-                    self.map.insert(ctx, Stream::dispatched(tenant, band, permit, sent, req.prompt_tokens));
+                    self.map
+                        .insert(ctx, Stream::dispatched(tenant, band, permit, sent, req.prompt_tokens, req.max_tokens));
                     return Admission::Bypass(endpoint);
                 }
                 Slot::NoEndpoint => return Admission::NoEndpoint,
@@ -481,7 +509,20 @@ impl Streams {
         }
         let env = &hub.env;
         match self.map.remove(&ctx) {
-            Some(Stream::Dispatched { tenant, band, permit, sent_ms, first_seen, prompt_tokens: estimate, .. }) => {
+            Some(Stream::Dispatched {
+                tenant,
+                band,
+                permit,
+                sent_ms,
+                first_seen,
+                prompt_tokens: estimate,
+                cap,
+                produced,
+                ..
+            }) => {
+                if env.cfg.overload.is_some() && cap > 0 && !upstream_failed {
+                    self.cap_use.observe(&tenant, cap, produced.saturating_add(uncharged_tokens));
+                }
                 let endpoint = permit.endpoint();
                 let routing = &env.cfg.routing;
                 if hub.slots.request_ended(endpoint as usize, upstream_failed, routing.quarantine_after) {
@@ -544,9 +585,10 @@ impl Streams {
     pub(super) fn charge<H: Host>(&mut self, hub: &mut Hub<H>, ctx: u32, tokens: u32) {
         self.keep_alive(&hub.env, hub.lease_ms);
         let (now, req) = (hub.env.now, hub.env.request_id(ctx));
-        if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, .. }) =
+        if let Some(Stream::Dispatched { tenant, band, sent_ms, first_seen, permit, last_token_ms, produced, .. }) =
             self.map.get_mut(&ctx)
         {
+            *produced = produced.saturating_add(tokens);
             hub.env.add(Metric::TokensChargedOutput, u64::from(tokens));
             if tokens > 0 {
                 // The engine's pace: the time its iterations take at the batch it runs now.
@@ -650,7 +692,7 @@ impl Streams {
         }
         if resumable.is_some() && env.host.resume(ctx, &env.cfg.endpoints[endpoint as usize], extra) {
             if let Some(Stream::Queued {
-                enqueue: ToScheduler::Enqueue { tenant, band, deadline, input_tokens, .. },
+                enqueue: ToScheduler::Enqueue { tenant, band, deadline, input_tokens, max_tokens, .. },
                 arrival_ms,
                 held_ms,
                 streamed,
@@ -660,7 +702,7 @@ impl Streams {
                 let objective_ms = deadline.map(|d| d.ttft_ms);
                 let ttft_from_ms = arrival_ms.saturating_add(held_ms);
                 let sent = Sent { now: env.now, ttft_from_ms, objective_ms, streamed };
-                self.map.insert(ctx, Stream::dispatched(tenant, band, permit, sent, input_tokens));
+                self.map.insert(ctx, Stream::dispatched(tenant, band, permit, sent, input_tokens, max_tokens));
                 env.add(Metric::Dispatched, 1);
                 env.host.record(Metric::QueueWaitMs, env.now.saturating_sub(arrival_ms));
                 return;

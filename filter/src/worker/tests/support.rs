@@ -149,7 +149,9 @@ pub(super) fn request(max_tokens: Option<u32>) -> openai::CompletionRequest {
     openai::parse_request(body.as_bytes(), openai::PrefixHashing::OFF).unwrap()
 }
 
-/// Admits a request of tenant `a` in `band` asking for `max_tokens`.
+/// Admits a request of tenant `a` in `band` asking for `max_tokens`. Tenant `a` is known to
+/// send its real length as `max_tokens` (the ladder sizes a cap by the fraction of it that the
+/// tenant's requests used, [`sluice_policies::overload::CapUse`]), so the cap is its size.
 pub(super) fn admit_sized(
     w: &mut Worker<Vm>,
     now: u64,
@@ -157,6 +159,11 @@ pub(super) fn admit_sized(
     band: Criticality,
     max_tokens: Option<u32>,
 ) -> Admission {
+    if w.streams.cap_use.expected("a", 1).is_none() {
+        for _ in 0..sluice_policies::overload::CapUse::MIN_SAMPLES {
+            w.streams.cap_use.observe("a", 100, 100);
+        }
+    }
     let who = Admit { tenant: "a".into(), band, route: RouteInfo::default(), slo: SloHeaders::default() };
     w.at(now).admit(ctx, who, &request(max_tokens))
 }
