@@ -51,6 +51,11 @@ struct Args {
     /// Directory for `bench-bypass.md` and `bench-bypass.csv` (relative to the repository root).
     #[arg(long, default_value = "out")]
     out: PathBuf,
+    /// After each cell's rounds, one more phase of the floor and of sluice each with Linux `perf
+    /// record` on the Envoy process: `perf-<concurrency>x<clients>-<path>.data` and a report of
+    /// the samples by object (kernel, Envoy, JIT code, libraries) in this directory.
+    #[arg(long)]
+    perf: Option<PathBuf>,
 }
 
 /// The ways through Envoy, in the order of the table.
@@ -248,6 +253,13 @@ async fn run(args: Args) -> Result<()> {
                 paths.iter().zip(&runs).map(|(&p, (o, e))| (p, Figures::of(o, *e))).collect();
             let served = figures.iter().find(|(p, _)| *p == Path::Sluice).map_or(0, |(_, f)| f.summary.requests);
             let counts = bench_counts(&before, &after, served);
+            if let Some(dir) = &args.perf {
+                for p in [Path::Floor, Path::Sluice] {
+                    let (a, r) = addr(p);
+                    let name = format!("{concurrency}x{clients}-{}", if p == Path::Floor { "floor" } else { "sluice" });
+                    profile(dir, &name, envoy.pid(), || closed_loop(&client, a, r, clients, phase)).await?;
+                }
+            }
             let cell = Cell { envoy_concurrency: concurrency, clients, figures, counts };
             print_cell(&cell);
             cells.push(cell);
@@ -295,6 +307,55 @@ fn print_cell(c: &Cell) {
             BENCH_COUNTS.iter().zip(counts).map(|((_, what), n)| format!("{what} {n:.2}")).collect();
         println!("sluice per request (ticks included): {}", each.join(", "));
     }
+}
+
+/// Runs `phase` under `perf record -g` attached to process `pid`, then writes `perf report`'s
+/// samples by object (`--sort dso`) beside the data, and prints Envoy's CPU time per request
+/// served in the phase, split by object.
+async fn profile<F, Fut>(dir: &std::path::Path, name: &str, pid: u32, phase: F) -> Result<()>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Vec<Outcome>>,
+{
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let data = dir.join(format!("perf-{name}.data"));
+    let mut perf = std::process::Command::new("perf")
+        .args(["record", "-g", "-F", "999", "-p", &pid.to_string(), "-o"])
+        .arg(&data)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting perf record (is `perf` installed, and may this user profile?)")?;
+    // perf attaches to every thread before the phase starts.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let served = phase().await.len().max(1);
+    // SIGINT: perf writes its data and exits.
+    let _ = std::process::Command::new("kill").args(["-INT", &perf.id().to_string()]).status();
+    perf.wait().context("waiting for perf record")?;
+    let report = std::process::Command::new("perf")
+        .args(["report", "--stdio", "--no-children", "--sort", "dso", "-g", "none", "-i"])
+        .arg(&data)
+        .output()
+        .context("running perf report")?;
+    let text = String::from_utf8_lossy(&report.stdout);
+    std::fs::write(dir.join(format!("perf-{name}.txt")), text.as_bytes())?;
+    // cpu-clock counts nanoseconds of CPU.
+    let total_ns: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("# Event count (approx.): "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    let per_request = total_ns / 1e3 / served as f64;
+    eprintln!("perf {name}: {served} requests, Envoy CPU {per_request:.1} µs a request, by object:");
+    for line in text.lines().filter(|l| l.trim_end().ends_with(|c: char| c.is_alphanumeric() || c == ']') && l.contains('%')) {
+        let mut parts = line.split_whitespace();
+        if let (Some(pct), Some(obj)) = (parts.next(), parts.next()) {
+            if let Ok(pct) = pct.trim_end_matches('%').parse::<f64>() {
+                eprintln!("  {:>8.1} µs  {pct:>6.2} %  {obj}", per_request * pct / 100.0);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes the markdown and CSV tables under `out` (relative to the repository root).
