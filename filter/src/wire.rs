@@ -415,10 +415,11 @@ impl ToWorker {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn charge(
+    /// A charge of request `req` of tenant `t` (shared with the worker's tests).
+    pub(crate) fn charge(
         req: u64,
         dispatched: Option<Dispatched>,
         tokens: u32,

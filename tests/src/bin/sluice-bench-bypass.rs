@@ -347,7 +347,8 @@ where
         .unwrap_or(0.0);
     let per_request = total_ns / 1e3 / served as f64;
     eprintln!("perf {name}: {served} requests, Envoy CPU {per_request:.1} µs a request, by object:");
-    for line in text.lines().filter(|l| l.trim_end().ends_with(|c: char| c.is_alphanumeric() || c == ']') && l.contains('%')) {
+    // The rows: `<percent>%  <object>`; the header's lines start with `#`.
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
         let mut parts = line.split_whitespace();
         if let (Some(pct), Some(obj)) = (parts.next(), parts.next()) {
             if let Ok(pct) = pct.trim_end_matches('%').parse::<f64>() {

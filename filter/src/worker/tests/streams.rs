@@ -383,15 +383,7 @@ fn time_held_by_the_ladder_is_left_out_of_the_ttft_sample() {
 fn the_charges_of_one_request_fold_until_it_ends() {
     let charge = |req: u64, input: u32, output: u32, done: bool, first: Option<u32>| {
         let dispatched = (input > 0).then(|| Dispatched { input_tokens: input, ..Dispatched::default() });
-        let output = Output { tokens: output, first_token_ms: first };
-        ToScheduler::Charge(Charge {
-            req: RequestId(req),
-            band: Criticality::Standard,
-            tenant: "t".into(),
-            dispatched,
-            output,
-            done: done.then(Done::default),
-        })
+        crate::wire::tests::charge(req, dispatched, output, first, done.then(Done::default))
     };
     let mut prev = charge(1, 5, 0, false, None);
     assert!(merge_charge(&mut prev, &charge(1, 0, 2, false, Some(9))));

@@ -9,7 +9,7 @@ pub(super) use crate::replicas;
 pub(super) use crate::shared::tests::MapStore;
 pub(super) use crate::shared::{self, Lease, Permit, Store};
 pub(super) use crate::slo::SloHeaders;
-pub(super) use crate::wire::{decode_entry, Charge, Dispatched, Output, RequestId, RouteInfo, ToScheduler, ToWorker};
+pub(super) use crate::wire::{decode_entry, Charge, Dispatched, RequestId, RouteInfo, ToScheduler, ToWorker};
 pub(super) use hashbrown::HashMap;
 pub(super) use sluice_policies::bands::Criticality;
 pub(super) use std::cell::RefCell;
