@@ -461,7 +461,8 @@ impl GpuModel {
         let prefill = w.waiting_prefill_tokens + w.running_prefill_tokens + uncached as u64;
         let per_iteration = (self.p.max_num_batched_tokens as u64).saturating_sub(w.decoding).max(1);
         let iterations = prefill.div_ceil(per_iteration).max(1) as f64;
-        let overhead = t.base_us + w.decoding as f64 * t.per_decode_seq_us + w.running_kv_tokens as f64 * t.per_kv_token_us;
+        let overhead =
+            t.base_us + w.decoding as f64 * t.per_decode_seq_us + w.running_kv_tokens as f64 * t.per_kv_token_us;
         let compute = prefill as f64 * t.per_prefill_token_us + iterations * overhead;
         // A slot and blocks for the requests ahead and this one: running requests leave in order
         // of their remaining output, one decode iteration per token.
@@ -477,7 +478,8 @@ impl GpuModel {
             slots_short = slots_short.saturating_sub(1);
             blocks_short = blocks_short.saturating_sub(blocks);
         }
-        let decode_step = t.base_us + w.running as f64 * t.per_decode_seq_us + w.running_kv_tokens as f64 * t.per_kv_token_us;
+        let decode_step =
+            t.base_us + w.running as f64 * t.per_decode_seq_us + w.running_kv_tokens as f64 * t.per_kv_token_us;
         (w.iteration_left_us as f64 + compute + wait_tokens as f64 * decode_step).round() as u64
     }
 

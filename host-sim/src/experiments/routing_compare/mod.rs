@@ -488,7 +488,8 @@ fn gpu_metrics(up: &dyn Upstream) -> Option<sluice_gpu::GpuMetrics> {
     if let Some(o) = any.downcast_ref::<OracleUpstream>() {
         return Some(o.pool().metrics(o.index()));
     }
-    let gpu = any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner));
+    let gpu =
+        any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner));
     gpu.map(|g| g.model().metrics())
 }
 
@@ -803,7 +804,10 @@ mod tests {
         assert_eq!(rows.iter().find(|r| r.picker == "oracle").unwrap().oracle_over_p99, Some(1.0));
         let gaps = oracle_gaps(&rows);
         assert_eq!(gaps.len(), 1);
-        assert!(gaps[0].contains("+5.0 points") && gaps[0].contains("4.00x") && gaps[0].contains("outside"), "{gaps:?}");
+        assert!(
+            gaps[0].contains("+5.0 points") && gaps[0].contains("4.00x") && gaps[0].contains("outside"),
+            "{gaps:?}"
+        );
         // Without an oracle run the columns are empty and nothing is stated.
         let rows = super::rows(&runs[..2]);
         assert!(rows.iter().all(|r| r.oracle_over_p99.is_none()) && oracle_gaps(&rows).is_empty());

@@ -34,7 +34,8 @@ pub struct OraclePool {
 impl OraclePool {
     /// One GPU server per profile (`default_max_tokens` as [`GpuUpstream::new`]).
     pub fn new(profiles: &[GpuProfile], default_max_tokens: u32) -> anyhow::Result<OraclePool> {
-        let gpus = profiles.iter().map(|p| GpuUpstream::new(p.clone(), default_max_tokens)).collect::<Result<_, _>>()?;
+        let gpus =
+            profiles.iter().map(|p| GpuUpstream::new(p.clone(), default_max_tokens)).collect::<Result<_, _>>()?;
         Ok(OraclePool { gpus, placed: HashMap::new() })
     }
 

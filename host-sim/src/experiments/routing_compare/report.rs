@@ -226,7 +226,9 @@ pub fn oracle_gaps(rows: &[Row]) -> Vec<String> {
 /// rate, imbalance and the ratio to round-robin.
 pub fn rows_table(rows: &[Row]) -> String {
     let mut t = Table::new().left("trace").right("load").left("pool").left("picker").left("ok/sent");
-    for c in ["TTFT p50 ms", "TTFT p99 ms (min–max over seeds)", "round-robin p99 ÷ this", "oracle p99 ÷ this", "out tok/s"] {
+    for c in
+        ["TTFT p50 ms", "TTFT p99 ms (min–max over seeds)", "round-robin p99 ÷ this", "oracle p99 ÷ this", "out tok/s"]
+    {
         t = t.right(c);
     }
     let mut t = t.right("prefix hit").right("oracle hit").right("imbalance");

@@ -19,7 +19,7 @@
 //! arguments and the seed.
 
 use super::TraceKind;
-use crate::sim::workload::WorkItem;
+use crate::sim::workload::{splitmix, WorkItem};
 use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -124,13 +124,6 @@ impl Sharing {
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 /// A block id: `kind` names what it belongs to (an application's system prompt, a document, a
 /// row's own text), `owner` and `j` which one and where.
 fn block_id(salt: u64, kind: u64, owner: u64, j: u64) -> u64 {
@@ -186,7 +179,8 @@ pub fn generate(kind: TraceKind, n: usize, sizes: CacheSizes, seed: u64) -> Opti
                         let app = rng.random_range(0..apps) as u64;
                         let prompt = system + rng.random_range(128..=1024);
                         let output = rng.random_range(32..=256);
-                        let mut h: Vec<u64> = (0..SYSTEM_PROMPT_BLOCKS as u64).map(|j| block_id(salt, SYSTEM, app, j)).collect();
+                        let mut h: Vec<u64> =
+                            (0..SYSTEM_PROMPT_BLOCKS as u64).map(|j| block_id(salt, SYSTEM, app, j)).collect();
                         own_blocks(&mut h, salt, i, prompt, b);
                         row(t, format!("app-{app}"), prompt, output, h)
                     })
@@ -213,7 +207,8 @@ pub fn generate(kind: TraceKind, n: usize, sizes: CacheSizes, seed: u64) -> Opti
                         let tenant = rng.random_range(0..RAG_TENANTS) as u64;
                         let prompt = doc + b + rng.random_range(32..=256);
                         let output = rng.random_range(32..=256);
-                        let mut h: Vec<u64> = (0..DOCUMENT_BLOCKS as u64).map(|j| block_id(salt, DOCUMENT, d, j)).collect();
+                        let mut h: Vec<u64> =
+                            (0..DOCUMENT_BLOCKS as u64).map(|j| block_id(salt, DOCUMENT, d, j)).collect();
                         h.push(block_id(salt, TENANT, tenant, d));
                         own_blocks(&mut h, salt, i, prompt, b);
                         row(t, format!("tenant-{tenant}"), prompt, output, h)
@@ -264,10 +259,12 @@ fn multi_turn(n: usize, sizes: CacheSizes, rng: &mut ChaCha8Rng, salt: u64) -> V
             hashes: Vec::new(),
         }
     };
-    let mut convs: Vec<Conv> = (0..open).map(|_| {
-        let at = think(rng);
-        start(rng, at)
-    }).collect();
+    let mut convs: Vec<Conv> = (0..open)
+        .map(|_| {
+            let at = think(rng);
+            start(rng, at)
+        })
+        .collect();
     let mut rows = Vec::with_capacity(n);
     while rows.len() < n {
         let Some(k) = (0..convs.len()).min_by_key(|&k| (convs[k].next_us, convs[k].id)) else { break };
@@ -338,7 +335,8 @@ mod tests {
         for (i, w) in items.iter().enumerate() {
             let own = w.prefix_hashes[CHAT_SYSTEM_BLOCKS as usize];
             // The latest earlier turn of the same conversation starts this row.
-            let Some(prev) = items[..i].iter().rev().find(|p| p.prefix_hashes.get(CHAT_SYSTEM_BLOCKS as usize) == Some(&own))
+            let Some(prev) =
+                items[..i].iter().rev().find(|p| p.prefix_hashes.get(CHAT_SYSTEM_BLOCKS as usize) == Some(&own))
             else {
                 continue;
             };
@@ -373,7 +371,8 @@ mod tests {
         assert_eq!(tenants, RAG_TENANTS as usize);
         // One document is shared across tenants: its first block is followed by many tenants' own.
         let top = *count.iter().max_by_key(|(_, n)| **n).unwrap().0;
-        let sharers = distinct(&items, |w| (w.prefix_hashes[0] == top).then(|| w.prefix_hashes[DOCUMENT_BLOCKS as usize]));
+        let sharers =
+            distinct(&items, |w| (w.prefix_hashes[0] == top).then(|| w.prefix_hashes[DOCUMENT_BLOCKS as usize]));
         assert!(sharers > 20, "{sharers} tenants read the top document");
         let s = Sharing::of(&items, sizes);
         assert!(s.shared_tokens > sizes.one_gpu_tokens, "{}", s.describe());
