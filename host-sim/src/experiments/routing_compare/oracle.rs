@@ -124,3 +124,56 @@ impl Upstream for OracleUpstream {
         self
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A streaming completion of `tokens` prompt tokens (4 bytes each) with these prefix blocks.
+    fn request(tokens: usize, prefix_hashes: Vec<u64>) -> UpstreamRequest {
+        let body = serde_json::json!({"model": "m", "prompt": "abcd".repeat(tokens), "stream": true, "max_tokens": 8});
+        UpstreamRequest {
+            headers: vec![(":path".into(), b"/v1/completions".to_vec())],
+            body: serde_json::to_vec(&body).unwrap(),
+            prefix_hashes,
+            output_tokens: Some(8),
+        }
+    }
+
+    /// Runs the pool until every GPU is idle.
+    fn drain(pool: &mut OraclePool) {
+        while let Some(t) = pool.next_event_us() {
+            pool.advance(t);
+        }
+    }
+
+    #[test]
+    fn the_oracle_picks_the_cached_gpu_until_its_queue_costs_more_than_the_prefill() {
+        let h100 = GpuProfile::llama3_8b_h100();
+        let pool = Rc::new(RefCell::new(OraclePool::new(&[h100.clone(), h100], 256).unwrap()));
+        let mut ups = OracleUpstream::for_pool(&pool);
+        let doc: Vec<u64> = (0..16).collect();
+        // Both idle: the lowest index; the request's 16 blocks get cached on GPU 0.
+        assert_eq!(pool.borrow().choose(&request(8_500, doc.clone())), Some(0));
+        ups[1].submit(0, 1, request(8_500, doc.clone()));
+        assert_eq!(pool.borrow().placed(1), Some(0), "redirected from the filter's endpoint 1");
+        drain(&mut pool.borrow_mut());
+        // A repeat goes where its prefix is cached, whatever endpoint the filter picked.
+        ups[1].submit(10_000_000, 2, request(8_500, doc.clone()));
+        assert_eq!(pool.borrow().placed(2), Some(0));
+        drain(&mut pool.borrow_mut());
+        assert_eq!(pool.borrow().metrics(0).prefix_hits_tokens, 8_192);
+        // With more uncached prefill queued on GPU 0 than the 8 k-token prompt costs, the
+        // repeat goes to the idle GPU 1.
+        for id in 3..6 {
+            assert!(pool.borrow_mut().gpus[0].submit(20_000_000, id, request(8_000, vec![])).is_empty());
+        }
+        let queued = pool.borrow().gpus[0].model().queue_work().waiting_prefill_tokens;
+        assert!(queued >= 8_000, "{queued}");
+        assert_eq!(pool.borrow().choose(&request(8_500, doc)), Some(1));
+        // A body no GPU would take stays where the filter sent it.
+        let mut bad = request(10, vec![]);
+        bad.body = b"not json".to_vec();
+        assert_eq!(pool.borrow().choose(&bad), None);
+    }
+}
