@@ -260,3 +260,40 @@ fn loads_scaled_from_the_measured_capacity_load_the_pool_as_named() {
     cfg.pool.death = Some(Death { backend: 0, at_us: 1_000 });
     assert!(rc::measure_capacity(&wasm, &cfg, &items).unwrap_err().to_string().contains("live"));
 }
+
+#[test]
+fn the_oracle_caches_more_than_round_robin_on_system_prompts_and_loses_nothing() {
+    // Four H100s; 75 applications' 8 k-token system prompts, 1.5x one GPU's KV cache: round-robin
+    // makes every GPU cache every application, the oracle keeps them apart.
+    let pool = PoolSpec::mixed("4 h100", &GpuProfile::llama3_8b_h100(), 4, &GpuProfile::llama3_8b_h100(), 0);
+    let mut items = rc::window(rc::TraceKind::SystemPrompts, &[], 400, 1, &pool.profiles, 1).expect("generated");
+    rc::scale_to_rate(&mut items, 16.0);
+    let mut cfg = config(PickerKind::RoundRobin, pool.clone());
+    cfg.watermark_per_backend = 256;
+    let rr = run(&cfg, &items);
+    cfg.picker = PickerKind::Oracle;
+    let oracle = run(&cfg, &items);
+    for r in [&rr, &oracle] {
+        assert_nothing_lost(r);
+        assert_eq!(r.ok, r.requests, "{r:?}");
+        assert_eq!(r.per_backend.iter().sum::<usize>(), r.requests, "every request ran on one GPU: {r:?}");
+    }
+    assert!(
+        oracle.prefix_hit_rate > rr.prefix_hit_rate + 0.1,
+        "prefix hit rate oracle {:.3} vs round-robin {:.3}",
+        oracle.prefix_hit_rate,
+        rr.prefix_hit_rate
+    );
+    // The oracle moved requests off the filter's round-robin choice.
+    assert_ne!(oracle.per_backend, rr.per_backend);
+}
+
+#[test]
+fn the_oracle_refuses_a_pool_whose_backend_dies() {
+    let mut pool = PoolSpec::mixed("4 fast", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+    pool.death = Some(Death { backend: 0, at_us: 1 });
+    let err = rc::run(&common::filter_wasm(), &config(PickerKind::Oracle, pool), &poisson(10.0, 1.0, 96, 4))
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("oracle"), "{err}");
+}

@@ -15,5 +15,5 @@ pub mod profile;
 pub mod replay;
 pub mod server;
 
-pub use model::{GenRequest, GpuEvent, GpuEventKind, GpuMetrics, GpuModel, SubmitError};
+pub use model::{GenRequest, GpuEvent, GpuEventKind, GpuMetrics, GpuModel, QueueWork, SubmitError};
 pub use profile::{GpuProfile, ProfileError, TimeModel};

@@ -136,6 +136,33 @@ pub struct GpuMetrics {
     pub swaps: u64,
 }
 
+/// The work a GPU has queued, as [`GpuModel::queue_work`] sees it (for a simulator-only
+/// routing oracle that reads every GPU's state).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueWork {
+    /// Requests waiting (new or preempted).
+    pub waiting: usize,
+    /// Tokens the waiting requests still have to prefill: their prompt (and, when preempted,
+    /// their output so far) less what the prefix cache holds now.
+    pub waiting_prefill_tokens: u64,
+    /// KV blocks the waiting requests need to be admitted.
+    pub waiting_blocks: u64,
+    /// Requests in the running batch.
+    pub running: usize,
+    /// Of them, those decoding (the rest are still prefilling).
+    pub decoding: u64,
+    /// Prompt tokens the running batch has yet to prefill.
+    pub running_prefill_tokens: u64,
+    /// Tokens whose KV the running batch holds (each iteration attends to them).
+    pub running_kv_tokens: u64,
+    /// Per running request: output tokens left and KV blocks held, fewest tokens left first.
+    pub running_left: Vec<(u32, u64)>,
+    /// Blocks an admission can take now (free plus evictable cache entries).
+    pub available_blocks: u64,
+    /// Time left in the iteration in flight, µs.
+    pub iteration_left_us: u64,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Waiting,
@@ -294,20 +321,7 @@ impl GpuModel {
         if tokens > self.p.max_model_len as u64 {
             return Err(SubmitError::TooLong { tokens, max_model_len: self.p.max_model_len });
         }
-        let keys = if self.p.prefix_caching {
-            let usable = (req.prompt_tokens / self.p.prefix_hash_tokens) as usize;
-            let mut h = str_hash(&req.model);
-            req.prefix_hashes
-                .iter()
-                .take(usable)
-                .map(|&x| {
-                    h = mix(h, x);
-                    h
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let keys = self.prefix_keys(&req.model, req.prompt_tokens, &req.prefix_hashes).collect();
         let seq = Seq {
             serial: self.next_serial,
             model: req.model,
@@ -399,6 +413,76 @@ impl GpuModel {
         m
     }
 
+    /// Prompt tokens of a request that the prefix cache holds now: the leading blocks that its
+    /// admission would find cached if it were admitted in the current state (0 without prefix
+    /// caching). No side effect: nothing is referenced, counted or moved in the LRU order.
+    /// Costs one hash-map lookup per leading block, stopping at the first miss.
+    pub fn cached_prefix_tokens(&self, model: &str, prompt_tokens: u32, prefix_hashes: &[u64]) -> u32 {
+        let keys = self.prefix_keys(model, prompt_tokens, prefix_hashes);
+        self.leading_hits(keys, prompt_tokens) as u32 * self.p.prefix_hash_tokens
+    }
+
+    /// The work ahead of a request submitted now, as the scheduler will meet it (see
+    /// [`QueueWork`]).
+    pub fn queue_work(&self) -> QueueWork {
+        let mut w = QueueWork { waiting: self.waiting.len(), running: self.running.len(), ..QueueWork::default() };
+        for id in &self.waiting {
+            let s = &self.seqs[id];
+            let hits = self.leading_hits(s.keys.iter().copied(), s.len()) as u32 * self.p.prefix_hash_tokens;
+            w.waiting_prefill_tokens += (s.len() - hits) as u64;
+            w.waiting_blocks += (s.len() - hits).div_ceil(self.p.block_size) as u64;
+        }
+        for id in &self.running {
+            let s = &self.seqs[id];
+            if s.generated == 0 || s.computed + 1 < s.len() {
+                w.running_prefill_tokens += (s.len() - s.computed) as u64;
+            } else {
+                w.decoding += 1;
+            }
+            w.running_kv_tokens += s.computed as u64;
+            w.running_left.push((s.output - s.generated, (s.private_blocks + s.cached as u32 * self.bpe) as u64));
+        }
+        w.running_left.sort_unstable();
+        w.available_blocks = self.available_blocks() as u64;
+        w.iteration_left_us = self.inflight.as_ref().map_or(0, |it| it.end_us.saturating_sub(self.now_us));
+        w
+    }
+
+    /// Predicted time to first token of a request submitted now, µs: the work ahead of it
+    /// ([`GpuModel::queue_work`]) and its own uncached prompt at this profile's prefill rate, in
+    /// iterations that also carry the decoding batch, plus the wait for a batch slot and KV
+    /// blocks when the batch is full (the running requests that finish first free them; their
+    /// remaining output is known to the model). An estimate for a simulator-only oracle: it
+    /// ignores chunk boundaries and prefixes that the requests ahead will publish.
+    pub fn predicted_ttft_us(&self, model: &str, prompt_tokens: u32, prefix_hashes: &[u64]) -> u64 {
+        let w = self.queue_work();
+        let t = &self.p.time;
+        let uncached = prompt_tokens.saturating_sub(self.cached_prefix_tokens(model, prompt_tokens, prefix_hashes));
+        let prefill = w.waiting_prefill_tokens + w.running_prefill_tokens + uncached as u64;
+        let per_iteration = (self.p.max_num_batched_tokens as u64).saturating_sub(w.decoding).max(1);
+        let iterations = prefill.div_ceil(per_iteration).max(1) as f64;
+        let overhead =
+            t.base_us + w.decoding as f64 * t.per_decode_seq_us + w.running_kv_tokens as f64 * t.per_kv_token_us;
+        let compute = prefill as f64 * t.per_prefill_token_us + iterations * overhead;
+        // A slot and blocks for the requests ahead and this one: running requests leave in order
+        // of their remaining output, one decode iteration per token.
+        let mut slots_short = (w.running + w.waiting + 1).saturating_sub(self.p.max_num_seqs as usize);
+        let need = w.waiting_blocks + uncached.div_ceil(self.p.block_size) as u64 + self.p.watermark_blocks() as u64;
+        let mut blocks_short = need.saturating_sub(w.available_blocks);
+        let mut wait_tokens = 0u32;
+        for &(left, blocks) in &w.running_left {
+            if slots_short == 0 && blocks_short == 0 {
+                break;
+            }
+            wait_tokens = left;
+            slots_short = slots_short.saturating_sub(1);
+            blocks_short = blocks_short.saturating_sub(blocks);
+        }
+        let decode_step =
+            t.base_us + w.running as f64 * t.per_decode_seq_us + w.running_kv_tokens as f64 * t.per_kv_token_us;
+        (w.iteration_left_us as f64 + compute + wait_tokens as f64 * decode_step).round() as u64
+    }
+
     /// Prometheus text exposition with vLLM's metric names (`model_name` label as vLLM sets it).
     pub fn prometheus_text(&self) -> String {
         let mut text = crate::metrics::render(&self.p, &self.metrics());
@@ -476,6 +560,30 @@ impl GpuModel {
             return Err("running batch over max_num_seqs".into());
         }
         Ok(())
+    }
+
+    /// Chained cache keys of a prompt's hashable leading blocks (each depends on the model and
+    /// on every block before it); none without prefix caching.
+    fn prefix_keys<'a>(&self, model: &str, prompt_tokens: u32, hashes: &'a [u64]) -> impl Iterator<Item = u64> + 'a {
+        let usable = if self.p.prefix_caching { (prompt_tokens / self.p.prefix_hash_tokens) as usize } else { 0 };
+        let mut h = str_hash(model);
+        hashes.iter().take(usable).map(move |&x| {
+            h = mix(h, x);
+            h
+        })
+    }
+
+    /// Longest run of cached leading entries among `keys` for a sequence of `len` tokens,
+    /// leaving at least one token to compute: what admission finds.
+    fn leading_hits(&self, keys: impl Iterator<Item = u64>, len: u32) -> usize {
+        let mut hits = 0usize;
+        for k in keys {
+            if (hits as u32 + 1) * self.p.prefix_hash_tokens >= len || !self.cache.contains_key(&k) {
+                break;
+            }
+            hits += 1;
+        }
+        hits
     }
 
     fn free_blocks(&self) -> u32 {
@@ -655,14 +763,7 @@ impl GpuModel {
                     break;
                 }
                 let len = seq.len();
-                // Longest run of cached leading entries, leaving at least one token to compute.
-                let mut hits = 0usize;
-                while hits < seq.keys.len()
-                    && ((hits as u32 + 1) * self.p.prefix_hash_tokens) < len
-                    && self.cache.contains_key(&seq.keys[hits])
-                {
-                    hits += 1;
-                }
+                let hits = self.leading_hits(seq.keys.iter().copied(), len);
                 let hit_tokens = hits as u32 * self.p.prefix_hash_tokens;
                 let remaining = len - hit_tokens;
                 let n = if self.p.chunked_prefill { remaining.min(budget) } else { remaining };

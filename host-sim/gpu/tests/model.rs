@@ -214,6 +214,93 @@ fn prefix_cache_hits_and_lru_eviction() {
     gpu.check_invariants().unwrap();
 }
 
+/// Submits `r` to an idle `gpu` at `t` after looking it up, runs it to the end and returns
+/// (the lookup, the prefix-cache hits its admission counted).
+fn lookup_then_admit(gpu: &mut GpuModel, r: GenRequest, t: u64) -> (u32, u64) {
+    let looked = gpu.cached_prefix_tokens(&r.model, r.prompt_tokens, &r.prefix_hashes);
+    let before = gpu.metrics();
+    assert_eq!(gpu.cached_prefix_tokens(&r.model, r.prompt_tokens, &r.prefix_hashes), looked, "no side effect");
+    assert_eq!(gpu.metrics(), before, "a lookup changes no counter");
+    run(gpu, &[(t, Action::Submit(r))]);
+    (looked, gpu.metrics().prefix_hits_tokens - before.prefix_hits_tokens)
+}
+
+#[test]
+fn cached_prefix_lookup_is_what_admission_finds() {
+    let mut p = GpuProfile::fast(); // prefix_hash_tokens 32
+    p.num_blocks = 40;
+    let mut gpu = GpuModel::new(p.clone()).unwrap();
+    let with = |id, prompt, hashes: Vec<u64>, model: &str| GenRequest {
+        id,
+        model: model.into(),
+        prompt_tokens: prompt,
+        output_tokens: 2,
+        prefix_hashes: hashes,
+    };
+    assert_eq!(lookup_then_admit(&mut gpu, with(1, 100, vec![7, 8, 9], "m"), 0), (0, 0));
+    // Leading blocks in order; the chain stops at the first miss.
+    assert_eq!(lookup_then_admit(&mut gpu, with(2, 100, vec![7, 8, 10], "m"), 1_000_000), (64, 64));
+    assert_eq!(lookup_then_admit(&mut gpu, with(3, 100, vec![1, 8, 9], "m"), 2_000_000), (0, 0));
+    // Another model's cache entries are not this one's.
+    assert_eq!(lookup_then_admit(&mut gpu, with(4, 100, vec![7, 8, 9], "other"), 3_000_000), (0, 0));
+    // A prompt of exactly three blocks keeps its last block to compute.
+    assert_eq!(lookup_then_admit(&mut gpu, with(5, 96, vec![7, 8, 9], "m"), 4_000_000), (64, 64));
+    // Hashes past the prompt's full blocks are not looked up.
+    assert_eq!(lookup_then_admit(&mut gpu, with(6, 70, vec![7, 8, 9], "m"), 5_000_000), (64, 64));
+    p.prefix_caching = false;
+    let mut off = GpuModel::new(p).unwrap();
+    run(&mut off, &[(0, Action::Submit(with(1, 100, vec![7, 8, 9], "m")))]);
+    assert_eq!(off.cached_prefix_tokens("m", 100, &[7, 8, 9]), 0);
+}
+
+#[test]
+fn predicted_ttft_grows_with_uncached_prompt_and_queued_work() {
+    let p = GpuProfile::llama3_8b_h100();
+    let mut gpu = GpuModel::new(p.clone()).unwrap();
+    let with = |id, prompt, hashes: Vec<u64>| GenRequest {
+        id,
+        model: "m".into(),
+        prompt_tokens: prompt,
+        output_tokens: 50,
+        prefix_hashes: hashes,
+    };
+    let hashes: Vec<u64> = (0..8).collect();
+    let cold = gpu.predicted_ttft_us("m", 4_200, &hashes);
+    // Idle: one iteration's overhead plus the prompt at the prefill rate.
+    assert_eq!(cold, (p.time.base_us + 4_200.0 * p.time.per_prefill_token_us).round() as u64);
+    run(&mut gpu, &[(0, Action::Submit(with(1, 4_200, hashes.clone())))]);
+    let warm = gpu.predicted_ttft_us("m", 4_200, &hashes);
+    assert!(warm * 5 < cold, "8 cached blocks of 512: {warm} vs {cold} µs");
+    // Work queued ahead (submitted, not yet admitted) lengthens the prediction.
+    gpu.submit(with(2, 8_000, vec![]), 10_000_000).unwrap();
+    gpu.submit(with(3, 8_000, vec![]), 10_000_000).unwrap();
+    assert_eq!(gpu.queue_work().waiting_prefill_tokens, 16_000);
+    let busy = gpu.predicted_ttft_us("m", 4_200, &hashes);
+    assert!(busy as f64 > warm as f64 + 16_000.0 * p.time.per_prefill_token_us, "{busy} vs {warm}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    /// On an idle GPU, whatever the cache holds (evictions included), the lookup equals the hits
+    /// the request's admission counts.
+    #[test]
+    fn cached_prefix_lookup_is_exact(
+        blocks in 34u32..80,
+        reqs in prop::collection::vec((1u32..300, prop::collection::vec(0u64..4, 0..8), 0u8..2), 1..30),
+    ) {
+        let mut p = GpuProfile::fast();
+        p.num_blocks = blocks;
+        p.max_model_len = 512;
+        let mut gpu = GpuModel::new(p).unwrap();
+        for (i, (prompt, hashes, model)) in reqs.into_iter().enumerate() {
+            let r = GenRequest { id: i as u64, model: format!("m{model}"), prompt_tokens: prompt, output_tokens: 3, prefix_hashes: hashes };
+            let (looked, hits) = lookup_then_admit(&mut gpu, r, i as u64 * 10_000_000);
+            prop_assert_eq!(looked as u64, hits);
+        }
+    }
+}
+
 #[test]
 fn model_swap_costs_time_and_waits_for_an_idle_model() {
     let mut p = GpuProfile::fast();

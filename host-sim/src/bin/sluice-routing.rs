@@ -1,11 +1,14 @@
 //! `sluice-routing`: compares the filter's endpoint pickers (random, round-robin, least-request,
-//! and the default metrics routing, `kv-aware`) in virtual time, on the Azure conversation and
-//! code traces, Mooncake and Arena, each at several loads (fractions of the pool's capacity
+//! and the default metrics routing, `kv-aware`) with the simulator-only routing `oracle` (the
+//! physical limit) in virtual time, on the Azure conversation and code traces, Mooncake and
+//! Arena, and on synthetic prefix-heavy workloads (`system-prompts`, `multi-turn`, `rag`),
+//! each at several loads (fractions of the pool's capacity
 //! measured by a saturation run per trace and pool) and seeds (distinct windows of the trace), on a homogeneous and a heterogeneous
 //! pool (and optionally one whose backend dies mid-run). Writes `table.md` and `table.csv` (one
 //! row per trace, load, pool and picker, with the spread over seeds and the ratio to
-//! round-robin), `runs.md`, `runs.csv`, `results.json` (every run) and `routing.svg` to
-//! `--out`, prints the table and checks the goal.
+//! round-robin and to the oracle), `runs.md`, `runs.csv`, `results.json` (every run),
+//! `routing.svg`, `capacity.json` and `workloads.json` (what each workload shares) to `--out`,
+//! prints the table, checks the goal and states the default's gap to the oracle.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -17,7 +20,7 @@ use host_sim::sim::workload::WorkItem;
 use std::path::PathBuf;
 
 /// Compare random, round-robin, least-request and the default (kv-aware) routing of the sluice
-/// filter in virtual time over traces, loads, seeds and pools.
+/// filter, and the routing oracle, in virtual time over traces, loads, seeds and pools.
 #[derive(Parser, Debug)]
 #[command(name = "sluice-routing")]
 struct Cli {
@@ -31,11 +34,12 @@ struct Cli {
     /// Short runs (a quarter of the rows, one seed), for a quick look.
     #[arg(long)]
     quick: bool,
-    /// Traces to replay.
+    /// Traces to replay: files (azure, azure-code, mooncake, arena) or synthetic prefix-heavy
+    /// workloads sized from the pool's KV cache (system-prompts, multi-turn, rag).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "azure,azure-code,mooncake,arena")]
     traces: Vec<TraceKind>,
-    /// Pickers to compare.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,round-robin,least-request,kv-aware")]
+    /// Pickers to compare (`oracle`: the simulator-only limit; it skips the `dies` pool).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "random,round-robin,least-request,kv-aware,oracle")]
     pickers: Vec<PickerKind>,
     /// Pools: `homo` (4 fast), `hetero` (2 fast + 2 slow), `dies` (hetero, one fast backend
     /// dies at --die-at of the arrival window).
@@ -77,6 +81,9 @@ struct Cli {
     /// their p99 was the 4th-worst request.
     #[arg(long, default_value_t = 1500)]
     arena_requests: usize,
+    /// Rows per run of each synthetic workload (system-prompts, multi-turn, rag).
+    #[arg(long, default_value_t = 600)]
+    workload_requests: usize,
     /// Profile of the fast backends.
     #[arg(long, default_value = "llama3-8b-h100")]
     fast_profile: String,
@@ -161,17 +168,21 @@ fn run(cli: Cli) -> Result<()> {
     let mut jobs: Vec<(RunConfig, usize)> = Vec::new();
     let mut workloads: Vec<Vec<WorkItem>> = Vec::new();
     let mut capacities: Vec<rc::MeasuredCapacity> = Vec::new();
+    let mut sharing: Vec<serde_json::Value> = Vec::new();
     for &t in &cli.traces {
         let (path, n) = match t {
-            TraceKind::Azure => (&cli.azure, cli.azure_requests),
-            TraceKind::AzureCode => (&cli.azure_code, cli.azure_code_requests),
-            TraceKind::Mooncake => (&cli.mooncake, cli.mooncake_requests),
-            TraceKind::Arena => (&cli.arena, cli.arena_requests),
+            TraceKind::Azure => (Some(&cli.azure), cli.azure_requests),
+            TraceKind::AzureCode => (Some(&cli.azure_code), cli.azure_code_requests),
+            TraceKind::Mooncake => (Some(&cli.mooncake), cli.mooncake_requests),
+            TraceKind::Arena => (Some(&cli.arena), cli.arena_requests),
+            TraceKind::SystemPrompts | TraceKind::MultiTurn | TraceKind::Rag => (None, cli.workload_requests),
         };
         let n = (n / div).max(2);
-        let all = rc::load_trace(t, path, usize::MAX, 1.0)?;
+        let all = match path {
+            Some(path) => rc::load_trace(t, path, usize::MAX, 1.0)?,
+            None => Vec::new(),
+        };
         for (pool_name, spec) in &pools {
-            let block = spec.profiles.first().map_or(512, |p| p.prefix_hash_tokens);
             let config = |load, picker, pool: PoolSpec, seed| RunConfig {
                 trace: t.name().into(),
                 load,
@@ -184,9 +195,9 @@ fn run(cli: Cli) -> Result<()> {
                 call_latency_us: cli.call_latency_us,
                 kv_weights: kv_weights.clone(),
             };
-            let first = rc::trace_window(t, &all, n, 0, block, 0)?;
+            let first = rc::window(t, &all, n, 0, &spec.profiles, 0)?;
             let sat_rows = (cli.capacity_slots * rc::pool_slots(&spec.profiles, &first)).max(n);
-            let sat = rc::trace_window(t, &all, sat_rows, 0, block, 0)?;
+            let sat = rc::window(t, &all, sat_rows, 0, &spec.profiles, 0)?;
             let mut alive = spec.clone();
             alive.death = None;
             let measured = rc::measure_capacity(&wasm, &config(0.0, PickerKind::LeastRequest, alive, 0), &sat)?;
@@ -199,16 +210,19 @@ fn run(cli: Cli) -> Result<()> {
             );
             capacities.push(measured);
             for seed in 0..seeds {
-                let base = rc::trace_window(t, &all, n, seed as usize, block, seed)?;
+                let base = rc::window(t, &all, n, seed as usize, &spec.profiles, seed)?;
                 let mean = |f: fn(&WorkItem) -> u32| base.iter().map(|w| f(w) as f64).sum::<f64>() / base.len() as f64;
+                let shared = rc::Sharing::of(&base, rc::CacheSizes::of(&spec.profiles)?);
                 println!(
-                    "{} seed {seed} on {pool_name}: {} rows, recorded {:.2} req/s, mean {:.0} prompt / {:.0} output tokens",
+                    "{} seed {seed} on {pool_name}: {} rows, recorded {:.2} req/s, mean {:.0} prompt / {:.0} output tokens; {}",
                     t.name(),
                     base.len(),
                     rc::arrival_rate(&base),
                     mean(|w| w.prompt_tokens),
                     mean(|w| w.output_tokens),
+                    shared.describe(),
                 );
+                sharing.push(serde_json::json!({"trace": t.name(), "pool": spec.name, "seed": seed, "rows": base.len(), "sharing": shared}));
                 for &load in &cli.loads {
                     let mut items = base.clone();
                     rc::scale_to_rate(&mut items, load * cap);
@@ -219,6 +233,9 @@ fn run(cli: Cli) -> Result<()> {
                         spec.name = format!("{} (10.0.0.1 dies at {:.0} s)", spec.name, at_us as f64 / 1e6);
                     }
                     for &picker in &cli.pickers {
+                        if picker == PickerKind::Oracle && spec.death.is_some() {
+                            continue;
+                        }
                         jobs.push((config(load, picker, spec.clone(), seed), workloads.len()));
                     }
                     workloads.push(items);
@@ -268,6 +285,7 @@ fn run(cli: Cli) -> Result<()> {
     std::fs::write(cli.out.join("results.json"), serde_json::to_string_pretty(&results)?)?;
     std::fs::write(cli.out.join("routing.svg"), rc::svg(&rows))?;
     std::fs::write(cli.out.join("capacity.json"), serde_json::to_string_pretty(&capacities)?)?;
+    std::fs::write(cli.out.join("workloads.json"), serde_json::to_string_pretty(&sharing)?)?;
     println!("\n{table}");
     let (fails, checks) = rc::goal_failures(&rows);
     if fails.is_empty() {
@@ -278,8 +296,15 @@ fn run(cli: Cli) -> Result<()> {
             println!("  {f}");
         }
     }
+    let gaps = rc::oracle_gaps(&rows);
+    if !gaps.is_empty() {
+        println!("the default against the oracle:");
+        for g in &gaps {
+            println!("  {g}");
+        }
+    }
     println!(
-        "{} runs in {:.0} s; wrote {}/table.md, table.csv, runs.md, runs.csv, results.json, routing.svg, capacity.json",
+        "{} runs in {:.0} s; wrote {}/table.md, table.csv, runs.md, runs.csv, results.json, routing.svg, capacity.json, workloads.json",
         results.len(),
         started.elapsed().as_secs_f64(),
         cli.out.display()

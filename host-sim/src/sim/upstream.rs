@@ -132,20 +132,27 @@ impl GpuUpstream {
     }
 }
 
+/// The OpenAI request a [`GpuUpstream`] would read from `req` (its model and prompt length
+/// among others), or the error it would answer: status, message, parameter.
+pub fn parse_request(req: &UpstreamRequest) -> Result<openai::ParsedRequest, (u16, String, Option<&'static str>)> {
+    let path = abi::header_str(&req.headers, ":path").unwrap_or("/");
+    let endpoint = if path.starts_with("/v1/chat/completions") {
+        Endpoint::Chat
+    } else if path.starts_with("/v1/completions") {
+        Endpoint::Completions
+    } else {
+        return Err((404, format!("no such endpoint {path}"), None));
+    };
+    openai::parse_request(endpoint, &req.body).map_err(|e| (e.status, e.message, e.param))
+}
+
 impl Upstream for GpuUpstream {
     fn submit(&mut self, now_us: u64, id: u64, req: UpstreamRequest) -> Vec<UpstreamEvent> {
-        let path = abi::header_str(&req.headers, ":path").unwrap_or("/");
-        let endpoint = if path.starts_with("/v1/chat/completions") {
-            Endpoint::Chat
-        } else if path.starts_with("/v1/completions") {
-            Endpoint::Completions
-        } else {
-            return Self::error(id, 404, format!("no such endpoint {path}"), None);
-        };
-        let parsed = match openai::parse_request(endpoint, &req.body) {
+        let parsed = match parse_request(&req) {
             Ok(p) => p,
-            Err(e) => return Self::error(id, e.status, e.message, e.param),
+            Err((status, message, param)) => return Self::error(id, status, message, param),
         };
+        let endpoint = parsed.endpoint;
         let (target, finish) = match (req.output_tokens, parsed.max_tokens) {
             (Some(n), Some(cap)) if cap < n => (cap, "length"),
             (Some(n), _) => (n, "stop"),

@@ -722,7 +722,8 @@ impl PrefixSharing {
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
+/// SplitMix64's finalizer: a well-mixed 64-bit id from any input, deterministic everywhere.
+pub(crate) fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -21,9 +21,13 @@
 //! [`report`] turns the runs into the comparison's tables, its pass/fail
 //! goals and its figure.
 
+mod oracle;
 mod report;
+mod workloads;
 
+pub use oracle::*;
 pub use report::*;
+pub use workloads::*;
 
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 use crate::sim::report::Stats;
@@ -58,12 +62,16 @@ pub enum PickerKind {
     LeastRequest,
     /// The filter's defaults: queue 2, KV cache 2, prefix 3, in-flight 1, max score.
     KvAware,
+    /// Simulator only, the physical limit: the filter (with round-robin) decides when a
+    /// request goes, and [`OracleUpstream`] sends it to the GPU where its predicted TTFT,
+    /// read from every GPU's real prefix cache and queue, is least.
+    Oracle,
 }
 
 impl PickerKind {
     /// All pickers, in table order.
-    pub const ALL: [PickerKind; 4] =
-        [PickerKind::Random, PickerKind::RoundRobin, PickerKind::LeastRequest, PickerKind::KvAware];
+    pub const ALL: [PickerKind; 5] =
+        [PickerKind::Random, PickerKind::RoundRobin, PickerKind::LeastRequest, PickerKind::KvAware, PickerKind::Oracle];
 
     /// Name used in tables and on the command line.
     pub fn name(self) -> &'static str {
@@ -72,6 +80,7 @@ impl PickerKind {
             PickerKind::RoundRobin => "round-robin",
             PickerKind::LeastRequest => "least-request",
             PickerKind::KvAware => "kv-aware",
+            PickerKind::Oracle => "oracle",
         }
     }
 
@@ -86,7 +95,9 @@ impl PickerKind {
         });
         match self {
             PickerKind::Random => r["picker"] = "random".into(),
-            PickerKind::RoundRobin => r["picker"] = "round_robin".into(),
+            // Under the oracle the filter's choice is overridden; round-robin keeps its
+            // per-endpoint counts even (see `oracle`).
+            PickerKind::RoundRobin | PickerKind::Oracle => r["picker"] = "round_robin".into(),
             PickerKind::LeastRequest => {
                 r["weights"] = serde_json::json!({"queue": 0, "kv_cache": 0, "prefix": 0,
                     "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 0})
@@ -110,6 +121,15 @@ pub enum TraceKind {
     Mooncake,
     /// The VTC artifact's Chatbot Arena workload (`chatbot-arena-27-clients.csv`).
     Arena,
+    /// Synthetic: many applications' long system prompts, together 1.5× one GPU's KV cache
+    /// ([`generate`]).
+    SystemPrompts,
+    /// Synthetic: multi-turn conversations, each follow-up resending the previous prompt and
+    /// answer ([`generate`]).
+    MultiTurn,
+    /// Synthetic: tenants sharing RAG documents drawn Zipf-like from a corpus of 2× one GPU's
+    /// KV cache ([`generate`]).
+    Rag,
 }
 
 impl TraceKind {
@@ -120,15 +140,19 @@ impl TraceKind {
             TraceKind::AzureCode => "azure-code",
             TraceKind::Mooncake => "mooncake",
             TraceKind::Arena => "arena",
+            TraceKind::SystemPrompts => "system-prompts",
+            TraceKind::MultiTurn => "multi-turn",
+            TraceKind::Rag => "rag",
         }
     }
 
-    /// File format.
-    pub fn format(self) -> TraceFormat {
+    /// File format; `None` for the synthetic workloads ([`generate`]).
+    pub fn format(self) -> Option<TraceFormat> {
         match self {
-            TraceKind::Azure | TraceKind::AzureCode => TraceFormat::AzureCsv,
-            TraceKind::Mooncake => TraceFormat::MooncakeJsonl,
-            TraceKind::Arena => TraceFormat::VtcCsv,
+            TraceKind::Azure | TraceKind::AzureCode => Some(TraceFormat::AzureCsv),
+            TraceKind::Mooncake => Some(TraceFormat::MooncakeJsonl),
+            TraceKind::Arena => Some(TraceFormat::VtcCsv),
+            TraceKind::SystemPrompts | TraceKind::MultiTurn | TraceKind::Rag => None,
         }
     }
 
@@ -146,9 +170,27 @@ impl TraceKind {
         match self {
             TraceKind::Azure => s(16, 512, false, 0.3),
             TraceKind::AzureCode => s(8, 1024, false, 0.0),
-            TraceKind::Mooncake => None,
+            TraceKind::Mooncake | TraceKind::SystemPrompts | TraceKind::MultiTurn | TraceKind::Rag => None,
             TraceKind::Arena => s(8, 512, true, 0.3),
         }
+    }
+}
+
+/// The rows of run `window` of a trace on a pool: for a trace read from a file,
+/// [`trace_window`] of `all`; for a synthetic workload, `n` rows [`generate`]d against the
+/// pool's cache sizes with seed `window` (`all` is unused).
+pub fn window(
+    kind: TraceKind,
+    all: &[WorkItem],
+    n: usize,
+    window: usize,
+    profiles: &[GpuProfile],
+    seed: u64,
+) -> Result<Vec<WorkItem>> {
+    let sizes = CacheSizes::of(profiles)?;
+    match generate(kind, n.max(1), sizes, window as u64) {
+        Some(items) => Ok(items),
+        None => trace_window(kind, all, n, window, sizes.block_tokens, seed),
     }
 }
 
@@ -289,8 +331,9 @@ pub fn load_trace(kind: TraceKind, path: &Path, limit: usize, speedup: f64) -> R
     if !(speedup > 0.0 && speedup.is_finite()) {
         bail!("speed-up must be a positive number, got {speedup}");
     }
+    let Some(format) = kind.format() else { bail!("{} is generated, not read from a file", kind.name()) };
     let text = std::fs::read_to_string(path).with_context(|| format!("reading trace {}", path.display()))?;
-    let mut items = workload::parse_trace(kind.format(), &text).map_err(|errs| {
+    let mut items = workload::parse_trace(format, &text).map_err(|errs| {
         let shown: Vec<String> = errs.iter().take(5).map(|e| e.to_string()).collect();
         anyhow::anyhow!("trace {}: {}", path.display(), shown.join("; "))
     })?;
@@ -438,10 +481,16 @@ impl Upstream for DyingUpstream {
     }
 }
 
-/// The GPU server behind an upstream of a routing run, dead or alive.
-fn gpu_of(up: &dyn Upstream) -> Option<&GpuUpstream> {
+/// The counters of the GPU behind an upstream of a routing run, dead or alive, or under the
+/// oracle.
+fn gpu_metrics(up: &dyn Upstream) -> Option<sluice_gpu::GpuMetrics> {
     let any = up.as_any();
-    any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner))
+    if let Some(o) = any.downcast_ref::<OracleUpstream>() {
+        return Some(o.pool().metrics(o.index()));
+    }
+    let gpu =
+        any.downcast_ref::<GpuUpstream>().or_else(|| any.downcast_ref::<DyingUpstream>().map(DyingUpstream::inner));
+    gpu.map(|g| g.model().metrics())
 }
 
 pub use crate::sim::workload::prompt_text;
@@ -566,7 +615,19 @@ pub fn build(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<Sim> {
     };
     let gw = GatewayConfig { call_latency_us: cfg.call_latency_us, ..Default::default() };
     let mut sim = Sim::new(wasm, &plugin, gw)?;
+    if cfg.picker == PickerKind::Oracle {
+        if cfg.pool.death.is_some() {
+            bail!("the oracle does not run on a pool whose backend dies");
+        }
+        let pool = std::rc::Rc::new(std::cell::RefCell::new(OraclePool::new(&cfg.pool.profiles, 256)?));
+        for (addr, up) in cfg.pool.addresses().iter().zip(OracleUpstream::for_pool(&pool)) {
+            sim.add_upstream(addr, Box::new(up));
+        }
+    }
     for (i, (addr, p)) in cfg.pool.addresses().iter().zip(&cfg.pool.profiles).enumerate() {
+        if cfg.picker == PickerKind::Oracle {
+            break;
+        }
         let gpu = GpuUpstream::new(p.clone(), 256)?;
         match cfg.pool.death {
             Some(d) if d.backend == i => sim.add_upstream(addr, Box::new(DyingUpstream::new(gpu, d.at_us))),
@@ -609,21 +670,27 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
     let out_tokens: u64 = ok.iter().map(|r| r.tokens_received as u64).sum();
     let (mut hits, mut queries) = (0u64, 0u64);
     for a in &addrs {
-        if let Some(g) = sim.upstream(a).and_then(gpu_of) {
-            let m = g.model().metrics();
+        if let Some(m) = sim.upstream(a).and_then(gpu_metrics) {
             hits += m.prefix_hits_tokens;
             queries += m.prefix_queries_tokens;
         }
     }
+    // Where each request really ran: the filter's endpoint, or the oracle's GPU.
+    let oracle = addrs.first().and_then(|a| sim.upstream(a)).and_then(|u| u.as_any().downcast_ref::<OracleUpstream>());
+    let backend_of = |r: &RequestRecord| match oracle {
+        Some(o) => r.endpoint.as_ref().and(o.pool().placed(r.id)),
+        None => r.endpoint.as_deref().and_then(|e| addrs.iter().position(|a| a == e)),
+    };
     let mut work = vec![0u64; addrs.len()];
+    let mut per_backend = vec![0usize; addrs.len()];
     for r in recs {
-        if let Some(i) = r.endpoint.as_deref().and_then(|e| addrs.iter().position(|a| a == e)) {
+        if let Some(i) = backend_of(r) {
             work[i] += r.prompt_tokens as u64 + r.tokens_received as u64;
+            per_backend[i] += 1;
         }
     }
     let mean_work = work.iter().sum::<u64>() as f64 / work.len().max(1) as f64;
     let imbalance = if mean_work > 0.0 { work.iter().copied().max().unwrap_or(0) as f64 / mean_work } else { 1.0 };
-    let per_backend = addrs.iter().map(|a| recs.iter().filter(|r| r.endpoint.as_deref() == Some(a)).count()).collect();
     let (mut sent_to_dead, mut last_to_dead_ms) = (0, 0.0f64);
     if let Some(d) = cfg.pool.death {
         for r in recs.iter().filter(|r| r.endpoint.as_deref() == Some(addrs[d.backend].as_str())) {
@@ -721,6 +788,30 @@ mod tests {
         let (fails, _) = goal_failures(&super::rows(&runs));
         assert_eq!(fails.len(), 3, "{fails:?}");
         assert!(fails.iter().any(|f| f.contains("< 1.5×")));
+    }
+
+    #[test]
+    fn rows_state_the_gap_to_the_oracle() {
+        use PickerKind::*;
+        let mut runs = vec![result("t", 1.5, 0, RoundRobin, 800.0), result("t", 1.5, 0, KvAware, 400.0)];
+        let mut o = result("t", 1.5, 0, Oracle, 100.0);
+        o.prefix_hit_rate = 0.7;
+        runs.push(o);
+        runs[1].prefix_hit_rate = 0.65;
+        let rows = rows(&runs);
+        let kv = rows.iter().find(|r| r.picker == "kv-aware").unwrap();
+        assert_eq!((kv.oracle_over_p99, kv.oracle_prefix_hit_rate), (Some(0.25), Some(0.7)));
+        assert_eq!(rows.iter().find(|r| r.picker == "oracle").unwrap().oracle_over_p99, Some(1.0));
+        let gaps = oracle_gaps(&rows);
+        assert_eq!(gaps.len(), 1);
+        assert!(
+            gaps[0].contains("+5.0 points") && gaps[0].contains("4.00x") && gaps[0].contains("outside"),
+            "{gaps:?}"
+        );
+        // Without an oracle run the columns are empty and nothing is stated.
+        let rows = super::rows(&runs[..2]);
+        assert!(rows.iter().all(|r| r.oracle_over_p99.is_none()) && oracle_gaps(&rows).is_empty());
+        assert!(rows_table(&rows).contains("oracle p99 ÷ this"));
     }
 
     #[test]

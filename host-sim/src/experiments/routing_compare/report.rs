@@ -131,6 +131,11 @@ pub struct Row {
     pub imbalance: f64,
     /// Round-robin's p99 TTFT over this row's (mean over seeds; > 1: better than round-robin).
     pub rr_over_p99: Option<f64>,
+    /// The oracle's p99 TTFT over this row's on the same traffic (1 = the physical limit;
+    /// 0.1: ten times the oracle's p99), when the oracle ran.
+    pub oracle_over_p99: Option<f64>,
+    /// The oracle's prefix hit rate on the same traffic, when it ran.
+    pub oracle_prefix_hit_rate: Option<f64>,
 }
 
 /// Rows of the comparison: runs grouped by (trace, load, pool, picker) in first-seen order,
@@ -168,31 +173,65 @@ pub fn rows(results: &[RunResult]) -> Vec<Row> {
                 prefix_hit_rate: mean(|r| r.prefix_hit_rate),
                 imbalance: mean(|r| r.imbalance),
                 rr_over_p99: None,
+                oracle_over_p99: None,
+                oracle_prefix_hit_rate: None,
             }
         })
         .collect();
+    let same = |a: &Row, b: &Row| a.trace == b.trace && a.load == b.load && a.pool == b.pool;
     let rr: Vec<(String, f64, String, f64)> = out
         .iter()
         .filter(|r| r.picker == PickerKind::RoundRobin.name())
         .map(|r| (r.trace.clone(), r.load, r.pool.clone(), r.ttft_p99_ms))
         .collect();
+    let oracle: Vec<Row> = out.iter().filter(|r| r.picker == PickerKind::Oracle.name()).cloned().collect();
     for row in &mut out {
         row.rr_over_p99 = rr
             .iter()
             .find(|(t, l, p, _)| *t == row.trace && *l == row.load && *p == row.pool)
             .map(|(_, _, _, p99)| p99 / row.ttft_p99_ms.max(1e-9));
+        if let Some(o) = oracle.iter().find(|o| same(o, row)) {
+            row.oracle_over_p99 = Some(o.ttft_p99_ms / row.ttft_p99_ms.max(1e-9));
+            row.oracle_prefix_hit_rate = Some(o.prefix_hit_rate);
+        }
     }
     out
+}
+
+/// The default routing against the oracle, one line per row where both ran: the hit-rate gap
+/// in points and the p99 ratio, with the issue's bounds (within 10 points and 1.25×).
+pub fn oracle_gaps(rows: &[Row]) -> Vec<String> {
+    rows.iter()
+        .filter(|r| r.picker == PickerKind::KvAware.name())
+        .filter_map(|r| {
+            let (over, hit) = (r.oracle_over_p99?, r.oracle_prefix_hit_rate?);
+            let points = (hit - r.prefix_hit_rate) * 100.0;
+            let ratio = 1.0 / over.max(1e-9);
+            let within = points <= 10.0 && ratio <= 1.25;
+            Some(format!(
+                "{} at load {:.1} on {}: kv-aware hit {:.1}% vs oracle {:.1}% ({points:+.1} points), p99 {:.2}x the oracle's: {}",
+                r.trace,
+                r.load,
+                r.pool,
+                r.prefix_hit_rate * 100.0,
+                hit * 100.0,
+                ratio,
+                if within { "within the issue's bounds" } else { "outside the issue's bounds (10 points, 1.25x)" }
+            ))
+        })
+        .collect()
 }
 
 /// The rows in Markdown: p50 and p99 TTFT (p99's min–max over seeds), throughput, prefix hit
 /// rate, imbalance and the ratio to round-robin.
 pub fn rows_table(rows: &[Row]) -> String {
     let mut t = Table::new().left("trace").right("load").left("pool").left("picker").left("ok/sent");
-    for c in ["TTFT p50 ms", "TTFT p99 ms (min–max over seeds)", "round-robin p99 ÷ this", "out tok/s"] {
+    for c in
+        ["TTFT p50 ms", "TTFT p99 ms (min–max over seeds)", "round-robin p99 ÷ this", "oracle p99 ÷ this", "out tok/s"]
+    {
         t = t.right(c);
     }
-    let mut t = t.right("prefix hit").right("imbalance");
+    let mut t = t.right("prefix hit").right("oracle hit").right("imbalance");
     for r in rows {
         t.row([
             r.trace.clone(),
@@ -203,8 +242,10 @@ pub fn rows_table(rows: &[Row]) -> String {
             format!("{:.0}", r.ttft_p50_ms),
             format!("{:.0} ({:.0}–{:.0})", r.ttft_p99_ms, r.ttft_p99_min_ms, r.ttft_p99_max_ms),
             opt(r.rr_over_p99, "-", |x| format!("{x:.2}×")),
+            opt(r.oracle_over_p99, "-", |x| format!("{x:.2}×")),
             format!("{:.0}", r.output_tokens_per_s),
             format!("{:.1}%", r.prefix_hit_rate * 100.0),
+            opt(r.oracle_prefix_hit_rate, "-", |x| format!("{:.1}%", x * 100.0)),
             format!("{:.2}", r.imbalance),
         ]);
     }
@@ -226,8 +267,10 @@ pub fn rows_csv(rows: &[Row]) -> String {
         "ttft_p99_min_ms",
         "ttft_p99_max_ms",
         "rr_over_p99",
+        "oracle_over_p99",
         "output_tokens_per_s",
         "prefix_hit_rate",
+        "oracle_prefix_hit_rate",
         "imbalance",
     ]);
     for r in rows {
@@ -244,8 +287,10 @@ pub fn rows_csv(rows: &[Row]) -> String {
             format!("{:.1}", r.ttft_p99_min_ms),
             format!("{:.1}", r.ttft_p99_max_ms),
             opt(r.rr_over_p99, "", |x| format!("{x:.3}")),
+            opt(r.oracle_over_p99, "", |x| format!("{x:.3}")),
             format!("{:.1}", r.output_tokens_per_s),
             format!("{:.4}", r.prefix_hit_rate),
+            opt(r.oracle_prefix_hit_rate, "", |x| format!("{x:.4}")),
             format!("{:.3}", r.imbalance),
         ]);
     }
@@ -295,7 +340,7 @@ pub fn goal_failures(rows: &[Row]) -> (Vec<String>, usize) {
     (fails, checks)
 }
 
-const COLORS: [&str; 4] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f"];
+const COLORS: [&str; 5] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f", "#b07aa1"];
 
 /// A figure: one panel per (trace, load, pool) with each picker's p99 TTFT (mean over seeds,
 /// a whisker from the lowest to the highest seed), two panels a line.
@@ -316,7 +361,7 @@ pub fn svg(rows: &[Row]) -> String {
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"40\" y=\"32\">p99 TTFT (s), mean over seeds, whisker: min–max</text>\n"
     );
     for (k, p) in pickers.iter().enumerate() {
-        let x = 40.0 + k as f64 * 120.0;
+        let x = 40.0 + k as f64 * 110.0;
         let _ = writeln!(
             s,
             "<rect x=\"{x}\" y=\"8\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"18\">{p}</text>",
