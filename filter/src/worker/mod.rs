@@ -301,7 +301,7 @@ impl<H: Host> Worker<H> {
         self.streams.replies_left = MAX_REPLIES_PER_CALLBACK;
         self.tick();
         let Hub { env, role, slots, .. } = &mut self.hub;
-        role.scrapes.send(env, role.holding.is_some());
+        role.send_scrapes(env);
         role.sync_replicas(env, slots);
         env.flush_stats();
     }
