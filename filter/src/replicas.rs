@@ -507,6 +507,15 @@ impl Exchange {
         max_scrape_interval_ms.saturating_add(self.cfg.sync_interval_ms.saturating_mul(3))
     }
 
+    /// The takeover age when scrapes are left to their owners, `None` when every endpoint is
+    /// scraped here: `share_scrapes` is off, or figures relayed through the exchange could be
+    /// older than `staleness_ms` in the normal course (the takeover age exceeds it), which
+    /// would count the endpoints a peer scrapes as saturated every other interval.
+    pub fn shared_scrapes_takeover(&self, max_scrape_interval_ms: u64, staleness_ms: u64) -> Option<u64> {
+        let takeover = self.takeover_ms(max_scrape_interval_ms);
+        (self.cfg.share_scrapes && takeover <= staleness_ms).then_some(takeover)
+    }
+
     /// The live peers' shared scrapes: endpoint, the local time its page was read (when the
     /// state was heard, less the page's age then: the replicas' clocks need not agree; it is
     /// later than the truth by the time the state waited to be served and fetched, at most a
@@ -862,6 +871,8 @@ mod tests {
         assert_eq!(ex.peer_scrapes(60), vec![(EPS[0], 20, &scraped)]);
         assert!(ex.peer_scrapes(50 + 1001).is_empty(), "a silent peer's figures are not taken");
         assert_eq!(ex.takeover_ms(500), 800);
+        assert_eq!(ex.shared_scrapes_takeover(500, 1000), Some(800), "the defaults");
+        assert_eq!(ex.shared_scrapes_takeover(500, 700), None, "relayed figures could count as stale");
         // Off: every endpoint here, whoever owns it.
         let off = raw(serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 3, "share_scrapes": false})).unwrap();
         let mut ex = Exchange::new(&off, 7).unwrap();

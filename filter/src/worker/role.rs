@@ -182,9 +182,11 @@ impl SchedulerRole {
     /// this replica owns, or whose owner's figures grew older than the takeover age.
     pub(super) fn send_scrapes<H: Host>(&mut self, env: &Env<H>) {
         let routing = &env.cfg.routing;
-        let owners = self.holding.as_ref().and_then(|h| h.exchange.as_ref()).map(|ex| Owners {
-            elsewhere: env.cfg.endpoints.iter().map(|e| !ex.scrapes_here(e, env.now)).collect(),
-            takeover_ms: ex.takeover_ms(routing.max_scrape_interval_ms),
+        let owners = self.holding.as_ref().and_then(|h| h.exchange.as_ref()).and_then(|ex| {
+            let takeover_ms =
+                ex.shared_scrapes_takeover(routing.max_scrape_interval_ms, routing.saturation.staleness_ms)?;
+            let elsewhere = env.cfg.endpoints.iter().map(|e| !ex.scrapes_here(e, env.now)).collect();
+            Some(Owners { elsewhere, takeover_ms })
         });
         self.scrapes.send(env, self.holding.is_some(), owners.as_ref());
     }
