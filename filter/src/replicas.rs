@@ -15,7 +15,9 @@
 
 use crate::shared::{self, Store};
 use serde::Deserialize;
-use sluice_policies::replicas::{self, Limits, Offer, Offsets, PeerService, Peers, Publisher, ReplicaId, ReplicaState};
+use sluice_policies::replicas::{
+    self, Limits, Offer, Offsets, PeerService, Peers, Publisher, ReplicaId, ReplicaState, SharedScrape,
+};
 use std::collections::{BTreeMap, HashMap};
 
 /// Shared-data key of this replica's latest published state (JSON), which the
@@ -73,6 +75,12 @@ pub struct RawReplicas {
     secret_header: Option<RawSecret>,
     #[serde(default)]
     serve: bool,
+    #[serde(default = "yes")]
+    share_scrapes: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// `replicas.secret_header` as written.
@@ -124,6 +132,9 @@ pub struct ReplicasConfig {
     pub serve: bool,
     /// Most tenants accepted in one peer state.
     pub max_tenants: usize,
+    /// Each endpoint is scraped by one replica, which shares what it read through the
+    /// exchange ([`Exchange::scrapes_here`]); off, every replica scrapes every endpoint.
+    pub share_scrapes: bool,
 }
 
 /// FNV-1a: a replica id from a name (a pod name).
@@ -191,6 +202,7 @@ impl RawReplicas {
             secret,
             serve: self.serve,
             max_tenants,
+            share_scrapes: self.share_scrapes,
         })
     }
 }
@@ -286,6 +298,8 @@ pub struct Local {
     /// The band's bound for dispatches from the queue over every endpoint (the lower bound,
     /// at most `upper`), which the replicas share too.
     pub lower: f64,
+    /// What this replica's own recent scrapes read, per endpoint address (`share_scrapes`).
+    pub scraped: BTreeMap<String, SharedScrape>,
 }
 
 /// The lease holder's side of the exchange.
@@ -416,6 +430,7 @@ impl Exchange {
             (state.claim_queue, state.claim) = (slots[QUEUE], slots[BYPASS]);
         }
         state.demand = demand;
+        state.scraped = local.scraped;
         Some(Sync {
             state: serde_json::to_vec(&state).unwrap_or_default(),
             peer_load: self.peer_load(now, endpoints),
@@ -469,6 +484,50 @@ impl Exchange {
     /// Peers that count now.
     pub fn live(&self, now: u64) -> usize {
         self.peers.live(now).count()
+    }
+
+    /// Does this replica scrape `endpoint` at `now`? With `share_scrapes`, only when it is the
+    /// endpoint's owner among itself and its live peers ([`replicas::scrape_owner`]): the
+    /// others take its figures from its state. A peer that goes silent stops counting after
+    /// `max_age_ms`, and the endpoints it owned move to the others; until then the workers'
+    /// fallback ([`crate::worker`]'s scrapes of figures older than [`Exchange::takeover_ms`])
+    /// bounds the gap.
+    pub fn scrapes_here(&self, endpoint: &str, now: u64) -> bool {
+        if !self.cfg.share_scrapes {
+            return true;
+        }
+        let ids = std::iter::once(self.cfg.id).chain(self.peers.live(now).map(|s| s.replica));
+        replicas::scrape_owner(endpoint, ids) == Some(self.cfg.id)
+    }
+
+    /// How old an endpoint's figures may grow before a replica that does not own it scrapes
+    /// it itself: the owner's slowest pace (`max_scrape_interval_ms`) plus three sync
+    /// intervals (its state published after the page, served, fetched).
+    pub fn takeover_ms(&self, max_scrape_interval_ms: u64) -> u64 {
+        max_scrape_interval_ms.saturating_add(self.cfg.sync_interval_ms.saturating_mul(3))
+    }
+
+    /// The takeover age when scrapes are left to their owners, `None` when every endpoint is
+    /// scraped here: `share_scrapes` is off, or figures relayed through the exchange could be
+    /// older than `staleness_ms` in the normal course (the takeover age exceeds it), which
+    /// would count the endpoints a peer scrapes as saturated every other interval.
+    pub fn shared_scrapes_takeover(&self, max_scrape_interval_ms: u64, staleness_ms: u64) -> Option<u64> {
+        let takeover = self.takeover_ms(max_scrape_interval_ms);
+        (self.cfg.share_scrapes && takeover <= staleness_ms).then_some(takeover)
+    }
+
+    /// The live peers' shared scrapes: endpoint, the local time its page was read (when the
+    /// state was heard, less the page's age then: the replicas' clocks need not agree; it is
+    /// later than the truth by the time the state waited to be served and fetched, at most a
+    /// sync interval and a call), and the figures.
+    pub fn peer_scrapes(&self, now: u64) -> Vec<(&str, u64, &SharedScrape)> {
+        let mut out = Vec::new();
+        for e in self.peers.entries().values().filter(|e| now.saturating_sub(e.heard_ms) <= self.cfg.max_age_ms) {
+            for (endpoint, s) in &e.state.scraped {
+                out.push((endpoint.as_str(), e.heard_ms.saturating_sub(s.age_ms), s));
+            }
+        }
+        out
     }
 
     /// Every tenant's service on the live peers since this replica counts them, each peer's
@@ -767,6 +826,62 @@ mod tests {
         // The default timeout never exceeds the age at which a peer stops counting.
         let fast = raw(serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 2, "sync_interval_ms": 2})).unwrap();
         assert_eq!((fast.max_age_ms, fast.timeout_ms), (20, 20));
+    }
+
+    /// Issue 23, item 5: each endpoint has one scraping replica among the live ones; what a
+    /// peer read is taken with the page's age (not the peer's clock), and only while the peer
+    /// counts; `share_scrapes: false` scrapes everything here, as before.
+    #[test]
+    fn each_endpoint_is_scraped_by_one_live_replica_whose_figures_the_others_take() {
+        let eps = endpoints();
+        let exchanges: Vec<Exchange> = (1..=3u64)
+            .map(|id| {
+                let c = raw(serde_json::json!({"id": id, "peers_cluster": "p", "peers": 3})).unwrap();
+                Exchange::new(&c, 7).unwrap()
+            })
+            .collect();
+        let mut exchanges = exchanges;
+        // Every replica hears every other one.
+        for (i, ex) in exchanges.iter_mut().enumerate() {
+            ex.tick(0, local(&[0, 0]), &eps);
+            for peer in (1..=3u64).filter(|&p| p != i as u64 + 1) {
+                let token = peer as u32;
+                ex.sent(token, 10);
+                assert!(matches!(ex.answer(token, 10, Some(&state(peer, 1, 1, [0, 0])), &eps), Some(Answer::Taken(..))));
+            }
+        }
+        for e in &eps {
+            let here: Vec<bool> = exchanges.iter().map(|ex| ex.scrapes_here(e, 20)).collect();
+            assert_eq!(here.iter().filter(|&&h| h).count(), 1, "{e}: one owner, {here:?}");
+        }
+        // Alone again (its peers silent past max_age_ms): it scrapes everything.
+        assert!(eps.iter().all(|e| exchanges[0].scrapes_here(e, 10 + 1001)));
+        // A peer's figures: read 30 ms before its state was published, heard at 50.
+        let mut ex = Exchange::new(&cfg(), 7).unwrap();
+        ex.tick(0, local(&[0, 0]), &eps);
+        let scraped = SharedScrape { age_ms: 30, waiting: 2.0, running: 5.0, kv_usage: 0.5, ..Default::default() };
+        let s = ReplicaState {
+            replica: 2,
+            version: sluice_policies::replicas::Version { incarnation: 1, seq: 1 },
+            scraped: BTreeMap::from([(EPS[0].to_string(), scraped.clone())]),
+            ..Default::default()
+        };
+        ex.sent(1, 40);
+        ex.answer(1, 50, Some(&serde_json::to_vec(&s).unwrap()), &eps);
+        assert_eq!(ex.peer_scrapes(60), vec![(EPS[0], 20, &scraped)]);
+        assert!(ex.peer_scrapes(50 + 1001).is_empty(), "a silent peer's figures are not taken");
+        assert_eq!(ex.takeover_ms(500), 800);
+        assert_eq!(ex.shared_scrapes_takeover(500, 1000), Some(800), "the defaults");
+        assert_eq!(ex.shared_scrapes_takeover(500, 700), None, "relayed figures could count as stale");
+        // Off: every endpoint here, whoever owns it.
+        let off = raw(serde_json::json!({"id": 1, "peers_cluster": "p", "peers": 3, "share_scrapes": false})).unwrap();
+        let mut ex = Exchange::new(&off, 7).unwrap();
+        ex.tick(0, local(&[0, 0]), &eps);
+        for peer in 2..=9u64 {
+            ex.sent(peer as u32, 0);
+            ex.answer(peer as u32, 0, Some(&state(peer, 1, 1, [0, 0])), &eps);
+        }
+        assert!(eps.iter().all(|e| ex.scrapes_here(e, 1)));
     }
 
     #[test]

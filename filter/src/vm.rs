@@ -571,7 +571,8 @@ impl HttpContext for Http {
             }
         };
         let prompt_tokens = self.tokens.as_ref().and_then(TokenCounter::prompt_tokens);
-        let end = Ended { uncharged_tokens: uncharged, prompt_tokens, upstream_failed };
+        let cached_tokens = self.tokens.as_ref().and_then(TokenCounter::cached_tokens);
+        let end = Ended { uncharged_tokens: uncharged, prompt_tokens, cached_tokens, upstream_failed };
         vm.borrow_mut().at(now).finish(self.ctx, end);
     }
 }

@@ -126,6 +126,9 @@ pub struct Done {
     /// The prompt's tokens as the engine counted them (`usage.prompt_tokens`),
     /// when it said: the dispatch-time estimate is corrected to it.
     pub prompt_tokens: Option<u32>,
+    /// Of those, the ones the engine served from its prefix cache, when it
+    /// said: priced at the policy's `cached_input_weight` in the same correction.
+    pub cached_tokens: Option<u32>,
 }
 
 /// A bypass: a request sent upstream without joining the queue.
@@ -280,6 +283,7 @@ impl ToScheduler {
                 put_opt_u32(&mut b, c.output.first_token_ms);
                 if let Some(d) = &c.done {
                     put_opt_u32(&mut b, d.prompt_tokens);
+                    put_opt_u32(&mut b, d.cached_tokens);
                 }
                 b.extend_from_slice(c.tenant.as_bytes());
             }
@@ -321,7 +325,11 @@ impl ToScheduler {
                     None
                 };
                 let output = Output { tokens: r.u32()?, first_token_ms: r.opt_u32()? };
-                let done = if flags & CHARGE_DONE != 0 { Some(Done { prompt_tokens: r.opt_u32()? }) } else { None };
+                let done = if flags & CHARGE_DONE != 0 {
+                    Some(Done { prompt_tokens: r.opt_u32()?, cached_tokens: r.opt_u32()? })
+                } else {
+                    None
+                };
                 Some(ToScheduler::Charge(Charge { req, band, tenant: r.rest_str()?, dispatched, output, done }))
             }
             5 => r.0.is_empty().then_some(ToScheduler::Wake),
@@ -467,7 +475,7 @@ pub(crate) mod tests {
                 Some(Dispatched { input_tokens: 7, max_tokens: 30, model: "m".into() }),
                 5,
                 Some(120),
-                Some(Done { prompt_tokens: Some(4000) }),
+                Some(Done { prompt_tokens: Some(4000), cached_tokens: Some(3072) }),
             ),
             // A bypass of an empty prompt is a dispatch all the same.
             charge(1, Some(Dispatched::default()), 0, None, None),

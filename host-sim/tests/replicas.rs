@@ -77,3 +77,60 @@ fn a_failover_resets_the_dead_gateways_streams_and_the_standby_serves_the_rest()
     // The standby delivers tokens after the failure.
     assert!(failover.failover_gap_ms.is_some() && active.failover_gap_ms.is_none(), "{failover:?}");
 }
+
+mod scrapes {
+    //! Issue 23, item 5: scraping that does not grow with the replicas.
+    use super::common;
+    use host_sim::experiments::replicas::scrapes::{self, ScrapeCase, ScrapeRow, BACKENDS};
+
+    fn row(gateways: usize, share: bool) -> ScrapeRow {
+        let case = ScrapeCase { gateways, share, duration_s: 20.0, rate: 20.0, kill: None };
+        let (row, sim) = scrapes::run(&common::filter_wasm(), &case, 1).unwrap();
+        assert_eq!(sim.host().traps().len(), 0);
+        assert_eq!(row.ok, row.requests, "every request served: {row:?}");
+        row
+    }
+
+    /// At 3 replicas each backend is scraped at about one gateway's rate with shared scrapes,
+    /// and at three times that when every replica scrapes every backend (as before).
+    #[test]
+    fn at_three_replicas_each_backend_is_scraped_at_one_replicas_rate() {
+        let one = row(1, true);
+        let (each, shared) = (row(3, false), row(3, true));
+        for b in 0..BACKENDS {
+            let single = one.per_backend[b];
+            assert!(single > 0.0);
+            assert!(each.per_backend[b] > 2.5 * single, "backend {b}: {each:?} against {one:?}");
+            assert!(
+                (0.7 * single..=1.3 * single).contains(&shared.per_backend[b]),
+                "backend {b}: {shared:?} against {one:?}"
+            );
+        }
+    }
+
+    /// The replica that scrapes backend 0 dies at 10 s: another takes it over within a bounded
+    /// time (no gap between two scrapes longer than the owner's slowest pace plus the takeover
+    /// age), and from then on the backend is scraped at one replica's rate again.
+    #[test]
+    fn a_dead_owners_backends_are_taken_over() {
+        let n = 3;
+        let address = "10.0.0.1:8000";
+        let owner = sluice_policies::replicas::scrape_owner(address, 1..=n as u64).unwrap();
+        let dead = owner as usize - 1; // replica ids are gateway index + 1
+        let case = ScrapeCase { gateways: n, share: true, duration_s: 20.0, rate: 20.0, kill: Some((dead, 10.0)) };
+        let (_, sim) = scrapes::run(&common::filter_wasm(), &case, 1).unwrap();
+        let log = sim.scrape_log();
+        let before: Vec<usize> =
+            log.iter().filter(|&&(t, b, _)| b == 0 && (5_000_000..10_000_000).contains(&t)).map(|&(_, _, g)| g).collect();
+        assert!(!before.is_empty() && before.iter().all(|&g| g == dead), "the owner alone scraped it: {before:?}");
+        let times: Vec<u64> = log.iter().filter(|&&(_, b, _)| b == 0).map(|&(t, _, _)| t).collect();
+        let last_before = times.iter().copied().filter(|&t| t < 10_000_000).max().unwrap();
+        let first_after = times.iter().copied().find(|&t| t >= 10_000_000).expect("scraped again");
+        // The owner's pace is at most 500 ms; the takeover age 500 + 3 · 100 ms.
+        assert!(first_after - last_before <= 1_500_000, "gap {} ms", (first_after - last_before) / 1000);
+        let after = scrapes::rates(log, 12_000_000, 20_000_000, |g| g != dead);
+        println!("backend 0: last scrape by its owner at {last_before} µs, next at {first_after} µs; then {after:?}/s");
+        assert!((1.4..=2.6).contains(&after[0]), "one replica's rate again: {after:?}");
+        assert!(log.iter().all(|&(t, _, g)| g != dead || t < 10_000_000), "the dead one scrapes nothing");
+    }
+}

@@ -79,10 +79,12 @@ pub trait Accounting {
     fn on_output(&mut self, flow: FlowId, id: u64, tokens: u32);
     /// The engine counted `counted` prompt tokens for dispatched request `id`
     /// of `flow`, charged at dispatch for an estimate of `charged`: the
-    /// difference is charged (or refunded). Comes before
-    /// [`Accounting::on_complete`]. Policies that price requests, not tokens
-    /// (FCFS, RPM), keep this default.
-    fn on_prompt(&mut self, _flow: FlowId, _id: u64, _charged: u32, _counted: u32) {}
+    /// difference is charged (or refunded). `cached` of the `counted` were
+    /// served from the engine's prefix cache (0 when it did not say): the VTC
+    /// family with a `cached_input_weight` refunds their discount; the others
+    /// ignore it. Comes before [`Accounting::on_complete`]. Policies that price
+    /// requests, not tokens (FCFS, RPM), keep this default.
+    fn on_prompt(&mut self, _flow: FlowId, _id: u64, _charged: u32, _counted: u32, _cached: u32) {}
     /// Dispatched request `id` of `flow` finished, or will never run:
     /// per-request state is released and estimates are corrected. Exactly
     /// once per dispatch.
@@ -204,8 +206,8 @@ impl<A: Accounting + ?Sized> Accounting for Box<A> {
     fn on_output(&mut self, flow: FlowId, id: u64, tokens: u32) {
         (**self).on_output(flow, id, tokens)
     }
-    fn on_prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32) {
-        (**self).on_prompt(flow, id, charged, counted)
+    fn on_prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32, cached: u32) {
+        (**self).on_prompt(flow, id, charged, counted, cached)
     }
     fn on_complete(&mut self, flow: FlowId, id: u64) {
         (**self).on_complete(flow, id)

@@ -65,6 +65,84 @@ pub struct ReplicaState {
     /// The same for the lower bound under which queues dispatch (0 when absent).
     #[serde(default)]
     pub claim_queue: u32,
+    /// What this replica's own scrapes found, per endpoint (`ip:port`) it scraped lately: its
+    /// peers take these figures instead of scraping the endpoint too ([`scrape_owner`]; empty
+    /// when absent).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub scraped: BTreeMap<String, SharedScrape>,
+}
+
+/// An endpoint's metrics page as the replica that scraped it read it, shared with its peers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedScrape {
+    /// How long before the state was published the page was read, ms (an age, not a time:
+    /// the replicas' clocks need not agree).
+    pub age_ms: u64,
+    /// Requests waiting in the server's queue.
+    pub waiting: f64,
+    /// Requests in its running batch.
+    pub running: f64,
+    /// Fraction of its KV cache in use, 0..1.
+    pub kv_usage: f64,
+    /// LoRA adapters running.
+    #[serde(default)]
+    pub loras: Vec<String>,
+    /// The requests in flight on it from all replicas, as the scraper counted them when the
+    /// page came (the baseline of the load predicted between scrapes).
+    pub in_flight_at_scrape: u32,
+    /// Scrapes of it that failed in a row since that page.
+    #[serde(default)]
+    pub failures: u32,
+}
+
+impl SharedScrape {
+    /// Refuses figures no server reports (negative, not finite, a KV fraction above 1, more
+    /// adapters than [`crate::routing::MAX_LORAS`] or their bytes), naming the field.
+    fn validate(&self, endpoint: &str) -> Result<(), String> {
+        for (name, v) in [("waiting", self.waiting), ("running", self.running), ("kv_usage", self.kv_usage)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("scraped[{endpoint:?}].{name} is {v}"));
+            }
+        }
+        if self.kv_usage > 1.0 {
+            return Err(format!("scraped[{endpoint:?}].kv_usage is {}, above 1", self.kv_usage));
+        }
+        let bytes: usize = self.loras.iter().map(|l| l.len() + 1).sum();
+        if self.loras.len() > crate::routing::MAX_LORAS || bytes > crate::routing::MAX_LORA_BYTES + 1 {
+            return Err(format!("scraped[{endpoint:?}].loras: too many or too long"));
+        }
+        Ok(())
+    }
+
+    /// Total order for merging (floats by `total_cmp`).
+    fn merge_cmp(&self, other: &SharedScrape) -> Ordering {
+        self.age_ms
+            .cmp(&other.age_ms)
+            .then_with(|| self.waiting.total_cmp(&other.waiting))
+            .then_with(|| self.running.total_cmp(&other.running))
+            .then_with(|| self.kv_usage.total_cmp(&other.kv_usage))
+            .then_with(|| self.loras.cmp(&other.loras))
+            .then_with(|| self.in_flight_at_scrape.cmp(&other.in_flight_at_scrape))
+            .then_with(|| self.failures.cmp(&other.failures))
+    }
+}
+
+/// The replica that scrapes `endpoint` among `replicas` (this one and its live peers): the one
+/// with the highest rendezvous hash of (replica, endpoint). Each endpoint has one owner however
+/// many replicas there are, owners spread evenly, and a replica that joins or leaves moves only
+/// the endpoints it takes or held. `None` for no replica.
+pub fn scrape_owner(endpoint: &str, replicas: impl IntoIterator<Item = ReplicaId>) -> Option<ReplicaId> {
+    let e = endpoint.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    replicas.into_iter().max_by_key(|&r| (mix64(e ^ mix64(r)), r))
+}
+
+/// SplitMix64's finaliser: every input bit moves every output bit.
+fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// Bounds on what a replica accepts from its peers (hostile or broken peers cannot grow it).
@@ -132,16 +210,19 @@ impl ReplicaState {
                 limits.max_tenants
             ));
         }
-        if self.in_flight.len() > limits.max_endpoints {
+        if self.in_flight.len() > limits.max_endpoints || self.scraped.len() > limits.max_endpoints {
             return Err(format!(
                 "replica {}: {} endpoints, at most {}",
                 self.replica,
-                self.in_flight.len(),
+                self.in_flight.len().max(self.scraped.len()),
                 limits.max_endpoints
             ));
         }
         if let Some((tenant, v)) = self.service.iter().find(|(_, v)| !v.is_finite() || **v < 0.0) {
             return Err(format!("replica {}: service of tenant {tenant:?} is {v}", self.replica));
+        }
+        for (endpoint, s) in &self.scraped {
+            s.validate(endpoint).map_err(|e| format!("replica {}: {e}", self.replica))?;
         }
         Ok(())
     }
@@ -162,18 +243,24 @@ impl ReplicaState {
             .then_with(|| self.demand.cmp(&other.demand))
             .then_with(|| self.claim.cmp(&other.claim))
             .then_with(|| self.claim_queue.cmp(&other.claim_queue))
+            .then_with(|| cmp_map(&self.scraped, &other.scraped, SharedScrape::merge_cmp))
     }
 }
 
 /// Lexicographic comparison of two `(tenant, service)` maps, floats by `total_cmp`.
 fn cmp_service(a: &BTreeMap<String, f64>, b: &BTreeMap<String, f64>) -> Ordering {
+    cmp_map(a, b, f64::total_cmp)
+}
+
+/// Lexicographic comparison of two maps, their values by `value`.
+fn cmp_map<V>(a: &BTreeMap<String, V>, b: &BTreeMap<String, V>, value: impl Fn(&V, &V) -> Ordering) -> Ordering {
     let (mut a, mut b) = (a.iter(), b.iter());
     loop {
         match (a.next(), b.next()) {
             (None, None) => return Ordering::Equal,
             (None, Some(_)) => return Ordering::Less,
             (Some(_), None) => return Ordering::Greater,
-            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(kb).then_with(|| va.total_cmp(vb)) {
+            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(kb).then_with(|| value(va, vb)) {
                 Ordering::Equal => {}
                 unequal => return unequal,
             },
@@ -347,11 +434,13 @@ impl Peers {
         for e in self.entries.values_mut() {
             let stale = now_ms.saturating_sub(e.heard_ms) > max_age;
             let st = &mut e.state;
-            let empty = st.service.is_empty() && st.in_flight.is_empty() && st.demand.is_empty();
+            let empty =
+                st.service.is_empty() && st.in_flight.is_empty() && st.demand.is_empty() && st.scraped.is_empty();
             if stale && !(empty && st.queued == 0 && st.claim == 0 && st.claim_queue == 0) {
                 st.service.clear();
                 st.in_flight.clear();
                 st.demand.clear();
+                st.scraped.clear();
                 st.queued = 0;
                 st.claim = 0;
                 st.claim_queue = 0;
@@ -510,6 +599,7 @@ impl Publisher {
             demand: BTreeMap::new(),
             claim: 0,
             claim_queue: 0,
+            scraped: BTreeMap::new(),
         }
     }
 }

@@ -67,6 +67,9 @@ pub enum PolicySpec {
         /// `w_q`.
         #[serde(default = "two")]
         output_weight: f64,
+        /// Price of a prompt token the engine reports as a prefix-cache hit (default: `w_p`).
+        #[serde(default)]
+        cached_input_weight: Option<f64>,
     },
     /// VTC, Algorithm 2; weighted when `weights` or `default_weight` are set.
     Vtc {
@@ -76,6 +79,11 @@ pub enum PolicySpec {
         /// `w_q`.
         #[serde(default = "two")]
         output_weight: f64,
+        /// Price of a prompt token the engine reports as a prefix-cache hit (vLLM's
+        /// `usage.prompt_tokens_details.cached_tokens`, SGLang's `usage.cached_tokens`);
+        /// default: `w_p`, as any prompt token. `0`: only uncached prompt tokens are charged.
+        #[serde(default)]
+        cached_input_weight: Option<f64>,
         /// Weight by tenant name.
         #[serde(default)]
         weights: BTreeMap<String, f64>,
@@ -177,6 +185,18 @@ fn weights(input: f64, output: f64) -> Result<VtcWeights, String> {
     Ok(VtcWeights { input, output })
 }
 
+/// The counters' linear pricing, with its cached-prompt price checked against `w_p`'s rule.
+fn linear(input: f64, output: f64, cached: Option<f64>) -> Result<Linear, String> {
+    let mut l = Linear::new(weights(input, output)?);
+    if let Some(c) = cached {
+        if !(c.is_finite() && c >= 0.0) {
+            return Err(format!("cached_input_weight must be a non-negative number, got {c}"));
+        }
+        l.cached_input = Some(c);
+    }
+    Ok(l)
+}
+
 fn table(field: &str, default: f64, t: &BTreeMap<String, f64>) -> Result<FlowWeights, String> {
     let w = FlowWeights::new(default, t.clone());
     w.validate(field).map_err(|e| e.replace(&format!("{field}.default"), "default_weight"))?;
@@ -194,15 +214,13 @@ impl PolicySpec {
                 }
                 Box::new(RpmLimit::new(*requests_per_minute))
             }
-            PolicySpec::Lcf { input_weight, output_weight } => {
-                Box::new(CounterPolicy::lcf(weights(*input_weight, *output_weight)?))
-            }
-            PolicySpec::Vtc { input_weight, output_weight, weights: w, default_weight } => {
+            PolicySpec::Lcf { input_weight, output_weight, cached_input_weight } => Box::new(
+                CounterPolicy::with_charge("lcf", linear(*input_weight, *output_weight, *cached_input_weight)?, false),
+            ),
+            PolicySpec::Vtc { input_weight, output_weight, cached_input_weight, weights: w, default_weight } => {
                 let t = table("weights", *default_weight, w)?;
-                Box::new(
-                    CounterPolicy::with_charge("vtc", Linear(weights(*input_weight, *output_weight)?), true)
-                        .with_weights(t),
-                )
+                let charge = linear(*input_weight, *output_weight, *cached_input_weight)?;
+                Box::new(CounterPolicy::with_charge("vtc", charge, true).with_weights(t))
             }
             PolicySpec::VtcCost { cost, weights: w, default_weight } => {
                 let h = match cost {
@@ -361,6 +379,28 @@ mod tests {
         assert_eq!(p.next(), Some(1));
     }
 
+    /// Issue 23, item 4: with `cached_input_weight`, the prompt tokens the engine served from its
+    /// cache are priced at it; without, at `w_p` as any other.
+    #[test]
+    fn cached_prompt_tokens_are_priced_by_cached_input_weight() {
+        let charged = |json: &str| {
+            let mut p = parse(json).unwrap().build().unwrap();
+            p.on_flow(0, "a");
+            p.on_dispatch(&Request { id: 1, flow: 0, input_tokens: 1000, max_output_tokens: 0, arrival_ms: 0 });
+            p.on_prompt(0, 1, 1000, 1200, 1024);
+            p.as_counters().unwrap().counter(0)
+        };
+        assert_eq!(charged(r#"{"policy":"vtc"}"#), 1200.0, "every counted token at w_p");
+        assert_eq!(charged(r#"{"policy":"vtc","cached_input_weight":0}"#), 176.0, "the uncached ones only");
+        assert_eq!(charged(r#"{"policy":"lcf","input_weight":2,"cached_input_weight":0.5}"#), 2.0 * 176.0 + 512.0);
+        // A cached count above the prompt (a hostile engine) is at most the prompt.
+        let mut p = parse(r#"{"policy":"vtc","cached_input_weight":0}"#).unwrap().build().unwrap();
+        p.on_flow(0, "a");
+        p.on_dispatch(&Request { id: 1, flow: 0, input_tokens: 10, max_output_tokens: 0, arrival_ms: 0 });
+        p.on_prompt(0, 1, 10, 10, u32::MAX);
+        assert_eq!(p.as_counters().unwrap().counter(0), 0.0);
+    }
+
     #[test]
     fn errors_name_the_field() {
         let e = |json: &str| match parse(json) {
@@ -371,6 +411,8 @@ mod tests {
         assert!(e(r#"{"policy":"rpm","requests_per_minute":0}"#).contains("requests_per_minute"));
         assert!(e(r#"{"policy":"vtc","quantum":3}"#).contains("quantum"), "unknown fields are refused");
         assert!(e(r#"{"policy":"vtc","input_weight":-1}"#).contains("input_weight"));
+        assert!(e(r#"{"policy":"vtc","cached_input_weight":-0.5}"#).contains("cached_input_weight"));
+        assert!(e(r#"{"policy":"vtc_predict","cached_input_weight":0}"#).contains("cached_input_weight"));
         assert!(e(r#"{"policy":"vtc","weights":{"a":0}}"#).contains("weights.table[\"a\"]"));
         assert!(e(r#"{"policy":"vtc","default_weight":0}"#).contains("default_weight"));
         assert!(e(r#"{"policy":"vtc_cost","cost":"cubic"}"#).contains("cost"));

@@ -4,7 +4,9 @@
 //! back; hostile states are refused.
 
 use proptest::prelude::*;
-use sluice_policies::replicas::{Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState, Version};
+use sluice_policies::replicas::{
+    scrape_owner, Limits, Offer, Peers, Publisher, ReplicaId, ReplicaState, SharedScrape, Version,
+};
 use std::collections::BTreeMap;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -321,4 +323,59 @@ proptest! {
             prop_assert!(got[i] as f64 + 1.0 > fits, "replica {i} wants {d:?} ({fits} fits), gets {}", got[i]);
         }
     }
+}
+
+/// Issue 23, item 5: one scraping owner per endpoint, the same for every replica that sees the
+/// same live set, spread over the replicas, and moved only off a replica that leaves.
+#[test]
+fn each_endpoint_has_one_owner_that_moves_only_when_it_leaves() {
+    let eps: Vec<String> = (1..=200).map(|i| format!("10.0.{}.{}:8000", i / 250, i % 250)).collect();
+    let all: Vec<ReplicaId> = vec![11, 22, 33, 44];
+    let owners: Vec<ReplicaId> = eps.iter().map(|e| scrape_owner(e, all.iter().copied()).unwrap()).collect();
+    // The same whatever the order the replicas are listed in.
+    let reversed: Vec<ReplicaId> = eps.iter().map(|e| scrape_owner(e, all.iter().rev().copied()).unwrap()).collect();
+    assert_eq!(owners, reversed);
+    for r in &all {
+        let n = owners.iter().filter(|o| *o == r).count();
+        assert!((25..=75).contains(&n), "replica {r} owns {n} of 200");
+    }
+    // 33 leaves: only its endpoints move.
+    let left: Vec<ReplicaId> = vec![11, 22, 44];
+    for (e, &o) in eps.iter().zip(&owners) {
+        let now = scrape_owner(e, left.iter().copied()).unwrap();
+        if o != 33 {
+            assert_eq!(now, o, "{e} moved off a replica that stayed");
+        }
+    }
+    assert_eq!(scrape_owner("x", std::iter::empty()), None);
+}
+
+/// A peer's shared figures are hostile input: what no server reports is refused, naming it; an
+/// expired peer's figures go with the rest of its state.
+#[test]
+fn shared_scrapes_are_checked_and_expire_with_their_peer() {
+    let ok = SharedScrape { age_ms: 10, waiting: 1.0, running: 2.0, kv_usage: 0.3, ..Default::default() };
+    let with = |s: SharedScrape| ReplicaState {
+        replica: 1,
+        version: Version { incarnation: 1, seq: 1 },
+        scraped: BTreeMap::from([("10.0.0.1:8000".to_string(), s)]),
+        ..Default::default()
+    };
+    for (bad, field) in [
+        (SharedScrape { waiting: -1.0, ..ok.clone() }, "waiting"),
+        (SharedScrape { running: f64::NAN, ..ok.clone() }, "running"),
+        (SharedScrape { kv_usage: 1.5, ..ok.clone() }, "kv_usage"),
+        (SharedScrape { loras: vec!["l".into(); 65], ..ok.clone() }, "loras"),
+    ] {
+        let e = with(bad).validate(&limits()).unwrap_err();
+        assert!(e.contains(field), "{e}");
+    }
+    let mut many = with(ok.clone());
+    many.scraped = (0..17).map(|i| (format!("10.0.0.{i}:8000"), ok.clone())).collect();
+    assert!(many.validate(&limits()).is_err(), "more endpoints than max_endpoints");
+    let mut peers = Peers::new(ME, limits()).unwrap();
+    assert_eq!(peers.offer(with(ok), 0), Ok(Offer::Newer));
+    assert_eq!(peers.live(0).next().unwrap().scraped.len(), 1);
+    assert_eq!(peers.expire(1_000), 1);
+    assert!(peers.entries()[&1].state.scraped.is_empty(), "gone with the peer");
 }

@@ -9,9 +9,11 @@ import build_model
 import harness
 
 # Every server runs vLLM's priority scheduler (requests without a `priority` field all get 0, so
-# it is FCFS for them) and a small batch, so a handful of requests already queue inside vLLM.
+# it is FCFS for them) and a small batch, so a handful of requests already queue inside vLLM. It
+# reports the prompt tokens served from its prefix cache in `usage.prompt_tokens_details`.
 MAX_NUM_SEQS = 4
-ENGINE_ARGS = ["--scheduling-policy", "priority", "--max-num-seqs", str(MAX_NUM_SEQS)]
+ENGINE_ARGS = ["--scheduling-policy", "priority", "--max-num-seqs", str(MAX_NUM_SEQS),
+               "--enable-prompt-tokens-details"]
 
 
 def pytest_configure(config):

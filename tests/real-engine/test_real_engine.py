@@ -212,6 +212,48 @@ def test_the_engines_prompt_count_corrects_the_tenants_charge(gateway, engines):
     assert order[:6].count("plain") >= 5, f"VTC charged dense for the prompt vLLM counted: {order}"
 
 
+def test_prompt_tokens_the_engine_served_from_its_cache_are_not_charged(gateway, engines):
+    """Issue 23, item 4: with `cached_input_weight: 0`, VTC charges only the prompt tokens vLLM did
+    not find in its prefix cache (`usage.prompt_tokens_details.cached_tokens`, reported with
+    `--enable-prompt-tokens-details`). Tenants "shared" (900 bytes every prompt repeats, then 60 of
+    its own) and "fresh" (960 bytes of its own each time) queue 6 requests each behind a one-slot
+    bound. Charged for every prompt token both cost the same and VTC alternates them; charged for
+    the uncached ones, a shared request costs a fraction of a fresh one, so after the first of
+    fresh's, shared goes about five times in a row."""
+    a = engines[0]
+    envoy = gateway([a.endpoint], policy={"policy": "vtc", "cached_input_weight": 0}, **explicit_bound(1))
+    words = "gateway queue tenant fairly engine prompt cache token slot charge".split()
+    own = lambda n, size: " ".join(words[(n * 7 + i * 3) % len(words)] + str(n * 1000 + i) for i in range(size))[:size]
+    prefix = ("the gateway queues the requests of every tenant fairly " * 20)[:900]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            send = lambda tenant, text, n: asyncio.create_task(
+                stream_chat(client, envoy.url, tenant, chat_body(n, text)))
+            warm = await send("shared", prefix + own(0, 60), 1)  # the prefix in vLLM's cache
+            assert warm.status == 200, warm
+            blocker = send("blocker", "Tell me about the gateway.", 1500)
+            await wait_async(lambda: a.load()[0] == 1, 60, "the blocker running", a.proc)
+            queued = envoy.stat("sluice_requests_queued")
+            cached = envoy.stat("sluice_tokens_cached_prompt")
+            tasks = [send(t, text, 4) for n in range(1, 7)
+                     for t, text in (("shared", prefix + own(n, 60)), ("fresh", own(100 + n, 960)))]
+            await wait_async(lambda: envoy.stat("sluice_requests_queued") >= queued + 12, 60, "12 queued")
+            assert a.load()[0] == 1, "the blocker still runs: everything queued behind it"
+            served = await asyncio.gather(*tasks)
+            await blocker
+            return served, envoy.stat("sluice_tokens_cached_prompt") - cached
+
+    served, cached = asyncio.run(scenario())
+    for o in served:
+        assert o.status == 200 and not o.error and o.first_token is not None, o
+    order = [o.tenant for o in sorted(served, key=lambda o: o.first_token)]
+    print(f"\nprompt tokens vLLM served from its cache: {cached}; served after the blocker: "
+          f"{' '.join(t[0] for t in order)}")
+    assert cached >= 6 * 100, f"the premise: vLLM reports the shared prefix cached: {cached}"
+    assert order[:6].count("shared") >= 5, f"VTC charged shared for its uncached tokens only: {order}"
+
+
 # --- clients that leave -----------------------------------------------------------------------
 
 

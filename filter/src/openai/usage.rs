@@ -15,6 +15,8 @@ pub struct TokenCounter {
     usage: Option<u32>,
     /// `usage.prompt_tokens`, when the engine reported it.
     prompt_tokens: Option<u32>,
+    /// Of those, the ones served from the engine's prefix cache, when it reported them.
+    cached_tokens: Option<u32>,
     overflowed: bool,
 }
 
@@ -71,6 +73,7 @@ impl TokenCounter {
         if let Some(u) = usage.then(|| parse_usage(payload)).flatten() {
             self.usage = u.completion.or(self.usage);
             self.prompt_tokens = u.prompt.or(self.prompt_tokens);
+            self.cached_tokens = u.cached.or(self.cached_tokens);
         }
         if text {
             self.counted += 1;
@@ -83,7 +86,8 @@ impl TokenCounter {
         if !self.sse && !self.overflowed {
             let u = usage_in(&self.partial);
             self.usage = u.as_ref().and_then(|u| u.completion);
-            self.prompt_tokens = u.and_then(|u| u.prompt);
+            self.prompt_tokens = u.as_ref().and_then(|u| u.prompt);
+            self.cached_tokens = u.and_then(|u| u.cached);
         }
         let total = self.usage.unwrap_or(self.counted);
         let extra = total.saturating_sub(self.counted);
@@ -101,13 +105,22 @@ impl TokenCounter {
     pub fn prompt_tokens(&self) -> Option<u32> {
         self.prompt_tokens
     }
+
+    /// How many of [`TokenCounter::prompt_tokens`] the engine served from its prefix cache
+    /// (vLLM's `usage.prompt_tokens_details.cached_tokens` with `--enable-prompt-tokens-details`,
+    /// SGLang's `usage.cached_tokens`), once a usage report said so: never above the prompt.
+    pub fn cached_tokens(&self) -> Option<u32> {
+        self.cached_tokens
+    }
 }
 
-/// An engine's `usage` report: generated and prompt tokens.
+/// An engine's `usage` report: generated and prompt tokens, and the prompt's cached tokens.
 #[derive(Debug, PartialEq)]
 struct Usage {
     completion: Option<u32>,
     prompt: Option<u32>,
+    /// At most `prompt`, and only with it.
+    cached: Option<u32>,
 }
 
 /// `usage` of a JSON document, if present. Parsed only when the text mentions
@@ -119,20 +132,83 @@ fn usage_in(json: &[u8]) -> Option<Usage> {
     parse_usage(json)
 }
 
-/// `usage.completion_tokens` and `usage.prompt_tokens` of a JSON document. Only the `usage`
-/// object is parsed: the scan that finds it skips the rest (a chunk's id, model and choices)
-/// without validating it, which cost more than the rest of a bypassed request's response.
+/// `usage.completion_tokens`, `usage.prompt_tokens` and the prompt's cached tokens of a JSON
+/// document. Only the `usage` object is parsed: the scan that finds it skips the rest (a chunk's
+/// id, model and choices) without validating it, which cost more than the rest of a bypassed
+/// request's response.
+///
+/// The cached count is `prompt_tokens_details.cached_tokens` (vLLM, SGLang) or else
+/// `cached_tokens` (SGLang). It comes from the backend, so whatever it is cannot spoil the rest:
+/// a value that is not a non-negative integer is ignored, one above `prompt_tokens` is clamped to
+/// it, and without `prompt_tokens` it is not believed at all.
 fn parse_usage(json: &[u8]) -> Option<Usage> {
+    use serde::de::IgnoredAny;
+    /// Any JSON value; a non-negative integer is kept.
+    struct Count(Option<u64>);
+    impl<'de> serde::Deserialize<'de> for Count {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Count;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("any value")
+                }
+                fn visit_u64<E>(self, n: u64) -> Result<Count, E> {
+                    Ok(Count(Some(n)))
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<Count, E> {
+                    Ok(Count(None))
+                }
+                fn visit_f64<E>(self, _: f64) -> Result<Count, E> {
+                    Ok(Count(None))
+                }
+                fn visit_bool<E>(self, _: bool) -> Result<Count, E> {
+                    Ok(Count(None))
+                }
+                fn visit_str<E>(self, _: &str) -> Result<Count, E> {
+                    Ok(Count(None))
+                }
+                fn visit_unit<E>(self) -> Result<Count, E> {
+                    Ok(Count(None))
+                }
+                fn visit_seq<A: serde::de::SeqAccess<'de>>(self, a: A) -> Result<Count, A::Error> {
+                    IgnoredAny.visit_seq(a).map(|_| Count(None))
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(self, a: A) -> Result<Count, A::Error> {
+                    IgnoredAny.visit_map(a).map(|_| Count(None))
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+    /// `prompt_tokens_details`: an object, else nothing.
+    struct Details(Option<u64>);
+    impl<'de> serde::Deserialize<'de> for Details {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            #[derive(serde::Deserialize)]
+            struct Obj {
+                cached_tokens: Option<Count>,
+            }
+            // Buffered only as far as this small object: anything else is no details.
+            let v = <serde_json::Value as serde::Deserialize>::deserialize(d)?;
+            Ok(Details(serde_json::from_value::<Obj>(v).ok().and_then(|o| o.cached_tokens).and_then(|c| c.0)))
+        }
+    }
     #[derive(serde::Deserialize)]
     struct Raw {
         completion_tokens: Option<u64>,
         prompt_tokens: Option<u64>,
+        prompt_tokens_details: Option<Details>,
+        cached_tokens: Option<Count>,
     }
     // One value from where `usage`'s starts; what follows it is not read.
     let mut de = serde_json::Deserializer::from_slice(top_level_member(json, b"usage")?);
     let u = <Raw as serde::Deserialize>::deserialize(&mut de).ok()?;
     let clamp = |n: u64| n.min(u32::MAX as u64) as u32;
-    Some(Usage { completion: u.completion_tokens.map(clamp), prompt: u.prompt_tokens.map(clamp) })
+    let prompt = u.prompt_tokens.map(clamp);
+    let cached = u.prompt_tokens_details.and_then(|d| d.0).or(u.cached_tokens.and_then(|c| c.0));
+    let cached = prompt.zip(cached).map(|(p, c)| clamp(c).min(p));
+    Some(Usage { completion: u.completion_tokens.map(clamp), prompt, cached })
 }
 
 /// Where the value of member `key` of the JSON object `json` starts (the rest of `json` from
@@ -349,7 +425,14 @@ mod tests {
             let v: serde_json::Value = serde_json::from_slice(json).ok()?;
             let u = v.as_object()?.get("usage")?.as_object()?;
             let n = |k: &str| u.get(k).and_then(|x| x.as_u64()).map(|n| n.min(u32::MAX as u64) as u32);
-            Some(Usage { completion: n("completion_tokens"), prompt: n("prompt_tokens") })
+            let cached = u
+                .get("prompt_tokens_details")
+                .and_then(|d| d.get("cached_tokens"))
+                .and_then(|x| x.as_u64())
+                .or_else(|| u.get("cached_tokens").and_then(|x| x.as_u64()));
+            let prompt = n("prompt_tokens");
+            let cached = prompt.zip(cached).map(|(p, c)| (c.min(u32::MAX as u64) as u32).min(p));
+            Some(Usage { completion: n("completion_tokens"), prompt, cached })
         };
         let usage = r#"{"prompt_tokens":20,"completion_tokens":7,"total_tokens":27}"#;
         let docs = [
@@ -362,12 +445,66 @@ mod tests {
             r#"{"x":{"y":[1,{"z":"}]"}]},"usage":{"completion_tokens":3}}"#.to_string(),
             format!(r#"["usage",{usage}]"#),
             r#"{"usage":{"completion_tokens":99999999999}}"#.to_string(),
+            r#"{"usage":{"prompt_tokens":5,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":9}}}"#.to_string(),
+            r#"{"usage":{"prompt_tokens":50,"completion_tokens":1,"cached_tokens":32}}"#.to_string(),
         ];
         for d in &docs {
             assert_eq!(parse_usage(d.as_bytes()), tree(d.as_bytes()), "{d}");
         }
         assert_eq!(parse_usage(docs[0].as_bytes()).and_then(|u| u.completion), Some(7));
         assert_eq!(parse_usage(docs[4].as_bytes()), None, "a nested usage is not the response's");
+    }
+
+    /// Issue 23, item 4: the cached count of vLLM (`prompt_tokens_details`) and SGLang (also
+    /// top-level `cached_tokens`); whatever a hostile backend puts there spoils nothing else.
+    #[test]
+    fn the_prompts_cached_tokens_are_read_and_hostile_values_ignored() {
+        let cached = |u: &str| {
+            let u = parse_usage(format!(r#"{{"choices":[],"usage":{u}}}"#).as_bytes());
+            u.map(|u| (u.completion, u.prompt, u.cached))
+        };
+        let base = r#""prompt_tokens":1200,"completion_tokens":7"#;
+        let with = |extra: &str| cached(&format!("{{{base},{extra}}}"));
+        assert_eq!(with(r#""prompt_tokens_details":{"cached_tokens":1024}"#), Some((Some(7), Some(1200), Some(1024))));
+        assert_eq!(with(r#""cached_tokens":512"#), Some((Some(7), Some(1200), Some(512))), "SGLang");
+        assert_eq!(with(r#""prompt_tokens_details":{"cached_tokens":64},"cached_tokens":512"#).unwrap().2, Some(64));
+        assert_eq!(with(r#""prompt_tokens_details":null"#).unwrap().2, None, "vLLM without the flag");
+        assert_eq!(with(r#""prompt_tokens_details":{"cached_tokens":99999}"#).unwrap().2, Some(1200), "clamped");
+        assert_eq!(
+            cached(r#"{"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":5}}"#),
+            Some((Some(7), None, None)),
+            "no prompt count, nothing to clamp it to: not believed"
+        );
+        // Hostile values: ignored, and the rest of the usage is still read.
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let values = [
+            "-1", "-9999999999999", "1.5", "1e300", "-0.0", "18446744073709551616", "\"7\"", "true", "null", "[1,2]",
+            "{\"a\":[{}]}", "0", "4294967296", "18446744073709551615",
+        ];
+        for _ in 0..2_000 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let v = values[(rng % values.len() as u64) as usize];
+            let w = values[((rng >> 16) % values.len() as u64) as usize];
+            for extra in [
+                format!(r#""prompt_tokens_details":{{"cached_tokens":{v}}}"#),
+                format!(r#""prompt_tokens_details":{v}"#),
+                format!(r#""cached_tokens":{v}"#),
+                format!(r#""prompt_tokens_details":{{"cached_tokens":{v},"audio_tokens":{w}}},"cached_tokens":{w}"#),
+            ] {
+                let (completion, prompt, c) = with(&extra).unwrap_or_else(|| panic!("{extra}: usage lost"));
+                assert_eq!((completion, prompt), (Some(7), Some(1200)), "{extra}");
+                assert!(c.is_none_or(|c| c <= 1200), "{extra}: {c:?}");
+            }
+        }
+        // A number no f64 holds is no JSON serde reads: the usage is lost, as for any of its
+        // members, and the estimate stands (no panic).
+        assert_eq!(with(r#""cached_tokens":1e400"#), None);
+        let mut c = TokenCounter::new(Some("text/event-stream"));
+        c.feed(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n");
+        c.finish();
+        assert_eq!((c.prompt_tokens(), c.cached_tokens()), (Some(40), Some(32)));
     }
 
     #[test]

@@ -297,12 +297,16 @@ impl Scheduler {
         if bypassed || output_tokens > 0 {
             self.mark(flow);
         }
-        let Some(Done { prompt_tokens }) = done else { return };
+        let Some(Done { prompt_tokens, cached_tokens }) = done else { return };
         // The engine's count of the prompt replaces the estimate charged at
-        // dispatch (token-id prompts, text the 4-bytes rule misjudged).
+        // dispatch (token-id prompts, text the 4-bytes rule misjudged), and the
+        // tokens it served from its cache are priced as the policy says, in
+        // the same correction (the wire decodes whatever a worker sent: the
+        // cached count is held to the prompt here too).
         if let (Some(counted), Some(run)) = (prompt_tokens, self.running.get_mut(&req)) {
-            if counted != run.input_tokens {
-                self.queue.band_mut(band).policy_mut().on_prompt(flow, req, run.input_tokens, counted);
+            let cached = cached_tokens.unwrap_or(0).min(counted);
+            if counted != run.input_tokens || cached > 0 {
+                self.queue.band_mut(band).policy_mut().on_prompt(flow, req, run.input_tokens, counted, cached);
                 run.input_tokens = counted;
                 self.mark(flow);
             }

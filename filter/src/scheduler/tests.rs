@@ -981,7 +981,7 @@ fn the_engines_prompt_count_replaces_the_estimate_charged_at_dispatch() {
     let counter = |s: &Scheduler| s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
     assert_eq!(counter(&s), Some(10.0));
     let output = Output { tokens: 5, first_token_ms: None };
-    let done = Some(Done { prompt_tokens: Some(1000) });
+    let done = Some(Done { prompt_tokens: Some(1000), cached_tokens: None });
     let end =
         Charge { req: RequestId(1), band: Criticality::Standard, tenant: "a".into(), dispatched: None, output, done };
     s.on_message(ToScheduler::Charge(end), 1, &mut out);
@@ -990,6 +990,31 @@ fn the_engines_prompt_count_replaces_the_estimate_charged_at_dispatch() {
     // An engine that does not say leaves the estimate.
     s.on_message(charge(2, "a", 10, 0, true), 2, &mut out);
     assert_eq!(counter(&s), Some(1020.0));
+}
+
+/// Issue 23, item 4: under `cached_input_weight`, the engine's cached prompt tokens are priced at
+/// it in the same correction as its prompt count; without it, as any prompt token.
+#[test]
+fn the_engines_cached_tokens_are_priced_in_the_prompts_correction() {
+    for (policy, want) in [
+        (r#"{"policy":"vtc","cached_input_weight":0}"#, 1000.0 - 768.0),
+        (r#"{"policy":"vtc","cached_input_weight":0.25}"#, 1000.0 - 768.0 + 192.0),
+        (r#""vtc""#, 1000.0),
+    ] {
+        let json = format!(r#"{{"endpoints":["127.0.0.1:1"],"policy":{policy}}}"#);
+        let mut s = Scheduler::new(&Config::from_json(json.as_bytes()).unwrap());
+        let mut out = Vec::new();
+        s.on_message(charge(1, "a", 1000, 0, false), 0, &mut out);
+        let a = s.queue.tenants().get("a").unwrap();
+        let output = Output { tokens: 0, first_token_ms: None };
+        // The estimate was right: the cached count alone corrects the charge.
+        let done = Some(Done { prompt_tokens: Some(1000), cached_tokens: Some(768) });
+        let end =
+            Charge { req: RequestId(1), band: Criticality::Standard, tenant: "a".into(), dispatched: None, output, done };
+        s.on_message(ToScheduler::Charge(end), 1, &mut out);
+        let counter = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
+        assert_eq!(counter, Some(want), "{policy}");
+    }
 }
 
 /// Issue 22, item 4.1: a demoted request was taken out and pushed again against

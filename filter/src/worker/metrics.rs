@@ -65,6 +65,10 @@ pub enum Metric {
     /// [`Metric::TokensChargedPrompt`]: the two apart show how far the
     /// estimate is off the engine's count.
     TokensEstimatedPrompt,
+    /// Of [`Metric::TokensChargedPrompt`], the tokens the engine reported
+    /// served from its prefix cache (`cached_tokens` of its usage): over the
+    /// two, the engines' prefix hit rate on the traffic that went through.
+    TokensCachedPrompt,
 }
 
 impl Metric {
@@ -76,7 +80,7 @@ impl Metric {
             .chain(Outcome::ALL.into_iter().map(Rejected))
             .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
             .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive, InFlightLimit])
-            .chain([TokensChargedPrompt, TokensChargedOutput, TokensEstimatedPrompt])
+            .chain([TokensChargedPrompt, TokensChargedOutput, TokensEstimatedPrompt, TokensCachedPrompt])
     }
 
     /// Its position in [`Metric::all`].
@@ -104,6 +108,7 @@ impl Metric {
             Metric::TokensChargedPrompt => 17 + outcomes,
             Metric::TokensChargedOutput => 18 + outcomes,
             Metric::TokensEstimatedPrompt => 19 + outcomes,
+            Metric::TokensCachedPrompt => 20 + outcomes,
         }
     }
 
@@ -131,6 +136,7 @@ impl Metric {
             Metric::TokensChargedPrompt => "sluice_tokens_charged_prompt",
             Metric::TokensChargedOutput => "sluice_tokens_charged_output",
             Metric::TokensEstimatedPrompt => "sluice_tokens_estimated_prompt",
+            Metric::TokensCachedPrompt => "sluice_tokens_cached_prompt",
         }
     }
 

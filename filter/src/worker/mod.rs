@@ -140,6 +140,8 @@ pub struct Ended {
     pub uncharged_tokens: u32,
     /// The prompt's tokens as the engine counted them (`usage.prompt_tokens`), if it said.
     pub prompt_tokens: Option<u32>,
+    /// Of those, the ones it served from its prefix cache, if it said (never above `prompt_tokens`).
+    pub cached_tokens: Option<u32>,
     /// The backend refused or reset the connection (in a streak of
     /// `routing.quarantine_after`, it is avoided for a while).
     pub upstream_failed: bool,
@@ -299,7 +301,7 @@ impl<H: Host> Worker<H> {
         self.streams.replies_left = MAX_REPLIES_PER_CALLBACK;
         self.tick();
         let Hub { env, role, slots, .. } = &mut self.hub;
-        role.scrapes.send(env, role.holding.is_some());
+        role.send_scrapes(env);
         role.sync_replicas(env, slots);
         env.flush_stats();
     }

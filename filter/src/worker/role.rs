@@ -3,7 +3,7 @@
 //! worker's heartbeat, the exchange with the other gateway replicas, and the
 //! endpoints' scrapes ([`Scrapes`]).
 
-use super::scrapes::Scrapes;
+use super::scrapes::{Owners, Scrapes};
 use super::slots::Slots;
 use super::{Env, Host, Metric, SCHEDULER_QUEUE};
 use crate::replicas::{self, Answer, Exchange, Local};
@@ -178,6 +178,19 @@ impl SchedulerRole {
         out
     }
 
+    /// Sends the scrapes due: with `replicas` (and `share_scrapes`), only of the endpoints
+    /// this replica owns, or whose owner's figures grew older than the takeover age.
+    pub(super) fn send_scrapes<H: Host>(&mut self, env: &Env<H>) {
+        let routing = &env.cfg.routing;
+        let owners = self.holding.as_ref().and_then(|h| h.exchange.as_ref()).and_then(|ex| {
+            let takeover_ms =
+                ex.shared_scrapes_takeover(routing.max_scrape_interval_ms, routing.saturation.staleness_ms)?;
+            let elsewhere = env.cfg.endpoints.iter().map(|e| !ex.scrapes_here(e, env.now)).collect();
+            Some(Owners { elsewhere, takeover_ms })
+        });
+        self.scrapes.send(env, self.holding.is_some(), owners.as_ref());
+    }
+
     /// A peer's answer to the replicas exchange: `None` if the token is not
     /// one; else whether the queue should be pumped (a peer's requests that
     /// ended may leave room for it).
@@ -190,6 +203,9 @@ impl SchedulerRole {
             Some(Answer::Taken(offer, peer_load)) => {
                 if offer == Offer::Newer {
                     scheduler.set_peer_service(ex.peer_services(env.now));
+                    if ex.cfg().share_scrapes {
+                        self.scrapes.take_shared(env, &ex.peer_scrapes(env.now));
+                    }
                 }
                 env.add(Metric::ReplicaSyncOk, 1);
                 env.host.record(Metric::ReplicaPeersLive, ex.live(env.now) as u64);
@@ -242,7 +258,15 @@ impl SchedulerRole {
         }
         let queued = scheduler.len() as u32;
         let lower = band.lower;
-        let local = Local { service: scheduler.service(), demand: scheduler.demand(), load, queued, upper, lower };
+        // What this replica read itself lately (an endpoint it stopped owning is shared until
+        // the figures would be taken over anyway).
+        let scraped = if ex.cfg().share_scrapes {
+            self.scrapes.shared(env, ex.takeover_ms(env.cfg.routing.max_scrape_interval_ms))
+        } else {
+            Default::default()
+        };
+        let local =
+            Local { service: scheduler.service(), demand: scheduler.demand(), load, queued, upper, lower, scraped };
         let Some(sync) = ex.tick(now, local, &env.cfg.endpoints) else { return };
         // VTC orders by global counters: own + the live peers' service (expired peers dropped).
         scheduler.set_peer_service(ex.peer_services(now));

@@ -1,11 +1,22 @@
 //! The lease holder's scrapes of the endpoints' metrics pages: when each is
 //! due, sending them, and writing what a page says into the endpoint's
-//! shared record (which the slots' router and saturation gate read).
+//! shared record (which the slots' router and saturation gate read). With
+//! `replicas`, an endpoint another replica owns is not scraped while that
+//! replica's figures, taken from the exchange, stay fresh.
 
 use super::{Env, Host, Metric, DESTINATION};
 use crate::shared;
 use hashbrown::HashMap;
+use sluice_policies::replicas::SharedScrape;
 use sluice_policies::routing::EndpointMetrics;
+use std::collections::BTreeMap;
+
+/// Which endpoints another replica scrapes (`elsewhere[i]`), and how old figures may grow
+/// before this replica scrapes them anyway (the owner went silent).
+pub(super) struct Owners {
+    pub(super) elsewhere: Vec<bool>,
+    pub(super) takeover_ms: u64,
+}
 
 /// The scrapes of one VM.
 pub(super) struct Scrapes {
@@ -16,6 +27,9 @@ pub(super) struct Scrapes {
     sent_ms: Vec<u64>,
     /// Endpoints whose malformed metrics were already logged (log once).
     logged_bad_metrics: Vec<bool>,
+    /// When this VM's own last scrape of each endpoint answered (or failed): the figures it
+    /// shares with its peers are those it read itself lately.
+    answered_ms: Vec<Option<u64>>,
 }
 
 /// The requests in flight on each endpoint, from this gateway: this
@@ -28,7 +42,12 @@ fn pool_load<H: Host>(env: &Env<H>) -> Vec<u32> {
 
 impl Scrapes {
     pub(super) fn new(endpoints: usize) -> Scrapes {
-        Scrapes { out: HashMap::new(), sent_ms: vec![0; endpoints], logged_bad_metrics: vec![false; endpoints] }
+        Scrapes {
+            out: HashMap::new(),
+            sent_ms: vec![0; endpoints],
+            logged_bad_metrics: vec![false; endpoints],
+            answered_ms: vec![None; endpoints],
+        }
     }
 
     /// Endpoints due for a scrape: only the scheduler (`holder`) scrapes; each endpoint
@@ -36,8 +55,10 @@ impl Scrapes {
     /// A saturated endpoint (whose page decides whether requests wait), or
     /// one unknown or failing, is scraped every `scrape_interval_ms`; one with
     /// room only every `max_scrape_interval_ms`, since each page costs the
-    /// engine CPU.
-    fn due<H: Host>(&mut self, env: &Env<H>, holder: bool, now: u64) -> Vec<usize> {
+    /// engine CPU. An endpoint another replica owns (`owners`) is skipped
+    /// while its figures are younger than the takeover age: the load on an
+    /// engine's metrics page is one replica's, however many there are.
+    fn due<H: Host>(&mut self, env: &Env<H>, holder: bool, now: u64, owners: Option<&Owners>) -> Vec<usize> {
         let routing = &env.cfg.routing;
         if !holder || routing.scrape_cluster.is_none() {
             return Vec::new();
@@ -55,8 +76,14 @@ impl Scrapes {
         };
         let out: Vec<usize> = self.out.values().copied().collect();
         let mut due = Vec::new();
+        let taken_from_peer = |i: usize| {
+            owners.is_some_and(|o| {
+                o.elsewhere.get(i).copied().unwrap_or(false)
+                    && now.saturating_sub(records[i].scraped_ms) < o.takeover_ms
+            })
+        };
         for (i, sent) in self.sent_ms.iter_mut().enumerate() {
-            if !out.contains(&i) && now.saturating_sub(*sent) >= interval(i) {
+            if !out.contains(&i) && now.saturating_sub(*sent) >= interval(i) && !taken_from_peer(i) {
                 *sent = now;
                 due.push(i);
             }
@@ -69,6 +96,7 @@ impl Scrapes {
     /// pool is no longer saturated.
     pub(super) fn scraped<H: Host>(&mut self, env: &Env<H>, token: u32, page: Option<&[u8]>) -> bool {
         let Some(endpoint) = self.out.remove(&token) else { return false };
+        self.answered_ms[endpoint] = Some(env.now);
         let n = env.endpoints();
         // The baseline of what is sent after this page: what is in flight now.
         // A request sent while the scrape was out is taken as in the page (it
@@ -110,9 +138,71 @@ impl Scrapes {
         true
     }
 
-    /// Sends one scrape per due endpoint (`holder`: this VM holds the lease).
-    pub(super) fn send<H: Host>(&mut self, env: &Env<H>, holder: bool) {
-        let due = self.due(env, holder, env.now);
+    /// What this VM's own scrapes of the last `within_ms` read, for its peers: per endpoint
+    /// address, the last page's figures (their age now), the in-flight baseline and the
+    /// failures since. An endpoint never read is not shared (its failures are this VM's
+    /// problem until a page comes).
+    pub(super) fn shared<H: Host>(&self, env: &Env<H>, within_ms: u64) -> BTreeMap<String, SharedScrape> {
+        let now = env.now;
+        let records = shared::records(&env.host, env.endpoints());
+        let mut out = BTreeMap::new();
+        for (i, r) in records.iter().enumerate() {
+            let recent = self.answered_ms[i].is_some_and(|t| now.saturating_sub(t) <= within_ms);
+            let Some(m) = r.metrics.as_ref().filter(|_| recent) else { continue };
+            let s = SharedScrape {
+                age_ms: now.saturating_sub(r.scraped_ms),
+                waiting: m.waiting,
+                running: m.running,
+                kv_usage: m.kv_usage.clamp(0.0, 1.0),
+                loras: m.loras.clone(),
+                in_flight_at_scrape: r.in_flight_at_scrape,
+                failures: r.failures,
+            };
+            out.insert(env.cfg.endpoints[i].clone(), s);
+        }
+        out
+    }
+
+    /// Takes the figures peers read (`(address, local time of the page, figures)`, already
+    /// checked by the exchange) into the shared records, where they are newer than what the
+    /// record holds: the router and the saturation gate then read them as this VM's own
+    /// scrape. A peer's failures are taken with a page at least as recent as the record's.
+    /// `true` if a record changed (dispatch, in case the pool has room now).
+    pub(super) fn take_shared<H: Host>(&mut self, env: &Env<H>, figures: &[(&str, u64, &SharedScrape)]) -> bool {
+        let n = env.endpoints();
+        let records = shared::records(&env.host, n);
+        let mut changed = false;
+        for &(address, at, s) in figures {
+            let Some(i) = env.cfg.endpoints.iter().position(|e| e == address) else { continue };
+            let r = &records[i];
+            let newer = at > r.scraped_ms;
+            if !newer && (at < r.scraped_ms || s.failures == r.failures) {
+                continue;
+            }
+            changed = true;
+            let m = EndpointMetrics {
+                waiting: s.waiting,
+                running: s.running,
+                kv_usage: s.kv_usage,
+                loras: s.loras.clone(),
+                ..EndpointMetrics::default()
+            };
+            shared::update_record(&env.host, n, i, |r| {
+                if newer {
+                    r.metrics = Some(m.clone());
+                    r.scraped_ms = at;
+                    r.in_flight_at_scrape = s.in_flight_at_scrape;
+                }
+                r.failures = s.failures;
+            });
+        }
+        changed
+    }
+
+    /// Sends one scrape per due endpoint (`holder`: this VM holds the lease; `owners`: with
+    /// `replicas`, which endpoints other replicas scrape).
+    pub(super) fn send<H: Host>(&mut self, env: &Env<H>, holder: bool, owners: Option<&Owners>) {
+        let due = self.due(env, holder, env.now, owners);
         if due.is_empty() {
             return;
         }

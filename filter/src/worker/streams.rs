@@ -501,7 +501,7 @@ impl Streams {
     /// what it held. `upstream_failed`: the backend refused or reset the
     /// connection, so it is avoided for a while.
     pub(super) fn finish<H: Host>(&mut self, hub: &mut Hub<H>, ctx: u32, end: Ended) {
-        let Ended { uncharged_tokens, prompt_tokens, upstream_failed } = end;
+        let Ended { uncharged_tokens, prompt_tokens, cached_tokens, upstream_failed } = end;
         if self.unhold(&hub.env, ctx).is_some() {
             // Held, so the scheduler never heard of it.
             hub.env.add(Metric::CancelledInQueue, 1);
@@ -544,6 +544,7 @@ impl Streams {
                 // the estimate (scheduler `charge`), so both are counted at the end, side by side.
                 env.add(Metric::TokensChargedPrompt, u64::from(prompt_tokens.unwrap_or(estimate)));
                 env.add(Metric::TokensEstimatedPrompt, u64::from(estimate));
+                env.add(Metric::TokensCachedPrompt, u64::from(cached_tokens.unwrap_or(0)));
                 env.add(Metric::TokensChargedOutput, u64::from(uncharged_tokens));
                 // A response that was not streamed: its first token came with the rest.
                 let first_token_ms = (!first_seen && uncharged_tokens > 0 && !upstream_failed)
@@ -559,7 +560,7 @@ impl Streams {
                     tenant,
                     dispatched: None,
                     output,
-                    done: Some(Done { prompt_tokens }),
+                    done: Some(Done { prompt_tokens, cached_tokens }),
                 });
                 // Freed stock matters now if something waits for it; and with replicas, a light
                 // tenant's part must be held for it again before another tenant's bypass reads

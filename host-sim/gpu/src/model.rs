@@ -185,6 +185,9 @@ struct Seq {
     private_blocks: u32,
     /// Prefix-cache entries referenced, always the leading `cached.len()` keys.
     cached: usize,
+    /// Prompt tokens found cached at its first admission (vLLM's `num_cached_tokens`, which a
+    /// recompute after preemption does not change).
+    first_hit_tokens: Option<u32>,
     state: State,
 }
 
@@ -230,6 +233,9 @@ pub struct GpuModel {
     /// Resident models with their last-use tick (only when `max_loaded_models > 0`).
     loaded: Vec<(String, u64)>,
     m: GpuMetrics,
+    /// `first_hit_tokens` of the requests that finished in the last [`GpuModel::advance`]
+    /// (they are gone from `seqs`), for [`GpuModel::cached_tokens`]: cleared by the next.
+    finished_hits: Vec<(u64, u32)>,
 }
 
 /// FNV-1a style mixing: deterministic across runs and platforms, unlike `RandomState`.
@@ -285,6 +291,7 @@ impl GpuModel {
             tick: 0,
             loaded: Vec::new(),
             m,
+            finished_hits: Vec::new(),
         })
     }
 
@@ -333,6 +340,7 @@ impl GpuModel {
             computed: 0,
             private_blocks: 0,
             cached: 0,
+            first_hit_tokens: None,
             state: State::Waiting,
         };
         self.next_serial += 1;
@@ -375,6 +383,7 @@ impl GpuModel {
     /// starts exactly when the previous ends) and returns the events in time order.
     pub fn advance(&mut self, now_us: u64) -> Vec<GpuEvent> {
         self.now_us = self.now_us.max(now_us);
+        self.finished_hits.clear();
         let mut events = Vec::new();
         loop {
             if let Some(it) = &self.inflight {
@@ -399,6 +408,17 @@ impl GpuModel {
             }
         }
         events
+    }
+
+    /// Prompt tokens of request `id` served from the prefix cache, as vLLM reports them in
+    /// `usage.prompt_tokens_details.cached_tokens`: what its first admission found cached.
+    /// `None` before it was admitted, or once it left (for a request that finished, known until
+    /// the next [`GpuModel::advance`], so read it on its `Finished` event).
+    pub fn cached_tokens(&self, id: u64) -> Option<u32> {
+        match self.seqs.get(&id) {
+            Some(s) => s.first_hit_tokens,
+            None => self.finished_hits.iter().find(|&&(f, _)| f == id).map(|&(_, n)| n),
+        }
     }
 
     /// Current gauges and counters.
@@ -791,6 +811,7 @@ impl GpuModel {
                 }
                 let seq = self.seqs.get_mut(&id).expect("known id");
                 seq.cached = hits;
+                seq.first_hit_tokens.get_or_insert(hit_tokens);
                 seq.computed = hit_tokens;
                 seq.state = State::Running;
                 let serial = seq.serial;
@@ -839,7 +860,9 @@ impl GpuModel {
             if done {
                 self.running.retain(|&r| r != id);
                 self.release_kv(id);
-                self.seqs.remove(&id);
+                if let Some(hit) = self.seqs.remove(&id).and_then(|s| s.first_hit_tokens) {
+                    self.finished_hits.push((id, hit));
+                }
                 self.m.finished += 1;
                 self.m.prompt_tokens_total += prompt as u64;
                 events.push(GpuEvent { at_us, id, kind: GpuEventKind::Finished });

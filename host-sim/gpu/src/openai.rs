@@ -234,6 +234,10 @@ pub struct ResponseMeta {
     pub created: u64,
     /// Model echoed back.
     pub model: String,
+    /// Prompt tokens served from the prefix cache, reported in the usage as vLLM does with
+    /// `--enable-prompt-tokens-details` (`prompt_tokens_details.cached_tokens`); `None`: no
+    /// details, as vLLM without that flag.
+    pub cached_tokens: Option<u32>,
 }
 
 impl ResponseMeta {
@@ -247,7 +251,7 @@ impl ResponseMeta {
     /// Builds the metadata for request number `n`.
     pub fn new(endpoint: Endpoint, n: u64, model: &str, created: u64) -> ResponseMeta {
         let id = format!("{}-sluice-{n}", Self::id_prefix(endpoint));
-        ResponseMeta { endpoint, id, created, model: model.to_string() }
+        ResponseMeta { endpoint, id, created, model: model.to_string(), cached_tokens: None }
     }
 
     /// The id vLLM gives a request that carries `x-request-id` (as every request through Envoy
@@ -257,8 +261,12 @@ impl ResponseMeta {
         self
     }
 
-    fn usage(prompt: u32, completion: u32) -> Value {
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt as u64 + completion as u64})
+    fn usage(&self, prompt: u32, completion: u32) -> Value {
+        let mut u = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt as u64 + completion as u64});
+        if let Some(n) = self.cached_tokens {
+            u["prompt_tokens_details"] = json!({"cached_tokens": n});
+        }
+        u
     }
 
     /// The chunk vLLM opens a chat stream with, sent with the first token: the role and an empty
@@ -301,7 +309,7 @@ impl ResponseMeta {
 
     /// The last chunk of a stream with `include_usage`: no choices, the usage.
     pub fn usage_chunk(&self, prompt: u32, completion: u32) -> String {
-        self.envelope(true, vec![], Some(Self::usage(prompt, completion)))
+        self.envelope(true, vec![], Some(self.usage(prompt, completion)))
     }
 
     /// A complete non-streaming response.
@@ -313,7 +321,7 @@ impl ResponseMeta {
             }
             Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
         };
-        self.envelope(false, vec![choice], Some(Self::usage(prompt, completion)))
+        self.envelope(false, vec![choice], Some(self.usage(prompt, completion)))
     }
 
     fn envelope(&self, chunk: bool, choices: Vec<Value>, usage: Option<Value>) -> String {

@@ -1,6 +1,7 @@
 //! `sluice-replicas`: VTC's fairness figures with several gateway replicas in front of one
 //! simulated GPU (independent, active-passive with a failover, synced at 10/100/1000 ms)
-//! against one gateway.
+//! against one gateway; with `--scrapes`, the metrics scrapes each backend gets at 1, 3 and 10
+//! replicas, each replica scraping every backend against shared scrapes.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -47,6 +48,13 @@ struct Cli {
     /// Seed of the synthetic arrivals, the host and the losses.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Instead: scrapes per second per backend at 1, 3 and 10 replicas (four H100s, 20 and 200
+    /// requests/s), every replica scraping every backend against `replicas.share_scrapes`.
+    #[arg(long)]
+    scrapes: bool,
+    /// With `--scrapes`: the run's length, s.
+    #[arg(long, default_value_t = 30.0)]
+    scrapes_duration_s: f64,
 }
 
 fn main() {
@@ -56,7 +64,30 @@ fn main() {
     }
 }
 
+fn run_scrapes(cli: &Cli) -> Result<()> {
+    use replicas::scrapes::{self, ScrapeCase};
+    let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading {}", cli.wasm.display()))?;
+    let mut rows = Vec::new();
+    // A load that leaves the backends room (each page every `max_scrape_interval_ms`) and one
+    // that saturates them (every `scrape_interval_ms`).
+    for rate in [20.0, 200.0] {
+        for (gateways, share) in [(1, true), (3, false), (3, true), (10, false), (10, true)] {
+            let case = ScrapeCase { gateways, share, duration_s: cli.scrapes_duration_s, rate, kill: None };
+            rows.push(scrapes::run(&wasm, &case, cli.seed)?.0);
+        }
+    }
+    let t = scrapes::table(&rows);
+    println!("{t}");
+    std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
+    std::fs::write(cli.out.join("scrapes.md"), &t)?;
+    std::fs::write(cli.out.join("scrapes.json"), serde_json::to_string_pretty(&rows)?)?;
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
+    if cli.scrapes {
+        return run_scrapes(&cli);
+    }
     if !(2..=8).contains(&cli.gateways) {
         bail!("--gateways must be 2 to 8");
     }

@@ -265,3 +265,161 @@ pub fn table(workload: &str, rows: &[ReplicaRow]) -> String {
     }
     format!("### {workload}\n\n{}", t.markdown())
 }
+
+/// Scrapes of the engines' metrics pages with several gateways: how many each backend gets per
+/// second, whatever the number of replicas (`sluice-replicas --scrapes`; issue 23, item 5).
+pub mod scrapes {
+    use super::{replicas_config, PEERS_CLUSTER};
+    use crate::sim::engine::{PeerExchange, Sim};
+    use crate::sim::table::Table;
+    use crate::Scenario;
+    use anyhow::Result;
+    use serde_json::{json, Value};
+
+    /// Backends of the pool.
+    pub const BACKENDS: usize = 4;
+    /// The sync interval of the synced replicas, ms.
+    pub const SYNC_MS: u64 = 100;
+    /// Scrapes before this time are the start-up (every replica scrapes until it hears its
+    /// peers) and are not counted.
+    pub const WARMUP_S: f64 = 5.0;
+
+    /// One run's setup.
+    #[derive(Clone, Copy, Debug)]
+    pub struct ScrapeCase {
+        /// Gateway replicas (1: one gateway, no `replicas` key).
+        pub gateways: usize,
+        /// `replicas.share_scrapes`.
+        pub share: bool,
+        /// Run length, s.
+        pub duration_s: f64,
+        /// Requests per second over all gateways (round-robin).
+        pub rate: f64,
+        /// Kill this gateway at this time, s (its later requests go to the next one).
+        pub kill: Option<(usize, f64)>,
+    }
+
+    /// What one run measured.
+    #[derive(Clone, Debug, serde::Serialize)]
+    pub struct ScrapeRow {
+        /// Requests per second.
+        pub rate: f64,
+        /// Gateways.
+        pub gateways: usize,
+        /// Scrapes shared.
+        pub share: bool,
+        /// Scrapes per second of each backend, after the warm-up.
+        pub per_backend: Vec<f64>,
+        /// Of them, the mean.
+        pub mean: f64,
+        /// Requests that ended ok, and all requests.
+        pub ok: usize,
+        /// Requests in all.
+        pub requests: usize,
+    }
+
+    /// The scenario: four simulated H100s scraped through `model_servers` (the filter's
+    /// adaptive interval: 50 ms while an endpoint is saturated, 500 ms while it has room), a
+    /// steady two-tenant load at `rate` requests per second.
+    pub fn scenario(case: &ScrapeCase, seed: u64) -> Result<Scenario> {
+        let half = case.rate / 2.0;
+        let text = json!({
+            "seed": seed,
+            "workers": 2,
+            "filter_config": {"policy": "vtc", "routing": {"scrape_cluster": "model_servers"}},
+            "backends": {"count": BACKENDS, "profile": "llama3-8b-h100"},
+            "workload": {"kind": "synthetic", "duration_s": case.duration_s, "clients": [
+                {"name": "a", "rate": half, "prompt_tokens": 1000, "output_tokens": 200},
+                {"name": "b", "rate": half, "prompt_tokens": 500, "output_tokens": 400}
+            ]}
+        });
+        Scenario::from_json(&text.to_string())
+    }
+
+    /// Runs one case; returns the row and the simulation (its scrape log).
+    pub fn run(wasm: &[u8], case: &ScrapeCase, seed: u64) -> Result<(ScrapeRow, Sim)> {
+        let sc = scenario(case, seed)?;
+        let items = sc.work_items(std::path::Path::new("."))?;
+        let n = case.gateways.max(1);
+        let (extra, peers): (Vec<Value>, _) = if n > 1 {
+            let extra = (0..n)
+                .map(|g| {
+                    let mut v = replicas_config(g, n, SYNC_MS);
+                    v["replicas"]["share_scrapes"] = case.share.into();
+                    v
+                })
+                .collect();
+            (extra, Some(PeerExchange { cluster: PEERS_CLUSTER.into(), latency_us: 1000, loss: 0.0, seed }))
+        } else {
+            (vec![json!({})], None)
+        };
+        let kill = case.kill.map(|(g, s)| (g, (s * 1e6) as u64));
+        let gateway_of = |i: usize| {
+            let g = i % n;
+            match kill {
+                Some((dead, at)) if g == dead && items[i].arrival_us >= at => (g + 1) % n,
+                _ => g,
+            }
+        };
+        let mut sim = sc.build_gateways(wasm, &items, &extra, peers, gateway_of)?;
+        if n > 1 {
+            sim.add_cluster(PEERS_CLUSTER, proxy_wasm_host::state::Cluster::Static(vec!["127.0.0.1:9901".into()]));
+        }
+        if let Some((g, at)) = kill {
+            sim.run_until(at);
+            sim.kill_gateway(g);
+        }
+        sim.run();
+        let end_us = (case.duration_s * 1e6) as u64;
+        let per_backend = rates(sim.scrape_log(), (WARMUP_S * 1e6) as u64, end_us, |_| true);
+        let report = sc.report(&sim);
+        let row = ScrapeRow {
+            rate: case.rate,
+            gateways: n,
+            share: case.share,
+            mean: per_backend.iter().sum::<f64>() / BACKENDS as f64,
+            per_backend,
+            ok: report.outcomes.get("ok").copied().unwrap_or(0),
+            requests: report.requests,
+        };
+        Ok((row, sim))
+    }
+
+    /// Scrapes per second of each backend in `[from_us, to_us)` by the gateways `by` keeps.
+    pub fn rates(log: &[(u64, usize, usize)], from_us: u64, to_us: u64, by: impl Fn(usize) -> bool) -> Vec<f64> {
+        let mut n = vec![0u64; BACKENDS];
+        for &(t, b, g) in log {
+            if t >= from_us && t < to_us && b < BACKENDS && by(g) {
+                n[b] += 1;
+            }
+        }
+        let s = to_us.saturating_sub(from_us) as f64 / 1e6;
+        n.into_iter().map(|k| (k as f64 / s * 10.0).round() / 10.0).collect()
+    }
+
+    /// The table in Markdown.
+    pub fn table(rows: &[ScrapeRow]) -> String {
+        let mut t = Table::new().right("Load (req/s)").right("Gateways").left("Scrapes");
+        for c in ["Per backend (scrapes/s)", "Mean", "Mean per gateway", "Ok / requests"] {
+            t = t.right(c);
+        }
+        for r in rows {
+            t.row([
+                format!("{:.0}", r.rate),
+                r.gateways.to_string(),
+                if r.gateways == 1 {
+                    "-".to_string()
+                } else if r.share {
+                    "shared".to_string()
+                } else {
+                    "each replica".to_string()
+                },
+                r.per_backend.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(" / "),
+                format!("{:.1}", r.mean),
+                format!("{:.1}", r.mean / r.gateways as f64),
+                format!("{} / {}", r.ok, r.requests),
+            ]);
+        }
+        t.markdown()
+    }
+}

@@ -62,6 +62,12 @@ pub struct Scenario {
     /// application, follow-up turns); without it every such prompt is text unique to its row.
     #[serde(default)]
     pub prefix_sharing: Option<workload::PrefixSharing>,
+    /// Per client name: the leading tokens every prompt of that client shares (one fixed system
+    /// prompt of its own), a multiple of the backends' `prefix_hash_tokens`; its prompts keep
+    /// their lengths (the prefix is carved out of them). Applied before `prefix_sharing`, which
+    /// leaves those rows as they are.
+    #[serde(default)]
+    pub shared_prefix_tokens: std::collections::BTreeMap<String, u32>,
     /// Local-reply headers read as the reject reason, first present wins (default
     /// `GatewayConfig::reason_headers`: llm-d's, then sluice's `x-sluice-reject-reason`).
     #[serde(default)]
@@ -323,6 +329,14 @@ impl Scenario {
             ps.validate("prefix_sharing", self.backends.prefix_hash_tokens()?)
                 .map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
         }
+        if !self.shared_prefix_tokens.is_empty() {
+            let block = self.backends.prefix_hash_tokens()?;
+            for (client, &n) in &self.shared_prefix_tokens {
+                if n == 0 || block == 0 || !n.is_multiple_of(block) {
+                    bail!("scenario: shared_prefix_tokens.{client} must be a positive multiple of the backends' prefix_hash_tokens ({block}), got {n}");
+                }
+            }
+        }
         if !self.filter_config.is_object() {
             bail!("scenario: filter_config must be a JSON object");
         }
@@ -377,6 +391,15 @@ impl Scenario {
     /// applied.
     pub fn work_items(&self, base_dir: &Path) -> Result<Vec<WorkItem>> {
         let mut items = self.raw_items(base_dir)?;
+        if !self.shared_prefix_tokens.is_empty() {
+            let block = self.backends.prefix_hash_tokens()?;
+            for w in items.iter_mut().filter(|w| w.prefix_hashes.is_empty()) {
+                if let Some(&n) = self.shared_prefix_tokens.get(&w.client) {
+                    let blocks = n.min(w.prompt_tokens) / block;
+                    w.prefix_hashes = workload::client_prefix(&w.client, blocks as usize, self.seed);
+                }
+            }
+        }
         if let Some(ps) = &self.prefix_sharing {
             ps.apply(&mut items, self.backends.prefix_hash_tokens()?, self.seed)
                 .map_err(|e| anyhow::anyhow!("scenario: {e}"))?;
@@ -624,5 +647,18 @@ mod tests {
         assert!(none.iter().all(|w| w.prefix_hashes.is_empty()));
         let e = err(pool, r#""prefix_sharing": {"applications": 1, "system_prompt_tokens": 1000},"#);
         assert!(e.contains("prefix_sharing.system_prompt_tokens") && e.contains("512"), "{e}");
+    }
+
+    #[test]
+    fn a_clients_shared_prefix_leads_each_of_its_prompts_and_no_other() {
+        let pool = r#"{"count": 1, "profile": "llama3-8b-h100"}"#;
+        let s = scenario(pool, r#""shared_prefix_tokens": {"a": 1024},"#).unwrap();
+        let items = s.work_items(Path::new(".")).unwrap();
+        assert!(items.len() > 5);
+        assert!(items.iter().all(|w| w.prefix_hashes.len() == 2 && w.prefix_hashes == items[0].prefix_hashes));
+        let other = scenario(pool, r#""shared_prefix_tokens": {"z": 1024},"#).unwrap();
+        assert!(other.work_items(Path::new(".")).unwrap().iter().all(|w| w.prefix_hashes.is_empty()), "a's own");
+        let e = err(pool, r#""shared_prefix_tokens": {"a": 1000},"#);
+        assert!(e.contains("shared_prefix_tokens.a") && e.contains("512"), "{e}");
     }
 }

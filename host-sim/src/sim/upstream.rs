@@ -242,9 +242,10 @@ impl Upstream for GpuUpstream {
                     out.push(UpstreamEvent::Body { id, data: data.into_bytes(), tokens: n, eos: false });
                 }
                 GpuEventKind::Finished => {
-                    let Some(s) = self.reqs.remove(&id) else {
+                    let Some(mut s) = self.reqs.remove(&id) else {
                         continue;
                     };
+                    s.meta.cached_tokens = self.model.cached_tokens(id);
                     if s.stream {
                         let mut data = String::new();
                         if s.include_usage {

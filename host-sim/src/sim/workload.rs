@@ -722,6 +722,13 @@ impl PrefixSharing {
     }
 }
 
+/// The prefix hashes of a client's own shared prefix of `blocks` blocks (scenario
+/// `shared_prefix_tokens`): the same for every row of that client, unlike any other client's.
+pub fn client_prefix(client: &str, blocks: usize, seed: u64) -> Vec<u64> {
+    let base = client.bytes().fold(splitmix(seed ^ 0xc11e_0000_5a5e_d000), |h, b| splitmix(h ^ b as u64));
+    (0..blocks).map(|j| splitmix(base ^ (j as u64) << 32 ^ 0x9f1)).collect()
+}
+
 /// SplitMix64's finalizer: a well-mixed 64-bit id from any input, deterministic everywhere.
 pub(crate) fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -26,8 +26,9 @@ pub trait Charge {
     /// Charge for `tokens` more output tokens of dispatched request `id` of `flow`.
     fn output(&mut self, flow: FlowId, id: u64, tokens: u32) -> f64;
     /// Charge (possibly negative) for request `id` of `flow` having `counted`
-    /// prompt tokens where `charged` were priced at dispatch.
-    fn prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32) -> f64;
+    /// prompt tokens where `charged` were priced at dispatch, `cached` of them
+    /// served from the engine's prefix cache (see [`Accounting::on_prompt`]).
+    fn prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32, cached: u32) -> f64;
     /// Charge (possibly negative: a refund) when request `id` completes.
     fn complete(&mut self, _flow: FlowId, _id: u64) -> f64 {
         0.0
@@ -45,19 +46,34 @@ pub trait Charge {
     }
 }
 
-/// The linear service function `w_p · input + w_q · output` of Algorithm 2.
+/// The linear service function `w_p · input + w_q · output` of Algorithm 2, with
+/// optionally its own price for the prompt tokens the engine served from its prefix cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Linear(pub VtcWeights);
+pub struct Linear {
+    pub weights: VtcWeights,
+    /// Price of a prompt token the engine reported as a prefix-cache hit; `None`: `w_p`, as any
+    /// other prompt token. Known only when the request ends, so the dispatch charges `w_p` for
+    /// every token and the end refunds `w_p − cached_input` per cached one.
+    pub cached_input: Option<f64>,
+}
+
+impl Linear {
+    /// Every prompt token at `w_p`, cached or not.
+    pub fn new(weights: VtcWeights) -> Self {
+        Linear { weights, cached_input: None }
+    }
+}
 
 impl Charge for Linear {
     fn dispatch(&mut self, req: &Request) -> f64 {
-        self.0.input * req.input_tokens as f64
+        self.weights.input * req.input_tokens as f64
     }
     fn output(&mut self, _flow: FlowId, _id: u64, tokens: u32) -> f64 {
-        self.0.output * tokens as f64
+        self.weights.output * tokens as f64
     }
-    fn prompt(&mut self, _flow: FlowId, _id: u64, charged: u32, counted: u32) -> f64 {
-        self.0.input * (f64::from(counted) - f64::from(charged))
+    fn prompt(&mut self, _flow: FlowId, _id: u64, charged: u32, counted: u32, cached: u32) -> f64 {
+        let discount = self.cached_input.map_or(0.0, |c| self.weights.input - c);
+        self.weights.input * (f64::from(counted) - f64::from(charged)) - discount * f64::from(cached.min(counted))
     }
 }
 
@@ -238,7 +254,9 @@ impl Charge for Tracked {
         self.h.eval(l.np, new) - self.h.eval(l.np, old)
     }
 
-    fn prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32) -> f64 {
+    /// Cached tokens are priced as any other: `h` may charge the context's length during
+    /// decode (`np · nq`), which a cached prefix still has.
+    fn prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32, _cached: u32) -> f64 {
         let Some(l) = self.live.get_mut(&id) else {
             // Dispatched by an earlier scheduler: the linear part only, as for output.
             return self.h.input * (f64::from(counted) - f64::from(charged));
@@ -315,12 +333,12 @@ impl Default for CounterPolicy<Linear> {
 impl CounterPolicy<Linear> {
     /// A VTC (Algorithm 2) with all counters at zero.
     pub fn new(weights: VtcWeights) -> Self {
-        Self::with_charge("vtc", Linear(weights), true)
+        Self::with_charge("vtc", Linear::new(weights), true)
     }
 
     /// Least Counter First: VTC without the counter lift (the seed's baseline).
     pub fn lcf(weights: VtcWeights) -> Self {
-        Self::with_charge("lcf", Linear(weights), false)
+        Self::with_charge("lcf", Linear::new(weights), false)
     }
 }
 
@@ -483,8 +501,8 @@ impl<C: Charge> Accounting for CounterPolicy<C> {
         self.add(flow, s);
     }
 
-    fn on_prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32) {
-        let s = self.charge.prompt(flow, id, charged, counted);
+    fn on_prompt(&mut self, flow: FlowId, id: u64, charged: u32, counted: u32, cached: u32) {
+        let s = self.charge.prompt(flow, id, charged, counted, cached);
         self.add(flow, s);
     }
 
@@ -647,8 +665,8 @@ mod tests {
         v.on_dispatch(&req(1, 0, 100));
         v.on_dispatch(&req(2, 1, 100));
         let before = (v.counter(0), v.counter(1));
-        v.on_prompt(0, 1, 100, 400);
-        v.on_prompt(1, 2, 100, 40);
+        v.on_prompt(0, 1, 100, 400, 0);
+        v.on_prompt(1, 2, 100, 40, 0);
         assert_eq!(
             (v.counter(0), v.counter(1)),
             (before.0 + 300.0, before.1 - 60.0),
@@ -659,7 +677,7 @@ mod tests {
         let mut c = CounterPolicy::with_charge("vtc_cost", Tracked::cost(h), true);
         c.on_dispatch(&req(1, 0, 100));
         c.on_output(0, 1, 10);
-        c.on_prompt(0, 1, 100, 400);
+        c.on_prompt(0, 1, 100, 400, 0);
         assert!((c.counter(0) - h.eval(400.0, 10.0)).abs() < 1e-9, "{} vs {}", c.counter(0), h.eval(400.0, 10.0));
     }
 

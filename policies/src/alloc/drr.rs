@@ -228,7 +228,7 @@ impl Accounting for Drr {
 
     /// The cost was the prompt plus the output: the prompt's error corrects it as output
     /// beyond the estimate does.
-    fn on_prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32) {
+    fn on_prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32, _cached: u32) {
         if let Some(&(ref c, epoch)) = self.running.get(&id) {
             let flow = c.flow;
             self.correct(flow, epoch, f64::from(counted) - f64::from(charged));

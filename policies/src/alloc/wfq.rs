@@ -161,7 +161,7 @@ impl Accounting for Wfq {
 
     /// The request's size was its prompt plus its output: the prompt's error corrects it as
     /// output beyond the estimate does.
-    fn on_prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32) {
+    fn on_prompt(&mut self, _flow: FlowId, id: u64, charged: u32, counted: u32, _cached: u32) {
         if let Some(c) = self.running.get(&id) {
             let flow = c.flow;
             self.correct(flow, f64::from(counted) - f64::from(charged));
@@ -230,7 +230,7 @@ mod tests {
         w.set_head(0, Some((0, &req(1, 0, 100, 10))));
         w.on_dispatch(&req(1, 0, 100, 10));
         let tag = w.last_finish(0);
-        w.on_prompt(0, 1, 100, 400);
+        w.on_prompt(0, 1, 100, 400, 0);
         assert_eq!(w.last_finish(0), tag + 300.0, "the size grows with the prompt the engine counted");
     }
 

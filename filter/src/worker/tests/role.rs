@@ -1,6 +1,7 @@
 use super::support::*;
 use crate::worker::role::SchedulerRole;
-use crate::worker::scrapes::Scrapes;
+use crate::worker::scrapes::{Owners, Scrapes};
+use sluice_policies::replicas::SharedScrape;
 use crate::worker::Env;
 use crate::worker::*;
 
@@ -382,16 +383,51 @@ fn only_the_lease_holder_scrapes_and_each_endpoint_once_at_a_time() {
     let p = Rc::new(Process::default());
     let mut env = env_of(&p, scraping(serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2"]})), 1, 50);
     let mut scrapes = Scrapes::new(2);
-    scrapes.send(&env, false);
+    scrapes.send(&env, false, None);
     assert!(p.scrapes.borrow().is_empty(), "not the lease holder");
-    scrapes.send(&env, true);
+    scrapes.send(&env, true, None);
     assert_eq!(p.scrapes.borrow().len(), 2);
     env.now = 120;
-    scrapes.send(&env, true);
+    scrapes.send(&env, true, None);
     assert_eq!(p.scrapes.borrow().len(), 2, "both still out");
     assert!(scrapes.scraped(&env, 1, None), "a failed scrape is one of these");
     assert!(!scrapes.scraped(&env, 1, None), "answered once");
-    scrapes.send(&env, true);
+    scrapes.send(&env, true, None);
     assert_eq!(p.scrapes.borrow().len(), 3, "the answered one again, its interval past");
     assert_eq!(shared::records(&p.store, 2)[0].failures, 1);
+}
+
+/// Issue 23, item 5: an endpoint another replica owns is not scraped while the owner's
+/// figures are fresh, and is again once they grow older than the takeover age; what a peer
+/// read lands in the shared record as a scrape of this VM's would, and what this VM read
+/// itself is what it shares.
+#[test]
+fn an_endpoint_owned_elsewhere_is_scraped_only_once_its_owners_figures_are_old() {
+    let p = Rc::new(Process::default());
+    let eps = serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2"]});
+    let mut env = env_of(&p, scraping(eps), 1, 1000);
+    let mut scrapes = Scrapes::new(2);
+    let owners = Owners { elsewhere: vec![false, true], takeover_ms: 800 };
+    // A peer read endpoint 2 at 990 (local time): fresh, so only endpoint 1 is scraped here.
+    let figures = SharedScrape { waiting: 3.0, running: 7.0, kv_usage: 0.5, in_flight_at_scrape: 4, ..Default::default() };
+    assert!(scrapes.take_shared(&env, &[("127.0.0.1:2", 990, &figures)]));
+    let r = &shared::records(&p.store, 2)[1];
+    assert_eq!((r.scraped_ms, r.in_flight_at_scrape, r.metrics.as_ref().map(|m| m.running)), (990, 4, Some(7.0)));
+    assert!(!scrapes.take_shared(&env, &[("127.0.0.1:2", 980, &figures)]), "older figures change nothing");
+    scrapes.send(&env, true, Some(&owners));
+    assert_eq!(p.scrapes.borrow().len(), 1, "endpoint 2 is the peer's");
+    assert!(p.scrapes.borrow()[0].1.ends_with(":1"));
+    scrapes.scraped(&env, 1, Some(vllm(1, 2, 0.25).as_bytes()));
+    // What it shares: its own page of endpoint 1, not the peer's of endpoint 2.
+    env.now = 1100;
+    let shared = scrapes.shared(&env, 800);
+    assert_eq!(shared.keys().collect::<Vec<_>>(), ["127.0.0.1:1"]);
+    assert_eq!((shared["127.0.0.1:1"].age_ms, shared["127.0.0.1:1"].running), (100, 2.0));
+    // The owner went silent: at 990 + 800 its figures are too old, and this VM scrapes.
+    env.now = 1789;
+    scrapes.send(&env, true, Some(&owners));
+    assert!(p.scrapes.borrow().iter().all(|(_, to)| to.ends_with(":1")));
+    env.now = 1790;
+    scrapes.send(&env, true, Some(&owners));
+    assert!(p.scrapes.borrow().last().unwrap().1.ends_with(":2"), "taken over");
 }

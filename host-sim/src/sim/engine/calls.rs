@@ -66,6 +66,7 @@ impl Sim {
         let resp = match call.endpoint.as_ref().and_then(|e| self.by_addr.get(e)) {
             Some(&u) => {
                 self.counts.scrapes += 1;
+                self.scrapes.push((self.now, u, g));
                 let f = &self.cfg.faults;
                 if let Some(until) = self.upstreams[u].up.hung_until(self.now) {
                     // Connected, but nobody reads: the call times out (or, without a timeout,

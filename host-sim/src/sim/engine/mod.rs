@@ -208,6 +208,8 @@ pub struct Sim {
     rng: rand_chacha::ChaCha8Rng,
     frng: FaultRng,
     counts: FaultCounts,
+    /// Every metrics scrape a gateway sent to a backend: (virtual time µs, backend, gateway).
+    scrapes: Vec<(u64, usize, usize)>,
 }
 
 /// llm-d's reject-reason response header, recorded as a reason by default.
@@ -293,6 +295,7 @@ impl Sim {
             rng: <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(cfg_seed),
             frng,
             counts: FaultCounts::default(),
+            scrapes: Vec::new(),
         };
         // Start-up calls may have set tick periods, registered queues or enqueued messages.
         for g in 0..sim.gws.len() {
@@ -457,6 +460,11 @@ impl Sim {
     /// Faults injected so far and what they did.
     pub fn fault_counts(&self) -> &FaultCounts {
         &self.counts
+    }
+
+    /// Every metrics scrape sent so far, in order: (virtual time µs, backend index, gateway).
+    pub fn scrape_log(&self) -> &[(u64, usize, usize)] {
+        &self.scrapes
     }
 
     /// Requests not yet ended.
