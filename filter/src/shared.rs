@@ -43,6 +43,18 @@ pub const COUNTERS_PREFIX: &str = "sluice.counters.";
 /// Number of counter shards. With `max_tenants` tenants a shard holds about
 /// `max_tenants / COUNTER_SHARDS` of them (in each band that has a counter for them).
 pub const COUNTER_SHARDS: u32 = 64;
+/// Prefix of the keys of the shared affinity index (`sluice.affinity.<k>`,
+/// `k` in `0..AFFINITY_SHARDS`): where each prompt's blocks were sent and
+/// seen cached, as every VM routed them
+/// ([`sluice_policies::routing::write_shared`]). A prompt's blocks live in
+/// its first block's shard, so routing reads one key and a dispatch and its
+/// first token write it once each.
+pub const AFFINITY_PREFIX: &str = "sluice.affinity.";
+/// Number of affinity shards.
+pub const AFFINITY_SHARDS: u32 = 64;
+/// Entries per affinity shard (16 bytes each: 8 KB a key, 32,768 entries in
+/// all, one per 8 blocks of a prompt).
+pub const AFFINITY_SHARD_ENTRIES: usize = 512;
 /// Scraped metrics and health per endpoint ([`EndpointRecord`]s).
 pub const METRICS_KEY: &str = "sluice.metrics";
 
@@ -64,6 +76,11 @@ pub fn update<T>(store: &dyn Store, key: &str, mut f: impl FnMut(Option<&[u8]>) 
 /// The shared-data key of counter shard `shard`.
 pub fn counters_key(shard: u32) -> String {
     format!("{COUNTERS_PREFIX}{shard}")
+}
+
+/// The shared-data key of affinity shard `shard`.
+pub fn affinity_key(shard: u32) -> String {
+    format!("{AFFINITY_PREFIX}{shard}")
 }
 
 /// The counter shard of a tenant: FNV-1a of its name, the same in every VM

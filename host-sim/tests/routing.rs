@@ -260,3 +260,33 @@ fn loads_scaled_from_the_measured_capacity_load_the_pool_as_named() {
     cfg.pool.death = Some(Death { backend: 0, at_us: 1_000 });
     assert!(rc::measure_capacity(&wasm, &cfg, &items).unwrap_err().to_string().contains("live"));
 }
+
+#[test]
+fn a_prefix_one_worker_routed_is_followed_by_another() {
+    // 40 documents, each sent twice 300 ms apart (the first has its first token by then), on a
+    // light load: Envoy's workers take requests in turn, so every repeat arrives on the worker
+    // that did not route the document. Each worker's own index would leave the repeat to chance
+    // (1 in 4); the shared index sends it where its document went.
+    let item = |doc: u64, k: u64| WorkItem {
+        arrival_us: doc * 600_000 + k * 300_000,
+        client: "c".into(),
+        prompt_tokens: 256,
+        output_tokens: 4,
+        max_tokens: None,
+        prefix_hashes: (0..8).map(|b| doc * 1000 + b).collect(),
+        model: None,
+        headers: Vec::new(),
+    };
+    let items: Vec<WorkItem> = (0..40).flat_map(|d| [item(d, 0), item(d, 1)]).collect();
+    let pool = PoolSpec::mixed("4 fast", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+    let cfg = config(PickerKind::KvAware, pool);
+    let (sim, r, recs) = rc::run_records(&common::filter_wasm(), &cfg, &items).expect("runs");
+    assert!(sim.host().traps().is_empty(), "traps: {:?}", sim.host().traps());
+    assert_nothing_lost(&r);
+    let mut recs: Vec<_> = recs.iter().map(|r| (r.id, r.worker, r.endpoint.clone())).collect();
+    recs.sort_unstable();
+    let pairs: Vec<_> = recs.chunks_exact(2).collect();
+    assert!(pairs.iter().all(|p| p[0].1 != p[1].1), "each repeat on the other worker: {pairs:?}");
+    let followed = pairs.iter().filter(|p| p[0].2.is_some() && p[0].2 == p[1].2).count();
+    assert!(followed >= 38, "{followed} of 40 repeats followed their document: {pairs:?}");
+}

@@ -12,7 +12,9 @@ mod metrics;
 mod picker;
 pub mod scorers;
 
-pub use affinity::{prefix_hashes, AffinityIndex};
+pub use affinity::{
+    prefix_hashes, shared_blocks, shared_shard, write_shared, AffinityIndex, BlockWrite, SHARED_ENTRY_BYTES, SHARED_STRIDE,
+};
 pub use metrics::{lora_names, EndpointMetrics, ModelServer, MAX_LORAS, MAX_LORA_BYTES};
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};
