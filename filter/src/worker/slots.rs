@@ -12,7 +12,9 @@ use crate::wire::RouteInfo;
 use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Capacity;
 use sluice_policies::overload::LoadSignals;
-use sluice_policies::routing::{shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch};
+use sluice_policies::routing::{
+    shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch,
+};
 
 /// Prefix blocks and sessions remembered for affinity, per VM (the blocks
 /// also go to the shared shards, [`shared::AFFINITY_PREFIX`], for the other VMs).

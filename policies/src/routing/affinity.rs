@@ -309,7 +309,8 @@ impl AffinityIndex {
     /// Takes what a shared shard (`shard`, [`write_shared`]'s bytes) says of
     /// `prefix`'s blocks: where another VM sent or saw them cached. The
     /// shard is newer than this index for the blocks it holds (every write
-    /// goes through it), so its entries replace this index's.
+    /// goes through it), so its entries replace this index's, but for a
+    /// confirmation the shard lost (evicted, then written again by a dispatch).
     pub fn adopt(&mut self, prefix: &[u64], shard: &[u8], now_ms: u64) {
         let mut wanted: Vec<u64> = shared_blocks(prefix).collect();
         wanted.sort_unstable();
@@ -323,10 +324,10 @@ impl AffinityIndex {
                 true => (e.speculative, now_ms + e.expires.wrapping_sub(now_ms as u32) as u64),
                 false => (NONE, 0),
             };
-            self.blocks.insert(
-                e.hash,
-                Entry { confirmed: e.confirmed, speculative, expires_ms, stamp: self.block_clock },
-            );
+            // A shard entry evicted and written again by a dispatch knows no confirmation: keep ours.
+            let known = self.blocks.get(&e.hash).map_or(NONE, |o| o.confirmed);
+            let confirmed = if e.confirmed == NONE { known } else { e.confirmed };
+            self.blocks.insert(e.hash, Entry { confirmed, speculative, expires_ms, stamp: self.block_clock });
             adopted = true;
         }
         if adopted {
@@ -478,6 +479,11 @@ mod tests {
         assert_eq!(shared_entries(&full).next().unwrap().hash, other[7], "the newest first");
         let gone = write_shared(&full, &p, BlockWrite::Confirmed { endpoint: 1 }, 6_000, 64).unwrap();
         assert_eq!(gone.len(), 3 * SHARED_ENTRY_BYTES, "`other`'s speculation expired, so it went");
+        // A shard that lost the confirmation (evicted, then a dispatch wrote the block again)
+        // adds its speculation to what `b` knew confirmed, without erasing it.
+        let again = write_shared(&[], &p, BlockWrite::Sent { endpoint: 0, expires_ms: 7_100 }, 7_000, 64).unwrap();
+        b.adopt(&p, &again, 7_000);
+        assert_eq!(lengths(&b, &p, 7_000, 3), [20.0, 0.0, 16.0], "0 speculative, 2 as confirmed before");
         assert_eq!(shared_shard(&p, 64), shared_shard(&longer, 64));
         assert_eq!(shared_shard(&[], 64), None);
     }

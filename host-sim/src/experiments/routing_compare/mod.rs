@@ -56,14 +56,22 @@ pub enum PickerKind {
     RoundRobin,
     /// Fewest requests in flight from this gateway (only the `in_flight` scorer).
     LeastRequest,
-    /// The filter's defaults: queue 2, KV cache 2, prefix 3, in-flight 1, max score.
+    /// The filter's defaults: cost 3 (the predicted time to first token), in-flight 1, max score.
     KvAware,
+    /// The defaults before issue 23: a weighted sum (queue 2, KV cache 2, prefix 3,
+    /// in-flight 1, predicted load 2), the prefix load-guarded.
+    WeightedSum,
 }
 
 impl PickerKind {
     /// All pickers, in table order.
-    pub const ALL: [PickerKind; 4] =
-        [PickerKind::Random, PickerKind::RoundRobin, PickerKind::LeastRequest, PickerKind::KvAware];
+    pub const ALL: [PickerKind; 5] = [
+        PickerKind::Random,
+        PickerKind::RoundRobin,
+        PickerKind::LeastRequest,
+        PickerKind::KvAware,
+        PickerKind::WeightedSum,
+    ];
 
     /// Name used in tables and on the command line.
     pub fn name(self) -> &'static str {
@@ -72,6 +80,7 @@ impl PickerKind {
             PickerKind::RoundRobin => "round-robin",
             PickerKind::LeastRequest => "least-request",
             PickerKind::KvAware => "kv-aware",
+            PickerKind::WeightedSum => "weighted-sum",
         }
     }
 
@@ -89,9 +98,13 @@ impl PickerKind {
             PickerKind::RoundRobin => r["picker"] = "round_robin".into(),
             PickerKind::LeastRequest => {
                 r["weights"] = serde_json::json!({"queue": 0, "kv_cache": 0, "prefix": 0,
-                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 0})
+                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 0, "cost": 0})
             }
             PickerKind::KvAware => {}
+            PickerKind::WeightedSum => {
+                r["weights"] = serde_json::json!({"queue": 2, "kv_cache": 2, "prefix": 3,
+                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 2, "cost": 0})
+            }
         }
         r
     }
