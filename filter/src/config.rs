@@ -264,9 +264,9 @@ pub struct Routing {
 
 impl Routing {
     /// How prompts are hashed for prefix affinity: not at all when no
-    /// scorer reads the hashes.
+    /// scorer reads the hashes (`prefix` and `cost` do).
     pub fn prefix_hashing(&self) -> PrefixHashing {
-        if self.router.weights.get("prefix") > 0.0 {
+        if ["prefix", "cost"].iter().any(|s| self.router.weights.get(s) > 0.0) {
             PrefixHashing { block_bytes: self.prefix_block_bytes, max_blocks: self.prefix_max_blocks }
         } else {
             PrefixHashing::OFF

@@ -43,6 +43,18 @@ pub const COUNTERS_PREFIX: &str = "sluice.counters.";
 /// Number of counter shards. With `max_tenants` tenants a shard holds about
 /// `max_tenants / COUNTER_SHARDS` of them (in each band that has a counter for them).
 pub const COUNTER_SHARDS: u32 = 64;
+/// Prefix of the keys of the shared affinity index (`sluice.affinity.<k>`,
+/// `k` in `0..AFFINITY_SHARDS`): where each prompt's blocks were sent and
+/// seen cached, as every VM routed them
+/// ([`sluice_policies::routing::write_shared`]). A prompt's blocks live in
+/// its first block's shard, so routing reads one key and a dispatch and its
+/// first token write it once each.
+pub const AFFINITY_PREFIX: &str = "sluice.affinity.";
+/// Number of affinity shards.
+pub const AFFINITY_SHARDS: u32 = 64;
+/// Entries per affinity shard (16 bytes each: 8 KB a key, 32,768 entries in
+/// all, one per 8 blocks of a prompt).
+pub const AFFINITY_SHARD_ENTRIES: usize = 512;
 /// Scraped metrics and health per endpoint ([`EndpointRecord`]s).
 pub const METRICS_KEY: &str = "sluice.metrics";
 
@@ -64,6 +76,11 @@ pub fn update<T>(store: &dyn Store, key: &str, mut f: impl FnMut(Option<&[u8]>) 
 /// The shared-data key of counter shard `shard`.
 pub fn counters_key(shard: u32) -> String {
     format!("{COUNTERS_PREFIX}{shard}")
+}
+
+/// The shared-data key of affinity shard `shard`.
+pub fn affinity_key(shard: u32) -> String {
+    format!("{AFFINITY_PREFIX}{shard}")
 }
 
 /// The counter shard of a tenant: FNV-1a of its name, the same in every VM
@@ -345,7 +362,7 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
             None => b.push(0),
             Some(m) => {
                 b.push(1);
-                for v in [m.waiting, m.running, m.kv_usage] {
+                for v in [m.waiting, m.running, m.kv_usage, m.prefix_queries, m.prefix_hits] {
                     b.extend_from_slice(&v.to_le_bytes());
                 }
                 // At most u16::MAX bytes, cut after a whole adapter name (a cut
@@ -388,11 +405,12 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
             0 => None,
             _ => {
                 let (waiting, running, kv_usage) = (f64_(b)?, f64_(b)?, f64_(b)?);
+                let (prefix_queries, prefix_hits) = (f64_(b)?, f64_(b)?);
                 let n = u16::from_le_bytes(take(b, 2)?.try_into().ok()?) as usize;
                 let loras = std::str::from_utf8(take(b, n)?).ok()?;
                 // Bounded as a scrape bounds them: every request decodes the records.
                 let loras = lora_names(loras);
-                Some(EndpointMetrics { waiting, running, kv_usage, loras })
+                Some(EndpointMetrics { waiting, running, kv_usage, loras, prefix_queries, prefix_hits })
             }
         };
         let scraped_ms = u64_(b)?;
@@ -686,7 +704,14 @@ pub(crate) mod tests {
     fn endpoint_records_round_trip_and_tolerate_garbage() {
         let s = MapStore::default();
         assert_eq!(records(&s, 2), vec![EndpointRecord::default(); 2]);
-        let m = EndpointMetrics { waiting: 3.0, running: 2.0, kv_usage: 0.5, loras: vec!["a".into(), "b".into()] };
+        let m = EndpointMetrics {
+            waiting: 3.0,
+            running: 2.0,
+            kv_usage: 0.5,
+            loras: vec!["a".into(), "b".into()],
+            prefix_queries: 10.0,
+            prefix_hits: 4.0,
+        };
         update_record(&s, 2, 1, |r| {
             r.metrics = Some(m.clone());
             r.scraped_ms = 100;
@@ -711,7 +736,7 @@ pub(crate) mod tests {
         let s = MapStore::default();
         let name = "é".repeat(1000); // 2,000 bytes: a byte cut would split a character
         let loras: Vec<String> = (0..40).map(|i| format!("{name}{i}")).collect();
-        let m = EndpointMetrics { waiting: 1.0, running: 2.0, kv_usage: 0.5, loras };
+        let m = EndpointMetrics { waiting: 1.0, running: 2.0, kv_usage: 0.5, loras, ..Default::default() };
         update_record(&s, 2, 0, |r| r.metrics = Some(m.clone()));
         update_record(&s, 2, 1, |r| r.failures = 3);
         let recs = records(&s, 2);

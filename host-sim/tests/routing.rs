@@ -297,3 +297,62 @@ fn the_oracle_refuses_a_pool_whose_backend_dies() {
         .expect("refused");
     assert!(err.to_string().contains("oracle"), "{err}");
 }
+
+/// 40 documents of 8 prefix blocks, each sent twice 300 ms apart, 600 ms between documents.
+fn documents_twice() -> Vec<WorkItem> {
+    let item = |doc: u64, k: u64| WorkItem {
+        arrival_us: doc * 600_000 + k * 300_000,
+        client: "c".into(),
+        prompt_tokens: 256,
+        output_tokens: 4,
+        max_tokens: None,
+        prefix_hashes: (0..8).map(|b| doc * 1000 + b).collect(),
+        model: None,
+        headers: Vec::new(),
+    };
+    (0..40).flat_map(|d| [item(d, 0), item(d, 1)]).collect()
+}
+
+#[test]
+fn a_prefix_one_worker_routed_is_followed_by_another() {
+    // 40 documents, each sent twice 300 ms apart (the first has its first token by then), on a
+    // light load: Envoy's workers take requests in turn, so every repeat arrives on the worker
+    // that did not route the document. Each worker's own index would leave the repeat to chance
+    // (1 in 4); the shared index sends it where its document went.
+    let items = documents_twice();
+    let pool = PoolSpec::mixed("4 fast", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+    let cfg = config(PickerKind::KvAware, pool);
+    let (sim, r, recs) = rc::run_records(&common::filter_wasm(), &cfg, &items).expect("runs");
+    assert!(sim.host().traps().is_empty(), "traps: {:?}", sim.host().traps());
+    assert_nothing_lost(&r);
+    let mut recs: Vec<_> = recs.iter().map(|r| (r.id, r.worker, r.endpoint.clone())).collect();
+    recs.sort_unstable();
+    let pairs: Vec<_> = recs.chunks_exact(2).collect();
+    assert!(pairs.iter().all(|p| p[0].1 != p[1].1), "each repeat on the other worker: {pairs:?}");
+    let followed = pairs.iter().filter(|p| p[0].2.is_some() && p[0].2 == p[1].2).count();
+    assert!(followed >= 38, "{followed} of 40 repeats followed their document: {pairs:?}");
+}
+
+#[test]
+fn the_shared_index_costs_a_few_shared_data_calls_a_request() {
+    // The documents of the test above, with the default routing and with no scorer that reads
+    // prefixes (`cost` 0: no hashing, so no affinity shard is read or written).
+    let items = documents_twice();
+    let pool = PoolSpec::mixed("4 fast", &GpuProfile::fast(), 4, &GpuProfile::fast(), 0);
+    let calls = |kv_weights: Option<serde_json::Value>| {
+        let cfg = RunConfig { kv_weights, ..config(PickerKind::KvAware, pool.clone()) };
+        let (sim, r) = rc::run(&common::filter_wasm(), &cfg, &items).expect("runs");
+        assert_eq!(r.ok, items.len(), "{r:?}");
+        let p = sim.host().profile();
+        let get = |name: &str| p.host_calls.get(name).copied().unwrap_or(0) as f64;
+        let per_request = |name: &str| get(name) / items.len() as f64;
+        (per_request("proxy_get_shared_data"), per_request("proxy_set_shared_data"))
+    };
+    let (with_gets, with_sets) = calls(None);
+    let (without_gets, without_sets) = calls(Some(serde_json::json!({"cost": 0})));
+    let (gets, sets) = (with_gets - without_gets, with_sets - without_sets);
+    eprintln!("shared index: +{gets:.2} gets and +{sets:.2} sets a request");
+    // Routing reads one shard; a dispatch and its first token write it (a get and a set each,
+    // the confirmation's set skipped when nothing changes).
+    assert!((2.5..=3.5).contains(&gets) && (1.0..=2.0).contains(&sets), "+{gets} gets, +{sets} sets");
+}

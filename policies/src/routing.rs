@@ -12,7 +12,10 @@ mod metrics;
 mod picker;
 pub mod scorers;
 
-pub use affinity::{prefix_hashes, AffinityIndex};
+pub use affinity::{
+    prefix_hashes, shared_blocks, shared_shard, write_shared, AffinityIndex, BlockWrite, SHARED_ENTRY_BYTES,
+    SHARED_STRIDE,
+};
 pub use metrics::{lora_names, EndpointMetrics, ModelServer, MAX_LORAS, MAX_LORA_BYTES};
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};
@@ -255,7 +258,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn m(waiting: f64, kv: f64) -> EndpointMetrics {
-        EndpointMetrics { waiting, running: 0.0, kv_usage: kv, loras: Vec::new() }
+        EndpointMetrics { waiting, running: 0.0, kv_usage: kv, loras: Vec::new(), ..Default::default() }
     }
 
     fn view(metrics: &EndpointMetrics, in_flight: u32) -> EndpointView<'_> {
@@ -307,7 +310,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
 
     #[test]
     fn predicted_load_follows_dispatches_and_completions() {
-        let busy = EndpointMetrics { waiting: 2.0, running: 10.0, kv_usage: 0.5, loras: vec![] };
+        let busy = EndpointMetrics { waiting: 2.0, running: 10.0, kv_usage: 0.5, loras: vec![], ..Default::default() };
         let at = |in_flight: u32| EndpointView { in_flight, in_flight_at_scrape: 5, ..view(&busy, 0) }.predicted();
         assert_eq!(at(5), Predicted { waiting: 2.0, running: 10.0, kv_usage: 0.5 }, "nothing since the scrape");
         assert_eq!(at(8), Predicted { waiting: 5.0, running: 10.0, kv_usage: 0.5 }, "sent since: waiting");
@@ -316,7 +319,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert_eq!((p.waiting, p.running), (0.0, 9.0));
         assert!((p.kv_usage - 0.45).abs() < 1e-12, "{p:?}");
         assert_eq!((at(0).waiting, at(0).running), (0.0, 7.0));
-        let free = EndpointMetrics { waiting: 0.0, running: 4.0, kv_usage: 0.2, loras: vec![] };
+        let free = EndpointMetrics { waiting: 0.0, running: 4.0, kv_usage: 0.2, loras: vec![], ..Default::default() };
         let p = EndpointView { in_flight: 3, in_flight_at_scrape: 1, ..view(&free, 0) }.predicted();
         assert_eq!(p, Predicted { waiting: 2.0, running: 4.0, kv_usage: 0.2 }, "no first token yet: waiting");
         assert_eq!(p.load(), 6.0);
@@ -446,7 +449,9 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
     /// Endpoint 0 holds the request's whole prefix; the others nothing. Their
     /// loads are `loads` (running, scraped, nothing sent since).
     fn affinity_pick(guard: Option<LoadGuard>, loads: &[f64]) -> usize {
-        let r = Router { guard, weights: weights(&[("predicted_load", 2.0)]), ..Default::default() };
+        // The weighted sum the guard is for (the defaults before the cost scorer).
+        let sum = [("queue", 2.0), ("kv_cache", 2.0), ("prefix", 3.0), ("predicted_load", 2.0), ("cost", 0.0)];
+        let r = Router { guard, weights: weights(&sum), ..Default::default() };
         let mut idx = AffinityIndex::new(1000, 0);
         let prefix = [11, 12, 13, 14];
         let req = RouteRequest { prefix: &prefix, ..Default::default() };
@@ -471,6 +476,45 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // Without a guard, affinity outweighs any load difference it can.
         assert_eq!(affinity_pick(None, &[31.0, 20.0, 25.0]), 0);
         assert!(LoadGuard::default().holds(4.0, 0.0) && !LoadGuard::default().holds(4.1, 0.0));
+    }
+
+    /// The endpoint the `cost` scorer alone picks for a request of `blocks`
+    /// blocks, endpoint 0 holding `cached` of them, the endpoints' predicted
+    /// waiting requests being `waiting` (none running) and endpoint 0's hit
+    /// rate `hit_rate`.
+    fn cost_pick(blocks: u64, cached: u64, waiting: &[f64], hit_rate: f64) -> usize {
+        let r = Router { weights: Weights::only("cost", 1.0).unwrap(), ..Default::default() };
+        let mut idx = AffinityIndex::new(1000, 0);
+        let prefix: Vec<u64> = (0..blocks).collect();
+        idx.record(1, &RouteRequest { prefix: &prefix[..cached as usize], ..Default::default() }, 0, 0);
+        idx.confirm(1, 0);
+        let metrics: Vec<EndpointMetrics> = waiting
+            .iter()
+            .enumerate()
+            .map(|(i, &waiting)| {
+                let (prefix_queries, prefix_hits) = if i == 0 { (100.0, 100.0 * hit_rate) } else { (0.0, 0.0) };
+                EndpointMetrics { waiting, prefix_queries, prefix_hits, ..Default::default() }
+            })
+            .collect();
+        let pool: Vec<EndpointView<'_>> = metrics.iter().map(|m| view(m, 0)).collect();
+        pick(&r, RouteRequest { prefix: &prefix, ..Default::default() }, &pool, &idx, 0.5).unwrap()
+    }
+
+    #[test]
+    fn cost_follows_the_cache_while_it_saves_more_than_the_queue_costs() {
+        // Nothing cached: the shortest queue.
+        assert_eq!(cost_pick(8, 0, &[1.0, 0.0, 2.0], 0.0), 1);
+        // Half the prompt cached on 0 saves half a prefill: worth less than one more waiting...
+        assert_eq!(cost_pick(8, 4, &[1.0, 0.0, 2.0], 0.0), 1);
+        // ...and all of it, a whole one: 0 and 1 tie, then 0 wins at less.
+        assert_eq!(cost_pick(8, 8, &[0.9, 0.0, 2.0], 0.0), 0);
+        // Under saturation too, while the difference stays under the prefill saved.
+        assert_eq!(cost_pick(8, 8, &[20.5, 20.0, 21.0], 0.0), 0);
+        assert_eq!(cost_pick(8, 8, &[21.5, 20.0, 21.0], 0.0), 1);
+        // Waiting requests the cache serves cost less: at a hit rate of 3/4 the
+        // same queue on 0 is worth less than the prefill saved.
+        assert_eq!(cost_pick(8, 8, &[3.0, 1.0, 2.0], 0.75), 0);
+        assert_eq!(cost_pick(8, 8, &[3.0, 1.0, 2.0], 0.0), 1);
     }
 
     #[test]

@@ -82,7 +82,8 @@ fn spread(loads: &[f64]) -> f64 {
 #[test]
 fn a_burst_between_two_scrapes_spreads_where_the_scrape_alone_herds() {
     // Endpoint 0 looked a little better at the scrape (no queue, emptier KV).
-    let look = |waiting, kv_usage| EndpointMetrics { waiting, running: 8.0, kv_usage, loras: vec![] };
+    let look =
+        |waiting, kv_usage| EndpointMetrics { waiting, running: 8.0, kv_usage, loras: vec![], ..Default::default() };
     let metrics = [look(0.0, 0.2), look(1.0, 0.3), look(1.0, 0.3), look(1.0, 0.3)];
     let index = AffinityIndex::new(16, 0);
     let r = router(Weights::default());
@@ -99,7 +100,8 @@ fn a_burst_between_two_scrapes_spreads_where_the_scrape_alone_herds() {
 fn a_shared_prefix_follows_its_endpoint_only_within_the_guard() {
     // Every request shares one long system prompt, cached on endpoint 0, and
     // the operator weighs prefix affinity above every load signal together.
-    let metrics = vec![EndpointMetrics { waiting: 0.0, running: 8.0, kv_usage: 0.3, loras: vec![] }; 4];
+    let metrics =
+        vec![EndpointMetrics { waiting: 0.0, running: 8.0, kv_usage: 0.3, loras: vec![], ..Default::default() }; 4];
     let prefix: Vec<u64> = (1..=32).collect();
     let mut index = AffinityIndex::new(1000, 0);
     index.record(1, &RouteRequest { prefix: &prefix, ..Default::default() }, 0, 0);
@@ -146,7 +148,7 @@ proptest! {
                 waiting: w as f64,
                 running: r as f64,
                 kv_usage: kv as f64 / 100.0,
-                loras: vec![],
+                ..Default::default()
             })
             .collect();
         let at: Vec<u32> = pool.iter().map(|p| p.3).collect();

@@ -58,9 +58,11 @@ fn fast_backend() -> BackendOptions {
 /// every endpoint have succeeded.
 async fn gateway(name: &str, endpoints: &[String], routing: Value) -> anyhow::Result<Envoy> {
     // Scrapes every 50 ms (the default): the time windows below are sized for it.
-    let mut r = json!({"scrape_cluster": "model_servers", "scrape_interval_ms": 50, "weights": {"prefix": 0}});
-    // Prefix affinity is off: the load client sends one identical prompt, and affinity would then
-    // (rightly) pile every request on whichever backend served it last, hiding the load signals.
+    let mut r = json!({"scrape_cluster": "model_servers", "scrape_interval_ms": 50, "prefix_block_tokens": 1024});
+    // Prefix affinity is off (the ~100-byte prompt is shorter than one 1,024-token block, so the
+    // default `cost` scorer sees no prefix and weighs load alone): the load client sends one
+    // identical prompt, and affinity would then (rightly) pile every request on whichever backend
+    // served it last, hiding the load signals.
     for (k, v) in routing.as_object().into_iter().flatten() {
         r[k] = v.clone();
     }

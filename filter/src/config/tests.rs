@@ -168,12 +168,13 @@ fn routing_defaults_and_per_endpoint_model_servers() {
     assert_eq!(c.routing.prefix_hashing(), PrefixHashing::OFF, "no prefix scorer, no hashing");
     // A partial weights map overrides the defaults it names; `null` turns the guard off.
     let c = Config::from_json(
-        br#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_cluster":"c","weights":{"prefix":0,"session":2},
+        br#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_cluster":"c","weights":{"cost":0,"session":2},
              "affinity_guard":null,"prefix_max_blocks":16}}"#,
     )
     .unwrap();
     let w = &c.routing.router.weights;
-    assert_eq!((w.get("prefix"), w.get("session"), w.get("queue")), (0.0, 2.0, 2.0));
+    assert_eq!((w.get("cost"), w.get("session"), w.get("in_flight")), (0.0, 2.0, 1.0));
+    assert_eq!(c.routing.prefix_hashing(), PrefixHashing::OFF, "neither `prefix` nor `cost`: no hashing");
     assert_eq!(c.routing.router.guard, None);
     assert_eq!(c.routing.prefix_max_blocks, 16);
 }

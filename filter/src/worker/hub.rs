@@ -115,7 +115,7 @@ impl<H: Host> Hub<H> {
                             req, output: Output { first_token_ms: Some(_), .. }, ..
                         }) = &m
                         {
-                            self.slots.affinity.confirm(req.0, now);
+                            self.slots.confirm(&self.env, req.0);
                         }
                         holding.scheduler.on_message(m, now, &mut out);
                     }

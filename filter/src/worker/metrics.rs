@@ -69,6 +69,15 @@ pub enum Metric {
     /// served from its prefix cache (`cached_tokens` of its usage): over the
     /// two, the engines' prefix hit rate on the traffic that went through.
     TokensCachedPrompt,
+    /// The pool's prefix-cache hit rate, in thousandths: prompt tokens the
+    /// engines found in their prefix caches over those they looked up, their
+    /// counters since they started added up over the endpoints' last pages.
+    PrefixHitPermille,
+    /// Those counters added up: prompt tokens looked up (a rate of this and
+    /// of [`Metric::PrefixCacheHits`] over a window is the recent hit rate).
+    PrefixCacheQueries,
+    /// Prompt tokens found, added up as [`Metric::PrefixCacheQueries`].
+    PrefixCacheHits,
 }
 
 impl Metric {
@@ -81,6 +90,7 @@ impl Metric {
             .chain([QueueWaitMs, ScrapesOk, ScrapesFailed, SlotsReclaimed, Deferred, HeldMs])
             .chain([ReplicaSyncOk, ReplicaSyncFailed, ReplicaPeersLive, InFlightLimit])
             .chain([TokensChargedPrompt, TokensChargedOutput, TokensEstimatedPrompt, TokensCachedPrompt])
+            .chain([PrefixHitPermille, PrefixCacheQueries, PrefixCacheHits])
     }
 
     /// Its position in [`Metric::all`].
@@ -109,6 +119,9 @@ impl Metric {
             Metric::TokensChargedOutput => 18 + outcomes,
             Metric::TokensEstimatedPrompt => 19 + outcomes,
             Metric::TokensCachedPrompt => 20 + outcomes,
+            Metric::PrefixHitPermille => 21 + outcomes,
+            Metric::PrefixCacheQueries => 22 + outcomes,
+            Metric::PrefixCacheHits => 23 + outcomes,
         }
     }
 
@@ -137,13 +150,22 @@ impl Metric {
             Metric::TokensChargedOutput => "sluice_tokens_charged_output",
             Metric::TokensEstimatedPrompt => "sluice_tokens_estimated_prompt",
             Metric::TokensCachedPrompt => "sluice_tokens_cached_prompt",
+            Metric::PrefixHitPermille => "sluice_prefix_hit_permille",
+            Metric::PrefixCacheQueries => "sluice_prefix_cache_queries",
+            Metric::PrefixCacheHits => "sluice_prefix_cache_hits",
         }
     }
 
     /// How it is kept.
     pub fn kind(self) -> MetricKind {
         match self {
-            Metric::Stock | Metric::QueueLength | Metric::ReplicaPeersLive | Metric::InFlightLimit => MetricKind::Gauge,
+            Metric::Stock
+            | Metric::QueueLength
+            | Metric::ReplicaPeersLive
+            | Metric::InFlightLimit
+            | Metric::PrefixHitPermille
+            | Metric::PrefixCacheQueries
+            | Metric::PrefixCacheHits => MetricKind::Gauge,
             Metric::QueueWaitMs | Metric::HeldMs => MetricKind::Histogram,
             _ => MetricKind::Counter,
         }

@@ -154,6 +154,7 @@ impl SchedulerRole {
                 shared::write_u64(&env.host, shared::OUTPUT_MEAN_KEY, mean as u64);
             }
         }
+        record_prefix_hits(env);
         // Requests dispatched by a worker that vanished never send `done`.
         role.scheduler.bound_running(MAX_RUNNING);
         // Tenants that went idle by cancellation or expiry, a few per tick.
@@ -311,5 +312,20 @@ impl Holding {
             shared::write_u64(&env.host, shared::QUEUED_KEY, len as u64);
             env.host.record(Metric::QueueLength, len as u64);
         }
+    }
+}
+
+/// Publishes the pool's prefix-cache hit rate from the engines' counters on
+/// their last pages (nothing until one reports any).
+fn record_prefix_hits<H: Host>(env: &Env<H>) {
+    let records = shared::records(&env.host, env.endpoints());
+    let (queries, hits) = records
+        .iter()
+        .filter_map(|r| r.metrics.as_ref())
+        .fold((0.0, 0.0), |(q, h), m| (q + m.prefix_queries, h + m.prefix_hits));
+    if queries > 0.0 {
+        env.host.record(Metric::PrefixHitPermille, (1000.0 * (hits / queries).clamp(0.0, 1.0)).round() as u64);
+        env.host.record(Metric::PrefixCacheQueries, queries.min(u64::MAX as f64) as u64);
+        env.host.record(Metric::PrefixCacheHits, hits.min(u64::MAX as f64) as u64);
     }
 }

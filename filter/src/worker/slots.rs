@@ -12,9 +12,12 @@ use crate::wire::RouteInfo;
 use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Capacity;
 use sluice_policies::overload::LoadSignals;
-use sluice_policies::routing::{AffinityIndex, EndpointView, RouteContext, Scratch};
+use sluice_policies::routing::{
+    shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch,
+};
 
-/// Prefix blocks and sessions remembered for affinity, per VM.
+/// Prefix blocks and sessions remembered for affinity, per VM (the blocks
+/// also go to the shared shards, [`shared::AFFINITY_PREFIX`], for the other VMs).
 const AFFINITY_CAPACITY: usize = 1 << 16;
 
 /// What this VM takes stock and routes with.
@@ -155,6 +158,11 @@ impl Slots {
         self.rng ^= self.rng << 17;
         let random = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
         let request = route.as_request();
+        // What the other VMs routed of this prompt: one read of its shard.
+        let shard = shared_shard(request.prefix, shared::AFFINITY_SHARDS).map(shared::affinity_key);
+        if let Some(bytes) = shard.as_deref().and_then(|key| env.host.get(key).0) {
+            self.affinity.adopt(request.prefix, &bytes, now);
+        }
         let (index, scratch) = (&self.affinity, &mut self.route_scratch);
         let mut no_endpoint = false;
         let pick = |load: &[u32]| {
@@ -172,11 +180,24 @@ impl Slots {
         match shared::acquire(&env.host, n, owner, allowed, pick) {
             Some((permit, _stock)) => {
                 env.publish_stock();
-                self.affinity.record(req, &request, permit.endpoint() as usize, now);
+                let endpoint = permit.endpoint() as usize;
+                self.affinity.record(req, &request, endpoint, now);
+                if routing.speculative_ttl_ms > 0 {
+                    let expires_ms = now.saturating_add(routing.speculative_ttl_ms);
+                    write_affinity(env, request.prefix, BlockWrite::Sent { endpoint, expires_ms });
+                }
                 Slot::Granted(permit)
             }
             None if no_endpoint => Slot::NoEndpoint,
             None => Slot::Wait,
+        }
+    }
+
+    /// Request `req`'s first token came back: where this VM routed it, its
+    /// prefix is cached, here and in the shared shards.
+    pub(super) fn confirm<H: Host>(&mut self, env: &Env<H>, req: u64) {
+        if let Some((endpoint, blocks)) = self.affinity.confirm(req, env.now) {
+            write_affinity(env, &blocks, BlockWrite::Confirmed { endpoint });
         }
     }
 
@@ -191,4 +212,14 @@ impl Slots {
         self.passthrough_next = (pick + 1) % n;
         pick
     }
+}
+
+/// Writes `write` to `prefix`'s shard (a CAS loop; one get and at most one
+/// set when no other VM writes it meanwhile, none when it changes nothing).
+fn write_affinity<H: Host>(env: &Env<H>, prefix: &[u64], write: BlockWrite) {
+    let Some(shard) = shared_shard(prefix, shared::AFFINITY_SHARDS) else { return };
+    let (key, now) = (shared::affinity_key(shard), env.now);
+    shared::update(&env.host, &key, |cur| {
+        write_shared(cur.unwrap_or_default(), prefix, write, now, shared::AFFINITY_SHARD_ENTRIES).map(|v| (v, ()))
+    });
 }

@@ -550,7 +550,7 @@ impl Streams {
                 let first_token_ms = (!first_seen && uncharged_tokens > 0 && !upstream_failed)
                     .then(|| env.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32);
                 if first_token_ms.is_some() {
-                    hub.slots.affinity.confirm(env.request_id(ctx).0, env.now);
+                    hub.slots.confirm(env, env.request_id(ctx).0);
                 }
                 let output = Output { tokens: uncharged_tokens, first_token_ms };
                 let req = env.request_id(ctx);
@@ -602,7 +602,7 @@ impl Streams {
             *first_seen |= first;
             if first {
                 // The prefill ran: where this VM routed it, the prefix is cached.
-                hub.slots.affinity.confirm(req.0, now);
+                hub.slots.confirm(&hub.env, req.0);
             }
             let first_token_ms = first.then(|| now.saturating_sub(*sent_ms).min(u32::MAX as u64) as u32);
             let output = Output { tokens, first_token_ms };

@@ -55,6 +55,129 @@ fn finish(mut h: u64) -> u64 {
     h ^ (h >> 33)
 }
 
+/// Bytes of one entry of a shared shard: the block's hash (8), its confirmed
+/// and speculative endpoints (2 each, `u16::MAX` for none) and when the
+/// speculation expires (4: the low 32 bits of the time in ms, compared with
+/// wrapping arithmetic, so good for 24 days of TTL).
+pub const SHARED_ENTRY_BYTES: usize = 16;
+
+/// Of a prompt's blocks, every `SHARED_STRIDE`th (and its last) goes to the
+/// shared shards: hashes are chained, so holding block `i` means holding
+/// `0..=i`, and a match found through the shards is short by fewer than this
+/// many blocks (128 tokens at the default 16-token blocks), for an eighth of
+/// the entries and bytes.
+pub const SHARED_STRIDE: usize = 8;
+
+/// A change to a prompt's blocks, written to a shared shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockWrite {
+    /// Sent to `endpoint`: speculative there until `expires_ms`.
+    Sent { endpoint: usize, expires_ms: u64 },
+    /// Its first token came back from `endpoint`: cached there.
+    Confirmed { endpoint: usize },
+}
+
+/// One entry of a shared shard, decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SharedEntry {
+    hash: u64,
+    confirmed: u32,
+    speculative: u32,
+    expires: u32,
+}
+
+impl SharedEntry {
+    /// Whether the speculation still counts at `now_ms`.
+    fn live(&self, now_ms: u64) -> bool {
+        self.speculative != NONE && (self.expires.wrapping_sub(now_ms as u32) as i32) > 0
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        let short = |e: u32| if e == NONE { u16::MAX } else { e.min(u16::MAX as u32 - 1) as u16 };
+        out.extend_from_slice(&self.hash.to_le_bytes());
+        out.extend_from_slice(&short(self.confirmed).to_le_bytes());
+        out.extend_from_slice(&short(self.speculative).to_le_bytes());
+        out.extend_from_slice(&self.expires.to_le_bytes());
+    }
+}
+
+/// The entries of a shared shard, most recently written first (a torn or
+/// foreign tail is ignored).
+fn shared_entries(shard: &[u8]) -> impl Iterator<Item = SharedEntry> + '_ {
+    let long = |b: &[u8]| match u16::from_le_bytes([b[0], b[1]]) {
+        u16::MAX => NONE,
+        e => e as u32,
+    };
+    shard.chunks_exact(SHARED_ENTRY_BYTES).map(move |b| SharedEntry {
+        hash: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+        confirmed: long(&b[8..10]),
+        speculative: long(&b[10..12]),
+        expires: u32::from_le_bytes(b[12..16].try_into().expect("4 bytes")),
+    })
+}
+
+/// The blocks of `prefix` that go to the shared shards ([`SHARED_STRIDE`]).
+pub fn shared_blocks(prefix: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    let last = prefix.len().saturating_sub(1);
+    prefix.iter().enumerate().filter(move |&(i, _)| (i + 1) % SHARED_STRIDE == 0 || i == last).map(|(_, &h)| h)
+}
+
+/// Which of `shards` shared shards holds `prefix`'s blocks: its first
+/// block's, so that one key answers for a whole prompt and prompts that
+/// share their start share a key. `None` for an empty prefix.
+pub fn shared_shard(prefix: &[u64], shards: u32) -> Option<u32> {
+    prefix.first().map(|&h| (h % u64::from(shards.max(1))) as u32)
+}
+
+/// The shard `shard` after `write` to `prefix`'s shared blocks
+/// ([`shared_blocks`]): those entries first (most recent first), then the
+/// others, at most `capacity` entries (the least recently written go).
+/// `None` when it changes nothing (a confirmation already known), so that
+/// the caller skips the write.
+pub fn write_shared(shard: &[u8], prefix: &[u64], write: BlockWrite, now_ms: u64, capacity: usize) -> Option<Vec<u8>> {
+    let old = || shared_entries(shard);
+    let mut out = Vec::with_capacity((capacity * SHARED_ENTRY_BYTES).min(shard.len() + 64 * SHARED_ENTRY_BYTES));
+    let mut changed = false;
+    let mut written = 0;
+    for hash in shared_blocks(prefix) {
+        if written == capacity {
+            break;
+        }
+        let was = old().find(|e| e.hash == hash);
+        let mut e = was.unwrap_or(SharedEntry { hash, confirmed: NONE, speculative: NONE, expires: 0 });
+        match write {
+            BlockWrite::Sent { endpoint, expires_ms } => {
+                (e.speculative, e.expires) = (endpoint.min(NONE as usize - 1) as u32, expires_ms as u32);
+            }
+            BlockWrite::Confirmed { endpoint } => {
+                e.confirmed = endpoint.min(NONE as usize - 1) as u32;
+                if e.speculative == e.confirmed {
+                    e.speculative = NONE;
+                }
+            }
+        }
+        changed |= was != Some(e);
+        e.encode(&mut out);
+        written += 1;
+    }
+    if !changed {
+        return None;
+    }
+    let fresh = out.len();
+    for e in old() {
+        if written == capacity {
+            break;
+        }
+        // Written above, or holding nothing any more.
+        let kept = |h: &[u8]| h[..8] != e.hash.to_le_bytes();
+        if out[..fresh].chunks_exact(SHARED_ENTRY_BYTES).all(kept) && (e.confirmed != NONE || e.live(now_ms)) {
+            e.encode(&mut out);
+            written += 1;
+        }
+    }
+    Some(out)
+}
+
 /// Where one prefix block is believed to be cached.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -165,9 +288,10 @@ impl AffinityIndex {
     }
 
     /// Request `id`'s first token came back: its blocks are cached where it
-    /// went. Returns whether this index was waiting for it.
-    pub fn confirm(&mut self, id: u64, now_ms: u64) -> bool {
-        let Some(p) = self.pending.remove(&id) else { return false };
+    /// went. Returns the endpoint and the blocks when this index was waiting
+    /// for it (to tell the other VMs: [`write_shared`]).
+    pub fn confirm(&mut self, id: u64, now_ms: u64) -> Option<(usize, Box<[u64]>)> {
+        let p = self.pending.remove(&id)?;
         self.pending_blocks -= p.blocks.len();
         for &h in p.blocks.iter() {
             self.block_clock += 1;
@@ -179,7 +303,36 @@ impl AffinityIndex {
             }
         }
         self.evict_blocks(now_ms);
-        true
+        Some((p.endpoint as usize, p.blocks))
+    }
+
+    /// Takes what a shared shard (`shard`, [`write_shared`]'s bytes) says of
+    /// `prefix`'s blocks: where another VM sent or saw them cached. The
+    /// shard is newer than this index for the blocks it holds (every write
+    /// goes through it), so its entries replace this index's, but for a
+    /// confirmation the shard lost (evicted, then written again by a dispatch).
+    pub fn adopt(&mut self, prefix: &[u64], shard: &[u8], now_ms: u64) {
+        let mut wanted: Vec<u64> = shared_blocks(prefix).collect();
+        wanted.sort_unstable();
+        let mut adopted = false;
+        for e in shared_entries(shard) {
+            if wanted.binary_search(&e.hash).is_err() {
+                continue;
+            }
+            self.block_clock += 1;
+            let (speculative, expires_ms) = match e.live(now_ms) {
+                true => (e.speculative, now_ms + e.expires.wrapping_sub(now_ms as u32) as u64),
+                false => (NONE, 0),
+            };
+            // A shard entry evicted and written again by a dispatch knows no confirmation: keep ours.
+            let known = self.blocks.get(&e.hash).map_or(NONE, |o| o.confirmed);
+            let confirmed = if e.confirmed == NONE { known } else { e.confirmed };
+            self.blocks.insert(e.hash, Entry { confirmed, speculative, expires_ms, stamp: self.block_clock });
+            adopted = true;
+        }
+        if adopted {
+            self.evict_blocks(now_ms);
+        }
     }
 
     /// Over capacity: drops the blocks written longest ago (the older half)
@@ -273,7 +426,7 @@ mod tests {
         idx.record(1, &RouteRequest { prefix: &turn, ..Default::default() }, 1, 0);
         idx.record(2, &RouteRequest { prefix: &other, ..Default::default() }, 0, 0);
         assert_eq!(lengths(&idx, &turn, 0, 2), [0.0, 0.0], "nothing confirmed, no speculation");
-        assert!(idx.confirm(1, 5) && idx.confirm(2, 5));
+        assert!(idx.confirm(1, 5).is_some() && idx.confirm(2, 5).is_some());
         assert_eq!(lengths(&idx, &turn, 5, 2), [1.0, 3.0]);
     }
 
@@ -287,8 +440,8 @@ mod tests {
         assert_eq!(lengths(&idx, &p, 1_099, 3), [0.0, 0.0, 4.0]);
         assert_eq!(lengths(&idx, &p, 1_100, 3), [0.0; 3], "expired, never confirmed");
         // Confirmed (even late), it stays.
-        assert!(idx.confirm(7, 1_200));
-        assert!(!idx.confirm(7, 1_200), "once");
+        assert_eq!(idx.confirm(7, 1_200), Some((2, p.clone().into())));
+        assert!(idx.confirm(7, 1_200).is_none(), "once");
         assert_eq!(lengths(&idx, &p, 1_000_000, 3), [0.0, 0.0, 4.0]);
         // A speculative send elsewhere adds a holder without erasing the confirmed one...
         idx.record(8, &req, 0, 2_000);
@@ -296,6 +449,43 @@ mod tests {
         // ...and, if never confirmed, leaves only it.
         assert_eq!(lengths(&idx, &p, 2_100, 3), [0.0, 0.0, 4.0]);
         assert_eq!(idx.len().2, 1, "request 8 still awaits its first token");
+    }
+
+    #[test]
+    fn what_one_index_writes_to_a_shared_shard_another_follows() {
+        // Two VMs: `a` routes and confirms; `b` has seen nothing but the shard.
+        let (mut a, mut b) = (AffinityIndex::new(1000, 100), AffinityIndex::new(1000, 100));
+        let p = hashes(&[5u8; 64 * 20], 64);
+        let req = RouteRequest { prefix: &p, ..Default::default() };
+        a.record(1, &req, 2, 1_000);
+        let sent = BlockWrite::Sent { endpoint: 2, expires_ms: 1_100 };
+        let shard = write_shared(&[], &p, sent, 1_000, 64).unwrap();
+        assert_eq!(shard.len(), 3 * SHARED_ENTRY_BYTES, "blocks 7, 15 and the last (19)");
+        b.adopt(&p, &shard, 1_050);
+        assert_eq!(lengths(&b, &p, 1_050, 3), [0.0, 0.0, 20.0], "speculative, as in `a`");
+        assert_eq!(lengths(&b, &p, 1_100, 3), [0.0; 3], "and with the same expiry");
+        let (endpoint, blocks) = a.confirm(1, 1_200).unwrap();
+        let confirmed = BlockWrite::Confirmed { endpoint };
+        let shard = write_shared(&shard, &blocks, confirmed, 1_200, 64).unwrap();
+        assert_eq!(write_shared(&shard, &blocks, confirmed, 1_300, 64), None, "nothing new: no write");
+        // A longer prompt with the same start finds its first 16 blocks (the stride) on 2.
+        let longer = hashes(&[&[5u8; 64 * 18][..], &[6u8; 64 * 4][..]].concat(), 64);
+        b.adopt(&longer, &shard, 5_000);
+        assert_eq!(lengths(&b, &longer, 5_000, 3), [0.0, 0.0, 16.0]);
+        // Bounded: the least recently written entries go; expired speculation is dropped.
+        let other = hashes(&[7u8; 64 * 8], 64);
+        let full = write_shared(&shard, &other, BlockWrite::Sent { endpoint: 0, expires_ms: 5_100 }, 5_000, 3).unwrap();
+        assert_eq!(full.len(), 3 * SHARED_ENTRY_BYTES);
+        assert_eq!(shared_entries(&full).next().unwrap().hash, other[7], "the newest first");
+        let gone = write_shared(&full, &p, BlockWrite::Confirmed { endpoint: 1 }, 6_000, 64).unwrap();
+        assert_eq!(gone.len(), 3 * SHARED_ENTRY_BYTES, "`other`'s speculation expired, so it went");
+        // A shard that lost the confirmation (evicted, then a dispatch wrote the block again)
+        // adds its speculation to what `b` knew confirmed, without erasing it.
+        let again = write_shared(&[], &p, BlockWrite::Sent { endpoint: 0, expires_ms: 7_100 }, 7_000, 64).unwrap();
+        b.adopt(&p, &again, 7_000);
+        assert_eq!(lengths(&b, &p, 7_000, 3), [20.0, 0.0, 16.0], "0 speculative, 2 as confirmed before");
+        assert_eq!(shared_shard(&p, 64), shared_shard(&longer, 64));
+        assert_eq!(shared_shard(&[], 64), None);
     }
 
     #[test]

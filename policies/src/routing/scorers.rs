@@ -7,6 +7,7 @@
 use super::RouteContext;
 use std::fmt;
 
+pub mod cost;
 mod in_flight;
 mod kv_cache;
 mod lora;
@@ -58,21 +59,30 @@ pub static SCORERS: &[&dyn Scorer] = &[
     &session::Session,
     &lora::Lora,
     &predicted_load::PredictedLoad,
+    &cost::Cost,
 ];
 
 /// Min-max normalisation over the candidates where lower is better: 1 for
 /// the smallest value, 0 for the largest, 1 for all when they are equal.
 /// Values are finite (the metrics reader caps sums at `f64::MAX`).
 pub fn lower_is_better(candidates: &[usize], out: &mut [f64], value: impl Fn(usize) -> f64) {
+    for &i in candidates {
+        out[i] = value(i);
+    }
+    lower_is_better_in_place(candidates, out);
+}
+
+/// [`lower_is_better`] of the values already in `out` (for a scorer whose
+/// values are built in `out`).
+pub fn lower_is_better_in_place(candidates: &[usize], out: &mut [f64]) {
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for &i in candidates {
-        let v = value(i);
-        (lo, hi) = (lo.min(v), hi.max(v));
+        (lo, hi) = (lo.min(out[i]), hi.max(out[i]));
     }
+    // Halves first, so that a range up to f64::MAX does not overflow.
+    let span = hi / 2.0 - lo / 2.0;
     for &i in candidates {
-        // Halves first, so that a range up to f64::MAX does not overflow.
-        let span = hi / 2.0 - lo / 2.0;
-        out[i] = if span > 0.0 { (hi / 2.0 - value(i) / 2.0) / span } else { 1.0 };
+        out[i] = if span > 0.0 { (hi / 2.0 - out[i] / 2.0) / span } else { 1.0 };
     }
 }
 
@@ -150,14 +160,15 @@ mod tests {
         assert_eq!(
             got,
             [
-                ("queue", 2.0),
-                ("kv_cache", 2.0),
-                ("prefix", 3.0),
+                ("queue", 0.0),
+                ("kv_cache", 0.0),
+                ("prefix", 0.0),
                 ("running", 0.0),
                 ("in_flight", 1.0),
                 ("session", 0.0),
                 ("lora", 0.0),
-                ("predicted_load", 2.0)
+                ("predicted_load", 0.0),
+                ("cost", 3.0)
             ]
         );
         let affinity: Vec<&str> =
@@ -167,9 +178,9 @@ mod tests {
 
     #[test]
     fn weights_override_defaults_and_refuse_what_is_not_a_scorer() {
-        let w = Weights::with([("queue", 0.0), ("session", 4.0)]).unwrap();
-        assert_eq!((w.get("queue"), w.get("session"), w.get("prefix")), (0.0, 4.0, 3.0));
-        assert!(w.active().all(|(s, _)| s.name() != "queue"), "a zero weight turns a scorer off");
+        let w = Weights::with([("in_flight", 0.0), ("session", 4.0)]).unwrap();
+        assert_eq!((w.get("in_flight"), w.get("session"), w.get("cost")), (0.0, 4.0, 3.0));
+        assert!(w.active().all(|(s, _)| s.name() != "in_flight"), "a zero weight turns a scorer off");
         let err = Weights::with([("cache", 1.0)]).unwrap_err();
         assert!(err.contains("`cache`") && err.contains("kv_cache"), "{err}");
         for bad in [-1.0, f64::NAN, f64::INFINITY] {

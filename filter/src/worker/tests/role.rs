@@ -431,3 +431,16 @@ fn an_endpoint_owned_elsewhere_is_scraped_only_once_its_owners_figures_are_old()
     scrapes.send(&env, true, Some(&owners));
     assert!(p.scrapes.borrow().last().unwrap().1.ends_with(":2"), "taken over");
 }
+
+#[test]
+fn the_pools_prefix_hit_rate_is_a_stat() {
+    let p = Rc::new(Process::default());
+    let mut w = vm(&p, 1, scraping(serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2"]})), 0);
+    let page = |queries: u32, hits: u32| {
+        vllm(0, 1, 0.1) + &format!("vllm:prefix_cache_queries_total {queries}\nvllm:prefix_cache_hits_total {hits}\n")
+    };
+    scrape(&mut w, 50, |e| if e == 0 { page(1000, 600) } else { page(3000, 400) });
+    w.on_tick(100);
+    assert_eq!(metric(&p, "sluice_prefix_hit_permille"), 250, "1,000 of 4,000 prompt tokens");
+    assert_eq!((metric(&p, "sluice_prefix_cache_queries"), metric(&p, "sluice_prefix_cache_hits")), (4000, 1000));
+}

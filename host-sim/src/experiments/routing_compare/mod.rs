@@ -60,18 +60,27 @@ pub enum PickerKind {
     RoundRobin,
     /// Fewest requests in flight from this gateway (only the `in_flight` scorer).
     LeastRequest,
-    /// The filter's defaults: queue 2, KV cache 2, prefix 3, in-flight 1, max score.
+    /// The filter's defaults: cost 3 (the predicted time to first token), in-flight 1, max score.
     KvAware,
     /// Simulator only, the physical limit: the filter (with round-robin) decides when a
     /// request goes, and [`OracleUpstream`] sends it to the GPU where its predicted TTFT,
     /// read from every GPU's real prefix cache and queue, is least.
     Oracle,
+    /// The defaults before issue 23: a weighted sum (queue 2, KV cache 2, prefix 3,
+    /// in-flight 1, predicted load 2), the prefix load-guarded.
+    WeightedSum,
 }
 
 impl PickerKind {
     /// All pickers, in table order.
-    pub const ALL: [PickerKind; 5] =
-        [PickerKind::Random, PickerKind::RoundRobin, PickerKind::LeastRequest, PickerKind::KvAware, PickerKind::Oracle];
+    pub const ALL: [PickerKind; 6] = [
+        PickerKind::Random,
+        PickerKind::RoundRobin,
+        PickerKind::LeastRequest,
+        PickerKind::KvAware,
+        PickerKind::WeightedSum,
+        PickerKind::Oracle,
+    ];
 
     /// Name used in tables and on the command line.
     pub fn name(self) -> &'static str {
@@ -81,6 +90,7 @@ impl PickerKind {
             PickerKind::LeastRequest => "least-request",
             PickerKind::KvAware => "kv-aware",
             PickerKind::Oracle => "oracle",
+            PickerKind::WeightedSum => "weighted-sum",
         }
     }
 
@@ -100,9 +110,13 @@ impl PickerKind {
             PickerKind::RoundRobin | PickerKind::Oracle => r["picker"] = "round_robin".into(),
             PickerKind::LeastRequest => {
                 r["weights"] = serde_json::json!({"queue": 0, "kv_cache": 0, "prefix": 0,
-                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 0})
+                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 0, "cost": 0})
             }
             PickerKind::KvAware => {}
+            PickerKind::WeightedSum => {
+                r["weights"] = serde_json::json!({"queue": 2, "kv_cache": 2, "prefix": 3,
+                    "running": 0, "in_flight": 1, "session": 0, "lora": 0, "predicted_load": 2, "cost": 0})
+            }
         }
         r
     }

@@ -340,7 +340,7 @@ pub fn goal_failures(rows: &[Row]) -> (Vec<String>, usize) {
     (fails, checks)
 }
 
-const COLORS: [&str; 5] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f", "#b07aa1"];
+const COLORS: [&str; 6] = ["#9e9e9e", "#f28e2b", "#4e79a7", "#59a14f", "#e15759", "#b07aa1"];
 
 /// A figure: one panel per (trace, load, pool) with each picker's p99 TTFT (mean over seeds,
 /// a whisker from the lowest to the highest seed), two panels a line.

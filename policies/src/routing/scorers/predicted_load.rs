@@ -18,7 +18,7 @@ impl Scorer for PredictedLoad {
     }
 
     fn default_weight(&self) -> f64 {
-        2.0
+        0.0
     }
 
     fn category(&self) -> Category {

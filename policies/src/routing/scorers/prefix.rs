@@ -15,7 +15,7 @@ impl Scorer for Prefix {
     }
 
     fn default_weight(&self) -> f64 {
-        3.0
+        0.0
     }
 
     fn category(&self) -> Category {

@@ -14,7 +14,7 @@ impl Scorer for Queue {
     }
 
     fn default_weight(&self) -> f64 {
-        2.0
+        0.0
     }
 
     fn category(&self) -> Category {
