@@ -602,6 +602,12 @@ impl Config {
                 s.queue_depth, s.kv_cache_util
             ));
         }
+        if !(s.affinity_overflow >= 1.0 && s.affinity_overflow.is_finite()) {
+            return Err(format!(
+                "field `routing.saturation.affinity_overflow` must be a number >= 1, got {}",
+                s.affinity_overflow
+            ));
+        }
         let mut weights = Weights::default();
         for (name, &v) in &r.weights {
             weights.set(name, v).map_err(|e| format!("field `routing.weights.{name}`: {e}"))?;

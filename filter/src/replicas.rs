@@ -847,7 +847,10 @@ mod tests {
             for peer in (1..=3u64).filter(|&p| p != i as u64 + 1) {
                 let token = peer as u32;
                 ex.sent(token, 10);
-                assert!(matches!(ex.answer(token, 10, Some(&state(peer, 1, 1, [0, 0])), &eps), Some(Answer::Taken(..))));
+                assert!(matches!(
+                    ex.answer(token, 10, Some(&state(peer, 1, 1, [0, 0])), &eps),
+                    Some(Answer::Taken(..))
+                ));
             }
         }
         for e in &eps {

@@ -76,8 +76,8 @@ pub mod experiments;
 pub mod sim;
 
 pub use proxy_wasm_host::{
-    Cluster, ConfigRejected, FailurePolicy, Host, HostProfile, HttpCallOut, LogRecord, Metric, PluginSpec, QueuePost, StreamAction,
-    StreamData, Trap, MAIN_VM,
+    Cluster, ConfigRejected, FailurePolicy, Host, HostProfile, HttpCallOut, LogRecord, Metric, PluginSpec, QueuePost,
+    StreamAction, StreamData, Trap, MAIN_VM,
 };
 pub use sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
 pub use sim::report::Report;

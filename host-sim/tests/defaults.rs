@@ -34,7 +34,9 @@ fn h100(count: usize, max_num_seqs: u32) -> Value {
 
 #[test]
 fn the_default_configuration_runs_a_batch_of_64_nearly_full() {
-    for (name, filter) in [("defaults", json!({})), ("scraping", json!({"routing": {"scrape_cluster": "model_servers"}}))] {
+    for (name, filter) in
+        [("defaults", json!({})), ("scraping", json!({"routing": {"scrape_cluster": "model_servers"}}))]
+    {
         let r = flood(filter, h100(1, 64), 300.0);
         let batch = r.backends[0].mean_batch;
         assert!(batch > 48.0, "{name}: mean batch {batch} of 64");
@@ -86,6 +88,7 @@ fn synced_replicas_share_the_learned_limit_and_still_fill_the_batch() {
     let batch = r.backends[0].mean_batch;
     eprintln!("two gateways: mean batch {batch}, {:.0} output tok/s", r.output_tokens_per_s);
     assert!(batch > 48.0, "two gateways: mean batch {batch} of 64");
-    let queued: u64 = (0..2).filter_map(|g| sim.gateway_host(g).metric("sluice_requests_queued")).map(|m| m.value).sum();
+    let queued: u64 =
+        (0..2).filter_map(|g| sim.gateway_host(g).metric("sluice_requests_queued")).map(|m| m.value).sum();
     assert!(queued > 100, "the rest waited in the gateways: {queued}");
 }

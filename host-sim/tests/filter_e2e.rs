@@ -225,7 +225,8 @@ fn the_filter_scrapes_gpu_metrics_through_its_cluster() {
     assert_eq!(report.filter_metrics.get("sluice_scrapes_failed"), Some(&0));
     assert_eq!(report.outcomes.get("ok"), Some(&sim.records().len()));
     // By default an endpoint with room is scraped every 500 ms, not every 50.
-    let (_, relaxed) = scenario("vtc", r#", "routing": {"scrape_cluster": "model_servers"}"#).run(&wasm, Path::new(".")).unwrap();
+    let (_, relaxed) =
+        scenario("vtc", r#", "routing": {"scrape_cluster": "model_servers"}"#).run(&wasm, Path::new(".")).unwrap();
     assert!(ok(&relaxed) > 0 && ok(&relaxed) * 2 < ok(&report), "{} against {}", ok(&relaxed), ok(&report));
 }
 

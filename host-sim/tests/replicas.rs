@@ -120,8 +120,11 @@ mod scrapes {
         let case = ScrapeCase { gateways: n, share: true, duration_s: 20.0, rate: 20.0, kill: Some((dead, 10.0)) };
         let (_, sim) = scrapes::run(&common::filter_wasm(), &case, 1).unwrap();
         let log = sim.scrape_log();
-        let before: Vec<usize> =
-            log.iter().filter(|&&(t, b, _)| b == 0 && (5_000_000..10_000_000).contains(&t)).map(|&(_, _, g)| g).collect();
+        let before: Vec<usize> = log
+            .iter()
+            .filter(|&&(t, b, _)| b == 0 && (5_000_000..10_000_000).contains(&t))
+            .map(|&(_, _, g)| g)
+            .collect();
         assert!(!before.is_empty() && before.iter().all(|&g| g == dead), "the owner alone scraped it: {before:?}");
         let times: Vec<u64> = log.iter().filter(|&&(_, b, _)| b == 0).map(|&(t, _, _)| t).collect();
         let last_before = times.iter().copied().filter(|&t| t < 10_000_000).max().unwrap();

@@ -103,11 +103,18 @@ pub struct SaturationThresholds {
     pub kv_cache_util: f64,
     /// Metrics older than this count as saturated.
     pub staleness_ms: u64,
+    /// Routing only (the pool's admission is unchanged): an endpoint that
+    /// holds part of the prompt stays a candidate for the `cost` scorer while
+    /// its predicted waiting is under `queue_depth` times this, so the prefix's
+    /// home is not given up just because another endpoint has the free slot
+    /// (consistent hashing with bounded loads, here bounded per endpoint).
+    /// 1 turns it off.
+    pub affinity_overflow: f64,
 }
 
 impl Default for SaturationThresholds {
     fn default() -> Self {
-        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000 }
+        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000, affinity_overflow: 2.0 }
     }
 }
 
@@ -128,6 +135,14 @@ impl SaturationThresholds {
                 p.waiting / self.queue_depth >= 1.0 || kv_full
             }
         }
+    }
+
+    /// May a saturated endpoint that holds part of the prompt still take it?
+    /// Fresh figures and a predicted queue under the overflow bound.
+    pub fn may_overflow(&self, e: &EndpointView<'_>) -> bool {
+        e.metrics.is_some()
+            && e.age_ms <= self.staleness_ms
+            && e.predicted().waiting < self.queue_depth * self.affinity_overflow
     }
 
     /// Is every healthy endpoint full? (An empty pool counts as saturated.)
@@ -222,13 +237,21 @@ impl Router {
         candidates.clear();
         candidates.extend((0..pool.len()).filter(|&i| pool[i].healthy && !pool[i].full));
         if self.picker.scores() {
-            if let Some(t) = self.saturation {
-                if candidates.iter().any(|&i| !t.saturated(&pool[i])) {
-                    candidates.retain(|&i| !t.saturated(&pool[i]));
-                }
-            }
             scores.clear();
             scores.resize(pool.len(), 0.0);
+            if let Some(t) = self.saturation {
+                if candidates.iter().any(|&i| !t.saturated(&pool[i])) {
+                    // Under the cost scorer an endpoint holding part of the prompt may
+                    // overflow up to its bound: the free slot elsewhere would prefill it all.
+                    let overflow = self.weights.get("cost") > 0.0 && t.affinity_overflow > 1.0;
+                    if overflow {
+                        cx.index.match_lengths(cx.request.prefix, cx.now_ms, scores);
+                    }
+                    let keep =
+                        |i: usize| !t.saturated(&pool[i]) || (overflow && scores[i] > 0.0 && t.may_overflow(&pool[i]));
+                    candidates.retain(|&i| keep(i));
+                }
+            }
             totals.clear();
             totals.resize(pool.len(), 0.0);
             let least = candidates.iter().map(|&i| pool[i].predicted().load()).fold(f64::INFINITY, f64::min);
@@ -515,6 +538,38 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // same queue on 0 is worth less than the prefill saved.
         assert_eq!(cost_pick(8, 8, &[3.0, 1.0, 2.0], 0.75), 0);
         assert_eq!(cost_pick(8, 8, &[3.0, 1.0, 2.0], 0.0), 1);
+    }
+
+    #[test]
+    fn a_saturated_endpoint_holding_the_prompt_keeps_it_up_to_the_overflow_bound() {
+        // Endpoint 0 holds the whole prompt and has a queue at the saturation depth (5);
+        // endpoint 1 has the free slot. The saturation filter alone sends the prompt to 1,
+        // where all of it is prefilled again.
+        let prefix: Vec<u64> = (0..8).collect();
+        let mut idx = AffinityIndex::new(1000, 0);
+        idx.record(1, &RouteRequest { prefix: &prefix, ..Default::default() }, 0, 0);
+        idx.confirm(1, 0);
+        let route = |overflow: f64, waiting0: f64, cached: bool| {
+            let saturation = Some(SaturationThresholds { affinity_overflow: overflow, ..Default::default() });
+            let r = Router { weights: Weights::only("cost", 1.0).unwrap(), saturation, ..Default::default() };
+            // The home's cache serves most of what waits there, so only the bound keeps
+            // its queue from growing.
+            let home = EndpointMetrics { prefix_queries: 100.0, prefix_hits: 95.0, ..m(waiting0, 0.5) };
+            let free = m(4.0, 0.5);
+            let other: Vec<u64> = (100..108).collect();
+            let prompt = if cached { &prefix[..] } else { &other[..] };
+            pick(
+                &r,
+                RouteRequest { prefix: prompt, ..Default::default() },
+                &[view(&home, 0), view(&free, 0)],
+                &idx,
+                0.5,
+            )
+        };
+        assert_eq!(route(2.0, 5.0, true), Some(0), "its home, within 2 x queue_depth");
+        assert_eq!(route(1.0, 5.0, true), Some(1), "overflow off: the free slot");
+        assert_eq!(route(2.0, 10.0, true), Some(1), "past the bound: the free slot");
+        assert_eq!(route(2.0, 5.0, false), Some(1), "a prompt it does not hold: the free slot");
     }
 
     #[test]

@@ -472,7 +472,8 @@ fn wasm_entry(name: &str, vm_id: &str, options: &str, wasm_path: &str, vm_extra:
 
 /// The sluice filter entry: plugin `root_id` in VM `vm_id` with `plugin_config`.
 fn wasm_filter(root_id: &str, vm_id: &str, wasm_path: &str, plugin_config: &Value) -> String {
-    const OPTIONS: &str = "                # Lets the filter pause in on_http_request_headers and still receive the body.
+    const OPTIONS: &str =
+        "                # Lets the filter pause in on_http_request_headers and still receive the body.
                 allow_on_headers_stop_iteration: true
                 # A VM that fails (a trap) is replaced by a fresh one, which reclaims the failed
                 # one's stock slots; requests fail closed while it restarts. Never fail open: an
@@ -608,14 +609,28 @@ impl EnvoyConfig {
         if let (Some((port, wasm_path)), Some(f)) = (&self.baseline, &self.filter) {
             // Its own vm_id, so its own shared data: two filters that share nothing.
             let filters = wasm_filter("sluice-baseline", "sluice-baseline", wasm_path, &f.plugin_config) + ROUTER;
-            out.push_str(&listener(&self.listen_address, "baseline", *port, body_limit, self.stream_idle_timeout, &filters));
+            out.push_str(&listener(
+                &self.listen_address,
+                "baseline",
+                *port,
+                body_limit,
+                self.stream_idle_timeout,
+                &filters,
+            ));
         }
         if let Some(f) = &self.floor {
             // Its own vm_id: the floor's VMs share nothing with sluice's.
             let options = "                allow_on_headers_stop_iteration: true\n";
             let value = format!("\"{}\"\n", f.endpoint);
             let filters = wasm_entry("floor", "floor", options, &f.wasm_path, "", &value) + ROUTER;
-            out.push_str(&listener(&self.listen_address, "floor", f.port, body_limit, self.stream_idle_timeout, &filters));
+            out.push_str(&listener(
+                &self.listen_address,
+                "floor",
+                f.port,
+                body_limit,
+                self.stream_idle_timeout,
+                &filters,
+            ));
         }
         let replicas = self.replicas.as_ref().zip(self.filter.as_ref());
         if let Some((r, f)) = replicas {

@@ -48,7 +48,11 @@ fn reference_envoy_config_normalises_and_routes_only_the_pool() {
         assert!(yaml.contains(&format!("path: \"{path}\"")), "no exact route for {path}");
         assert!(yaml.contains(&format!("exact: {method} }}")), "no {method} match");
     }
-    assert_eq!(yaml.matches("- match: { prefix: \"/\" }\n                direct_response:").count(), 1, "one catch-all");
+    assert_eq!(
+        yaml.matches("- match: { prefix: \"/\" }\n                direct_response:").count(),
+        1,
+        "one catch-all"
+    );
     assert!(yaml.contains("direct_response:\n                  status: 404"), "{yaml}");
     // The idle timeout must outlast a request's wait in the queue.
     let ttl_ms = reference_plugin_config()["queue_ttl_ms"].as_u64().unwrap();
@@ -92,13 +96,18 @@ fn reference_envoy_config_takes_the_tenant_from_a_verified_token() {
         at("- name: envoy.filters.http.wasm"),
     );
     assert!(strip < authn && authn < sluice, "order: header removal, jwt_authn, then sluice");
-    assert!(yaml[strip..authn].contains(&format!("- remove: \"{header}\"")), "the client's tenant header is not removed");
+    assert!(
+        yaml[strip..authn].contains(&format!("- remove: \"{header}\"")),
+        "the client's tenant header is not removed"
+    );
     assert!(
         yaml[authn..sluice].contains(&format!("{{ header_name: \"{header}\", claim_name: \"{TENANT_CLAIM}\" }}")),
         "the claim does not become the tenant header"
     );
     // Required on every path (no allow_missing): a request without a valid token gets 401.
-    assert!(yaml[authn..sluice].contains("- match: { prefix: \"/\" }\n                requires: { provider_name: issuer }"));
+    assert!(
+        yaml[authn..sluice].contains("- match: { prefix: \"/\" }\n                requires: { provider_name: issuer }")
+    );
     assert!(!yaml.contains("allow_missing"));
 }
 
@@ -116,7 +125,10 @@ fn auth_manifests_take_the_tenant_from_a_verified_token() {
         if rel.contains("istio") {
             assert_eq!(kinds, ["RequestAuthentication", "AuthorizationPolicy", "EnvoyFilter"], "{rel}");
             assert!(claim_to_header(&docs[0].value, "/spec/jwtRules/0/outputClaimToHeaders"), "{rel}");
-            assert_eq!(docs[1].value["spec"]["rules"][0]["from"][0]["source"]["requestPrincipals"], serde_json::json!(["*"]));
+            assert_eq!(
+                docs[1].value["spec"]["rules"][0]["from"][0]["source"]["requestPrincipals"],
+                serde_json::json!(["*"])
+            );
             let patch = &docs[2].value["spec"]["configPatches"][0];
             assert_eq!(patch["patch"]["operation"], "INSERT_FIRST", "{rel}: the header must go before jwt_authn");
             assert_eq!(patch["patch"]["value"]["typed_config"]["mutations"]["request_mutations"][0]["remove"], header);

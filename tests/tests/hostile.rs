@@ -739,7 +739,8 @@ async fn h2_with_trailers(addr: SocketAddr, body: Vec<u8>) -> Result<(u16, Optio
         .body(TrailedBody { data: Some(body.into()), trailers: Some(trailers) })?;
     let resp = tokio::time::timeout(T, send.send_request(req)).await??;
     let header = |h: &str| resp.headers().get(h).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let (status, backend, reason) = (resp.status().as_u16(), header("x-sluice-backend"), header("x-sluice-reject-reason"));
+    let (status, backend, reason) =
+        (resp.status().as_u16(), header("x-sluice-backend"), header("x-sluice-reject-reason"));
     tokio::time::timeout(T, resp.into_body().collect()).await??;
     Ok((status, backend, reason))
 }

@@ -161,7 +161,8 @@ async fn the_tenant_is_the_verified_tokens_claim_and_bad_tokens_never_reach_a_ba
     other_audience["aud"] = "someone-else".into();
     let mut other_issuer = claims(Some("alice"));
     other_issuer["iss"] = "https://evil.example.com".into();
-    let unsigned = format!("{}.{}.", b64(br#"{"alg":"none","typ":"JWT"}"#), b64(claims(Some("alice")).to_string().as_bytes()));
+    let unsigned =
+        format!("{}.{}.", b64(br#"{"alg":"none","typ":"JWT"}"#), b64(claims(Some("alice")).to_string().as_bytes()));
     let bad = [
         ("expired", Some(issuer.sign(&expired)), 401),
         ("signed by another key", Some(foreign.sign(&claims(Some("alice")))), 401),
@@ -214,7 +215,9 @@ async fn without_a_token_the_tenant_header_is_removed_all_the_same() -> anyhow::
     envoy.wait_stats("the blocker dispatched", Duration::from_secs(10), |s| s.value("sluice_stock") == 1.0).await?;
     // No token: the default tenant, whose one queued request fills its flow.
     let anonymous = spawn(&client, addr, request(None, None, 4));
-    envoy.wait_stats("the default tenant queued", Duration::from_secs(10), |s| s.value("sluice_queue_length") == 1.0).await?;
+    envoy
+        .wait_stats("the default tenant queued", Duration::from_secs(10), |s| s.value("sluice_queue_length") == 1.0)
+        .await?;
     assert_tenant_full(&client, addr, &request(None, Some("carol"), 4), "no token and a forged tenant header").await;
     // A token still names its tenant, and a bad one is still refused.
     let alice = spawn(&client, addr, request(Some(&issuer.sign(&claims(Some("alice")))), Some("default"), 4));

@@ -445,7 +445,8 @@ mod tests {
             r#"{"x":{"y":[1,{"z":"}]"}]},"usage":{"completion_tokens":3}}"#.to_string(),
             format!(r#"["usage",{usage}]"#),
             r#"{"usage":{"completion_tokens":99999999999}}"#.to_string(),
-            r#"{"usage":{"prompt_tokens":5,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":9}}}"#.to_string(),
+            r#"{"usage":{"prompt_tokens":5,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":9}}}"#
+                .to_string(),
             r#"{"usage":{"prompt_tokens":50,"completion_tokens":1,"cached_tokens":32}}"#.to_string(),
         ];
         for d in &docs {
@@ -478,8 +479,20 @@ mod tests {
         // Hostile values: ignored, and the rest of the usage is still read.
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         let values = [
-            "-1", "-9999999999999", "1.5", "1e300", "-0.0", "18446744073709551616", "\"7\"", "true", "null", "[1,2]",
-            "{\"a\":[{}]}", "0", "4294967296", "18446744073709551615",
+            "-1",
+            "-9999999999999",
+            "1.5",
+            "1e300",
+            "-0.0",
+            "18446744073709551616",
+            "\"7\"",
+            "true",
+            "null",
+            "[1,2]",
+            "{\"a\":[{}]}",
+            "0",
+            "4294967296",
+            "18446744073709551615",
         ];
         for _ in 0..2_000 {
             rng ^= rng << 13;

@@ -1009,8 +1009,14 @@ fn the_engines_cached_tokens_are_priced_in_the_prompts_correction() {
         let output = Output { tokens: 0, first_token_ms: None };
         // The estimate was right: the cached count alone corrects the charge.
         let done = Some(Done { prompt_tokens: Some(1000), cached_tokens: Some(768) });
-        let end =
-            Charge { req: RequestId(1), band: Criticality::Standard, tenant: "a".into(), dispatched: None, output, done };
+        let end = Charge {
+            req: RequestId(1),
+            band: Criticality::Standard,
+            tenant: "a".into(),
+            dispatched: None,
+            output,
+            done,
+        };
         s.on_message(ToScheduler::Charge(end), 1, &mut out);
         let counter = s.queue.band(Criticality::Standard).policy().as_counters().map(|c| c.counter(a));
         assert_eq!(counter, Some(want), "{policy}");

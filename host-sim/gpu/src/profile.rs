@@ -208,8 +208,12 @@ impl GpuProfile {
         p.num_blocks = 2_000;
         p.max_model_len = 16_384;
         p.max_num_batched_tokens = 2_048;
-        p.time =
-            TimeModel { base_us: 33_500.0, per_prefill_token_us: 424.0, per_decode_seq_us: 245.0, per_kv_token_us: 0.28 };
+        p.time = TimeModel {
+            base_us: 33_500.0,
+            per_prefill_token_us: 424.0,
+            per_decode_seq_us: 245.0,
+            per_kv_token_us: 0.28,
+        };
         p
     }
 

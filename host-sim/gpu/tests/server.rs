@@ -126,7 +126,8 @@ async fn a_chat_template_adds_to_chat_prompts_only() {
     let chat = r#"{"model":"m","messages":[{"role":"user","content":"hello, world!"}],"max_tokens":2}"#;
     let v = post(s.addrs[0], "/v1/chat/completions", chat).await.json();
     assert_eq!(v["usage"]["prompt_tokens"], 4 + 15, "{v}");
-    let v = post(s.addrs[0], "/v1/completions", r#"{"model":"m","prompt":"hello, world!","max_tokens":2}"#).await.json();
+    let v =
+        post(s.addrs[0], "/v1/completions", r#"{"model":"m","prompt":"hello, world!","max_tokens":2}"#).await.json();
     assert_eq!(v["usage"]["prompt_tokens"], 4, "{v}");
 }
 

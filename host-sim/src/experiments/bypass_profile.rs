@@ -9,9 +9,9 @@
 //! request, and ticks and queue wake-ups run when due: their cost is that of the background
 //! phase, shared by all requests.
 
+use anyhow::{bail, Result};
 use proxy_wasm_host::abi::HeaderMap;
 use proxy_wasm_host::{Host, HostProfile, PluginSpec, StreamData};
-use anyhow::{bail, Result};
 use std::time::{Duration, Instant};
 
 /// The endpoint every request goes to (the configuration names it).

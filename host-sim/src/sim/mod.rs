@@ -5,8 +5,8 @@
 
 pub mod engine;
 pub mod faults;
-pub mod report;
 pub mod plot;
+pub mod report;
 pub mod scenario;
 pub mod table;
 pub mod upstream;

@@ -191,9 +191,8 @@ pub struct Backends {
 
 /// A GPU profile by name (`sluice_gpu::GpuProfile::NAMES`), with an error that lists them.
 pub fn profile_by_name(name: &str) -> Result<GpuProfile> {
-    GpuProfile::by_name(name).ok_or_else(|| {
-        anyhow::anyhow!("unknown GPU profile `{name}` (known: {})", GpuProfile::NAMES.join(", "))
-    })
+    GpuProfile::by_name(name)
+        .ok_or_else(|| anyhow::anyhow!("unknown GPU profile `{name}` (known: {})", GpuProfile::NAMES.join(", ")))
 }
 
 /// Fields of a GPU profile a scenario may change (see `sluice_gpu::GpuProfile`).
@@ -228,8 +227,7 @@ impl Backends {
 
     /// [`Backends::profile`], with errors naming the group as `field`.
     fn profile_named(&self, field: &str) -> Result<GpuProfile> {
-        let mut p = profile_by_name(&self.profile)
-            .map_err(|e| anyhow::anyhow!("scenario: {field}.profile: {e}"))?;
+        let mut p = profile_by_name(&self.profile).map_err(|e| anyhow::anyhow!("scenario: {field}.profile: {e}"))?;
         let o = &self.overrides;
         macro_rules! set {
             ($($f:ident),*) => { $(if let Some(v) = o.$f { p.$f = v; })* };

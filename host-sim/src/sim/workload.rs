@@ -102,11 +102,9 @@ impl MaxTokens {
                 };
                 MaxTokens::Multiple { factor: num("multiple", None)?, spread: num("spread", Some(0.0))? }
             }
-            other => {
-                return Err(format!(
-                    "{field} must be \"absent\", \"oracle\", a number or {{\"multiple\": f, \"spread\": s}}, got {other}"
-                ))
-            }
+            other => return Err(format!(
+                "{field} must be \"absent\", \"oracle\", a number or {{\"multiple\": f, \"spread\": s}}, got {other}"
+            )),
         };
         m.validate(field)?;
         Ok(m)
@@ -910,7 +908,10 @@ mod tests {
             assert!(e.contains(field), "{json}: {e}");
         }
         // Built in code, the range check names the client.
-        let c = SyntheticClient { max_tokens: MaxTokens::Multiple { factor: 2.0, spread: -0.1 }, ..client(Arrival::Uniform, 1.0) };
+        let c = SyntheticClient {
+            max_tokens: MaxTokens::Multiple { factor: 2.0, spread: -0.1 },
+            ..client(Arrival::Uniform, 1.0)
+        };
         assert!(synthetic(&[c], 5.0, 1).unwrap_err().contains("clients[0].max_tokens.spread"));
         for (s, m) in [
             ("absent", MaxTokens::Absent),

@@ -289,10 +289,7 @@ fn print_cell(c: &Cell) {
     );
     for &(p, _) in &c.figures {
         let (requests, failed, rps, p50, p99, a50, a99) = c.row(p);
-        println!(
-            "{:<34} {requests:>9} {failed:>7} {rps:>9.0} {p50:>9.0} {p99:>9.0} {a50:>11.0} {a99:>11.0}",
-            p.name()
-        );
+        println!("{:<34} {requests:>9} {failed:>7} {rps:>9.0} {p50:>9.0} {p99:>9.0} {a50:>11.0} {a99:>11.0}", p.name());
     }
     for filter in c.filters() {
         let (r50, rps, r99, rp99) = c.ratios(filter);

@@ -609,8 +609,8 @@ async fn queued_at_least(envoy: &Envoy, n: f64) -> Result<()> {
 /// through the scheduler's `on_queue_ready`, to the other worker's `on_queue_ready` resuming the
 /// queued request. No threads: the posts are delivered at once, so this is the compute alone.
 fn wasm_wake(wasm: &[u8], config: &Value, samples: usize) -> Result<Vec<Duration>> {
-    use proxy_wasm_host::abi::action;
     use host_sim::StreamAction;
+    use proxy_wasm_host::abi::action;
     let mut host = wasm_host(wasm, config, 2)?;
     let deliver = |host: &mut Host| -> Result<()> {
         // Bounded: each round delivers what the previous one posted; the filter posts finitely.

@@ -107,7 +107,8 @@ async fn run_phase(args: &Args, policy: &str) -> Result<PhaseResult> {
         args.max_tokens
     );
     let client = LoadClient::default();
-    let chat = |tenant| ChatRequest { prompt_words: args.prompt_words, ..ChatRequest::chat(Some(tenant), args.max_tokens) };
+    let chat =
+        |tenant| ChatRequest { prompt_words: args.prompt_words, ..ChatRequest::chat(Some(tenant), args.max_tokens) };
     let loads = [
         TenantLoad { request: chat("flood"), rate_per_s: args.flood_rate },
         TenantLoad { request: chat("modest"), rate_per_s: args.modest_rate },

@@ -1,9 +1,9 @@
 use super::support::*;
 use crate::worker::role::SchedulerRole;
 use crate::worker::scrapes::{Owners, Scrapes};
-use sluice_policies::replicas::SharedScrape;
 use crate::worker::Env;
 use crate::worker::*;
+use sluice_policies::replicas::SharedScrape;
 
 #[test]
 fn the_in_flight_limit_grows_with_what_the_engine_starts() {
@@ -409,7 +409,8 @@ fn an_endpoint_owned_elsewhere_is_scraped_only_once_its_owners_figures_are_old()
     let mut scrapes = Scrapes::new(2);
     let owners = Owners { elsewhere: vec![false, true], takeover_ms: 800 };
     // A peer read endpoint 2 at 990 (local time): fresh, so only endpoint 1 is scraped here.
-    let figures = SharedScrape { waiting: 3.0, running: 7.0, kv_usage: 0.5, in_flight_at_scrape: 4, ..Default::default() };
+    let figures =
+        SharedScrape { waiting: 3.0, running: 7.0, kv_usage: 0.5, in_flight_at_scrape: 4, ..Default::default() };
     assert!(scrapes.take_shared(&env, &[("127.0.0.1:2", 990, &figures)]));
     let r = &shared::records(&p.store, 2)[1];
     assert_eq!((r.scraped_ms, r.in_flight_at_scrape, r.metrics.as_ref().map(|m| m.running)), (990, 4, Some(7.0)));

@@ -420,7 +420,8 @@ fn the_tokens_charged_are_counted_the_prompt_as_the_engine_counted_it() {
     assert_eq!(metric(&p, "sluice_stock"), 1, "the stock gauge follows on the tick");
     // The engine's usage: one more output token, and 57 prompt tokens where we estimated fewer.
     // A queued request that leaves is never charged.
-    w.at(7).finish(1, Ended { uncharged_tokens: 1, prompt_tokens: Some(57), cached_tokens: Some(48), ..Ended::default() });
+    w.at(7)
+        .finish(1, Ended { uncharged_tokens: 1, prompt_tokens: Some(57), cached_tokens: Some(48), ..Ended::default() });
     w.at(8).finish(2, Ended::default());
     w.on_tick(8);
     assert_eq!(metric(&p, "sluice_tokens_charged_output"), 6);

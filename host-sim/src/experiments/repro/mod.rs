@@ -267,7 +267,14 @@ pub struct ReproOptions {
 
 impl Default for ReproOptions {
     fn default() -> Self {
-        ReproOptions { quick: false, seed: 1, workers: 2, watermark: None, rpm_ttl_ms: 0, max_tokens: MaxTokens::Absent }
+        ReproOptions {
+            quick: false,
+            seed: 1,
+            workers: 2,
+            watermark: None,
+            rpm_ttl_ms: 0,
+            max_tokens: MaxTokens::Absent,
+        }
     }
 }
 

@@ -132,7 +132,11 @@ impl Sim {
     }
 
     /// Runs a stream callback; on a trap, fails the stream with a 500 and returns `None`.
-    pub(super) fn stream_call(&mut self, i: usize, f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>) -> Option<i32> {
+    pub(super) fn stream_call(
+        &mut self,
+        i: usize,
+        f: impl FnOnce(&mut Host, usize, u32) -> Result<i32, Trap>,
+    ) -> Option<i32> {
         let (g, vm, ctx) = (self.streams[i].gw, self.streams[i].vm, self.streams[i].ctx);
         let r = f(&mut self.gws[g].host, vm, ctx);
         match r {
@@ -593,7 +597,14 @@ impl Sim {
     }
 
     /// Answers the client directly (filter local reply, trap, no route).
-    pub(super) fn local_reply(&mut self, i: usize, status: u16, outcome: &'static str, reason: Option<String>, body: Vec<u8>) {
+    pub(super) fn local_reply(
+        &mut self,
+        i: usize,
+        status: u16,
+        outcome: &'static str,
+        reason: Option<String>,
+        body: Vec<u8>,
+    ) {
         if self.streams[i].done {
             return;
         }

@@ -94,9 +94,9 @@ pub fn add_to_linker(l: &mut Linker<VmState>) -> Result<()> {
          _: i32,
          _: i32|
          -> Result<i32> {
-        count(&c, "proxy_grpc_call");
-        Ok(st(Status::Unimplemented))
-    },
+            count(&c, "proxy_grpc_call");
+            Ok(st(Status::Unimplemented))
+        },
     )?;
     l.func_wrap(
         ENV,
