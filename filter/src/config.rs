@@ -203,7 +203,7 @@ fn default_prefix_block_tokens() -> usize {
 /// `Enqueue` message and an entry of the affinity index.
 pub const MAX_PREFIX_MAX_BLOCKS: usize = 4096;
 fn default_prefix_max_blocks() -> usize {
-    128
+    512
 }
 fn default_affinity_guard() -> Option<LoadGuard> {
     Some(LoadGuard::default())

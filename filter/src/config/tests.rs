@@ -160,8 +160,8 @@ fn routing_defaults_and_per_endpoint_model_servers() {
     assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (50, "/metrics", 64));
     assert_eq!(r.router.weights, Weights::default());
     assert_eq!(r.router.guard, Some(LoadGuard::default()));
-    assert_eq!((r.prefix_max_blocks, r.speculative_ttl_ms), (128, 2000));
-    assert_eq!(r.prefix_hashing(), PrefixHashing { block_bytes: 64, max_blocks: 128 });
+    assert_eq!((r.prefix_max_blocks, r.speculative_ttl_ms), (512, 2000));
+    assert_eq!(r.prefix_hashing(), PrefixHashing { block_bytes: 64, max_blocks: 512 });
     assert_eq!(r.saturation, SaturationThresholds::default());
     assert_eq!(r.session_header.as_deref(), Some("x-session"));
     assert_eq!(r.on_no_endpoint, NoEndpoint::FailOpen);
