@@ -142,71 +142,23 @@ fn usage_in(json: &[u8]) -> Option<Usage> {
 /// a value that is not a non-negative integer is ignored, one above `prompt_tokens` is clamped to
 /// it, and without `prompt_tokens` it is not believed at all.
 fn parse_usage(json: &[u8]) -> Option<Usage> {
-    use serde::de::IgnoredAny;
-    /// Any JSON value; a non-negative integer is kept.
-    struct Count(Option<u64>);
-    impl<'de> serde::Deserialize<'de> for Count {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> serde::de::Visitor<'de> for V {
-                type Value = Count;
-                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                    f.write_str("any value")
-                }
-                fn visit_u64<E>(self, n: u64) -> Result<Count, E> {
-                    Ok(Count(Some(n)))
-                }
-                fn visit_i64<E>(self, _: i64) -> Result<Count, E> {
-                    Ok(Count(None))
-                }
-                fn visit_f64<E>(self, _: f64) -> Result<Count, E> {
-                    Ok(Count(None))
-                }
-                fn visit_bool<E>(self, _: bool) -> Result<Count, E> {
-                    Ok(Count(None))
-                }
-                fn visit_str<E>(self, _: &str) -> Result<Count, E> {
-                    Ok(Count(None))
-                }
-                fn visit_unit<E>(self) -> Result<Count, E> {
-                    Ok(Count(None))
-                }
-                fn visit_seq<A: serde::de::SeqAccess<'de>>(self, a: A) -> Result<Count, A::Error> {
-                    IgnoredAny.visit_seq(a).map(|_| Count(None))
-                }
-                fn visit_map<A: serde::de::MapAccess<'de>>(self, a: A) -> Result<Count, A::Error> {
-                    IgnoredAny.visit_map(a).map(|_| Count(None))
-                }
-            }
-            d.deserialize_any(V)
-        }
-    }
-    /// `prompt_tokens_details`: an object, else nothing.
-    struct Details(Option<u64>);
-    impl<'de> serde::Deserialize<'de> for Details {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            #[derive(serde::Deserialize)]
-            struct Obj {
-                cached_tokens: Option<Count>,
-            }
-            // Buffered only as far as this small object: anything else is no details.
-            let v = <serde_json::Value as serde::Deserialize>::deserialize(d)?;
-            Ok(Details(serde_json::from_value::<Obj>(v).ok().and_then(|o| o.cached_tokens).and_then(|c| c.0)))
-        }
-    }
+    use serde_json::Value;
+    // The cached counts are read as any value (one small allocation per usage report, once a
+    // request) so that a backend's odd type there is ignored instead of failing the whole usage.
     #[derive(serde::Deserialize)]
     struct Raw {
         completion_tokens: Option<u64>,
         prompt_tokens: Option<u64>,
-        prompt_tokens_details: Option<Details>,
-        cached_tokens: Option<Count>,
+        prompt_tokens_details: Option<Value>,
+        cached_tokens: Option<Value>,
     }
     // One value from where `usage`'s starts; what follows it is not read.
     let mut de = serde_json::Deserializer::from_slice(top_level_member(json, b"usage")?);
     let u = <Raw as serde::Deserialize>::deserialize(&mut de).ok()?;
     let clamp = |n: u64| n.min(u32::MAX as u64) as u32;
     let prompt = u.prompt_tokens.map(clamp);
-    let cached = u.prompt_tokens_details.and_then(|d| d.0).or(u.cached_tokens.and_then(|c| c.0));
+    let details = u.prompt_tokens_details.as_ref().and_then(|d| d.get("cached_tokens")).and_then(Value::as_u64);
+    let cached = details.or(u.cached_tokens.as_ref().and_then(Value::as_u64));
     let cached = prompt.zip(cached).map(|(p, c)| clamp(c).min(p));
     Some(Usage { completion: u.completion_tokens.map(clamp), prompt, cached })
 }
