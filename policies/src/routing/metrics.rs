@@ -95,9 +95,15 @@ pub struct EndpointMetrics {
     pub prefill_rate: PrefillRate,
 }
 
-/// Weight of a new sample in [`PrefillRate`]'s moving average: one scrape
-/// moves the speed a third of the way, so one odd window does not swing routing.
-pub const PREFILL_EWMA: f64 = 0.3;
+/// Weights of a new sample in [`PrefillRate`]'s moving average, below and above
+/// it: the average follows the lower envelope of the samples. A request's
+/// prefill time counts every iteration it shared with other prefills (and
+/// decodes), so a window's seconds per token is the engine's speed times how
+/// many prefills ran together: never below the speed, above it by the load.
+/// Following the fast windows quickly and the slow ones slowly measures the
+/// hardware (an A100 against an H100) rather than the queue, which the cost
+/// already counts; a slowdown that lasts (a throttled GPU) still comes through.
+pub const PREFILL_EWMA: [f64; 2] = [0.5, 0.02];
 /// Uncached prompt tokens a window needs before it is a sample: a few fully
 /// cached prompts (one token computed, a whole iteration spent) would
 /// otherwise read as a very slow server. Until then the window grows.
@@ -135,7 +141,8 @@ impl PrefillRate {
         let seconds_per_token = if !PREFILL_SANE.contains(&sample) {
             self.seconds_per_token
         } else if self.seconds_per_token > 0.0 {
-            self.seconds_per_token + PREFILL_EWMA * (sample - self.seconds_per_token)
+            let weight = PREFILL_EWMA[usize::from(sample > self.seconds_per_token)];
+            self.seconds_per_token + weight * (sample - self.seconds_per_token)
         } else {
             sample
         };
@@ -295,18 +302,19 @@ vllm:request_prefill_time_seconds_count 7\nvllm:request_prefill_kv_computed_toke
     fn the_prefill_rate_is_the_counters_growth_smoothed() {
         let m = EndpointMetrics::from_prometheus(&prefill_page(2.5, 10_000.0), ModelServer::Vllm).0.unwrap();
         assert_eq!((m.prefill_seconds, m.prefill_tokens), (2.5, 10_000.0));
-        let pages: Vec<String> = [(1.0, 10_000.0), (3.0, 20_000.0), (3.01, 20_100.0), (5.01, 30_000.0)]
+        let pages: Vec<String> = [(1.0, 10_000.0), (3.0, 20_000.0), (3.01, 20_100.0), (3.51, 30_100.0)]
             .iter()
             .map(|&(s, t)| prefill_page(s, t))
             .collect();
         let got = rates(&pages);
         assert_eq!(got[0], Some(1e-4), "since the server started");
-        let second = 1e-4 + PREFILL_EWMA * (2e-4 - 1e-4);
-        assert!((got[1].unwrap() - second).abs() < 1e-12, "{got:?}: one window moves it a third of the way");
+        let [down, up] = PREFILL_EWMA;
+        let second = 1e-4 + up * (2e-4 - 1e-4);
+        assert!((got[1].unwrap() - second).abs() < 1e-12, "{got:?}: a slow window (a busy batch) moves it little");
         assert_eq!(got[2], got[1], "100 tokens are no sample yet");
-        // The window kept growing from the second page: 2.01 s over 10,000 tokens.
-        let fourth = second + PREFILL_EWMA * (2.01 / 10_000.0 - second);
-        assert!((got[3].unwrap() - fourth).abs() < 1e-12, "{got:?}");
+        // The window kept growing from the second page: 0.51 s over 10,100 tokens, fast.
+        let fourth = second + down * (0.51 / 10_100.0 - second);
+        assert!((got[3].unwrap() - fourth).abs() < 1e-12, "{got:?}: a fast window moves it much");
     }
 
     #[test]

@@ -41,12 +41,26 @@ pub fn predicted_ttft(blocks: usize, cached: f64, p: Predicted, hit_rate: f64) -
 /// How much slower than the candidates' mean an endpoint prefilling at
 /// `seconds_per_token` is (`None`: not known, 1), `mean` being the mean of
 /// the known speeds (`None` when no candidate's is known: 1 for all).
+/// Within [`SAME_SPEED`] of the mean an endpoint counts as at the mean: the
+/// speed is measured under load (see [`PrefillRate`](crate::routing::PrefillRate)),
+/// so identical GPUs read a little apart, and routing them by that noise cost
+/// the 4 × H100 rows (docs/results/2026-11-27-prefix-routing.md).
 pub fn relative_speed(seconds_per_token: Option<f64>, mean: Option<f64>) -> f64 {
     match (seconds_per_token, mean) {
-        (Some(s), Some(m)) if m > 0.0 => (s / m).clamp(1e-3, 1e3),
+        (Some(s), Some(m)) if m > 0.0 => {
+            let r = (s / m).clamp(1e-3, 1e3);
+            if r.max(1.0 / r) < SAME_SPEED {
+                1.0
+            } else {
+                r
+            }
+        }
         _ => 1.0,
     }
 }
+
+/// How far apart two prefill speeds may be and still count as one (a ratio).
+pub const SAME_SPEED: f64 = 1.25;
 
 impl Scorer for Cost {
     fn name(&self) -> &'static str {
@@ -138,6 +152,10 @@ mod tests {
         assert_eq!(scores(&pool([Some(2e-4); 3])), today(&waiting), "all at the same speed");
         // One measured: the others count at its speed, the mean of the known.
         assert_eq!(scores(&pool([None, Some(5e-4), None])), today(&waiting));
+        // Speeds within SAME_SPEED of each other count as one (measurement noise).
+        assert_eq!(scores(&pool([Some(2e-4), Some(2.2e-4), Some(1.9e-4)])), today(&waiting));
+        assert_eq!(relative_speed(Some(1.2e-4), Some(1e-4)), 1.0);
+        assert!((relative_speed(Some(1.5e-4), Some(1e-4)) - 1.5).abs() < 1e-12);
         assert_eq!(relative_speed(None, Some(1e-4)), 1.0);
         assert_eq!(relative_speed(Some(1e-4), None), 1.0);
     }
