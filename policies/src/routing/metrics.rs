@@ -103,11 +103,11 @@ pub struct EndpointMetrics {
 /// Following the fast windows quickly and the slow ones slowly measures the
 /// hardware (an A100 against an H100) rather than the queue, which the cost
 /// already counts; a slowdown that lasts (a throttled GPU) still comes through.
-pub const PREFILL_EWMA: [f64; 2] = [0.5, 0.02];
+pub const PREFILL_EWMA: [f64; 2] = [0.2, 0.02];
 /// Uncached prompt tokens a window needs before it is a sample: a few fully
 /// cached prompts (one token computed, a whole iteration spent) would
 /// otherwise read as a very slow server. Until then the window grows.
-pub const PREFILL_MIN_TOKENS: f64 = 256.0;
+pub const PREFILL_MIN_TOKENS: f64 = 1024.0;
 /// Seconds per token outside this range are no server's (a counter that
 /// jumped, a histogram in other units): the window is dropped.
 const PREFILL_SANE: std::ops::RangeInclusive<f64> = 1e-9..=1.0;

@@ -60,7 +60,7 @@ pub fn relative_speed(seconds_per_token: Option<f64>, mean: Option<f64>) -> f64 
 }
 
 /// How far apart two prefill speeds may be and still count as one (a ratio).
-pub const SAME_SPEED: f64 = 1.25;
+pub const SAME_SPEED: f64 = 1.5;
 
 impl Scorer for Cost {
     fn name(&self) -> &'static str {
@@ -154,8 +154,8 @@ mod tests {
         assert_eq!(scores(&pool([None, Some(5e-4), None])), today(&waiting));
         // Speeds within SAME_SPEED of each other count as one (measurement noise).
         assert_eq!(scores(&pool([Some(2e-4), Some(2.2e-4), Some(1.9e-4)])), today(&waiting));
-        assert_eq!(relative_speed(Some(1.2e-4), Some(1e-4)), 1.0);
-        assert!((relative_speed(Some(1.5e-4), Some(1e-4)) - 1.5).abs() < 1e-12);
+        assert_eq!(relative_speed(Some(1.4e-4), Some(1e-4)), 1.0);
+        assert_eq!(relative_speed(Some(2e-4), Some(1e-4)), 2.0);
         assert_eq!(relative_speed(None, Some(1e-4)), 1.0);
         assert_eq!(relative_speed(Some(1e-4), None), 1.0);
     }
