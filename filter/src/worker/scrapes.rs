@@ -121,7 +121,9 @@ impl Scrapes {
                     }
                     // The prefill speed is measured between this page and the record's.
                     let mut m = m.clone();
-                    m.follow(r.metrics.as_ref());
+                    if env.cfg.routing.prefill_speed {
+                        m.follow(r.metrics.as_ref());
+                    }
                     r.metrics = Some(m);
                     r.scraped_ms = now;
                     r.in_flight_at_scrape = in_flight_at_scrape;
