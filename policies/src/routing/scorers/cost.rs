@@ -22,9 +22,9 @@ pub const RUNNING_SHARE: f64 = 0.003;
 /// uncached prompt token from its own metrics,
 /// [`PrefillRate`](crate::routing::PrefillRate)), so a GPU that prefills
 /// twice as slowly counts each unit of work twice; an endpoint whose speed is
-/// not known counts at the mean, and where none is known every endpoint
-/// counts at 1 (the same rate everywhere, a slower one showing only in its
-/// queue). Min-max normalised over the candidates. Where nothing is cached the
+/// not known counts at the mean, and where none is known (the filter
+/// measures it only with `routing.prefill_speed`) every endpoint counts at 1
+/// (the same rate everywhere, a slower one showing only in its queue). Min-max normalised over the candidates. Where nothing is cached the
 /// prompt term is equal everywhere and the load decides; where a prefix is
 /// cached, the endpoint holding it wins until its queue costs more than the
 /// prefill it saves, so affinity holds under saturation while the load on
