@@ -166,6 +166,8 @@ struct RawRouting {
     quarantine_ms: u64,
     #[serde(default = "default_quarantine_after")]
     quarantine_after: u32,
+    #[serde(default)]
+    prefill_speed: bool,
 }
 
 impl Default for RawRouting {
@@ -260,6 +262,10 @@ pub struct Routing {
     /// reset before it is avoided: one reset among successes is that
     /// request's bad luck, not the endpoint's.
     pub quarantine_after: u32,
+    /// Measure each endpoint's prefill speed from its metrics and scale the `cost` scorer by
+    /// it (off by default: on host-sim's 4 × H100 rows the speed read under load moved
+    /// routing; docs/results/2026-11-27-prefix-routing.md).
+    pub prefill_speed: bool,
 }
 
 impl Routing {
@@ -662,6 +668,7 @@ impl Config {
             on_no_endpoint: r.on_no_endpoint,
             quarantine_ms: r.quarantine_ms,
             quarantine_after: r.quarantine_after,
+            prefill_speed: r.prefill_speed,
         };
         if raw.tenant_header.is_empty() {
             return Err("field `tenant_header` must not be empty".into());

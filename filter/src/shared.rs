@@ -7,7 +7,7 @@
 
 use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Progress;
-use sluice_policies::routing::{lora_names, EndpointMetrics, EndpointView};
+use sluice_policies::routing::{lora_names, EndpointMetrics, EndpointView, PrefillRate};
 
 /// The part of the shared-data API the filter needs; the proxy-wasm host in
 /// production, a map in tests.
@@ -362,7 +362,19 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
             None => b.push(0),
             Some(m) => {
                 b.push(1);
-                for v in [m.waiting, m.running, m.kv_usage, m.prefix_queries, m.prefix_hits] {
+                let rate = &m.prefill_rate;
+                for v in [
+                    m.waiting,
+                    m.running,
+                    m.kv_usage,
+                    m.prefix_queries,
+                    m.prefix_hits,
+                    m.prefill_seconds,
+                    m.prefill_tokens,
+                    rate.base.0,
+                    rate.base.1,
+                    rate.seconds_per_token,
+                ] {
                     b.extend_from_slice(&v.to_le_bytes());
                 }
                 // At most u16::MAX bytes, cut after a whole adapter name (a cut
@@ -406,11 +418,24 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
             _ => {
                 let (waiting, running, kv_usage) = (f64_(b)?, f64_(b)?, f64_(b)?);
                 let (prefix_queries, prefix_hits) = (f64_(b)?, f64_(b)?);
+                let (prefill_seconds, prefill_tokens) = (f64_(b)?, f64_(b)?);
+                let base = (f64_(b)?, f64_(b)?);
+                let prefill_rate = PrefillRate { base, seconds_per_token: f64_(b)? };
                 let n = u16::from_le_bytes(take(b, 2)?.try_into().ok()?) as usize;
                 let loras = std::str::from_utf8(take(b, n)?).ok()?;
                 // Bounded as a scrape bounds them: every request decodes the records.
                 let loras = lora_names(loras);
-                Some(EndpointMetrics { waiting, running, kv_usage, loras, prefix_queries, prefix_hits })
+                Some(EndpointMetrics {
+                    waiting,
+                    running,
+                    kv_usage,
+                    loras,
+                    prefix_queries,
+                    prefix_hits,
+                    prefill_seconds,
+                    prefill_tokens,
+                    prefill_rate,
+                })
             }
         };
         let scraped_ms = u64_(b)?;
@@ -711,6 +736,9 @@ pub(crate) mod tests {
             loras: vec!["a".into(), "b".into()],
             prefix_queries: 10.0,
             prefix_hits: 4.0,
+            prefill_seconds: 2.0,
+            prefill_tokens: 9000.0,
+            prefill_rate: PrefillRate { base: (1.0, 8000.0), seconds_per_token: 2e-4 },
         };
         update_record(&s, 2, 1, |r| {
             r.metrics = Some(m.clone());

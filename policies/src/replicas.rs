@@ -88,6 +88,10 @@ pub struct SharedScrape {
     /// LoRA adapters running.
     #[serde(default)]
     pub loras: Vec<String>,
+    /// Its prefill speed as the scraper measured it, seconds per uncached prompt token
+    /// ([`crate::routing::PrefillRate`]; absent while unknown).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_seconds_per_token: Option<f64>,
     /// The requests in flight on it from all replicas, as the scraper counted them when the
     /// page came (the baseline of the load predicted between scrapes).
     pub in_flight_at_scrape: u32,
@@ -104,6 +108,9 @@ impl SharedScrape {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("scraped[{endpoint:?}].{name} is {v}"));
             }
+        }
+        if let Some(v) = self.prefill_seconds_per_token.filter(|v| !(v.is_finite() && *v > 0.0)) {
+            return Err(format!("scraped[{endpoint:?}].prefill_seconds_per_token is {v}"));
         }
         if self.kv_usage > 1.0 {
             return Err(format!("scraped[{endpoint:?}].kv_usage is {}, above 1", self.kv_usage));
@@ -123,6 +130,10 @@ impl SharedScrape {
             .then_with(|| self.running.total_cmp(&other.running))
             .then_with(|| self.kv_usage.total_cmp(&other.kv_usage))
             .then_with(|| self.loras.cmp(&other.loras))
+            .then_with(|| {
+                let rate = |s: &SharedScrape| s.prefill_seconds_per_token.unwrap_or(0.0);
+                rate(self).total_cmp(&rate(other))
+            })
             .then_with(|| self.in_flight_at_scrape.cmp(&other.in_flight_at_scrape))
             .then_with(|| self.failures.cmp(&other.failures))
     }

@@ -16,7 +16,9 @@ pub use affinity::{
     prefix_hashes, shared_blocks, shared_shard, write_shared, AffinityIndex, BlockWrite, SHARED_ENTRY_BYTES,
     SHARED_STRIDE,
 };
-pub use metrics::{lora_names, EndpointMetrics, ModelServer, MAX_LORAS, MAX_LORA_BYTES};
+pub use metrics::{
+    lora_names, EndpointMetrics, ModelServer, PrefillRate, MAX_LORAS, MAX_LORA_BYTES, PREFILL_EWMA, PREFILL_MIN_TOKENS,
+};
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};
 
@@ -243,7 +245,7 @@ impl Router {
                 if candidates.iter().any(|&i| !t.saturated(&pool[i])) {
                     // Under the cost scorer an endpoint holding part of the prompt may
                     // overflow up to its bound: the free slot elsewhere would prefill it all.
-                    let overflow = self.weights.get("cost") > 0.0 && t.affinity_overflow > 1.0;
+                    let overflow = self.weights.cost() > 0.0 && t.affinity_overflow > 1.0;
                     if overflow {
                         cx.index.match_lengths(cx.request.prefix, cx.now_ms, scores);
                     }

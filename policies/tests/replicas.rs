@@ -366,6 +366,8 @@ fn shared_scrapes_are_checked_and_expire_with_their_peer() {
         (SharedScrape { running: f64::NAN, ..ok.clone() }, "running"),
         (SharedScrape { kv_usage: 1.5, ..ok.clone() }, "kv_usage"),
         (SharedScrape { loras: vec!["l".into(); 65], ..ok.clone() }, "loras"),
+        (SharedScrape { prefill_seconds_per_token: Some(f64::NAN), ..ok.clone() }, "prefill_seconds_per_token"),
+        (SharedScrape { prefill_seconds_per_token: Some(-1e-4), ..ok.clone() }, "prefill_seconds_per_token"),
     ] {
         let e = with(bad).validate(&limits()).unwrap_err();
         assert!(e.contains(field), "{e}");

@@ -8,7 +8,7 @@ use super::{Env, Host, Metric, DESTINATION};
 use crate::shared;
 use hashbrown::HashMap;
 use sluice_policies::replicas::SharedScrape;
-use sluice_policies::routing::EndpointMetrics;
+use sluice_policies::routing::{EndpointMetrics, PrefillRate};
 use std::collections::BTreeMap;
 
 /// Which endpoints another replica scrapes (`elsewhere[i]`), and how old figures may grow
@@ -119,7 +119,12 @@ impl Scrapes {
                     if r.failures > 0 {
                         log::info!("{address} answers its metrics scrape again");
                     }
-                    r.metrics = Some(m.clone());
+                    // The prefill speed is measured between this page and the record's.
+                    let mut m = m.clone();
+                    if env.cfg.routing.prefill_speed {
+                        m.follow(r.metrics.as_ref());
+                    }
+                    r.metrics = Some(m);
                     r.scraped_ms = now;
                     r.in_flight_at_scrape = in_flight_at_scrape;
                     r.failures = 0;
@@ -155,6 +160,7 @@ impl Scrapes {
                 running: m.running,
                 kv_usage: m.kv_usage.clamp(0.0, 1.0),
                 loras: m.loras.clone(),
+                prefill_seconds_per_token: m.prefill_rate.get(),
                 in_flight_at_scrape: r.in_flight_at_scrape,
                 failures: r.failures,
             };
@@ -189,7 +195,15 @@ impl Scrapes {
             };
             shared::update_record(&env.host, n, i, |r| {
                 if newer {
-                    r.metrics = Some(m.clone());
+                    // The peer's speed; the window of this VM's own scrapes, should it
+                    // take the endpoint over, starts from its record's counters.
+                    let mut m = m.clone();
+                    let own = r.metrics.as_ref().map(|o| o.prefill_rate).unwrap_or_default();
+                    m.prefill_rate = PrefillRate {
+                        seconds_per_token: s.prefill_seconds_per_token.unwrap_or(own.seconds_per_token),
+                        ..own
+                    };
+                    r.metrics = Some(m);
                     r.scraped_ms = at;
                     r.in_flight_at_scrape = s.in_flight_at_scrape;
                 }

@@ -57,6 +57,12 @@ pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
         m.generation_tokens_total.to_string(),
     );
     metric("vllm:request_success_total", "counter", "Successfully finished requests.", m.finished.to_string());
+    let prefill_s = m.prefill_time_us as f64 / 1e6;
+    let help = "Histogram of time spent in PREFILL phase for request.";
+    histogram(&mut out, &label, "vllm:request_prefill_time_seconds", help, prefill_s, m.finished);
+    let help = "Histogram of new KV tokens computed during prefill (excluding cached tokens).";
+    let computed = m.prefill_kv_computed_tokens as f64;
+    histogram(&mut out, &label, "vllm:request_prefill_kv_computed_tokens", help, computed, m.finished);
     let _ = writeln!(out, "# HELP vllm:cache_config_info Information of the KV cache configuration.");
     let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
     let _ = writeln!(
@@ -67,6 +73,16 @@ pub fn render(p: &GpuProfile, m: &GpuMetrics) -> String {
         p.num_blocks
     );
     out
+}
+
+/// A histogram with its sum and count, and only the `+Inf` bucket (the routers read the sum
+/// and count; the model keeps no distribution).
+fn histogram(out: &mut String, label: &str, name: &str, help: &str, sum: f64, count: u64) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    let _ = writeln!(out, "{name}_bucket{{{label},le=\"+Inf\"}} {count}");
+    let _ = writeln!(out, "{name}_sum{{{label}}} {sum}");
+    let _ = writeln!(out, "{name}_count{{{label}}} {count}");
 }
 
 /// Appends vLLM's `lora_requests_info` gauge (value: the time of the sample in seconds, as vLLM

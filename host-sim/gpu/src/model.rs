@@ -124,6 +124,12 @@ pub struct GpuMetrics {
     pub aborted: u64,
     /// Prompt tokens of finished requests.
     pub prompt_tokens_total: u64,
+    /// Time finished requests spent in prefill, µs: from first being scheduled to the first
+    /// token, as vLLM's `request_prefill_time_seconds` measures it (recorded at the finish).
+    pub prefill_time_us: u64,
+    /// Prompt tokens finished requests computed, those the prefix cache served at their first
+    /// admission excluded (vLLM's `request_prefill_kv_computed_tokens`).
+    pub prefill_kv_computed_tokens: u64,
     /// Output tokens generated so far.
     pub generation_tokens_total: u64,
     /// Prompt tokens computed, recomputation after preemption included (prefix hits excluded).
@@ -188,6 +194,9 @@ struct Seq {
     /// Prompt tokens found cached at its first admission (vLLM's `num_cached_tokens`, which a
     /// recompute after preemption does not change).
     first_hit_tokens: Option<u32>,
+    /// When it was first scheduled (admitted), and how long after that its first token came.
+    scheduled_us: Option<u64>,
+    prefill_us: Option<u64>,
     state: State,
 }
 
@@ -268,6 +277,8 @@ impl GpuModel {
             finished: 0,
             aborted: 0,
             prompt_tokens_total: 0,
+            prefill_time_us: 0,
+            prefill_kv_computed_tokens: 0,
             generation_tokens_total: 0,
             prefill_tokens_computed: 0,
             iterations: 0,
@@ -341,6 +352,8 @@ impl GpuModel {
             private_blocks: 0,
             cached: 0,
             first_hit_tokens: None,
+            scheduled_us: None,
+            prefill_us: None,
             state: State::Waiting,
         };
         self.next_serial += 1;
@@ -812,6 +825,7 @@ impl GpuModel {
                 let seq = self.seqs.get_mut(&id).expect("known id");
                 seq.cached = hits;
                 seq.first_hit_tokens.get_or_insert(hit_tokens);
+                seq.scheduled_us.get_or_insert(t);
                 seq.computed = hit_tokens;
                 seq.state = State::Running;
                 let serial = seq.serial;
@@ -853,6 +867,7 @@ impl GpuModel {
             let prompt = seq.prompt;
             self.m.generation_tokens_total += 1;
             if first {
+                seq.prefill_us = seq.scheduled_us.map(|s| at_us.saturating_sub(s));
                 events.push(GpuEvent { at_us, id, kind: GpuEventKind::FirstToken });
             }
             events.push(GpuEvent { at_us, id, kind: GpuEventKind::Tokens { n: 1 } });
@@ -860,8 +875,13 @@ impl GpuModel {
             if done {
                 self.running.retain(|&r| r != id);
                 self.release_kv(id);
-                if let Some(hit) = self.seqs.remove(&id).and_then(|s| s.first_hit_tokens) {
-                    self.finished_hits.push((id, hit));
+                if let Some(s) = self.seqs.remove(&id) {
+                    self.m.prefill_time_us += s.prefill_us.unwrap_or(0);
+                    let hit = s.first_hit_tokens.unwrap_or(0);
+                    self.m.prefill_kv_computed_tokens += u64::from(s.prompt.saturating_sub(hit));
+                    if let Some(hit) = s.first_hit_tokens {
+                        self.finished_hits.push((id, hit));
+                    }
                 }
                 self.m.finished += 1;
                 self.m.prompt_tokens_total += prompt as u64;

@@ -438,3 +438,31 @@ proptest! {
         prop_assert_eq!(m.finished + m.aborted, script.iter().filter(|(_, a)| matches!(a, Action::Submit(_))).count() as u64);
     }
 }
+
+/// Issue 23: the page's prefill counters are what the model did, as vLLM counts them: the
+/// time from a request's first scheduling to its first token (its wait in the queue
+/// excluded), and the prompt tokens computed less the prefix cache's hits, both at the finish.
+#[test]
+fn the_prefill_counters_are_the_time_from_scheduling_to_first_token() {
+    let mut p = GpuProfile::fast(); // prefix_hash_tokens 32
+    p.max_num_seqs = 1; // the second request waits for the first to finish
+    let mut gpu = GpuModel::new(p).unwrap();
+    let with =
+        |id| GenRequest { id, model: "m".into(), prompt_tokens: 100, output_tokens: 3, prefix_hashes: vec![7, 8, 9] };
+    let events = run(&mut gpu, &[(0, Action::Submit(with(1))), (0, Action::Submit(with(2)))]);
+    let at = |id, kind| events.iter().find(|e| e.id == id && e.kind == kind).unwrap().at_us;
+    let (first1, done1, first2) =
+        (at(1, GpuEventKind::FirstToken), at(1, GpuEventKind::Finished), at(2, GpuEventKind::FirstToken));
+    let m = gpu.metrics();
+    assert_eq!(m.prefill_time_us, first1 + (first2 - done1), "request 2 was scheduled when 1 left");
+    assert!(m.prefill_time_us < first1 + first2, "the wait in the queue is not prefill");
+    assert_eq!(m.prefill_kv_computed_tokens, 100 + (100 - 96), "request 2 found 96 tokens cached");
+    let text = gpu.prometheus_text();
+    let value = |name: &str| -> f64 {
+        let line = text.lines().find(|l| l.starts_with(&format!("{name}{{"))).unwrap_or_else(|| panic!("{name}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(value("vllm:request_prefill_time_seconds_sum"), m.prefill_time_us as f64 / 1e6);
+    assert_eq!(value("vllm:request_prefill_time_seconds_count"), 2.0);
+    assert_eq!(value("vllm:request_prefill_kv_computed_tokens_sum"), 104.0);
+}

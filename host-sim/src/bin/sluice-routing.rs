@@ -110,6 +110,10 @@ struct Cli {
     /// `routing.weights` object (for ablations, e.g. '{"prefix":0}').
     #[arg(long)]
     kv_aware_weights: Option<String>,
+    /// More `routing` keys of the kv-aware picker, as a JSON object merged over its own (for
+    /// ablations, e.g. '{"prefill_speed":true}').
+    #[arg(long)]
+    kv_aware_routing: Option<String>,
     /// Rows of each saturation run, as a multiple of the requests the pool's batches hold at
     /// once on the trace's rows (at least a run's rows, at most the trace).
     #[arg(long, default_value_t = 3)]
@@ -160,6 +164,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         None => None,
     };
+    let kv_routing = match &cli.kv_aware_routing {
+        Some(r) => match serde_json::from_str::<serde_json::Value>(r) {
+            Ok(v) if v.is_object() => Some(v),
+            _ => bail!("--kv-aware-routing must be a JSON object, got {r}"),
+        },
+        None => None,
+    };
     let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading --wasm {}", cli.wasm.display()))?;
     let pools: Vec<(String, PoolSpec)> =
         cli.pools.iter().map(|p| Ok((p.clone(), pool(&cli, p)?))).collect::<Result<_>>()?;
@@ -194,6 +205,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed,
                 call_latency_us: cli.call_latency_us,
                 kv_weights: kv_weights.clone(),
+                kv_routing: kv_routing.clone(),
             };
             let first = rc::window(t, &all, n, 0, &spec.profiles, 0)?;
             let sat_rows = (cli.capacity_slots * rc::pool_slots(&spec.profiles, &first)).max(n);

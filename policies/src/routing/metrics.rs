@@ -29,6 +29,22 @@ impl ModelServer {
         }
     }
 
+    /// Prefill: the seconds spent prefilling (a histogram's `_sum`), the uncached
+    /// prompt tokens those prefills computed, and the prompt tokens of all
+    /// requests (less the prefix cache's hits: the uncached tokens, where the
+    /// second is missing) (`""`: none). SGLang and TensorRT-LLM export no
+    /// prefill time apart from the time to first token, which counts the queue.
+    fn prefill_names(self) -> [&'static str; 3] {
+        match self {
+            ModelServer::Vllm => [
+                "vllm:request_prefill_time_seconds_sum",
+                "vllm:request_prefill_kv_computed_tokens_sum",
+                "vllm:prompt_tokens_total",
+            ],
+            ModelServer::Sglang | ModelServer::Trtllm => ["", "", ""],
+        }
+    }
+
     /// Names of (waiting, running, KV usage 0..1, fallback KV usage).
     fn names(self) -> [&'static str; 4] {
         match self {
@@ -65,6 +81,78 @@ pub struct EndpointMetrics {
     /// `cached_tokens_total`, or its older `cache_hit_rate` gauge times the
     /// queries).
     pub prefix_hits: f64,
+    /// Seconds the server spent prefilling since it started, summed over
+    /// requests (vLLM's `request_prefill_time_seconds_sum`: from a request's
+    /// first scheduling to its first token, recorded when it finishes); 0 when
+    /// the page has none.
+    pub prefill_seconds: f64,
+    /// The prompt tokens those prefills computed, cached ones excluded (vLLM's
+    /// `request_prefill_kv_computed_tokens_sum`, or on versions without it
+    /// `prompt_tokens_total` less `prefix_cache_hits_total`).
+    pub prefill_tokens: f64,
+    /// The endpoint's prefill speed, smoothed over its scrapes: not on the
+    /// page, carried from the previous scrape ([`EndpointMetrics::follow`]).
+    pub prefill_rate: PrefillRate,
+}
+
+/// Weights of a new sample in [`PrefillRate`]'s moving average, below and above
+/// it: the average follows the lower envelope of the samples. A request's
+/// prefill time counts every iteration it shared with other prefills (and
+/// decodes), so a window's seconds per token is the engine's speed times how
+/// many prefills ran together: never below the speed, above it by the load.
+/// Following the fast windows quickly and the slow ones slowly measures the
+/// hardware (an A100 against an H100) rather than the queue, which the cost
+/// already counts; a slowdown that lasts (a throttled GPU) still comes through.
+pub const PREFILL_EWMA: [f64; 2] = [0.2, 0.02];
+/// Uncached prompt tokens a window needs before it is a sample: a few fully
+/// cached prompts (one token computed, a whole iteration spent) would
+/// otherwise read as a very slow server. Until then the window grows.
+pub const PREFILL_MIN_TOKENS: f64 = 1024.0;
+/// Seconds per token outside this range are no server's (a counter that
+/// jumped, a histogram in other units): the window is dropped.
+const PREFILL_SANE: std::ops::RangeInclusive<f64> = 1e-9..=1.0;
+
+/// An endpoint's prefill speed in seconds per uncached prompt token, from
+/// the growth of its prefill counters between scrapes (a counter's deltas,
+/// so a restart that resets them costs one window, not a wrong figure).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillRate {
+    /// The counters (`prefill_seconds`, `prefill_tokens`) the current window
+    /// started at.
+    pub base: (f64, f64),
+    /// The moving average, seconds per token; 0 while unknown.
+    pub seconds_per_token: f64,
+}
+
+impl PrefillRate {
+    /// The rate once the counters read `seconds` and `tokens`: a window of at
+    /// least [`PREFILL_MIN_TOKENS`] is a sample, averaged in with weight
+    /// [`PREFILL_EWMA`]; counters that went back (a restart) or a sample out
+    /// of any server's range start a new window and leave the rate as it was.
+    pub fn next(self, seconds: f64, tokens: f64) -> PrefillRate {
+        let (ds, dt) = (seconds - self.base.0, tokens - self.base.1);
+        if !(ds >= 0.0 && dt >= 0.0) {
+            return PrefillRate { base: (seconds, tokens), ..self };
+        }
+        if dt < PREFILL_MIN_TOKENS {
+            return self;
+        }
+        let sample = ds / dt;
+        let seconds_per_token = if !PREFILL_SANE.contains(&sample) {
+            self.seconds_per_token
+        } else if self.seconds_per_token > 0.0 {
+            let weight = PREFILL_EWMA[usize::from(sample > self.seconds_per_token)];
+            self.seconds_per_token + weight * (sample - self.seconds_per_token)
+        } else {
+            sample
+        };
+        PrefillRate { base: (seconds, tokens), seconds_per_token }
+    }
+
+    /// Seconds per uncached prompt token, once measured.
+    pub fn get(&self) -> Option<f64> {
+        (self.seconds_per_token > 0.0 && self.seconds_per_token.is_finite()).then_some(self.seconds_per_token)
+    }
 }
 
 /// Most running LoRA adapters kept per endpoint, and most bytes of their names: every request
@@ -96,6 +184,13 @@ impl EndpointMetrics {
         (self.prefix_queries > 0.0).then(|| (self.prefix_hits / self.prefix_queries).clamp(0.0, 1.0))
     }
 
+    /// Takes the prefill speed measured up to the `previous` scrape of the same
+    /// endpoint forward with this page's counters ([`PrefillRate::next`]).
+    pub fn follow(&mut self, previous: Option<&EndpointMetrics>) {
+        let rate = previous.map(|p| p.prefill_rate).unwrap_or_default();
+        self.prefill_rate = rate.next(self.prefill_seconds, self.prefill_tokens);
+    }
+
     /// Reads a `/metrics` page. Series of the same metric (one per model) are
     /// summed (the sum stops at `f64::MAX`, so it stays finite), KV usage takes
     /// the largest; NaN, infinite or negative values are ignored. Returns `None`
@@ -108,6 +203,8 @@ impl EndpointMetrics {
         let mut kv_fallback = None;
         let [queries, hits, hit_gauge] = server.prefix_names();
         let mut hit_rate = None;
+        let [prefill_time, computed, prompts] = server.prefill_names();
+        let (mut computed_seen, mut prompt_tokens) = (false, 0.0f64);
         let bad = prom::parse(text, |s| {
             let ok = s.value.is_finite() && s.value >= 0.0;
             // Two finite values can sum to infinity, which the router's
@@ -129,6 +226,13 @@ impl EndpointMetrics {
                 m.prefix_hits = (m.prefix_hits + s.value).min(f64::MAX);
             } else if !hit_gauge.is_empty() && s.name == hit_gauge && ok {
                 hit_rate = Some(s.value.min(1.0));
+            } else if !prefill_time.is_empty() && s.name == prefill_time && ok {
+                m.prefill_seconds = (m.prefill_seconds + s.value).min(f64::MAX);
+            } else if !computed.is_empty() && s.name == computed && ok {
+                m.prefill_tokens = (m.prefill_tokens + s.value).min(f64::MAX);
+                computed_seen = true;
+            } else if !prompts.is_empty() && s.name == prompts && ok {
+                prompt_tokens = (prompt_tokens + s.value).min(f64::MAX);
             } else if s.name == "vllm:lora_requests_info" {
                 if let Some(list) = s.label("running_lora_adapters") {
                     m.loras = lora_names(&list);
@@ -138,6 +242,9 @@ impl EndpointMetrics {
         // SGLang versions without `cached_tokens_total` give the rate only.
         if let Some(r) = hit_rate.filter(|_| m.prefix_hits == 0.0) {
             m.prefix_hits = r * m.prefix_queries;
+        }
+        if !computed_seen {
+            m.prefill_tokens = (prompt_tokens - m.prefix_hits).max(0.0);
         }
         if !kv_seen {
             if let Some(k) = kv_fallback {
@@ -167,6 +274,78 @@ vllm:prefix_cache_queries_total{model_name=\"b\"} 200\nvllm:prefix_cache_hits_to
         assert_eq!(read(sg, ModelServer::Sglang).prefix_hit_rate(), Some(0.25));
         let old_sg = "sglang:num_queue_reqs 0\nsglang:prompt_tokens_total 400\nsglang:cache_hit_rate 0.5\n";
         assert_eq!(read(old_sg, ModelServer::Sglang).prefix_hit_rate(), Some(0.5), "the older gauge");
+    }
+
+    /// vLLM's page after a server prefilled `tokens` uncached tokens in `seconds`.
+    fn prefill_page(seconds: f64, tokens: f64) -> String {
+        format!(
+            "vllm:num_requests_running 1\nvllm:request_prefill_time_seconds_sum{{engine=\"0\"}} {seconds}\n\
+vllm:request_prefill_time_seconds_count 7\nvllm:request_prefill_kv_computed_tokens_sum {tokens}\n"
+        )
+    }
+
+    /// The rate after each page in turn, from none.
+    fn rates(pages: &[String]) -> Vec<Option<f64>> {
+        let mut last: Option<EndpointMetrics> = None;
+        pages
+            .iter()
+            .map(|p| {
+                let mut m = EndpointMetrics::from_prometheus(p, ModelServer::Vllm).0.unwrap();
+                m.follow(last.as_ref());
+                last = Some(m);
+                last.as_ref().unwrap().prefill_rate.get()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_prefill_rate_is_the_counters_growth_smoothed() {
+        let m = EndpointMetrics::from_prometheus(&prefill_page(2.5, 10_000.0), ModelServer::Vllm).0.unwrap();
+        assert_eq!((m.prefill_seconds, m.prefill_tokens), (2.5, 10_000.0));
+        let pages: Vec<String> = [(1.0, 10_000.0), (3.0, 20_000.0), (3.01, 20_100.0), (3.51, 30_100.0)]
+            .iter()
+            .map(|&(s, t)| prefill_page(s, t))
+            .collect();
+        let got = rates(&pages);
+        assert_eq!(got[0], Some(1e-4), "since the server started");
+        let [down, up] = PREFILL_EWMA;
+        let second = 1e-4 + up * (2e-4 - 1e-4);
+        assert!((got[1].unwrap() - second).abs() < 1e-12, "{got:?}: a slow window (a busy batch) moves it little");
+        assert_eq!(got[2], got[1], "100 tokens are no sample yet");
+        // The window kept growing from the second page: 0.51 s over 10,100 tokens, fast.
+        let fourth = second + down * (0.51 / 10_100.0 - second);
+        assert!((got[3].unwrap() - fourth).abs() < 1e-12, "{got:?}: a fast window moves it much");
+    }
+
+    #[test]
+    fn a_reset_or_a_hostile_counter_changes_no_rate() {
+        let page = |s: &str, t: &str| {
+            format!("vllm:num_requests_running 1\nvllm:request_prefill_time_seconds_sum {s}\nvllm:request_prefill_kv_computed_tokens_sum {t}\n")
+        };
+        let got = rates(&[
+            page("1", "10000"),
+            page("0.5", "1000"),  // restarted: a new window, the rate kept
+            page("1.5", "11000"), // 1e-4 again from the restart's counters
+            page("NaN", "-5"),    // ignored at parse: counters read 0, a reset
+            page("1e9", "20000"), // 5e4 s per token: no server's
+            page("+Inf", "1e308"),
+        ]);
+        assert_eq!(got, [Some(1e-4); 6]);
+        assert_eq!(rates(&[page("0", "0"), page("1", "0")]), [None, None], "no uncached token: no rate");
+        assert_eq!(rates(&["vllm:num_requests_running 1\n".to_string()]), [None], "no prefill counters: unknown");
+    }
+
+    #[test]
+    fn without_the_computed_tokens_the_uncached_prompt_tokens_count() {
+        let page = "vllm:num_requests_running 1\nvllm:request_prefill_time_seconds_sum 3\n\
+vllm:prompt_tokens_total 40000\nvllm:prefix_cache_queries_total 40000\nvllm:prefix_cache_hits_total 10000\n";
+        let mut m = EndpointMetrics::from_prometheus(page, ModelServer::Vllm).0.unwrap();
+        assert_eq!(m.prefill_tokens, 30_000.0);
+        m.follow(None);
+        assert_eq!(m.prefill_rate.get(), Some(1e-4));
+        let sg = "sglang:num_queue_reqs 0\nsglang:prompt_tokens_total 400\nvllm:request_prefill_time_seconds_sum 3\n";
+        let m = EndpointMetrics::from_prometheus(sg, ModelServer::Sglang).0.unwrap();
+        assert_eq!((m.prefill_seconds, m.prefill_tokens), (0.0, 0.0), "SGLang exports no prefill time");
     }
 
     #[test]

@@ -62,6 +62,9 @@ pub static SCORERS: &[&dyn Scorer] = &[
     &cost::Cost,
 ];
 
+/// Where [`cost::Cost`] is in [`SCORERS`] (and so its weight in [`Weights`]).
+const COST: usize = 8;
+
 /// Min-max normalisation over the candidates where lower is better: 1 for
 /// the smallest value, 0 for the largest, 1 for all when they are equal.
 /// Values are finite (the metrics reader caps sums at `f64::MAX`).
@@ -137,6 +140,12 @@ impl Weights {
         self.0.iter().find(|(n, _)| *n == name).map_or(0.0, |&(_, w)| w)
     }
 
+    /// The `cost` scorer's weight, read by position (the router asks on every
+    /// pick; [`Weights::get`] compares names).
+    pub fn cost(&self) -> f64 {
+        self.0[COST].1
+    }
+
     /// The scorers with a non-zero weight, with it.
     pub fn active(&self) -> impl Iterator<Item = (&'static dyn Scorer, f64)> + '_ {
         SCORERS.iter().zip(&self.0).filter(|(_, &(_, w))| w > 0.0).map(|(&s, &(_, w))| (s, w))
@@ -171,6 +180,8 @@ mod tests {
                 ("cost", 3.0)
             ]
         );
+        assert_eq!(SCORERS[COST].name(), "cost", "Weights::cost reads this position");
+        assert_eq!(Weights::with([("cost", 0.5)]).unwrap().cost(), 0.5);
         let affinity: Vec<&str> =
             SCORERS.iter().filter(|s| s.category() == Category::Affinity).map(|s| s.name()).collect();
         assert_eq!(affinity, ["prefix", "session", "lora"]);

@@ -433,6 +433,50 @@ fn an_endpoint_owned_elsewhere_is_scraped_only_once_its_owners_figures_are_old()
     assert!(p.scrapes.borrow().last().unwrap().1.ends_with(":2"), "taken over");
 }
 
+/// Issue 23 (per-endpoint prefill speed): measured between two scrapes of an endpoint,
+/// kept in its shared record for the router, shared with the peers, and a peer's figure
+/// taken in.
+#[test]
+fn the_prefill_speed_is_measured_between_scrapes_and_shared() {
+    let p = Rc::new(Process::default());
+    let routing = serde_json::json!({"scrape_cluster": "model_servers", "scrape_interval_ms": 50,
+        "max_scrape_interval_ms": 50, "prefill_speed": true});
+    let cfg = serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2"], "routing": routing});
+    let mut env = env_of(&p, scraping(cfg), 1, 1000);
+    let mut scrapes = Scrapes::new(2);
+    let page = |seconds: f64, tokens: f64| {
+        format!(
+            "{}vllm:request_prefill_time_seconds_sum {seconds}\nvllm:request_prefill_kv_computed_tokens_sum {tokens}\n",
+            vllm(0, 1, 0.1)
+        )
+    };
+    let speed = |p: &Process| shared::records(&p.store, 2)[0].metrics.as_ref().and_then(|m| m.prefill_rate.get());
+    scrapes.send(&env, true, None);
+    scrapes.scraped(&env, 1, Some(page(1.0, 10_000.0).as_bytes()));
+    assert_eq!(speed(&p), Some(1e-4), "since the server started");
+    env.now += 5_000; // 2 s of prefill in 5 s: at most one at a time, no bound
+    scrapes.send(&env, true, None);
+    let token = p.scrapes.borrow().iter().rposition(|(_, to)| to.ends_with(":1")).unwrap() as u32 + 1;
+    scrapes.scraped(&env, token, Some(page(3.0, 20_000.0).as_bytes()));
+    let smoothed = 1e-4 + sluice_policies::routing::PREFILL_EWMA[1] * 1e-4;
+    assert!((speed(&p).unwrap() - smoothed).abs() < 1e-12, "{:?}", speed(&p));
+    assert_eq!(scrapes.shared(&env, 800)["127.0.0.1:1"].prefill_seconds_per_token, speed(&p));
+    // A peer's figure for endpoint 2 lands in its record.
+    let figures = SharedScrape { running: 1.0, prefill_seconds_per_token: Some(3e-4), ..Default::default() };
+    assert!(scrapes.take_shared(&env, &[("127.0.0.1:2", env.now, &figures)]));
+    let r = &shared::records(&p.store, 2)[1];
+    assert_eq!(r.metrics.as_ref().and_then(|m| m.prefill_rate.get()), Some(3e-4));
+    // Off by default: the page is read, the speed not measured, and the cost routes as before.
+    let q = Rc::new(Process::default());
+    let env = env_of(&q, scraping(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 1, 1000);
+    assert!(!env.cfg.routing.prefill_speed);
+    let mut scrapes = Scrapes::new(1);
+    scrapes.send(&env, true, None);
+    scrapes.scraped(&env, 1, Some(page(1.0, 10_000.0).as_bytes()));
+    let m = shared::records(&q.store, 1)[0].metrics.clone().unwrap();
+    assert_eq!((m.prefill_seconds, m.prefill_rate.get()), (1.0, None));
+}
+
 #[test]
 fn the_pools_prefix_hit_rate_is_a_stat() {
     let p = Rc::new(Process::default());

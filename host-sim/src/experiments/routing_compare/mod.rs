@@ -540,6 +540,8 @@ pub struct RunConfig {
     /// Scorer weights of the KV-aware picker instead of the filter's defaults (a
     /// `routing.weights` object), for ablations.
     pub kv_weights: Option<serde_json::Value>,
+    /// More `routing` keys of the KV-aware picker (merged over its own), for ablations.
+    pub kv_routing: Option<serde_json::Value>,
 }
 
 impl RunConfig {
@@ -549,6 +551,11 @@ impl RunConfig {
         let mut routing = self.picker.routing_config(self.scrape_interval_ms);
         if let (PickerKind::KvAware, Some(w)) = (self.picker, &self.kv_weights) {
             routing["weights"] = w.clone();
+        }
+        if let (PickerKind::KvAware, Some(serde_json::Value::Object(extra))) = (self.picker, &self.kv_routing) {
+            for (k, v) in extra {
+                routing[k.as_str()] = v.clone();
+            }
         }
         serde_json::json!({
             "endpoints": self.pool.addresses(),
