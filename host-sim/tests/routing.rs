@@ -30,6 +30,7 @@ fn config(picker: PickerKind, pool: PoolSpec) -> RunConfig {
         seed: 3,
         call_latency_us: 500,
         kv_weights: None,
+        kv_routing: None,
     }
 }
 
