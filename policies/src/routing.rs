@@ -108,13 +108,14 @@ pub struct SaturationThresholds {
     /// its predicted waiting is under `queue_depth` times this, so the prefix's
     /// home is not given up just because another endpoint has the free slot
     /// (consistent hashing with bounded loads, here bounded per endpoint).
-    /// 1 turns it off.
+    /// 1 turns it off. 4: with the cost's saturated queue share, 2 bound on
+    /// the prefix workloads and 4 cached more (docs/results/2026-11-27-prefix-routing.md).
     pub affinity_overflow: f64,
 }
 
 impl Default for SaturationThresholds {
     fn default() -> Self {
-        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000, affinity_overflow: 2.0 }
+        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000, affinity_overflow: 4.0 }
     }
 }
 
