@@ -329,7 +329,7 @@ fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
                 for guard in [None, Some(LoadGuard::default())] {
                     let router = Router { weights: weights.clone(), picker, saturation, guard };
                     for random in [0.0, 0.5, 0.999] {
-                        let cx = RouteContext { request, pool: &pool, index: &index, now_ms: 50 };
+                        let cx = RouteContext::new(request, &pool, &index, 50);
                         let got = router.pick(&cx, random, &mut scratch);
                         assert!(got.is_some_and(|i| i < pool.len()), "{router:?} picked {got:?} of {pool:?}");
                     }

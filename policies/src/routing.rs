@@ -110,13 +110,14 @@ pub struct SaturationThresholds {
     /// its predicted waiting is under `queue_depth` times this, so the prefix's
     /// home is not given up just because another endpoint has the free slot
     /// (consistent hashing with bounded loads, here bounded per endpoint).
-    /// 1 turns it off.
+    /// 1 turns it off. 4: with the cost's saturated queue share, 2 bound on
+    /// the prefix workloads and 4 cached more (docs/results/2026-11-27-prefix-routing.md).
     pub affinity_overflow: f64,
 }
 
 impl Default for SaturationThresholds {
     fn default() -> Self {
-        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000, affinity_overflow: 2.0 }
+        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000, affinity_overflow: 4.0 }
     }
 }
 
@@ -202,6 +203,29 @@ pub struct RouteContext<'a> {
     pub index: &'a AffinityIndex,
     /// Now, for the index's speculative entries.
     pub now_ms: u64,
+    /// The prompt's match length on each endpoint, when the router has
+    /// computed it ([`Router::pick`] does, once per decision).
+    pub matched: Option<&'a [f64]>,
+    /// Some candidate with room is saturated: the pool's throughput is what
+    /// queued requests wait on (set by [`Router::pick`]).
+    pub saturated: bool,
+}
+
+impl<'a> RouteContext<'a> {
+    /// A decision's context; the router fills in what it computes.
+    pub fn new(request: RouteRequest<'a>, pool: &'a [EndpointView<'a>], index: &'a AffinityIndex, now_ms: u64) -> Self {
+        RouteContext { request, pool, index, now_ms, matched: None, saturated: false }
+    }
+
+    /// Writes into `out[e]` the number of leading prompt blocks endpoint `e`
+    /// is believed to hold ([`AffinityIndex::match_lengths`]), copied when
+    /// the router has computed them already.
+    pub fn match_lengths(&self, out: &mut [f64]) {
+        match self.matched {
+            Some(m) if m.len() == out.len() => out.copy_from_slice(m),
+            _ => self.index.match_lengths(self.request.prefix, self.now_ms, out),
+        }
+    }
 }
 
 /// Buffers a router reuses from one decision to the next, so that routing a
@@ -212,6 +236,9 @@ pub struct Scratch {
     candidates: Vec<usize>,
     scores: Vec<f64>,
     totals: Vec<f64>,
+    /// The prompt's match lengths, computed once for the overflow filter and
+    /// the scorers.
+    matched: Vec<f64>,
 }
 
 /// The router: filters, weighted scorers and a picker.
@@ -233,7 +260,7 @@ impl Router {
     /// is a uniform value in [0, 1) for the random draws.
     pub fn pick(&self, cx: &RouteContext<'_>, random: f64, scratch: &mut Scratch) -> Option<usize> {
         let pool = cx.pool;
-        let Scratch { candidates, scores, totals } = scratch;
+        let Scratch { candidates, scores, totals, matched } = scratch;
         // Filters: healthy endpoints with room; for the scoring pickers, the
         // unsaturated ones among them when there are any.
         candidates.clear();
@@ -241,19 +268,26 @@ impl Router {
         if self.picker.scores() {
             scores.clear();
             scores.resize(pool.len(), 0.0);
+            // The match lengths, once for the overflow filter and the scorers that read them.
+            matched.clear();
+            matched.resize(pool.len(), 0.0);
+            let matching = self.weights.get("cost") > 0.0 || self.weights.get("prefix") > 0.0;
+            if matching {
+                cx.index.match_lengths(cx.request.prefix, cx.now_ms, matched);
+            }
+            let mut saturated = false;
             if let Some(t) = self.saturation {
+                saturated = candidates.iter().any(|&i| t.saturated(&pool[i]));
                 if candidates.iter().any(|&i| !t.saturated(&pool[i])) {
                     // Under the cost scorer an endpoint holding part of the prompt may
                     // overflow up to its bound: the free slot elsewhere would prefill it all.
                     let overflow = self.weights.cost() > 0.0 && t.affinity_overflow > 1.0;
-                    if overflow {
-                        cx.index.match_lengths(cx.request.prefix, cx.now_ms, scores);
-                    }
                     let keep =
-                        |i: usize| !t.saturated(&pool[i]) || (overflow && scores[i] > 0.0 && t.may_overflow(&pool[i]));
+                        |i: usize| !t.saturated(&pool[i]) || (overflow && matched[i] > 0.0 && t.may_overflow(&pool[i]));
                     candidates.retain(|&i| keep(i));
                 }
             }
+            let cx = &RouteContext { matched: Some(matched.as_slice()).filter(|_| matching), saturated, ..*cx };
             totals.clear();
             totals.resize(pool.len(), 0.0);
             let least = candidates.iter().map(|&i| pool[i].predicted().load()).fold(f64::INFINITY, f64::min);
@@ -305,7 +339,7 @@ mod tests {
         index: &AffinityIndex,
         x: f64,
     ) -> Option<usize> {
-        r.pick(&RouteContext { request: req, pool, index, now_ms: 0 }, x, &mut Scratch::default())
+        r.pick(&RouteContext::new(req, pool, index, 0), x, &mut Scratch::default())
     }
 
     fn weights(w: &[(&str, f64)]) -> Weights {
@@ -575,6 +609,48 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
     }
 
     #[test]
+    fn under_saturation_a_miss_outweighs_a_longer_queue_at_the_prefix_home() {
+        // Endpoint 0 holds the whole prompt with 7 waiting (no hit rate scraped: each a whole
+        // prefill); endpoint 1 holds nothing and has 4. Greedy on this request's TTFT, 1 wins
+        // (1 + 4 < 7); once the pool saturates, the waiting count a quarter (1 + 1 > 1.75) and the
+        // prefix stays home. Below saturation (a deeper queue_depth) nothing changes.
+        let prefix: Vec<u64> = (0..8).collect();
+        let mut idx = AffinityIndex::new(1000, 0);
+        idx.record(1, &RouteRequest { prefix: &prefix, ..Default::default() }, 0, 0);
+        idx.confirm(1, 0);
+        let (home, free) = (m(7.0, 0.5), m(4.0, 0.5));
+        let route = |queue_depth: f64| {
+            let saturation = Some(SaturationThresholds { queue_depth, ..Default::default() });
+            let r = Router { weights: Weights::only("cost", 1.0).unwrap(), saturation, ..Default::default() };
+            let req = RouteRequest { prefix: &prefix, ..Default::default() };
+            pick(&r, req, &[view(&home, 0), view(&free, 0)], &idx, 0.5)
+        };
+        assert_eq!(route(5.0), Some(0), "saturated: the prefix's home");
+        assert_eq!(route(10.0), Some(1), "not saturated: the shorter queue");
+    }
+
+    #[test]
+    fn the_scorers_read_the_match_lengths_the_router_computed() {
+        // The context's lengths are what the scorers see (computed once per decision); without
+        // them, the index's.
+        let prefix: Vec<u64> = (0..4).collect();
+        let mut idx = AffinityIndex::new(1000, 0);
+        idx.record(1, &RouteRequest { prefix: &prefix, ..Default::default() }, 1, 0);
+        idx.confirm(1, 0);
+        let metrics = m(0.0, 0.0);
+        let pool = [view(&metrics, 0), view(&metrics, 0)];
+        let cx = RouteContext::new(RouteRequest { prefix: &prefix, ..Default::default() }, &pool, &idx, 0);
+        let mut out = [9.0; 2];
+        cx.match_lengths(&mut out);
+        assert_eq!(out, [0.0, 4.0]);
+        let told = [3.0, 0.0];
+        RouteContext { matched: Some(&told), ..cx }.match_lengths(&mut out);
+        assert_eq!(out, told);
+        let r = Router { weights: Weights::only("prefix", 1.0).unwrap(), ..Default::default() };
+        assert_eq!(r.pick(&cx, 0.0, &mut Scratch::default()), Some(1));
+    }
+
+    #[test]
     fn routing_allocates_nothing_once_the_scratch_has_grown() {
         let r = Router { weights: weights(&[("session", 1.0), ("lora", 1.0), ("running", 1.0)]), ..Default::default() };
         let mut idx = AffinityIndex::new(100, 1000);
@@ -584,7 +660,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         let req = RouteRequest { prefix: &prefix, session: Some(1), model: "a" };
         idx.record(1, &req, 1, 0);
         let mut scratch = Scratch::default();
-        let cx = RouteContext { request: req, pool: &pool, index: &idx, now_ms: 0 };
+        let cx = RouteContext::new(req, &pool, &idx, 0);
         r.pick(&cx, 0.5, &mut scratch);
         let capacity = (scratch.candidates.capacity(), scratch.scores.capacity(), scratch.totals.capacity());
         let ptr = scratch.totals.as_ptr();

@@ -67,7 +67,7 @@ fn burst(
         rng ^= rng << 17;
         let random = (rng >> 11) as f64 / (1u64 << 53) as f64;
         let request = RouteRequest { prefix, ..Default::default() };
-        let cx = RouteContext { request, pool: &pool, index, now_ms: 0 };
+        let cx = RouteContext::new(request, &pool, index, 0);
         let e = r.pick(&cx, random, &mut scratch).expect("a healthy pool");
         in_flight[e] += 1;
         got[e] += 1;

@@ -168,7 +168,7 @@ impl Slots {
         let pick = |load: &[u32]| {
             let load = &global(load)[..];
             let pool = views(load);
-            let cx = RouteContext { request, pool: &pool, index, now_ms: now };
+            let cx = RouteContext::new(request, &pool, index, now);
             let chosen = routing.router.pick(&cx, random, scratch);
             // None healthy (not merely all full): reject, or fail open to the least loaded with room.
             let none_healthy = chosen.is_none() && !pool.iter().any(|e| e.healthy);

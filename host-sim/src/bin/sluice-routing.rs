@@ -110,10 +110,14 @@ struct Cli {
     /// `routing.weights` object (for ablations, e.g. '{"prefix":0}').
     #[arg(long)]
     kv_aware_weights: Option<String>,
-    /// More `routing` keys of the kv-aware picker, as a JSON object merged over its own (for
-    /// ablations, e.g. '{"prefill_speed":true}').
+    /// Keys of the kv-aware picker's `routing` configuration over the filter's defaults, as a JSON
+    /// object merged into it (for ablations, e.g. '{"saturation":{"affinity_overflow":3}}' or '{"prefill_speed":true}')
     #[arg(long)]
     kv_aware_routing: Option<String>,
+    /// Also write every request of every run (`records/<trace>-<pool>-<load>-<seed>-<picker>.csv` under
+    /// --out: its first prefix block, the backend it ran on, queueing and TTFT), for diagnosis
+    #[arg(long)]
+    records: bool,
     /// Rows of each saturation run, as a multiple of the requests the pool's batches hold at
     /// once on the trace's rows (at least a run's rows, at most the trace).
     #[arg(long, default_value_t = 3)]
@@ -144,6 +148,40 @@ fn pool(cli: &Cli, name: &str) -> Result<PoolSpec> {
     PoolSpec::from_groups(&label, &BackendPool { groups, listed: true }).with_context(|| format!("pool `{name}`"))
 }
 
+/// One run's requests as CSV: id, the first prefix block of its prompt (its application or
+/// document), the backend it ran on, when it arrived, how long the gateway held it and its TTFT.
+fn write_records(
+    out: &std::path::Path,
+    cfg: &RunConfig,
+    items: &[WorkItem],
+    backends: &[Option<usize>],
+    recs: &[host_sim::sim::engine::RequestRecord],
+) -> Result<()> {
+    let dir = out.join("records");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut csv = String::from("id,first_block,prompt_tokens,backend,arrival_ms,held_ms,ttft_ms\n");
+    for (r, b) in recs.iter().zip(backends) {
+        let first = items.get(r.id as usize).and_then(|w| w.prefix_hashes.first()).copied().unwrap_or(0);
+        let held = r.dispatched_us.map_or(f64::NAN, |d| d.saturating_sub(r.arrival_us) as f64 / 1000.0);
+        let b = b.map_or(-1, |b| b as i64);
+        let ttft = r.ttft_ms().unwrap_or(f64::NAN);
+        csv += &format!("{},{first},{},{b},{:.1},{held:.1},{ttft:.1}\n", r.id, r.prompt_tokens, r.arrival_us as f64 / 1000.0);
+    }
+    let name = format!("{}-{}-{}-{}-{}.csv", cfg.trace, cfg.pool.profiles.len(), cfg.load, cfg.seed, cfg.picker.name());
+    let name = if cfg.pool.profiles.windows(2).all(|p| p[0].name == p[1].name) { name } else { format!("hetero-{name}") };
+    std::fs::write(dir.join(name), csv)?;
+    Ok(())
+}
+
+/// The JSON object given to `flag`.
+fn json_object(flag: &str, text: &str) -> Result<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(text).with_context(|| format!("{flag} must be a JSON object"))?;
+    if !v.is_object() {
+        bail!("{flag} must be a JSON object, got {text}");
+    }
+    Ok(v)
+}
+
 fn run(cli: Cli) -> Result<()> {
     if !(cli.die_at > 0.0 && cli.die_at < 1.0) {
         bail!("--die-at must be between 0 and 1, got {}", cli.die_at);
@@ -154,23 +192,8 @@ fn run(cli: Cli) -> Result<()> {
     if cli.loads.is_empty() || cli.loads.iter().any(|l| !(*l > 0.0 && l.is_finite())) {
         bail!("--loads must be positive numbers, got {:?}", cli.loads);
     }
-    let kv_weights = match &cli.kv_aware_weights {
-        Some(w) => {
-            let v: serde_json::Value = serde_json::from_str(w).context("--kv-aware-weights must be a JSON object")?;
-            if !v.is_object() {
-                bail!("--kv-aware-weights must be a JSON object, got {w}");
-            }
-            Some(v)
-        }
-        None => None,
-    };
-    let kv_routing = match &cli.kv_aware_routing {
-        Some(r) => match serde_json::from_str::<serde_json::Value>(r) {
-            Ok(v) if v.is_object() => Some(v),
-            _ => bail!("--kv-aware-routing must be a JSON object, got {r}"),
-        },
-        None => None,
-    };
+    let kv_weights = cli.kv_aware_weights.as_deref().map(|w| json_object("--kv-aware-weights", w)).transpose()?;
+    let kv_routing = cli.kv_aware_routing.as_deref().map(|r| json_object("--kv-aware-routing", r)).transpose()?;
     let wasm = std::fs::read(&cli.wasm).with_context(|| format!("reading --wasm {}", cli.wasm.display()))?;
     let pools: Vec<(String, PoolSpec)> =
         cli.pools.iter().map(|p| Ok((p.clone(), pool(&cli, p)?))).collect::<Result<_>>()?;
@@ -263,7 +286,12 @@ fn run(cli: Cli) -> Result<()> {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let Some((cfg, w)) = jobs.get(i) else { break };
-                let r = rc::run(&wasm, cfg, &workloads[*w]).map(|(_, r)| r);
+                let r = rc::run_records(&wasm, cfg, &workloads[*w]).and_then(|(sim, r, recs)| {
+                    if cli.records {
+                        write_records(&cli.out, cfg, &workloads[*w], &rc::backends(&sim, cfg, &recs), &recs)?;
+                    }
+                    Ok(r)
+                });
                 if let Ok(r) = &r {
                     eprintln!(
                         "  [{}/{}] {} load {} seed {} | {} | {}: {:.1} s",

@@ -540,7 +540,8 @@ pub struct RunConfig {
     /// Scorer weights of the KV-aware picker instead of the filter's defaults (a
     /// `routing.weights` object), for ablations.
     pub kv_weights: Option<serde_json::Value>,
-    /// More `routing` keys of the KV-aware picker (merged over its own), for ablations.
+    /// Keys of the KV-aware picker's `routing` object over the filter's defaults (merged
+    /// recursively, e.g. `{"saturation":{"affinity_overflow":3}}`), for ablations.
     pub kv_routing: Option<serde_json::Value>,
 }
 
@@ -552,10 +553,8 @@ impl RunConfig {
         if let (PickerKind::KvAware, Some(w)) = (self.picker, &self.kv_weights) {
             routing["weights"] = w.clone();
         }
-        if let (PickerKind::KvAware, Some(serde_json::Value::Object(extra))) = (self.picker, &self.kv_routing) {
-            for (k, v) in extra {
-                routing[k.as_str()] = v.clone();
-            }
+        if let (PickerKind::KvAware, Some(r)) = (self.picker, &self.kv_routing) {
+            merge(&mut routing, r);
         }
         serde_json::json!({
             "endpoints": self.pool.addresses(),
@@ -572,6 +571,18 @@ impl RunConfig {
             "tick_ms": self.scrape_interval_ms.clamp(1, 10_000),
             "routing": routing,
         })
+    }
+}
+
+/// `over`'s keys into `base`, objects merged key by key.
+fn merge(base: &mut serde_json::Value, over: &serde_json::Value) {
+    match (base, over) {
+        (serde_json::Value::Object(b), serde_json::Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k.clone()).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
     }
 }
 
@@ -681,6 +692,17 @@ pub fn run_records(wasm: &[u8], cfg: &RunConfig, items: &[WorkItem]) -> Result<(
     Ok((sim, res, recs))
 }
 
+/// Where each request really ran, by index in the pool: the filter's endpoint, or the oracle's GPU.
+pub fn backends(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord]) -> Vec<Option<usize>> {
+    let addrs = cfg.pool.addresses();
+    let oracle = addrs.first().and_then(|a| sim.upstream(a)).and_then(|u| u.as_any().downcast_ref::<OracleUpstream>());
+    let backend_of = |r: &RequestRecord| match oracle {
+        Some(o) => r.endpoint.as_ref().and(o.pool().placed(r.id)),
+        None => r.endpoint.as_deref().and_then(|e| addrs.iter().position(|a| a == e)),
+    };
+    recs.iter().map(backend_of).collect()
+}
+
 /// The figures of a finished run.
 pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64) -> RunResult {
     let addrs = cfg.pool.addresses();
@@ -696,16 +718,10 @@ pub fn summarize(sim: &Sim, cfg: &RunConfig, recs: &[RequestRecord], wall_s: f64
             queries += m.prefix_queries_tokens;
         }
     }
-    // Where each request really ran: the filter's endpoint, or the oracle's GPU.
-    let oracle = addrs.first().and_then(|a| sim.upstream(a)).and_then(|u| u.as_any().downcast_ref::<OracleUpstream>());
-    let backend_of = |r: &RequestRecord| match oracle {
-        Some(o) => r.endpoint.as_ref().and(o.pool().placed(r.id)),
-        None => r.endpoint.as_deref().and_then(|e| addrs.iter().position(|a| a == e)),
-    };
     let mut work = vec![0u64; addrs.len()];
     let mut per_backend = vec![0usize; addrs.len()];
-    for r in recs {
-        if let Some(i) = backend_of(r) {
+    for (r, b) in recs.iter().zip(backends(sim, cfg, recs)) {
+        if let Some(i) = b {
             work[i] += r.prompt_tokens as u64 + r.tokens_received as u64;
             per_backend[i] += 1;
         }

@@ -24,7 +24,7 @@ impl Scorer for Prefix {
 
     fn score(&self, cx: &RouteContext<'_>, _candidates: &[usize], out: &mut [f64]) {
         let blocks = cx.request.prefix.len();
-        cx.index.match_lengths(cx.request.prefix, cx.now_ms, out);
+        cx.match_lengths(out);
         if blocks > 0 {
             out.iter_mut().for_each(|s| *s /= blocks as f64);
         }
