@@ -519,8 +519,17 @@ const CALIB_LOW: f64 = -8.0;
 const CALIB_STEP: f64 = 0.25;
 /// Weight at which a histogram is halved: it follows about the last 1,000 samples.
 const CALIB_HALVE_AT: f64 = 1024.0;
-/// Objective classes: `⌊log2(objective ms)⌋`, so the table is bounded whatever clients ask.
+/// Objective classes, `⌊log2(objective ms)⌋`, so the table is bounded whatever clients ask;
+/// each split by how far the prediction is past the objective ([`CALIB_RISKS`]).
 const CALIB_CLASSES: usize = 33;
+/// Risk buckets of a prediction `p` against its objective `o`: `p < o`, `p < 2o`, `p < 4o`,
+/// beyond. The error is not the same for all: the larger the queue ahead, the more of it is
+/// demoted or dropped before it is served, and the more the prediction overstates the wait.
+const CALIB_RISKS: usize = 4;
+/// One in this many calibrated refusals is admitted all the same, as a probe: refused requests
+/// are never measured, and without probes a bucket that refuses everything would keep its
+/// error forever.
+pub const PROBE_EVERY: u64 = 8;
 
 /// The estimator's own measured error, per objective class: the distribution
 /// of actual over predicted time to first token of served requests (the
@@ -532,7 +541,7 @@ const CALIB_CLASSES: usize = 33;
 /// requests that would have made it. Scaling the prediction by a low quantile
 /// of this ratio gives what the request will *at least* wait with the
 /// configured confidence, measured, and corrects itself when the
-/// estimator's bias moves. Bounded: 33 classes of 64 buckets.
+/// estimator's bias moves. Bounded: 33 × 4 classes of 64 buckets.
 #[derive(Clone, Debug)]
 pub struct Calibration {
     classes: Vec<Option<Box<[f64; CALIB_BUCKETS]>>>,
@@ -543,11 +552,13 @@ pub struct Calibration {
 impl Calibration {
     /// A calibration that trusts a class after `min_samples` served requests.
     pub fn new(min_samples: u32) -> Self {
-        Calibration { classes: vec![None; CALIB_CLASSES], min_samples: min_samples.max(1) as f64 }
+        Calibration { classes: vec![None; CALIB_CLASSES * CALIB_RISKS], min_samples: min_samples.max(1) as f64 }
     }
 
-    fn class(objective_ms: u32) -> usize {
-        (31 - objective_ms.max(1).leading_zeros()) as usize
+    fn class(objective_ms: u32, predicted_ms: f64) -> usize {
+        let o = objective_ms.max(1);
+        let risk = (predicted_ms / o as f64).log2().clamp(-1.0, CALIB_RISKS as f64 - 2.0).floor() + 1.0;
+        (31 - o.leading_zeros()) as usize * CALIB_RISKS + risk as usize
     }
 
     /// A request with objective `objective_ms`, predicted `predicted_ms` at
@@ -558,18 +569,18 @@ impl Calibration {
         }
         let r = (actual_ms.max(1.0) / predicted_ms).log2();
         let b = (((r - CALIB_LOW) / CALIB_STEP).floor().max(0.0) as usize).min(CALIB_BUCKETS - 1);
-        let h = self.classes[Self::class(objective_ms)].get_or_insert_with(|| Box::new([0.0; CALIB_BUCKETS]));
+        let h = self.classes[Self::class(objective_ms, predicted_ms)].get_or_insert_with(|| Box::new([0.0; CALIB_BUCKETS]));
         h[b] += 1.0;
         if h.iter().sum::<f64>() >= CALIB_HALVE_AT {
             h.iter_mut().for_each(|x| *x /= 2.0);
         }
     }
 
-    /// The `q`-quantile of actual over predicted TTFT in `objective_ms`'s
-    /// class, rounded down to its bucket's lower edge (so a drop rule built
+    /// The `q`-quantile of actual over predicted TTFT in the class of
+    /// `objective_ms` and `predicted_ms`, rounded down to its bucket's lower edge (so a drop rule built
     /// on it errs towards serving); `None` until the class has enough samples.
-    pub fn ratio_quantile(&self, objective_ms: u32, q: f64) -> Option<f64> {
-        let h = self.classes[Self::class(objective_ms)].as_ref()?;
+    pub fn ratio_quantile(&self, objective_ms: u32, predicted_ms: f64, q: f64) -> Option<f64> {
+        let h = self.classes.get(Self::class(objective_ms, predicted_ms))?.as_ref()?;
         let total: f64 = h.iter().sum();
         if total < self.min_samples.min(CALIB_HALVE_AT / 2.0) {
             return None;
@@ -584,15 +595,6 @@ impl Calibration {
             }
         }
         Some(0.0)
-    }
-
-    /// True when a request predicted (expected value) `predicted_ms` misses
-    /// `objective_ms` with probability at least `confidence`, by the error
-    /// measured on its class: the prediction scaled by the `1 − confidence`
-    /// quantile of the ratio still exceeds the objective. False while the
-    /// class is not yet measured: nothing is refused on a guess.
-    pub fn surely_misses(&self, objective_ms: u32, predicted_ms: f64, confidence: f64) -> bool {
-        self.ratio_quantile(objective_ms, 1.0 - confidence).is_some_and(|r| predicted_ms * r > objective_ms as f64)
     }
 }
 
@@ -644,6 +646,8 @@ pub struct DropRule {
     /// `Φ⁻¹(1 − confidence)`: the optimistic quantile (negative).
     z_sure: f64,
     calibration: Calibration,
+    /// Calibrated refusals so far, for the probes.
+    refusals: u64,
 }
 
 /// Served requests an objective class needs before its measured error replaces the normal
@@ -657,6 +661,7 @@ impl DropRule {
             confidence,
             z_sure: -normal_quantile(confidence),
             calibration: Calibration::new(CALIBRATION_MIN_SAMPLES),
+            refusals: 0,
         }
     }
 
@@ -672,14 +677,20 @@ impl DropRule {
     }
 
     /// True when `c`, with `ahead` the work served before it, is refused at admission.
-    pub fn refuse(&self, est: &Estimator, c: &Candidate, ahead: Work) -> bool {
+    /// One in [`PROBE_EVERY`] refusals on the measured error is admitted as a probe.
+    pub fn refuse(&mut self, est: &Estimator, c: &Candidate, ahead: Work) -> bool {
         if prefill_misses(est, c, self.z_sure) {
             return true;
         }
         let predict = |z: f64| est.predict_ttft(c.elapsed_ms, ahead, true, c.input_tokens, z, c.group);
         let objective = c.objective_ms as f64;
-        match self.calibration.ratio_quantile(c.objective_ms, 1.0 - self.confidence) {
-            Some(r) => predict(0.0).is_some_and(|t| t * r > objective),
+        let Some(mean) = predict(0.0) else { return false };
+        match self.calibration.ratio_quantile(c.objective_ms, mean, 1.0 - self.confidence) {
+            Some(r) if mean * r > objective => {
+                self.refusals += 1;
+                self.refusals % PROBE_EVERY != 0
+            }
+            Some(_) => false,
             None => predict(self.z_sure).is_some_and(|t| t > objective),
         }
     }
@@ -918,21 +929,22 @@ mod tests {
         for i in 0..49 {
             c.observe(4_000, 1_000.0, 500.0 * (1 + i % 4) as f64);
         }
-        assert_eq!(c.ratio_quantile(4_000, 0.1), None, "49 samples: not yet trusted");
+        assert_eq!(c.ratio_quantile(4_000, 1_000.0, 0.1), None, "49 samples: not yet trusted");
         c.observe(4_000, 1_000.0, 2_000.0);
         // Ratios 0.5, 1, 1.5, 2 in equal parts.
-        assert_eq!(c.ratio_quantile(4_000, 0.1), Some(0.5));
-        assert_eq!(c.ratio_quantile(3_000, 0.1), Some(0.5), "the same class: 2,048 to 4,095 ms");
-        let median = c.ratio_quantile(4_000, 0.5).unwrap();
+        assert_eq!(c.ratio_quantile(4_000, 1_000.0, 0.1), Some(0.5));
+        assert_eq!(c.ratio_quantile(3_000, 2_000.0, 0.1), Some(0.5), "the same class: 2,048 to 4,095 ms, p < o");
+        let median = c.ratio_quantile(4_000, 1_000.0, 0.5).unwrap();
         assert!((0.84..=1.0).contains(&median), "rounded down to its bucket: {median}");
-        assert_eq!(c.ratio_quantile(60_000, 0.1), None, "another class, unmeasured");
+        assert_eq!(c.ratio_quantile(60_000, 1_000.0, 0.1), None, "another class, unmeasured");
+        assert_eq!(c.ratio_quantile(4_000, 9_000.0, 0.1), None, "a prediction past the objective: unmeasured");
         // Far off either end lands in the end buckets; the weights stay bounded.
         for _ in 0..5_000 {
             c.observe(4_000, 1.0, 1e9);
             c.observe(u32::MAX, 1e9, 0.0);
         }
-        assert_eq!(c.ratio_quantile(u32::MAX, 0.5), Some(0.0));
-        assert!(c.ratio_quantile(4_000, 0.99).unwrap() >= 2f64.powf(7.75));
+        assert_eq!(c.ratio_quantile(u32::MAX, 1e9, 0.5), Some(0.0));
+        assert!(c.ratio_quantile(4_000, 1_000.0, 0.99).unwrap() >= 2f64.powf(7.75));
         let total: f64 = c.classes.iter().flatten().map(|h| h.iter().sum::<f64>()).sum();
         assert!(total < 2.0 * CALIB_HALVE_AT, "{total}");
         c.observe(4_000, 0.0, 1.0);
@@ -945,7 +957,7 @@ mod tests {
     #[test]
     fn only_a_sure_miss_is_refused_at_admission() {
         let e = measured();
-        let rule = DropRule::new(0.9);
+        let mut rule = DropRule::new(0.9);
         let c = |objective_ms: u32, elapsed_ms: f64| Candidate { objective_ms, elapsed_ms, input_tokens: 100, group: 0 };
         // 4,000 ± 2,000 tokens ahead: ~2.1 s expected, ~3.4 s at the 0.9 quantile.
         let ahead = Work { mean: 4_000.0, var: 2_000.0 * 2_000.0 };
@@ -954,15 +966,19 @@ mod tests {
         assert!(!rule.refuse(&e, &c(3_000, 0.0), ahead), "unmeasured: the optimistic quantile (~0.8 s) makes it");
         assert!(rule.refuse(&e, &c(3_000, 3_100.0), Work::default()), "its own prefill from here misses");
         assert!(rule.refuse(&e, &c(500, 0.0), ahead), "even the optimistic quantile misses");
-        // Measured: actual TTFTs from a fifth of the prediction to three times it.
+        // Measured on predictions 2 to 4 times the objective: actual TTFTs from a fifth of
+        // the prediction to three times it.
         let mut rule = DropRule::new(0.9);
         for i in 0..200 {
-            rule.observe(3_000, 1_000.0, 200.0 + 14.0 * i as f64);
+            rule.observe(1_000, 2_000.0, 400.0 + 28.0 * i as f64);
         }
-        let r = rule.calibration().ratio_quantile(3_000, 0.1).unwrap();
+        let r = rule.calibration().ratio_quantile(1_000, 2_100.0, 0.1).unwrap();
         assert!((0.35..0.5).contains(&r), "{r}");
         assert!(!rule.refuse(&e, &c(1_000, 0.0), ahead), "2.1 s expected, 1 s asked: it may still make it");
         assert!(rule.refuse(&e, &c(600, 0.0), ahead), "2.1 s × {r} > 0.6 s: surely missed");
+        // One in eight of those is admitted as a probe, so the error stays measured.
+        let admitted = (0..16).filter(|_| !rule.refuse(&e, &c(600, 0.0), ahead)).count();
+        assert_eq!(admitted, 2);
     }
 
     #[test]

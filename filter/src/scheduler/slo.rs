@@ -114,7 +114,7 @@ impl SloState {
     /// proactive dropping refuses it: request `r`, due by `d`, about to join
     /// band `i` of `queue` (model group `group`) with this `key` in its band.
     pub(super) fn predict(
-        &self,
+        &mut self,
         queue: &Queue,
         r: &Enqueued,
         d: Deadline,
@@ -131,7 +131,7 @@ impl SloState {
         let ahead = above + own;
         let c = candidate(d, input_tokens, group, now_ms);
         let mean = self.est.predict_ttft(c.elapsed_ms, ahead, true, input_tokens, 0.0, group);
-        let refuse = self.drop.as_ref().is_some_and(|rule| rule.refuse(&self.est, &c, ahead));
+        let refuse = self.drop.as_mut().is_some_and(|rule| rule.refuse(&self.est, &c, ahead));
         (mean, refuse)
     }
 
