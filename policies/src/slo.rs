@@ -569,7 +569,8 @@ impl Calibration {
         }
         let r = (actual_ms.max(1.0) / predicted_ms).log2();
         let b = (((r - CALIB_LOW) / CALIB_STEP).floor().max(0.0) as usize).min(CALIB_BUCKETS - 1);
-        let h = self.classes[Self::class(objective_ms, predicted_ms)].get_or_insert_with(|| Box::new([0.0; CALIB_BUCKETS]));
+        let h =
+            self.classes[Self::class(objective_ms, predicted_ms)].get_or_insert_with(|| Box::new([0.0; CALIB_BUCKETS]));
         h[b] += 1.0;
         if h.iter().sum::<f64>() >= CALIB_HALVE_AT {
             h.iter_mut().for_each(|x| *x /= 2.0);
@@ -688,7 +689,7 @@ impl DropRule {
         match self.calibration.ratio_quantile(c.objective_ms, mean, 1.0 - self.confidence) {
             Some(r) if mean * r > objective => {
                 self.refusals += 1;
-                self.refusals % PROBE_EVERY != 0
+                !self.refusals.is_multiple_of(PROBE_EVERY)
             }
             // Not yet measured: not refused on a guess. The normal approximation's quantile
             // takes only the spread of lengths for the error and refused requests that made
@@ -707,7 +708,13 @@ fn prefill_misses(est: &Estimator, c: &Candidate, z: f64) -> bool {
 
 /// The verdict on the head of the queue, `c`, about to be dispatched: `drop` the rule if
 /// dropping is on, `demotes` under an SLO order, `demoted` if it already was.
-pub fn at_dispatch(est: &Estimator, drop: Option<&DropRule>, demotes: bool, demoted: bool, c: &Candidate) -> AtDispatch {
+pub fn at_dispatch(
+    est: &Estimator,
+    drop: Option<&DropRule>,
+    demotes: bool,
+    demoted: bool,
+    c: &Candidate,
+) -> AtDispatch {
     if drop.is_some_and(|d| prefill_misses(est, c, d.z_sure)) {
         return AtDispatch::Drop;
     }
@@ -960,7 +967,8 @@ mod tests {
     fn only_a_sure_miss_is_refused_at_admission() {
         let e = measured();
         let mut rule = DropRule::new(0.9);
-        let c = |objective_ms: u32, elapsed_ms: f64| Candidate { objective_ms, elapsed_ms, input_tokens: 100, group: 0 };
+        let c =
+            |objective_ms: u32, elapsed_ms: f64| Candidate { objective_ms, elapsed_ms, input_tokens: 100, group: 0 };
         // 4,000 ± 2,000 tokens ahead: ~2.1 s expected, ~3.4 s at the 0.9 quantile.
         let ahead = Work { mean: 4_000.0, var: 2_000.0 * 2_000.0 };
         let pessimistic = e.predict_ttft(0.0, ahead, true, 100, normal_quantile(0.9), 0).unwrap();
