@@ -55,8 +55,9 @@ impl SloOrder {
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Drop {
-    /// The quantile λ of the predicted TTFT compared with the objective:
-    /// higher drops later (fewer drops, more misses).
+    /// λ: a request is dropped only when it misses its objective with at
+    /// least this probability (its `1 − λ` quantile TTFT, lower bound or
+    /// measured, exceeds the objective): higher drops fewer.
     #[serde(default = "default_quantile")]
     pub quantile: f64,
 }

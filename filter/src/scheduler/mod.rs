@@ -39,6 +39,7 @@ use sluice_policies::bands::{BandedQueue, Criticality};
 use sluice_policies::order::{RequestMeta, Slack};
 use sluice_policies::queue::FairQueue;
 use sluice_policies::replicas::Offsets;
+use sluice_policies::slo::AtDispatch;
 use sluice_policies::spec::OrderSpec;
 use sluice_policies::tenants::Tenants;
 use sluice_policies::{FlowId, Request};
@@ -105,6 +106,9 @@ struct Running {
     /// Output tokens charged so far.
     output: u32,
     model: String,
+    /// For the drop rule's measured error, until its first token: its objective (ms), the
+    /// TTFT predicted at admission (ms), and the milliseconds it waited before dispatch.
+    sample: Option<(u32, u32, u64)>,
 }
 
 /// Most requests answered `rejected-slo-unattainable` (or demoted to best
@@ -199,7 +203,7 @@ impl Scheduler {
                 let group = slo.est.group(&model);
                 slo.est.on_dispatch(input_tokens, group);
             }
-            self.running.insert(req, Running { band, flow, input_tokens, max_tokens, output: 0, model });
+            self.running.insert(req, Running { band, flow, input_tokens, max_tokens, output: 0, model, sample: None });
             self.queue.hold(flow);
         }
         new
@@ -231,8 +235,8 @@ impl Scheduler {
     }
 
     /// A queued request left the queue (any way): the estimator forgets it;
-    /// its prediction, if any, is returned.
-    fn left_queue(&mut self, req: u64) -> Option<u32> {
+    /// what it kept of it, if anything, is returned.
+    fn left_queue(&mut self, req: u64) -> Option<QueuedSlo> {
         self.slo.as_mut()?.left_queue(req)
     }
 
@@ -292,6 +296,9 @@ impl Scheduler {
             run.output = run.output.saturating_add(output_tokens);
             if let Some(ms) = output.first_token_ms {
                 slo.est.on_first_token(run.input_tokens, ms);
+                if let (Some(rule), Some((objective, predicted, waited))) = (slo.drop.as_mut(), run.sample.take()) {
+                    rule.observe(objective, predicted as f64, waited as f64 + ms as f64);
+                }
             }
         }
         if bypassed || output_tokens > 0 {
@@ -344,21 +351,16 @@ impl Scheduler {
                 None if self.by_deadline => f64::INFINITY,
                 _ => arrival_ms as f64,
             };
-            let (mean, hi) = match deadline {
+            let (mean, refuse) = match deadline {
                 Some(d) => slo.predict(&self.queue, &r, d, at, key, now_ms),
-                None => (None, None),
+                None => (None, false),
             };
-            if let (Some(hi), Some(d)) = (hi, deadline) {
-                if hi > d.ttft_ms as f64 {
-                    out.push((
-                        worker_of(req),
-                        ToWorker::Reject { req: RequestId(req), outcome: Outcome::SloUnattainable },
-                    ));
-                    return;
-                }
+            if refuse {
+                out.push((worker_of(req), ToWorker::Reject { req: RequestId(req), outcome: Outcome::SloUnattainable }));
+                return;
             }
             let predicted_ms = mean.map(|m| m.min(u32::MAX as f64) as u32);
-            slo_entry = Some((key, work, QueuedSlo { deadline, input_tokens, at, predicted_ms }));
+            slo_entry = Some((key, work, QueuedSlo { deadline, demoted: false, input_tokens, at, predicted_ms }));
         }
         let flow = self.queue.flow_id(&tenant);
         let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
@@ -406,8 +408,7 @@ impl Scheduler {
         }
         self.queue.advance(now_ms);
         let mut drops = 0;
-        let drop_z = self.slo.as_ref().and_then(|s| s.drop_z);
-        let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair) && drop_z.is_none();
+        let demotes = self.slo.as_ref().is_some_and(|s| s.order != SloOrder::Fair);
         let mut light: Vec<(FlowId, f64)> = self
             .replicas
             .light_parts(&self.queue, &self.running)
@@ -417,9 +418,11 @@ impl Scheduler {
         light.sort_unstable_by_key(|l| l.0);
         let light_total: f64 = light.iter().map(|l| l.1).sum();
         while let Some((next, flow)) = self.queue.peek().map(|(_, r)| (r.id, r.flow)) {
-            let unattainable =
-                |s: &Scheduler, z: f64| s.slo.as_ref().is_some_and(|slo| slo.unattainable_now(next, now_ms, z));
-            if demotes && drops < MAX_DROPS_PER_PUMP && unattainable(self, 0.0) {
+            let verdict = match self.slo.as_ref() {
+                Some(slo) if drops < MAX_DROPS_PER_PUMP => slo.at_dispatch(next, now_ms, demotes),
+                _ => AtDispatch::Send,
+            };
+            if verdict == AtDispatch::Demote {
                 drops += 1;
                 if !slo::demote(&mut self.queue, self.slo.as_mut(), next) {
                     // Out of the queue all the same: answered, never lost.
@@ -432,7 +435,7 @@ impl Scheduler {
                 }
                 continue;
             }
-            if drops < MAX_DROPS_PER_PUMP && drop_z.is_some_and(|z| unattainable(self, z)) {
+            if verdict == AtDispatch::Drop {
                 // Taken out without a dispatch: nothing is charged.
                 drops += 1;
                 self.queue.remove(next);
@@ -455,7 +458,14 @@ impl Scheduler {
                     let model = self.routes.get(&next).map(|route| route.model.clone()).unwrap_or_default();
                     self.start(r.id, band, r.flow, (r.input_tokens, r.max_output_tokens), model);
                     self.mark(r.flow);
-                    let predicted = self.left_queue(next);
+                    let queued = self.left_queue(next);
+                    let predicted = queued.as_ref().and_then(|q| q.predicted_ms);
+                    if let (Some(q), Some(run)) = (queued, self.running.get_mut(&next)) {
+                        if let (Some(d), Some(p)) = (q.deadline, q.predicted_ms) {
+                            let arrival = d.at_ms.saturating_sub(d.ttft_ms as u64);
+                            run.sample = Some((d.ttft_ms, p, now_ms.saturating_sub(arrival)));
+                        }
+                    }
                     let expose = self.slo.as_ref().is_some_and(|s| s.expose);
                     ToWorker::Dispatch {
                         req: RequestId(next),

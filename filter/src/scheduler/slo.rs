@@ -12,14 +12,18 @@ use hashbrown::HashMap;
 use sluice_policies::bands::Criticality;
 use sluice_policies::order::RequestMeta;
 use sluice_policies::queue::Urgency;
-use sluice_policies::slo::{normal_quantile, Estimator, EstimatorConfig, Work, WorkIndex};
+use sluice_policies::slo::{at_dispatch, AtDispatch, Candidate, DropRule, Estimator, EstimatorConfig, Work, WorkIndex};
 
 /// Entries summed for a newcomer's work ahead before the whole band is taken instead.
 const MAX_AHEAD_SCAN: usize = 4096;
 
 /// What the SLO machinery keeps of a queued request.
 pub(super) struct QueuedSlo {
+    /// Its objective (kept when it is demoted: a demoted request reaching the head is
+    /// checked against it again, for dropping).
     pub(super) deadline: Option<Deadline>,
+    /// Demoted to best effort (its work is indexed as having no deadline).
+    pub(super) demoted: bool,
     pub(super) input_tokens: u32,
     /// Its band index and model group: where its work is indexed.
     pub(super) at: (usize, usize),
@@ -31,8 +35,8 @@ pub(super) struct QueuedSlo {
 pub(super) struct SloState {
     pub(super) order: SloOrder,
     hold_batch_slack_ms: Option<u64>,
-    /// `F⁻¹(λ)` of proactive dropping, when on.
-    pub(super) drop_z: Option<f64>,
+    /// Proactive dropping, when on: what it refuses, and the estimator's measured error.
+    pub(super) drop: Option<DropRule>,
     pub(super) expose: bool,
     pub(super) est: Estimator,
     /// Predicted work of queued requests by dispatch key, per (band, model
@@ -49,7 +53,7 @@ impl SloState {
         SloState {
             order: s.order,
             hold_batch_slack_ms: s.hold_batch_slack_ms,
-            drop_z: s.drop.map(|d| normal_quantile(d.quantile)),
+            drop: s.drop.map(|d| DropRule::new(d.quantile)),
             expose: s.expose_prediction,
             est: Estimator::new(EstimatorConfig {
                 prior_output_tokens: s.prior_output_tokens as f64,
@@ -64,7 +68,7 @@ impl SloState {
 
     /// A queued request left the queue (any way): the estimator forgets it;
     /// its prediction, if any, is returned.
-    pub(super) fn left_queue(&mut self, req: u64) -> Option<u32> {
+    pub(super) fn left_queue(&mut self, req: u64) -> Option<QueuedSlo> {
         let q = self.queued.remove(&req)?;
         if let Some(w) = self.work.get_mut(&q.at) {
             w.remove(req);
@@ -72,7 +76,7 @@ impl SloState {
                 self.work.remove(&q.at);
             }
         }
-        q.predicted_ms
+        Some(q)
     }
 
     /// Time moved: the estimator closes its windows and, under `"pard"`, the
@@ -106,18 +110,18 @@ impl SloState {
         }
     }
 
-    /// The estimator's prediction of a newcomer's TTFT (expected, and at the
-    /// drop quantile): request `r`, due by `d`, about to join band `i` of
-    /// `queue` (model group `group`) with this `key` in its band.
+    /// The estimator's prediction of a newcomer's TTFT (expected), and whether
+    /// proactive dropping refuses it: request `r`, due by `d`, about to join
+    /// band `i` of `queue` (model group `group`) with this `key` in its band.
     pub(super) fn predict(
-        &self,
+        &mut self,
         queue: &Queue,
         r: &Enqueued,
         d: Deadline,
         (i, group): (usize, usize),
         key: f64,
         now_ms: u64,
-    ) -> (Option<f64>, Option<f64>) {
+    ) -> (Option<f64>, bool) {
         let (req, input_tokens) = (r.req, r.input_tokens);
         // Higher bands of its model group are served first: all their work is ahead.
         let index = |b: usize| self.work.get(&(b, group));
@@ -125,23 +129,26 @@ impl SloState {
         let hbf = queue.band(Criticality::ALL[i]).is_high_budget_first();
         let own = index(i).map_or(Work::default(), |w| w.ahead(key, req, hbf, MAX_AHEAD_SCAN));
         let ahead = above + own;
-        let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
-        let mean = self.est.predict_ttft(elapsed, ahead, true, input_tokens, 0.0, group);
-        let hi = self.drop_z.and_then(|z| self.est.predict_ttft(elapsed, ahead, true, input_tokens, z, group));
-        (mean, hi)
+        let c = candidate(d, input_tokens, group, now_ms);
+        let mean = self.est.predict_ttft(c.elapsed_ms, ahead, true, input_tokens, 0.0, group);
+        let refuse = self.drop.as_mut().is_some_and(|rule| rule.refuse(&self.est, &c, ahead));
+        (mean, refuse)
     }
 
-    /// True when a request about to be dispatched now cannot meet its
-    /// objective even so: its time to first token from here (prefill only),
-    /// `z` standard deviations above the mean, exceeds what is left.
-    pub(super) fn unattainable_now(&self, req: u64, now_ms: u64, z: f64) -> bool {
-        let Some(q) = self.queued.get(&req) else { return false };
-        let Some(d) = q.deadline else { return false };
-        let elapsed = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
-        self.est
-            .predict_ttft(elapsed, Work::default(), false, q.input_tokens, z, q.at.1)
-            .is_some_and(|t| t > d.ttft_ms as f64)
+    /// What becomes of queued request `req` at the head of the queue now:
+    /// sent, demoted (`demotes`: under an SLO order) or dropped.
+    pub(super) fn at_dispatch(&self, req: u64, now_ms: u64, demotes: bool) -> AtDispatch {
+        let Some(q) = self.queued.get(&req) else { return AtDispatch::Send };
+        let Some(d) = q.deadline else { return AtDispatch::Send };
+        let c = candidate(d, q.input_tokens, q.at.1, now_ms);
+        at_dispatch(&self.est, self.drop.as_ref(), demotes, q.demoted, &c)
     }
+}
+
+/// The drop rule's view of a request due by `d`.
+fn candidate(d: Deadline, input_tokens: u32, group: usize, now_ms: u64) -> Candidate {
+    let elapsed_ms = now_ms.saturating_sub(d.at_ms.saturating_sub(d.ttft_ms as u64)) as f64;
+    Candidate { objective_ms: d.ttft_ms, elapsed_ms, input_tokens, group }
 }
 
 /// A queued request that can no longer meet its objective, under an SLO
@@ -167,7 +174,7 @@ pub(super) fn demote(queue: &mut Queue, slo: Option<&mut SloState>, req: u64) ->
     }
     if let Some(slo) = slo {
         if let Some(q) = slo.queued.get_mut(&req) {
-            q.deadline = None;
+            q.demoted = true;
             if let Some(index) = slo.work.get_mut(&q.at) {
                 if let Some(w) = index.remove(req) {
                     index.insert(req, f64::INFINITY, w);

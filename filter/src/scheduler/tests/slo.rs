@@ -42,6 +42,15 @@ fn warm_up(s: &mut Scheduler, n: u32) -> u64 {
     now
 }
 
+/// The drop rule has measured its error on requests of `objective_ms` predicted
+/// `predicted_ms` at admission: each got its first token `ratio` times the prediction.
+fn measured_error(s: &mut Scheduler, objective_ms: u32, predicted_ms: f64, ratio: f64) {
+    let rule = s.slo.as_mut().and_then(|slo| slo.drop.as_mut()).expect("dropping is on");
+    for _ in 0..60 {
+        rule.observe(objective_ms, predicted_ms, predicted_ms * ratio);
+    }
+}
+
 #[test]
 fn proactive_dropping_answers_what_cannot_meet_its_objective_and_never_best_effort() {
     let mut s = Scheduler::new(&cfg(
@@ -49,6 +58,8 @@ fn proactive_dropping_answers_what_cannot_meet_its_objective_and_never_best_effo
         r#","order":"slo_slack","slo":{"drop":{"quantile":0.9},"expose_prediction":true}"#,
     ));
     let now = warm_up(&mut s, 60);
+    // Predictions about twice the objective proved right.
+    measured_error(&mut s, 30, 70.0, 1.0);
     let mut out = Vec::new();
     // 40 queued requests of ~100 tokens: ~2 s of work at 2,000 tokens/s.
     for ctx in 0..40 {
@@ -89,7 +100,17 @@ fn under_a_fair_order_the_work_queued_before_a_newcomer_counts() {
     for ctx in 0..40 {
         s.on_message(enqueue_slo(ctx, "a", now, 60_000, 100), now, &mut out);
     }
-    // FCFS: ~4,000 tokens ahead at 2,000 tokens/s is ~2 s.
+    // FCFS: ~4,000 tokens ahead at 2,000 tokens/s is ~2 s. Until the estimator's error on
+    // such predictions is measured, a 1 s objective is not refused on a guess (issue 22).
+    s.on_message(enqueue_slo(99, "b", now, 1_000, 100), now, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    // Measured: such predictions overstated the wait threefold. Still not refused.
+    measured_error(&mut s, 1_000, 2_500.0, 0.3);
+    s.on_message(enqueue_slo(98, "b", now, 1_000, 100), now, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    // Measured right: refused; an objective the prediction meets is not.
+    measured_error(&mut s, 1_000, 2_500.0, 1.0);
+    measured_error(&mut s, 1_000, 2_500.0, 1.0);
     s.on_message(enqueue_slo(100, "b", now, 1_000, 100), now, &mut out);
     s.on_message(enqueue_slo(101, "b", now, 3_000, 100), now, &mut out);
     assert_eq!(out, vec![(0, ToWorker::Reject { req: RequestId(100), outcome: Outcome::SloUnattainable })]);
@@ -187,6 +208,7 @@ fn model_groups_queue_apart_each_drained_at_its_own_rate() {
     }
     s.pump(now, &mut slots(0), &mut out);
     out.clear();
+    measured_error(&mut s, 1_000, 6_000.0, 1.0);
     // Forty of model a wait (~6 s of a's work); nothing of b.
     for ctx in 0..40 {
         s.on_message(with_model(ctx, "a", now, 60_000), now, &mut out);
