@@ -165,10 +165,16 @@ fn write_records(
         let held = r.dispatched_us.map_or(f64::NAN, |d| d.saturating_sub(r.arrival_us) as f64 / 1000.0);
         let b = b.map_or(-1, |b| b as i64);
         let ttft = r.ttft_ms().unwrap_or(f64::NAN);
-        csv += &format!("{},{first},{},{b},{:.1},{held:.1},{ttft:.1}\n", r.id, r.prompt_tokens, r.arrival_us as f64 / 1000.0);
+        csv += &format!(
+            "{},{first},{},{b},{:.1},{held:.1},{ttft:.1}\n",
+            r.id,
+            r.prompt_tokens,
+            r.arrival_us as f64 / 1000.0
+        );
     }
     let name = format!("{}-{}-{}-{}-{}.csv", cfg.trace, cfg.pool.profiles.len(), cfg.load, cfg.seed, cfg.picker.name());
-    let name = if cfg.pool.profiles.windows(2).all(|p| p[0].name == p[1].name) { name } else { format!("hetero-{name}") };
+    let name =
+        if cfg.pool.profiles.windows(2).all(|p| p[0].name == p[1].name) { name } else { format!("hetero-{name}") };
     std::fs::write(dir.join(name), csv)?;
     Ok(())
 }
