@@ -13,10 +13,25 @@ use std::time::{Duration, Instant};
 /// How long [`Envoy::stats`] waits before it reads: four of the harness's 50 ms ticks.
 const STATS_SETTLE: Duration = Duration::from_millis(200);
 
-/// A loopback port that was free a moment ago (the caller retries if it is taken by the time it binds).
+/// A loopback port that was free a moment ago and that this process has not handed out before
+/// (the caller retries if it is taken by the time it binds). The kernel may hand the same
+/// ephemeral port out twice while the first taker has not bound it yet, and Envoy binds its
+/// listeners with `SO_REUSEPORT`, so two Envoys given one port would both start and split its
+/// connections between them: a replica's peers then reached its client listener half the time.
 pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral loopback port")?;
-    Ok(l.local_addr()?.port())
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static GIVEN: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let given = given.get_or_insert_with(HashSet::new);
+    for _ in 0..1000 {
+        let l = TcpListener::bind("127.0.0.1:0").context("binding an ephemeral loopback port")?;
+        let port = l.local_addr()?.port();
+        if given.insert(port) {
+            return Ok(port);
+        }
+    }
+    bail!("no loopback port left that this process has not handed out ({} given)", given.len())
 }
 
 /// How to start one Envoy.
