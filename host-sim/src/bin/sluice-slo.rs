@@ -331,7 +331,11 @@ fn run(cli: Cli) -> Result<()> {
                     load: p.load,
                     requests: p.items.len(),
                     capacity_rps: capacity[&p.trace],
-                    max_in_time: limit::max_in_time(&deadlines(&p.items, &p.objectives), capacity[&p.trace]),
+                    max_in_time: limit::max_in_time(
+                        &deadlines(&p.items, &p.objectives),
+                        capacity[&p.trace],
+                        pool.watermark_for(&p.items) * pool.backends as u32,
+                    ),
                 })
                 .collect();
             let md = format!(
@@ -398,7 +402,9 @@ fn run(cli: Cli) -> Result<()> {
         });
         let results: Vec<(SloRow, Vec<(f64, f64)>)> = results.into_iter().collect::<Result<_>>()?;
         let rows_only: Vec<SloRow> = results.iter().map(|(r, _)| r.clone()).collect();
-        let ideal = 1.0 - limit::max_in_time(&deadlines(&items, &objectives), cap) as f64 / items.len().max(1) as f64;
+        let batch = pool.watermark_for(&items) * pool.backends as u32;
+        let ideal =
+            1.0 - limit::max_in_time(&deadlines(&items, &objectives), cap, batch) as f64 / items.len().max(1) as f64;
         let md = format!(
             "## PARD-style: {} rows of {} re-timed in bursts ({} periods of {:.0} s calm at {}x and {:.0} s burst at {}x capacity {:.3} req/s; mean {:.2}x; ideal dropped fraction {:.1} %)\n\n{}",
             items.len(),
