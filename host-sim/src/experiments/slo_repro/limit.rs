@@ -271,30 +271,16 @@ mod tests {
         assert_eq!(gpu_work_us(&T, 0, 0), 0.0);
     }
 
-    fn rec(arrival_s: f64, ttft_s: Option<f64>, end_s: f64, prompt: u32, output: u32) -> RequestRecord {
-        let at = (arrival_s * 1e6) as u64;
-        RequestRecord {
-            id: 0,
-            client: "c".into(),
-            worker: 1,
-            arrival_us: at,
-            prompt_tokens: prompt,
-            output_tokens: output,
-            status: if ttft_s.is_some() { 200 } else { 429 },
-            outcome: if ttft_s.is_some() { "ok" } else { "local_reply" },
-            reason: None,
-            endpoint: None,
-            dispatched_us: None,
-            first_token_us: ttft_s.map(|t| at + (t * 1e6) as u64),
-            last_token_us: None,
-            end_us: Some((end_s * 1e6) as u64),
-            tokens_received: if ttft_s.is_some() { output } else { 0 },
-            bytes_received: 0,
-            preemptions: 0,
-            queued_us: None,
-            max_silence_us: 0,
-            upstream_headers: Vec::new(),
-        }
+    /// A completed record of `prompt` and `output` tokens with first token `ttft_s` after its
+    /// arrival, or a refused one.
+    fn rec(arrival_s: f64, ttft_s: Option<f64>, prompt: u32, output: u32) -> RequestRecord {
+        let mut r = match ttft_s {
+            Some(_) => super::super::tests::rec(0, arrival_s, ttft_s, "ok", None),
+            None => super::super::tests::rec(0, arrival_s, None, "local_reply", None),
+        };
+        (r.prompt_tokens, r.output_tokens, r.tokens_received) =
+            (prompt, output, if ttft_s.is_some() { output } else { 0 });
+        r
     }
 
     #[test]
@@ -302,11 +288,11 @@ mod tests {
         let o = Objective { class: 0, ttft_ms: 2_000 };
         // Three in time (small), one late (large), one refused (not completed: no capacity).
         let recs = vec![
-            rec(0.0, Some(1.0), 1.0, 100, 4),
-            rec(0.0, Some(2.0), 2.0, 100, 4),
-            rec(1.0, Some(0.5), 3.0, 100, 4),
-            rec(1.0, Some(5.0), 6.0, 300, 12),
-            rec(2.0, None, 2.0, 100, 4),
+            rec(0.0, Some(1.0), 100, 4),
+            rec(0.0, Some(2.0), 100, 4),
+            rec(1.0, Some(0.5), 100, 4),
+            rec(1.0, Some(5.0), 300, 12),
+            rec(2.0, None, 100, 4),
         ];
         let s = Spent::of(&recs, &[o; 5], &T);
         assert_eq!((s.completed, s.in_time, s.late), (4, 3, 1));

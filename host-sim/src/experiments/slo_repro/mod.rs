@@ -751,7 +751,14 @@ pub fn par_map<T: Sync, R: Send>(jobs: usize, inputs: &[T], f: impl Fn(&T) -> R 
 mod tests {
     use super::*;
 
-    fn rec(id: u64, arrival_s: f64, ttft_s: Option<f64>, outcome: &'static str, reason: Option<&str>) -> RequestRecord {
+    /// A hand-built record: 10 prompt and 4 output tokens, ending 1 s after its first token.
+    pub(super) fn rec(
+        id: u64,
+        arrival_s: f64,
+        ttft_s: Option<f64>,
+        outcome: &'static str,
+        reason: Option<&str>,
+    ) -> RequestRecord {
         let at = (arrival_s * 1e6) as u64;
         let first = ttft_s.map(|t| at + (t * 1e6) as u64);
         RequestRecord {
