@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use host_sim::experiments::slo_repro::{self as sr, Capacity, Pool, SloPlan, SloRow, SloTrace};
+use host_sim::experiments::slo_repro::{self as sr, limit, Capacity, Pool, SloPlan, SloRow, SloTrace};
 use host_sim::experiments::slo_workload::{self as sw, AssignBy, Objective, SloClass};
 use host_sim::sim::plot;
 use host_sim::sim::report::slug;
@@ -24,7 +24,15 @@ use std::time::Instant;
 /// completion rate between the 10th and 90th percentile of completions is the pool's capacity
 /// for that request mix; loads are multiples of it (arrivals scaled, order and burst structure
 /// kept). Writes `qlm-<trace>.md`, `qlm.csv`, `qlm-<trace>-attainment.svg`,
-/// `qlm-<trace>-goodput.svg`, `pard.md`, `pard.csv`, `pard-goodput.svg` and `summary.md`.
+/// `qlm-<trace>-goodput.svg`, `limit.md` (the physical limit of dropping, when the plan pairs a
+/// configuration with `slo.drop` with the same without it), `pard.md`, `pard.csv`,
+/// `pard-goodput.svg` and `summary.md`.
+///
+/// Ideal dropped fraction: steady, `max(0, offered − capacity) / offered`; this run's, the share
+/// of requests that cannot meet their objectives when the pool starts `capacity` requests a second
+/// in the best order (a finite run drains after its last arrival, so long objectives are met
+/// then). Goodput ceiling of dropping: the late-served requests (and GPU work) of the same
+/// configuration without dropping, over its in-time ones.
 #[derive(Parser, Debug)]
 #[command(name = "sluice-slo")]
 struct Cli {
@@ -147,6 +155,11 @@ fn class_shares(classes: &[SloClass], objectives: &[Objective]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `(arrival, deadline)` of every request, µs: its arrival plus its TTFT objective.
+fn deadlines(items: &[WorkItem], objectives: &[Objective]) -> Vec<(u64, u64)> {
+    items.iter().zip(objectives).map(|(w, o)| (w.arrival_us, w.arrival_us + o.ttft_ms * 1000)).collect()
 }
 
 fn mean(items: &[WorkItem], f: fn(&WorkItem) -> u32) -> f64 {
@@ -309,6 +322,31 @@ fn run(cli: Cli) -> Result<()> {
         });
         let all: Vec<SloRow> = results.into_iter().collect::<Result<_>>()?;
         write(&cli.out.join("qlm.csv"), &sr::rows_csv(&all))?;
+        let twins = limit::drop_twins(&plan.qlm.configs);
+        if !twins.is_empty() {
+            let limits: Vec<limit::Limit> = prepared
+                .iter()
+                .map(|p| limit::Limit {
+                    trace: p.trace.name().into(),
+                    load: p.load,
+                    requests: p.items.len(),
+                    capacity_rps: capacity[&p.trace],
+                    max_in_time: limit::max_in_time(
+                        &deadlines(&p.items, &p.objectives),
+                        capacity[&p.trace],
+                        pool.watermark_for(&p.items) * pool.backends as u32,
+                    ),
+                })
+                .collect();
+            let md = format!(
+                "## The physical limit of dropping\n\n{}",
+                limit::limit_markdown(&all, &limits, &plan.qlm.reference, &twins)
+            );
+            println!("\n{md}");
+            summary += &md;
+            summary += "\n";
+            write(&cli.out.join("limit.md"), &md)?;
+        }
         for t in &cli.traces {
             let mine: Vec<SloRow> = all.iter().filter(|r| r.trace == t.name()).cloned().collect();
             let md = format!(
@@ -364,8 +402,11 @@ fn run(cli: Cli) -> Result<()> {
         });
         let results: Vec<(SloRow, Vec<(f64, f64)>)> = results.into_iter().collect::<Result<_>>()?;
         let rows_only: Vec<SloRow> = results.iter().map(|(r, _)| r.clone()).collect();
+        let batch = pool.watermark_for(&items) * pool.backends as u32;
+        let ideal =
+            1.0 - limit::max_in_time(&deadlines(&items, &objectives), cap, batch) as f64 / items.len().max(1) as f64;
         let md = format!(
-            "## PARD-style: {} rows of {} re-timed in bursts ({} periods of {:.0} s calm at {}x and {:.0} s burst at {}x capacity {:.3} req/s; mean {:.2}x)\n\n{}",
+            "## PARD-style: {} rows of {} re-timed in bursts ({} periods of {:.0} s calm at {}x and {:.0} s burst at {}x capacity {:.3} req/s; mean {:.2}x; ideal dropped fraction {:.1} %)\n\n{}",
             items.len(),
             p.trace.name(),
             periods,
@@ -375,6 +416,7 @@ fn run(cli: Cli) -> Result<()> {
             p.bursts.burst_load,
             cap,
             p.bursts.mean_load(),
+            100.0 * ideal,
             sr::pard_markdown(&rows_only, &p.proactive)
         );
         println!("\n{md}");

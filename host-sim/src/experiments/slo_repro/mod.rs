@@ -17,6 +17,7 @@
 //!
 //! [`report`] renders the rows: the QLM and PARD tables, the CSVs and the figures.
 
+pub mod limit;
 mod report;
 
 pub use report::*;
@@ -684,6 +685,8 @@ pub struct SloRow {
     pub burst_goodput_rps: Option<f64>,
     /// The filter's reason when it refused the configuration.
     pub skipped: Option<String>,
+    /// Completed work split into in time and late (the physical limit of dropping).
+    pub spent: Option<limit::Spent>,
     /// Wall-clock seconds of the run.
     pub wall_s: f64,
 }
@@ -709,11 +712,13 @@ pub fn run_row(
         metrics: None,
         burst_goodput_rps: None,
         skipped: None,
+        spent: None,
         wall_s: 0.0,
     };
     let recs = match run_records(wasm, pool, &config, items)? {
         Ok(recs) => {
             row.metrics = Some(slo_metrics(&recs, objectives, classes, window));
+            row.spent = Some(limit::Spent::of(&recs, objectives, &pool.profile.time));
             recs
         }
         Err(why) => {
@@ -746,7 +751,14 @@ pub fn par_map<T: Sync, R: Send>(jobs: usize, inputs: &[T], f: impl Fn(&T) -> R 
 mod tests {
     use super::*;
 
-    fn rec(id: u64, arrival_s: f64, ttft_s: Option<f64>, outcome: &'static str, reason: Option<&str>) -> RequestRecord {
+    /// A hand-built record: 10 prompt and 4 output tokens, ending 1 s after its first token.
+    pub(super) fn rec(
+        id: u64,
+        arrival_s: f64,
+        ttft_s: Option<f64>,
+        outcome: &'static str,
+        reason: Option<&str>,
+    ) -> RequestRecord {
         let at = (arrival_s * 1e6) as u64;
         let first = ttft_s.map(|t| at + (t * 1e6) as u64);
         RequestRecord {
@@ -873,6 +885,7 @@ mod tests {
             }),
             burst_goodput_rps: None,
             skipped: None,
+            spent: None,
             wall_s: 0.0,
         };
         let mut skipped = mk("SLO", 0.0, 0.0);
