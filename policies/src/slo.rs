@@ -11,11 +11,15 @@
 //! prompt. A queued request's time to first token is then predicted as
 //!
 //! ```text
-//! TTFT = elapsed + (W_ahead + W_slot) / Θ + prefill(input)
+//! TTFT = elapsed + (W_ahead + W_over + W_slot) / Θ + prefill(input)
 //! ```
 //!
 //! where `W_ahead` is the predicted output work of the requests that will be
-//! dispatched before it (see [`WorkIndex`]), `W_slot` one mean request's work
+//! dispatched before it (see [`WorkIndex`]; under an order that demotes a head
+//! past its latest start, only those the pool reaches in time,
+//! [`WorkIndex::ahead_served`]), `W_over` under a deadline order the work of
+//! tighter requests that arrive while it waits and are served first
+//! ([`Estimator::overtaking`]), `W_slot` one mean request's work
 //! (prompt and output, in the throughput's unit; with the pool at its
 //! in-flight bound, a slot frees after about one mean request's worth of
 //! service: the least-remaining of `R` running requests has about `L/(R+1)`
