@@ -351,8 +351,9 @@ impl Scheduler {
                 None if self.by_deadline => f64::INFINITY,
                 _ => arrival_ms as f64,
             };
+            let by_deadline = slo.order != SloOrder::Fair || self.by_deadline;
             let (mean, refuse) = match deadline {
-                Some(d) => slo.predict(&self.queue, &r, d, at, key, now_ms),
+                Some(d) => slo.predict(&self.queue, &r, d, at, key, by_deadline, now_ms),
                 None => (None, false),
             };
             if refuse {
@@ -360,7 +361,14 @@ impl Scheduler {
                 return;
             }
             let predicted_ms = mean.map(|m| m.min(u32::MAX as f64) as u32);
-            slo_entry = Some((key, work, QueuedSlo { deadline, demoted: false, input_tokens, at, predicted_ms }));
+            slo_entry = Some((key, work, QueuedSlo {
+                deadline,
+                demoted: false,
+                input_tokens,
+                at,
+                predicted_ms,
+                work: work.mean,
+            }));
         }
         let flow = self.queue.flow_id(&tenant);
         let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
@@ -459,7 +467,10 @@ impl Scheduler {
                     self.start(r.id, band, r.flow, (r.input_tokens, r.max_output_tokens), model);
                     self.mark(r.flow);
                     let queued = self.left_queue(next);
-                    let predicted = queued.as_ref().and_then(|q| q.predicted_ms);
+                    if let (Some(slo), Some(q)) = (self.slo.as_mut(), queued.as_ref()) {
+                        slo.served(q);
+                    }
+                    let predicted = queued.as_ref().and_then(|q| q.expected_ttft_ms(demotes));
                     if let (Some(q), Some(run)) = (queued, self.running.get_mut(&next)) {
                         if let (Some(d), Some(p)) = (q.deadline, q.predicted_ms) {
                             let arrival = d.at_ms.saturating_sub(d.ttft_ms as u64);

@@ -29,6 +29,23 @@ pub(super) struct QueuedSlo {
     pub(super) at: (usize, usize),
     /// The TTFT predicted when it was queued (expected value).
     pub(super) predicted_ms: Option<u32>,
+    /// Its predicted work, in the throughput's unit (for the rate of work served per
+    /// objective class).
+    pub(super) work: f64,
+}
+
+impl QueuedSlo {
+    /// The TTFT it is predicted to get, as exposed to the worker: under an order that demotes
+    /// (`demotes`: an SLO order) a request is served by its latest start or demoted, so when
+    /// the prediction is past its objective, its first token comes at the objective if it
+    /// comes in time at all. The drop rule and its calibration read the prediction itself,
+    /// which says whether it misses.
+    pub(super) fn expected_ttft_ms(&self, demotes: bool) -> Option<u32> {
+        match (self.predicted_ms, self.deadline) {
+            (Some(p), Some(d)) if demotes => Some(p.min(d.ttft_ms)),
+            (p, _) => p,
+        }
+    }
 }
 
 /// The estimator and what it needs of the queue (present with `"slo"`).
@@ -113,6 +130,10 @@ impl SloState {
     /// The estimator's prediction of a newcomer's TTFT (expected), and whether
     /// proactive dropping refuses it: request `r`, due by `d`, about to join
     /// band `i` of `queue` (model group `group`) with this `key` in its band.
+    /// `by_deadline`: its band serves by deadline (an SLO order, or `"edf"`), so
+    /// tighter requests arriving while it waits are served before it, and the
+    /// prediction counts them ([`Estimator::overtaking`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn predict(
         &mut self,
         queue: &Queue,
@@ -120,6 +141,7 @@ impl SloState {
         d: Deadline,
         (i, group): (usize, usize),
         key: f64,
+        by_deadline: bool,
         now_ms: u64,
     ) -> (Option<f64>, bool) {
         let (req, input_tokens) = (r.req, r.input_tokens);
@@ -127,12 +149,33 @@ impl SloState {
         let index = |b: usize| self.work.get(&(b, group));
         let above = (0..i).filter_map(index).fold(Work::default(), |w, x| w + x.total());
         let hbf = queue.band(Criticality::ALL[i]).is_high_budget_first();
-        let own = index(i).map_or(Work::default(), |w| w.ahead(key, req, hbf, MAX_AHEAD_SCAN));
-        let ahead = above + own;
+        let drain = self.est.drain_ms(group).filter(|_| self.order != SloOrder::Fair && !hbf);
+        let own = index(i).map_or(Work::default(), |w| match drain {
+            // The SLO orders demote a head past its latest start: such work ahead is not served.
+            Some((slot_ms, per_work)) => {
+                let start = now_ms as f64 + slot_ms + above.mean * per_work;
+                w.ahead_served(key, req, start, per_work, MAX_AHEAD_SCAN)
+            }
+            None => w.ahead(key, req, hbf, MAX_AHEAD_SCAN),
+        });
+        let mut ahead = above + own;
         let c = candidate(d, input_tokens, group, now_ms);
+        // High Budget First serves the loosest first: the tighter newcomers do not overtake.
+        if by_deadline && !hbf {
+            let remaining = c.objective_ms as f64 - c.elapsed_ms;
+            ahead = ahead + self.est.overtaking(ahead, remaining, group).unwrap_or_default();
+        }
         let mean = self.est.predict_ttft(c.elapsed_ms, ahead, true, input_tokens, 0.0, group);
         let refuse = self.drop.as_mut().is_some_and(|rule| rule.refuse(&self.est, &c, ahead));
         (mean, refuse)
+    }
+
+    /// Queued request `q` was dispatched: under its deadline (not demoted), its work counts
+    /// in the rate at which its objective class overtakes looser requests.
+    pub(super) fn served(&mut self, q: &QueuedSlo) {
+        if let (Some(d), false) = (q.deadline, q.demoted) {
+            self.est.on_served(d.ttft_ms, q.work, q.at.1);
+        }
     }
 
     /// What becomes of queued request `req` at the head of the queue now:

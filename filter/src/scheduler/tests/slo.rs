@@ -481,3 +481,22 @@ fn under_pard_an_overload_switches_the_scheduler_to_high_budget_first() {
     assert_eq!(first[..2], [20_001, 20_000], "the most budget first, best effort after: {first:?}");
     assert!(first[2] < 10_000);
 }
+
+/// Issue 22, item 2: an SLO order serves a request by its latest start or demotes it, so the
+/// TTFT exposed for one served is at most its objective (a prediction past it said "demoted",
+/// yet those served came in at the objective); the drop rule keeps the prediction itself.
+#[test]
+fn under_an_slo_order_the_exposed_prediction_is_at_most_the_objective() {
+    let q = |predicted| QueuedSlo {
+        deadline: Some(Deadline { at_ms: 5_000, ttft_ms: 2_000 }),
+        demoted: false,
+        input_tokens: 1,
+        at: (0, 0),
+        predicted_ms: Some(predicted),
+        work: 1.0,
+    };
+    assert_eq!(q(7_000).expected_ttft_ms(true), Some(2_000));
+    assert_eq!(q(7_000).expected_ttft_ms(false), Some(7_000), "no demotion: it is served late");
+    assert_eq!(q(1_500).expected_ttft_ms(true), Some(1_500));
+    assert_eq!(q(7_000).predicted_ms, Some(7_000), "what the calibration reads");
+}
