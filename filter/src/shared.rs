@@ -745,7 +745,13 @@ pub(crate) mod tests {
             prefix_hits: 4.0,
             prefill_seconds: 2.0,
             prefill_tokens: 9000.0,
-            prefill_rate: PrefillRate { base: (1.0, 8000.0), seconds_per_token: 2e-4, previous: 2e-4, current: 3e-4, samples: 3 },
+            prefill_rate: PrefillRate {
+                base: (1.0, 8000.0),
+                seconds_per_token: 2e-4,
+                previous: 2e-4,
+                current: 3e-4,
+                samples: 3,
+            },
         };
         update_record(&s, 2, 1, |r| {
             r.metrics = Some(m.clone());

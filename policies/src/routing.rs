@@ -17,7 +17,8 @@ pub use affinity::{
     SHARED_STRIDE,
 };
 pub use metrics::{
-    lora_names, EndpointMetrics, ModelServer, PrefillRate, MAX_LORAS, MAX_LORA_BYTES, PREFILL_MIN_TOKENS, PREFILL_WINDOW,
+    lora_names, EndpointMetrics, ModelServer, PrefillRate, MAX_LORAS, MAX_LORA_BYTES, PREFILL_MIN_TOKENS,
+    PREFILL_WINDOW,
 };
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};

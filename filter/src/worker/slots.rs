@@ -13,8 +13,7 @@ use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Capacity;
 use sluice_policies::overload::LoadSignals;
 use sluice_policies::routing::{
-    shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch,
-    PREFILL_MIN_TOKENS,
+    shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch, PREFILL_MIN_TOKENS,
 };
 
 /// Prefix blocks and sessions remembered for affinity, per VM (the blocks
