@@ -102,11 +102,9 @@ impl MaxTokens {
                 };
                 MaxTokens::Multiple { factor: num("multiple", None)?, spread: num("spread", Some(0.0))? }
             }
-            other => {
-                return Err(format!(
+            other => return Err(format!(
                 "{field} must be \"absent\", \"oracle\", a number or {{\"multiple\": f, \"spread\": s}}, got {other}"
-            ))
-            }
+            )),
         };
         m.validate(field)?;
         Ok(m)
