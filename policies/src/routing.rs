@@ -13,11 +13,12 @@ mod picker;
 pub mod scorers;
 
 pub use affinity::{
-    prefix_hashes, shared_blocks, shared_shard, write_shared, AffinityIndex, BlockWrite, SHARED_ENTRY_BYTES,
+    prefix_hashes, shared_blocks, shared_shard, write_shared, AffinityIndex, BlockWrite, Confirmed, SHARED_ENTRY_BYTES,
     SHARED_STRIDE,
 };
 pub use metrics::{
-    lora_names, EndpointMetrics, ModelServer, PrefillRate, MAX_LORAS, MAX_LORA_BYTES, PREFILL_EWMA, PREFILL_MIN_TOKENS,
+    lora_names, EndpointMetrics, ModelServer, PrefillRate, MAX_LORAS, MAX_LORA_BYTES, PREFILL_MIN_TOKENS,
+    PREFILL_WINDOW,
 };
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};

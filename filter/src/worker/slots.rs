@@ -13,7 +13,7 @@ use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Capacity;
 use sluice_policies::overload::LoadSignals;
 use sluice_policies::routing::{
-    shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch,
+    shared_shard, write_shared, AffinityIndex, BlockWrite, EndpointView, RouteContext, Scratch, PREFILL_MIN_TOKENS,
 };
 
 /// Prefix blocks and sessions remembered for affinity, per VM (the blocks
@@ -194,10 +194,29 @@ impl Slots {
     }
 
     /// Request `req`'s first token came back: where this VM routed it, its
-    /// prefix is cached, here and in the shared shards.
+    /// prefix is cached, here and in the shared shards; and with
+    /// `routing.prefill_speed`, when no endpoint was believed to hold any of
+    /// its prompt (of at least `PREFILL_MIN_TOKENS` tokens), its time to
+    /// first token over those tokens is a sample of the endpoint's prefill
+    /// speed (`PrefillRate::observe`: the least sample counts, so one that
+    /// queued behind other prefills does not). Known at the first long
+    /// prompt's first token, seconds before the engine's own counters, which
+    /// grow only when a request finishes.
     pub(super) fn confirm<H: Host>(&mut self, env: &Env<H>, req: u64) {
-        if let Some((endpoint, blocks)) = self.affinity.confirm(req, env.now) {
-            write_affinity(env, &blocks, BlockWrite::Confirmed { endpoint });
+        let Some(c) = self.affinity.confirm(req, env.now) else { return };
+        write_affinity(env, &c.blocks, BlockWrite::Confirmed { endpoint: c.endpoint });
+        let routing = &env.cfg.routing;
+        // Only a prompt no endpoint was believed to hold any of: the engine also caches what
+        // it generated (a conversation's answers), which the index never sees, and a cached
+        // block taken as prefilled would read as a fast engine.
+        let tokens = (c.uncached * routing.prefix_block_bytes / 4) as f64;
+        if routing.prefill_speed && c.uncached == c.blocks.len() && tokens >= PREFILL_MIN_TOKENS {
+            let sample = c.waited_ms as f64 / 1000.0 / tokens;
+            shared::update_record(&env.host, env.endpoints(), c.endpoint, |r| {
+                if let Some(m) = r.metrics.as_mut() {
+                    m.prefill_rate = m.prefill_rate.observe(sample);
+                }
+            });
         }
     }
 

@@ -199,11 +199,29 @@ impl Entry {
     }
 }
 
+/// A request whose first token came back ([`AffinityIndex::confirm`]).
+#[derive(Debug, PartialEq)]
+pub struct Confirmed {
+    /// Where it was sent.
+    pub endpoint: usize,
+    /// Its prompt's blocks, now believed cached there.
+    pub blocks: Box<[u64]>,
+    /// From its dispatch to its first token.
+    pub waited_ms: u64,
+    /// Its blocks no endpoint was believed to hold when it was sent (so
+    /// prefilled, unless the index forgot them).
+    pub uncached: usize,
+}
+
 /// A dispatched request whose first token has not come back yet.
 #[derive(Debug)]
 struct Pending {
     endpoint: u32,
     blocks: Box<[u64]>,
+    /// When it was sent, and how many of its blocks no endpoint was believed
+    /// to hold then ([`Confirmed::uncached`]).
+    sent_ms: u64,
+    uncached: u32,
     /// When it was recorded, on the request clock (for eviction).
     stamp: u64,
 }
@@ -270,6 +288,13 @@ impl AffinityIndex {
         if req.prefix.is_empty() {
             return;
         }
+        // The blocks no endpoint is believed to hold (hashes are chained: past the last block
+        // held anywhere). Not only those `endpoint` is not: the index knows one or two holders
+        // of a block, and a prompt cached where the index did not look would time as a fast
+        // prefill; no holder anywhere is the closest the index comes to "prefilled for sure".
+        let held_anywhere = |h: &u64| self.blocks.get(h).is_some_and(|e| e.holders(now_ms) != [NONE; 2]);
+        let held = req.prefix.iter().rposition(held_anywhere).map_or(0, |i| i + 1);
+        let uncached = (req.prefix.len() - held).min(u32::MAX as usize) as u32;
         if self.speculative_ttl_ms > 0 {
             let expires_ms = now_ms.saturating_add(self.speculative_ttl_ms);
             for &h in req.prefix {
@@ -279,7 +304,7 @@ impl AffinityIndex {
             }
             self.evict_blocks(now_ms);
         }
-        let pending = Pending { endpoint, blocks: req.prefix.into(), stamp: self.routed };
+        let pending = Pending { endpoint, blocks: req.prefix.into(), sent_ms: now_ms, uncached, stamp: self.routed };
         self.pending_blocks += pending.blocks.len();
         if let Some(old) = self.pending.insert(id, pending) {
             self.pending_blocks -= old.blocks.len();
@@ -288,9 +313,9 @@ impl AffinityIndex {
     }
 
     /// Request `id`'s first token came back: its blocks are cached where it
-    /// went. Returns the endpoint and the blocks when this index was waiting
-    /// for it (to tell the other VMs: [`write_shared`]).
-    pub fn confirm(&mut self, id: u64, now_ms: u64) -> Option<(usize, Box<[u64]>)> {
+    /// went. Returns where it went, when this index was waiting for it (to
+    /// tell the other VMs, [`write_shared`], and to time the prefill).
+    pub fn confirm(&mut self, id: u64, now_ms: u64) -> Option<Confirmed> {
         let p = self.pending.remove(&id)?;
         self.pending_blocks -= p.blocks.len();
         for &h in p.blocks.iter() {
@@ -303,7 +328,8 @@ impl AffinityIndex {
             }
         }
         self.evict_blocks(now_ms);
-        Some((p.endpoint as usize, p.blocks))
+        let waited_ms = now_ms.saturating_sub(p.sent_ms);
+        Some(Confirmed { endpoint: p.endpoint as usize, blocks: p.blocks, waited_ms, uncached: p.uncached as usize })
     }
 
     /// Takes what a shared shard (`shard`, [`write_shared`]'s bytes) says of
@@ -430,6 +456,22 @@ mod tests {
         assert_eq!(lengths(&idx, &turn, 5, 2), [1.0, 3.0]);
     }
 
+    /// Issue 23: a confirmation times the prefill of the blocks no endpoint
+    /// was believed to hold, wherever the request went.
+    #[test]
+    fn a_confirmation_says_how_long_and_how_much_was_prefilled() {
+        let mut idx = AffinityIndex::new(1000, 0);
+        let system = hashes(&[[1u8; 64], [2u8; 64]].concat(), 64);
+        let turn = hashes(&[[1u8; 64], [2u8; 64], [3u8; 64], [4u8; 64]].concat(), 64);
+        idx.record(1, &RouteRequest { prefix: &system, ..Default::default() }, 0, 100);
+        let c = idx.confirm(1, 350).unwrap();
+        assert_eq!((c.endpoint, c.waited_ms, c.uncached), (0, 250, 2), "nothing held: all of it");
+        // Sent to endpoint 1: its first two blocks are held on endpoint 0, so not surely prefilled.
+        idx.record(2, &RouteRequest { prefix: &turn, ..Default::default() }, 1, 400);
+        let c = idx.confirm(2, 410).unwrap();
+        assert_eq!((c.endpoint, c.waited_ms, c.uncached), (1, 10, 2));
+    }
+
     #[test]
     fn speculative_entries_count_until_their_ttl_unless_confirmed() {
         let mut idx = AffinityIndex::new(1000, 100);
@@ -440,7 +482,8 @@ mod tests {
         assert_eq!(lengths(&idx, &p, 1_099, 3), [0.0, 0.0, 4.0]);
         assert_eq!(lengths(&idx, &p, 1_100, 3), [0.0; 3], "expired, never confirmed");
         // Confirmed (even late), it stays.
-        assert_eq!(idx.confirm(7, 1_200), Some((2, p.clone().into())));
+        let confirmed = Confirmed { endpoint: 2, blocks: p.clone().into(), waited_ms: 200, uncached: p.len() };
+        assert_eq!(idx.confirm(7, 1_200), Some(confirmed));
         assert!(idx.confirm(7, 1_200).is_none(), "once");
         assert_eq!(lengths(&idx, &p, 1_000_000, 3), [0.0, 0.0, 4.0]);
         // A speculative send elsewhere adds a holder without erasing the confirmed one...
@@ -464,7 +507,7 @@ mod tests {
         b.adopt(&p, &shard, 1_050);
         assert_eq!(lengths(&b, &p, 1_050, 3), [0.0, 0.0, 20.0], "speculative, as in `a`");
         assert_eq!(lengths(&b, &p, 1_100, 3), [0.0; 3], "and with the same expiry");
-        let (endpoint, blocks) = a.confirm(1, 1_200).unwrap();
+        let Confirmed { endpoint, blocks, .. } = a.confirm(1, 1_200).unwrap();
         let confirmed = BlockWrite::Confirmed { endpoint };
         let shard = write_shared(&shard, &blocks, confirmed, 1_200, 64).unwrap();
         assert_eq!(write_shared(&shard, &blocks, confirmed, 1_300, 64), None, "nothing new: no write");

@@ -95,15 +95,17 @@ pub struct EndpointMetrics {
     pub prefill_rate: PrefillRate,
 }
 
-/// Weights of a new sample in [`PrefillRate`]'s moving average, below and above
-/// it: the average follows the lower envelope of the samples. A request's
-/// prefill time counts every iteration it shared with other prefills (and
-/// decodes), so a window's seconds per token is the engine's speed times how
-/// many prefills ran together: never below the speed, above it by the load.
-/// Following the fast windows quickly and the slow ones slowly measures the
-/// hardware (an A100 against an H100) rather than the queue, which the cost
-/// already counts; a slowdown that lasts (a throttled GPU) still comes through.
-pub const PREFILL_EWMA: [f64; 2] = [0.2, 0.02];
+/// Samples in each of [`PrefillRate`]'s two epochs: the speed is the least
+/// sample of the last one or two epochs (16 to 31 samples), a windowed
+/// minimum like BBR's min-RTT filter. A request's prefill time counts every
+/// iteration it shared with other prefills (and decodes), so a window's
+/// seconds per token is the engine's speed times how many prefills ran
+/// together: never below the speed, above it by the load. The least sample
+/// reads the engine when it ran one prefill, the hardware (an A100 against an
+/// H100) rather than the queue, which the cost already counts; a moving
+/// average read identical GPUs more than 1.5× apart. A slowdown that lasts (a
+/// throttled GPU) comes through within two epochs.
+pub const PREFILL_WINDOW: u32 = 16;
 /// Uncached prompt tokens a window needs before it is a sample: a few fully
 /// cached prompts (one token computed, a whole iteration spent) would
 /// otherwise read as a very slow server. Until then the window grows.
@@ -120,15 +122,24 @@ pub struct PrefillRate {
     /// The counters (`prefill_seconds`, `prefill_tokens`) the current window
     /// started at.
     pub base: (f64, f64),
-    /// The moving average, seconds per token; 0 while unknown.
+    /// The speed, seconds per token: the least of [`PrefillRate::previous`]
+    /// and [`PrefillRate::current`]; 0 while unknown.
     pub seconds_per_token: f64,
+    /// The least sample of the last whole epoch of [`PREFILL_WINDOW`]
+    /// samples; 0 before one.
+    pub previous: f64,
+    /// The least sample of the epoch under way; 0 before its first.
+    pub current: f64,
+    /// Samples taken in the epoch under way.
+    pub samples: u32,
 }
 
 impl PrefillRate {
     /// The rate once the counters read `seconds` and `tokens`: a window of at
-    /// least [`PREFILL_MIN_TOKENS`] is a sample, averaged in with weight
-    /// [`PREFILL_EWMA`]; counters that went back (a restart) or a sample out
-    /// of any server's range start a new window and leave the rate as it was.
+    /// least [`PREFILL_MIN_TOKENS`] is a sample, and the rate the least
+    /// sample over the last one or two epochs of [`PREFILL_WINDOW`]; counters
+    /// that went back (a restart) or a sample out of any server's range start
+    /// a new window and leave the rate as it was.
     pub fn next(self, seconds: f64, tokens: f64) -> PrefillRate {
         let (ds, dt) = (seconds - self.base.0, tokens - self.base.1);
         if !(ds >= 0.0 && dt >= 0.0) {
@@ -137,16 +148,32 @@ impl PrefillRate {
         if dt < PREFILL_MIN_TOKENS {
             return self;
         }
-        let sample = ds / dt;
-        let seconds_per_token = if !PREFILL_SANE.contains(&sample) {
-            self.seconds_per_token
-        } else if self.seconds_per_token > 0.0 {
-            let weight = PREFILL_EWMA[usize::from(sample > self.seconds_per_token)];
-            self.seconds_per_token + weight * (sample - self.seconds_per_token)
-        } else {
-            sample
+        PrefillRate { base: (seconds, tokens), ..self }.observe(ds / dt)
+    }
+
+    /// The rate after one more `sample` (seconds per uncached prompt token,
+    /// from the counters or from a request's own time to first token): the
+    /// least over the last one or two epochs of [`PREFILL_WINDOW`] samples. A
+    /// sample out of any server's range changes nothing.
+    pub fn observe(self, sample: f64) -> PrefillRate {
+        if !PREFILL_SANE.contains(&sample) {
+            return self;
+        }
+        // A hostile record (a peer's, decoded) may hold anything: only a sane least counts.
+        let least = |a: f64, b: f64| match (PREFILL_SANE.contains(&a), PREFILL_SANE.contains(&b)) {
+            (true, true) => a.min(b),
+            (true, false) => a,
+            (false, true) => b,
+            (false, false) => 0.0,
         };
-        PrefillRate { base: (seconds, tokens), seconds_per_token }
+        let mut r = self;
+        r.current = least(r.current, sample);
+        r.samples = r.samples.saturating_add(1);
+        if r.samples >= PREFILL_WINDOW {
+            (r.previous, r.current, r.samples) = (r.current, 0.0, 0);
+        }
+        r.seconds_per_token = least(r.previous, r.current);
+        r
     }
 
     /// Seconds per uncached prompt token, once measured.
@@ -299,7 +326,7 @@ vllm:request_prefill_time_seconds_count 7\nvllm:request_prefill_kv_computed_toke
     }
 
     #[test]
-    fn the_prefill_rate_is_the_counters_growth_smoothed() {
+    fn the_prefill_rate_is_the_least_window_of_the_counters_growth() {
         let m = EndpointMetrics::from_prometheus(&prefill_page(2.5, 10_000.0), ModelServer::Vllm).0.unwrap();
         assert_eq!((m.prefill_seconds, m.prefill_tokens), (2.5, 10_000.0));
         let pages: Vec<String> = [(1.0, 10_000.0), (3.0, 20_000.0), (3.01, 20_100.0), (3.51, 30_100.0)]
@@ -308,13 +335,36 @@ vllm:request_prefill_time_seconds_count 7\nvllm:request_prefill_kv_computed_toke
             .collect();
         let got = rates(&pages);
         assert_eq!(got[0], Some(1e-4), "since the server started");
-        let [down, up] = PREFILL_EWMA;
-        let second = 1e-4 + up * (2e-4 - 1e-4);
-        assert!((got[1].unwrap() - second).abs() < 1e-12, "{got:?}: a slow window (a busy batch) moves it little");
+        assert_eq!(got[1], Some(1e-4), "a slow window (a busy batch) changes nothing");
         assert_eq!(got[2], got[1], "100 tokens are no sample yet");
         // The window kept growing from the second page: 0.51 s over 10,100 tokens, fast.
-        let fourth = second + down * (0.51 / 10_100.0 - second);
-        assert!((got[3].unwrap() - fourth).abs() < 1e-12, "{got:?}: a fast window moves it much");
+        assert!((got[3].unwrap() - 0.51 / 10_100.0).abs() < 1e-15, "{got:?}: a faster window is the rate at once");
+    }
+
+    /// Issue 23: identical GPUs under different loads read one speed, and a
+    /// slowdown that lasts comes through within two epochs.
+    #[test]
+    fn the_least_sample_reads_the_hardware_not_the_load_and_ages_out() {
+        let after = |samples: &[f64]| samples.iter().fold(PrefillRate::default(), |r, &s| r.observe(s));
+        // Each sample is the speed (3e-5 s a token) times the prefills that ran with it.
+        let busy: Vec<f64> = (0..20).map(|i| 3e-5 * [1.0, 3.0, 2.0, 4.0][i % 4]).collect();
+        let idle: Vec<f64> = (0..20).map(|i| 3e-5 * [1.0, 1.0, 1.5, 1.0][i % 4]).collect();
+        assert_eq!((after(&busy).get(), after(&idle).get()), (Some(3e-5), Some(3e-5)));
+        // Throttled to a third: every later sample is slower. The old least lasts the
+        // epoch under way and the next, then goes.
+        let mut r = after(&busy);
+        let mut took = 0;
+        while r.get() == Some(3e-5) {
+            r = r.observe(9e-5);
+            took += 1;
+        }
+        assert!(took > PREFILL_WINDOW as usize && took <= 2 * PREFILL_WINDOW as usize, "{took}");
+        assert_eq!(r.get(), Some(9e-5));
+        // Out of any server's range: nothing changes; a hostile record's least is replaced.
+        assert_eq!(r.observe(f64::NAN), r);
+        assert_eq!(r.observe(5.0), r);
+        let hostile = PrefillRate { previous: f64::INFINITY, current: -1.0, ..PrefillRate::default() };
+        assert_eq!(hostile.observe(1e-4).get(), Some(1e-4));
     }
 
     #[test]

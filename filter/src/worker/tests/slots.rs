@@ -129,6 +129,41 @@ fn prefix_entries_are_speculative_until_the_first_token_confirms_them() {
     assert_eq!(held(&scheduler, 300)[e], 3.0, "confirmed by the worker's charge");
 }
 
+/// Issue 23: with `routing.prefill_speed`, the first token of a prompt no
+/// endpoint was believed to hold times the endpoint's prefill, long before a
+/// request finishes and the engine's counters grow; a prompt the index
+/// believes cached somewhere is no sample.
+#[test]
+fn a_cold_prompts_first_token_is_a_sample_of_its_endpoints_prefill_speed() {
+    let speed_after = |prefill_speed: bool| {
+        let p = Rc::new(Process::default());
+        let routing = serde_json::json!({"scrape_cluster": "model_servers", "scrape_interval_ms": 50,
+            "max_scrape_interval_ms": 50, "prefill_speed": prefill_speed});
+        let mut w = vm(&p, 1, scraping(serde_json::json!({"routing": routing})), 0);
+        scrape(&mut w, 50, |_| vllm(0, 0, 0.0));
+        let speed = |e: usize| shared::records(&p.store, 4)[e].metrics.as_ref().and_then(|m| m.prefill_rate.get());
+        // 64 blocks of 16 tokens: 1,024 tokens, the least a sample takes.
+        let prompt: Vec<u64> = (1..=64).collect();
+        let e = endpoint_of(admit_route(&mut w, 60, 1, &prompt));
+        w.at(60 + 256).charge(1, 1);
+        w.at(320).finish(1, Ended::default());
+        let first = speed(e);
+        // The same prompt again, now believed cached where it went: no sample, wherever it goes.
+        let again = endpoint_of(admit_route(&mut w, 330, 2, &prompt));
+        w.at(330 + 1).charge(2, 1);
+        w.at(332).finish(2, Ended::default());
+        let short: Vec<u64> = (100..163).collect();
+        let e_short = endpoint_of(admit_route(&mut w, 400, 3, &short));
+        w.at(400 + 1).charge(3, 1);
+        (first, speed(again), e, again, speed(e_short), e_short)
+    };
+    let (first, again, e, e2, short, e3) = speed_after(true);
+    assert_eq!(first, Some(0.256 / 1024.0), "256 ms for 1,024 tokens");
+    assert_eq!(again, if e2 == e { first } else { None }, "a cached prompt is no sample");
+    assert_eq!(short, if e3 == e { first } else { None }, "63 blocks are too few");
+    assert_eq!(speed_after(false).0, None, "off: nothing measured");
+}
+
 /// The slots of worker `worker` over `cfg`, on a host of their own, at time 0.
 fn slots_alone(cfg: Config, worker: u32) -> (Rc<Process>, Env<Vm>, Slots) {
     let p = Rc::new(Process::default());

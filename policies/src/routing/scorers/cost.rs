@@ -35,8 +35,11 @@ pub const SATURATED_QUEUE_SHARE: f64 = 0.25;
 /// [`PrefillRate`](crate::routing::PrefillRate)), so a GPU that prefills
 /// twice as slowly counts each unit of work twice; an endpoint whose speed is
 /// not known counts at the mean, and where none is known (the filter
-/// measures it only with `routing.prefill_speed`) every endpoint counts at 1
-/// (the same rate everywhere, a slower one showing only in its queue). Min-max normalised over the candidates. Where nothing is cached the
+/// measures it only with `routing.prefill_speed`), or while some candidate is
+/// saturated, every endpoint counts at 1 (the same rate everywhere, a slower
+/// one showing only in its queue): saturated, the pool's throughput needs the
+/// slow GPUs' slots, and pricing them up left them idle while the fast ones'
+/// queues grew (docs/results/2026-11-27-prefix-routing.md). Min-max normalised over the candidates. Where nothing is cached the
 /// prompt term is equal everywhere and the load decides; where a prefix is
 /// cached, the endpoint holding it wins until its queue costs more than the
 /// prefill it saves, so affinity holds under saturation while the load on
@@ -94,7 +97,8 @@ impl Scorer for Cost {
         cx.match_lengths(out);
         let speed = |i: usize| cx.pool[i].metrics.and_then(|m| m.prefill_rate.get());
         let (sum, known) = candidates.iter().filter_map(|&i| speed(i)).fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
-        let mean = (known > 0).then(|| sum / f64::from(known));
+        let mean = (known > 0 && !cx.saturated).then(|| sum / f64::from(known));
+        // (Saturated: the speeds are not counted, see above.)
         // Saturated, a miss costs the pool's throughput, the wait of every queued request.
         let queue_share = if cx.saturated { SATURATED_QUEUE_SHARE } else { 1.0 };
         for &i in candidates {
@@ -124,11 +128,17 @@ mod tests {
 
     /// The `cost` scores of a request of 8 uncached blocks on `pool`.
     fn scores(pool: &[EndpointMetrics]) -> Vec<f64> {
+        scores_when(pool, false)
+    }
+
+    /// [`scores`], with some candidate `saturated` or not.
+    fn scores_when(pool: &[EndpointMetrics], saturated: bool) -> Vec<f64> {
         let views: Vec<EndpointView<'_>> =
             pool.iter().map(|m| EndpointView { metrics: Some(m), healthy: true, ..Default::default() }).collect();
         let index = AffinityIndex::new(100, 0);
         let prefix: Vec<u64> = (0..8).collect();
         let cx = RouteContext::new(RouteRequest { prefix: &prefix, ..Default::default() }, &views, &index, 0);
+        let cx = RouteContext { saturated, ..cx };
         let candidates: Vec<usize> = (0..pool.len()).collect();
         let mut out = vec![0.0; pool.len()];
         Cost.score(&cx, &candidates, &mut out);
@@ -143,6 +153,16 @@ mod tests {
         // cost what the prompt and 5 waiting cost on the fast one.
         assert_eq!(scores(&[endpoint(1.0, slow), endpoint(4.9, fast)])[0], 0.0);
         assert_eq!(scores(&[endpoint(1.0, slow), endpoint(5.1, fast)])[1], 0.0);
+    }
+
+    /// Issue 23: saturated, the speeds are not counted. Routing the slow GPUs
+    /// fewer requests then left them idle while the fast ones' queues grew
+    /// (multi-turn conversations at 1.5× load on 2 × H100 + 2 × A100).
+    #[test]
+    fn saturated_every_endpoint_counts_at_one_speed() {
+        let pool = [endpoint(1.0, Some(3e-4)), endpoint(2.0, Some(1e-4))];
+        assert_eq!(scores_when(&pool, false), [0.0, 1.0], "the fast one, with a longer queue");
+        assert_eq!(scores_when(&pool, true), [1.0, 0.0], "the shorter queue");
     }
 
     #[test]
