@@ -361,14 +361,11 @@ impl Scheduler {
                 return;
             }
             let predicted_ms = mean.map(|m| m.min(u32::MAX as f64) as u32);
-            slo_entry = Some((key, work, QueuedSlo {
-                deadline,
-                demoted: false,
-                input_tokens,
-                at,
-                predicted_ms,
-                work: work.mean,
-            }));
+            slo_entry = Some((
+                key,
+                work,
+                QueuedSlo { deadline, demoted: false, input_tokens, at, predicted_ms, work: work.mean },
+            ));
         }
         let flow = self.queue.flow_id(&tenant);
         let r = Request { id: req, flow, input_tokens, max_output_tokens: max_tokens, arrival_ms };
