@@ -220,11 +220,6 @@ impl Slots {
         }
     }
 
-    /// Request `req` ended without a first token: see [`AffinityIndex::abandon`].
-    pub(super) fn abandon(&mut self, req: u64) {
-        self.affinity.abandon(req);
-    }
-
     /// Where a request the filter does not schedule goes: see
     /// [`super::Worker::passthrough_endpoint`].
     pub(super) fn passthrough_endpoint<H: Host>(&mut self, env: &Env<H>) -> usize {
