@@ -229,28 +229,6 @@ fn add_to_row(rows: &mut Vec<u8>, endpoints: usize, owner: u32, endpoint: usize,
     }
 }
 
-/// Prompt blocks each worker sent to each endpoint whose first token has
-/// not come back: rows as [`LOAD_KEY`]'s.
-pub const PREFILL_KEY: &str = "sluice.prefilling";
-
-/// Sets `owner`'s row of prefill under way to `blocks(e)` for each endpoint
-/// (its affinity index's sums: evicted requests leave them too).
-pub fn set_prefilling(store: &dyn Store, endpoints: usize, owner: u32, blocks: impl Fn(usize) -> u64) {
-    update(store, PREFILL_KEY, |v| {
-        let mut rows = decode_rows(v, endpoints);
-        rows.retain(|r| r.worker != owner);
-        let load: Vec<u32> = (0..endpoints).map(|e| blocks(e).min(u64::from(u32::MAX)) as u32).collect();
-        rows.push(Row { worker: owner, load });
-        let new = encode_rows(&rows);
-        (v.unwrap_or_default() != new.as_slice()).then_some((new, ()))
-    });
-}
-
-/// Prompt blocks under way per endpoint, over every worker.
-pub fn prefilling(store: &dyn Store, endpoints: usize) -> Vec<u32> {
-    total_of(whole_rows(store.get(PREFILL_KEY).0.as_deref(), endpoints), endpoints)
-}
-
 /// In-flight requests per endpoint, over every worker.
 pub fn load(store: &dyn Store, endpoints: usize) -> Vec<u32> {
     total_of(whole_rows(store.get(LOAD_KEY).0.as_deref(), endpoints), endpoints)
@@ -373,7 +351,6 @@ impl EndpointRecord {
             age_ms: now_ms.saturating_sub(self.scraped_ms),
             healthy: self.healthy(now_ms),
             full: false,
-            prefilling: 0,
         }
     }
 }

@@ -43,9 +43,6 @@ pub struct EndpointView<'a> {
     /// At its in-flight limit ([`crate::admission::Band`]): it takes no new
     /// request, whatever the scores.
     pub full: bool,
-    /// Prompt blocks this gateway (every VM) sent there whose first token
-    /// has not come back: the prefill under way.
-    pub prefilling: u64,
 }
 
 /// An endpoint's load as predicted at decision time.

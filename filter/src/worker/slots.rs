@@ -24,8 +24,6 @@ const AFFINITY_CAPACITY: usize = 1 << 16;
 pub(super) struct Slots {
     /// Which endpoint served which prefix blocks and sessions.
     pub(super) affinity: AffinityIndex,
-    /// This worker's number in shared rows (set at the first dispatch).
-    owner: u32,
     /// The router's buffers, reused from one request to the next.
     route_scratch: Scratch,
     /// xorshift state for the weighted-random picker.
@@ -52,7 +50,6 @@ impl Slots {
             limits: vec![initial_limit; cfg.endpoints.len()],
             passthrough_next: worker as usize,
             failure_streak: vec![0; cfg.endpoints.len()],
-            owner: worker,
         }
     }
 
@@ -120,22 +117,13 @@ impl Slots {
         // Each endpoint's band: the learned limit under the operator's cap.
         let limits = &self.limits;
         let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
-        // Every VM's prefills under way, per endpoint.
-        let prefilling = shared::prefilling(&env.host, n);
         let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
             (0..n)
                 .map(|i| {
                     let full = !band(i).has_room(load[i], from_queue);
-                    let prefilling = u64::from(prefilling[i]);
                     match &records[i] {
-                        r if scraping => EndpointView { full, prefilling, ..r.view(load[i], now) },
-                        r => EndpointView {
-                            in_flight: load[i],
-                            healthy: r.healthy(now),
-                            full,
-                            prefilling,
-                            ..Default::default()
-                        },
+                        r if scraping => EndpointView { full, ..r.view(load[i], now) },
+                        r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
                     }
                 })
                 .collect()
@@ -193,10 +181,7 @@ impl Slots {
             Some((permit, _stock)) => {
                 env.publish_stock();
                 let endpoint = permit.endpoint() as usize;
-                let prefill = self.affinity.record(req, &request, endpoint, now);
-                self.owner = owner;
-                let _ = prefill;
-                shared::set_prefilling(&env.host, n, owner, |e| self.affinity.prefilling(e));
+                self.affinity.record(req, &request, endpoint, now);
                 if routing.speculative_ttl_ms > 0 {
                     let expires_ms = now.saturating_add(routing.speculative_ttl_ms);
                     write_affinity(env, request.prefix, BlockWrite::Sent { endpoint, expires_ms });
@@ -219,7 +204,6 @@ impl Slots {
     /// grow only when a request finishes.
     pub(super) fn confirm<H: Host>(&mut self, env: &Env<H>, req: u64) {
         let Some(c) = self.affinity.confirm(req, env.now) else { return };
-        shared::set_prefilling(&env.host, env.endpoints(), self.owner, |e| self.affinity.prefilling(e));
         write_affinity(env, &c.blocks, BlockWrite::Confirmed { endpoint: c.endpoint });
         let routing = &env.cfg.routing;
         // Only a prompt no endpoint was believed to hold any of: the engine also caches what
@@ -233,14 +217,6 @@ impl Slots {
                     m.prefill_rate = m.prefill_rate.observe(sample);
                 }
             });
-        }
-    }
-
-    /// Request `req` ended without a first token: see [`AffinityIndex::abandon`].
-    pub(super) fn abandon<H: Host>(&mut self, env: &Env<H>, req: u64) {
-        if let Some((endpoint, prefill)) = self.affinity.abandon(req) {
-            let _ = (endpoint, prefill);
-            shared::set_prefilling(&env.host, env.endpoints(), self.owner, |e| self.affinity.prefilling(e));
         }
     }
 

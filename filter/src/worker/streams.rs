@@ -551,9 +551,6 @@ impl Streams {
                     .then(|| env.now.saturating_sub(sent_ms).min(u32::MAX as u64) as u32);
                 if first_token_ms.is_some() {
                     hub.slots.confirm(env, env.request_id(ctx).0);
-                } else if !first_seen {
-                    // No first token: its prefill no longer counts where it went.
-                    hub.slots.abandon(env, env.request_id(ctx).0);
                 }
                 let output = Output { tokens: uncharged_tokens, first_token_ms };
                 let req = env.request_id(ctx);

@@ -199,10 +199,6 @@ impl Entry {
     }
 }
 
-/// Endpoints whose prefill under way [`AffinityIndex::prefilling`] counts:
-/// a bound on its memory whatever index a caller passes.
-pub const MAX_TRACKED_ENDPOINTS: usize = 4096;
-
 /// A request whose first token came back ([`AffinityIndex::confirm`]).
 #[derive(Debug, PartialEq)]
 pub struct Confirmed {
@@ -215,8 +211,6 @@ pub struct Confirmed {
     /// Its blocks no endpoint was believed to hold when it was sent (so
     /// prefilled, unless the index forgot them).
     pub uncached: usize,
-    /// Its blocks counted in [`AffinityIndex::prefilling`] until now.
-    pub prefill: usize,
 }
 
 /// A dispatched request whose first token has not come back yet.
@@ -228,9 +222,6 @@ struct Pending {
     /// to hold then ([`Confirmed::uncached`]).
     sent_ms: u64,
     uncached: u32,
-    /// Its blocks past the last one `endpoint` was believed to hold when it
-    /// was sent: the prefill it adds there ([`AffinityIndex::prefilling`]).
-    prefill: u32,
     /// When it was recorded, on the request clock (for eviction).
     stamp: u64,
 }
@@ -244,9 +235,6 @@ pub struct AffinityIndex {
     pending: HashMap<u64, Pending>,
     /// Blocks held by `pending`, bounded by `capacity` like `blocks`.
     pending_blocks: usize,
-    /// The `prefill` blocks of `pending` by endpoint (endpoints past
-    /// [`MAX_TRACKED_ENDPOINTS`] are not counted).
-    prefilling: Vec<u64>,
     /// Block writes so far: the stamps of `blocks`.
     block_clock: u64,
     /// Requests recorded so far: the stamps of `sessions` and `pending`.
@@ -261,20 +249,6 @@ impl AffinityIndex {
     /// entries count).
     pub fn new(capacity: usize, speculative_ttl_ms: u64) -> Self {
         AffinityIndex { capacity: capacity.max(16), speculative_ttl_ms, ..Default::default() }
-    }
-
-    /// Adds (or with `remove`, takes away) a pending request's prefill from
-    /// its endpoint's sum.
-    fn count_prefill(&mut self, p: &Pending, remove: bool) {
-        let e = p.endpoint as usize;
-        if e >= MAX_TRACKED_ENDPOINTS {
-            return;
-        }
-        if self.prefilling.len() <= e {
-            self.prefilling.resize(e + 1, 0);
-        }
-        let sum = &mut self.prefilling[e];
-        *sum = if remove { sum.saturating_sub(u64::from(p.prefill)) } else { *sum + u64::from(p.prefill) };
     }
 
     /// Requests awaiting confirmation at most: one in flight each.
@@ -295,18 +269,12 @@ impl AffinityIndex {
         let (_, &mut median, _) = stamps.select_nth_unstable(half);
         self.pending.retain(|_, p| p.stamp >= median);
         self.pending_blocks = self.pending.values().map(|p| p.blocks.len()).sum();
-        self.prefilling.fill(0);
-        let pending = std::mem::take(&mut self.pending);
-        for p in pending.values() {
-            self.count_prefill(p, false);
-        }
-        self.pending = pending;
     }
 
     /// Records that request `id` was sent to `endpoint` at `now_ms`: its
     /// blocks become speculative entries there until it is confirmed, and its
     /// session follows it at once.
-    pub fn record(&mut self, id: u64, req: &RouteRequest<'_>, endpoint: usize, now_ms: u64) -> usize {
+    pub fn record(&mut self, id: u64, req: &RouteRequest<'_>, endpoint: usize, now_ms: u64) {
         self.routed += 1;
         let endpoint = endpoint.min(NONE as usize - 1) as u32;
         if let Some(s) = req.session {
@@ -318,7 +286,7 @@ impl AffinityIndex {
             }
         }
         if req.prefix.is_empty() {
-            return 0;
+            return;
         }
         // The blocks no endpoint is believed to hold (hashes are chained: past the last block
         // held anywhere). Not only those `endpoint` is not: the index knows one or two holders
@@ -327,11 +295,6 @@ impl AffinityIndex {
         let held_anywhere = |h: &u64| self.blocks.get(h).is_some_and(|e| e.holders(now_ms) != [NONE; 2]);
         let held = req.prefix.iter().rposition(held_anywhere).map_or(0, |i| i + 1);
         let uncached = (req.prefix.len() - held).min(u32::MAX as usize) as u32;
-        // Where it goes: the blocks past the last one held there (confirmed, or sent by an
-        // earlier pending request, whose prefill this one then waits for, not repeats).
-        let held_there = |h: &u64| self.blocks.get(h).is_some_and(|e| e.holders(now_ms).contains(&endpoint));
-        let held = req.prefix.iter().rposition(held_there).map_or(0, |i| i + 1);
-        let prefill = (req.prefix.len() - held).min(u32::MAX as usize) as u32;
         if self.speculative_ttl_ms > 0 {
             let expires_ms = now_ms.saturating_add(self.speculative_ttl_ms);
             for &h in req.prefix {
@@ -341,23 +304,20 @@ impl AffinityIndex {
             }
             self.evict_blocks(now_ms);
         }
-        let pending =
-            Pending { endpoint, blocks: req.prefix.into(), sent_ms: now_ms, uncached, prefill, stamp: self.routed };
+        let pending = Pending { endpoint, blocks: req.prefix.into(), sent_ms: now_ms, uncached, stamp: self.routed };
         self.pending_blocks += pending.blocks.len();
-        self.count_prefill(&pending, false);
         if let Some(old) = self.pending.insert(id, pending) {
             self.pending_blocks -= old.blocks.len();
-            self.count_prefill(&old, true);
         }
         self.evict_pending();
-        prefill as usize
     }
 
     /// Request `id`'s first token came back: its blocks are cached where it
     /// went. Returns where it went, when this index was waiting for it (to
     /// tell the other VMs, [`write_shared`], and to time the prefill).
     pub fn confirm(&mut self, id: u64, now_ms: u64) -> Option<Confirmed> {
-        let p = self.forget_pending(id)?;
+        let p = self.pending.remove(&id)?;
+        self.pending_blocks -= p.blocks.len();
         for &h in p.blocks.iter() {
             self.block_clock += 1;
             let e = self.blocks.entry(h).or_insert(Entry::EMPTY);
@@ -369,39 +329,7 @@ impl AffinityIndex {
         }
         self.evict_blocks(now_ms);
         let waited_ms = now_ms.saturating_sub(p.sent_ms);
-        Some(Confirmed {
-            endpoint: p.endpoint as usize,
-            blocks: p.blocks,
-            waited_ms,
-            uncached: p.uncached as usize,
-            prefill: p.prefill as usize,
-        })
-    }
-
-    /// Request `id` will not confirm (it ended without a first token): its
-    /// prefill no longer counts where it went. Returns it, if pending.
-    fn forget_pending(&mut self, id: u64) -> Option<Pending> {
-        let p = self.pending.remove(&id)?;
-        self.pending_blocks -= p.blocks.len();
-        self.count_prefill(&p, true);
-        Some(p)
-    }
-
-    /// Request `id` ended without a first token (failed, or the client
-    /// left): it prefills nothing more, and caches nothing.
-    /// Returns where it went and its blocks counted there, if pending.
-    pub fn abandon(&mut self, id: u64) -> Option<(usize, usize)> {
-        self.forget_pending(id).map(|p| (p.endpoint as usize, p.prefill as usize))
-    }
-
-    /// The prompt blocks this index's requests sent to `endpoint` and not yet
-    /// answered with a first token are prefilling or queued to: the prefill
-    /// work under way there as far as this index knows (one VM's requests
-    /// only; a scrape shows such a request as one running, whatever its
-    /// length). Each counts the blocks past the last one the endpoint was
-    /// believed to hold when it was sent.
-    pub fn prefilling(&self, endpoint: usize) -> u64 {
-        self.prefilling.get(endpoint).copied().unwrap_or(0)
+        Some(Confirmed { endpoint: p.endpoint as usize, blocks: p.blocks, waited_ms, uncached: p.uncached as usize })
     }
 
     /// Takes what a shared shard (`shard`, [`write_shared`]'s bytes) says of

@@ -50,21 +50,8 @@ pub struct Cost;
 /// The predicted time to first token of a request of `blocks` prompt blocks
 /// on an endpoint believed to hold `cached` of them, in prefills of its size.
 pub fn predicted_ttft(blocks: usize, cached: f64, p: Predicted, hit_rate: f64) -> f64 {
-    predicted_ttft_with(blocks, cached, p, hit_rate, 0.0)
-}
-
-/// [`predicted_ttft`], knowing `prefilling` prefills (of this request's
-/// size) under way or queued there from this gateway
-/// ([`AffinityIndex::prefilling`](crate::routing::AffinityIndex::prefilling)):
-/// the queue ahead is the larger of that and the scraped waiting requests'.
-/// The scrape counts every gateway's requests but shows one prefilling as
-/// running (at [`RUNNING_SHARE`]); the index knows only this one's, and
-/// those queued at the engine are in both, hence the larger, not the sum.
-pub fn predicted_ttft_with(blocks: usize, cached: f64, p: Predicted, hit_rate: f64, prefilling: f64) -> f64 {
     let own = if blocks > 0 { (1.0 - cached / blocks as f64).clamp(0.0, 1.0) } else { 1.0 };
-    let waiting = p.waiting * (1.0 - hit_rate.clamp(0.0, 1.0));
-    let prefilling = if prefilling.is_finite() { prefilling.max(0.0) } else { 0.0 };
-    own + waiting.max(prefilling) + p.running * RUNNING_SHARE
+    own + p.waiting * (1.0 - hit_rate.clamp(0.0, 1.0)) + p.running * RUNNING_SHARE
 }
 
 /// How much slower than the candidates' mean an endpoint prefilling at
@@ -119,9 +106,7 @@ impl Scorer for Cost {
             let hit_rate = e.metrics.and_then(|m| m.prefix_hit_rate()).unwrap_or(0.0);
             let p = e.predicted();
             let p = Predicted { waiting: p.waiting * queue_share, running: p.running * queue_share, ..p };
-            // This VM's prefills under way there, in prefills of this request's size.
-            let prefilling = e.prefilling.max(cx.index.prefilling(i)) as f64 / blocks.max(1) as f64 * queue_share;
-            out[i] = predicted_ttft_with(blocks, out[i], p, hit_rate, prefilling) * relative_speed(speed(i), mean);
+            out[i] = predicted_ttft(blocks, out[i], p, hit_rate) * relative_speed(speed(i), mean);
         }
         lower_is_better_in_place(candidates, out);
     }
@@ -178,41 +163,6 @@ mod tests {
         let pool = [endpoint(1.0, Some(3e-4)), endpoint(2.0, Some(1e-4))];
         assert_eq!(scores_when(&pool, false), [0.0, 1.0], "the fast one, with a longer queue");
         assert_eq!(scores_when(&pool, true), [1.0, 0.0], "the shorter queue");
-    }
-
-    /// Issue 23: a long prompt prefilling shows in a scrape as one running
-    /// request; the index's pending prefill makes the idle endpoint win.
-    #[test]
-    fn an_idle_endpoint_beats_one_prefilling_a_long_uncached_prompt() {
-        let pool = [endpoint(0.0, None), endpoint(0.0, None)];
-        let views: Vec<EndpointView<'_>> =
-            pool.iter().map(|m| EndpointView { metrics: Some(m), healthy: true, ..Default::default() }).collect();
-        let mut index = AffinityIndex::new(10_000, 0);
-        let long: Vec<u64> = (100..116).collect();
-        index.record(1, &RouteRequest { prefix: &long, ..Default::default() }, 0, 0);
-        let prefix: Vec<u64> = (0..8).collect();
-        let score = |index: &AffinityIndex| {
-            let cx = RouteContext::new(RouteRequest { prefix: &prefix, ..Default::default() }, &views, index, 0);
-            let mut out = vec![0.0; 2];
-            Cost.score(&cx, &[0, 1], &mut out);
-            out
-        };
-        assert_eq!(index.prefilling(0), 16);
-        assert_eq!(score(&index), [0.0, 1.0], "endpoint 0 is prefilling 16 blocks");
-        // Its first token came back: both idle again (a tie).
-        index.confirm(1, 10);
-        assert_eq!(index.prefilling(0), 0);
-        assert_eq!(score(&index), [1.0, 1.0]);
-        // One that ended without a first token no longer counts either.
-        index.record(2, &RouteRequest { prefix: &long, ..Default::default() }, 1, 20);
-        assert_eq!(score(&index), [1.0, 0.0]);
-        index.abandon(2);
-        assert_eq!(score(&index), [1.0, 1.0]);
-        // Hostile figures never panic nor go negative.
-        assert_eq!(predicted_ttft_with(0, 0.0, Predicted::default(), 0.0, f64::NAN), 1.0);
-        assert_eq!(predicted_ttft_with(4, 0.0, Predicted::default(), 0.0, -5.0), 1.0);
-        index.record(3, &RouteRequest { prefix: &long, ..Default::default() }, usize::MAX, 30);
-        assert_eq!(index.prefilling(usize::MAX), 0);
     }
 
     #[test]
