@@ -44,6 +44,34 @@ struct Cli {
     /// `multiple:FACTOR[:SPREAD]` (docs/simulator.md).
     #[arg(long, default_value = "absent")]
     max_tokens: host_sim::sim::workload::MaxTokens,
+    /// Only the configurations whose label contains this (the no-gateway baseline always runs).
+    #[arg(long)]
+    variant: Option<String>,
+    /// A filter-config object merged (key by key, recursively) into every configuration's, e.g.
+    /// `'{"routing":{"saturation":{"queue_depth":2}}}'`: to measure a candidate default
+    /// without rebuilding the filter.
+    #[arg(long, value_parser = parse_object)]
+    set: Option<Value>,
+}
+
+fn parse_object(s: &str) -> Result<Value, String> {
+    match serde_json::from_str::<Value>(s) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err("--set takes a JSON object".into()),
+        Err(e) => Err(format!("--set is not JSON: {e}")),
+    }
+}
+
+/// `over` merged into `base`: objects key by key, anything else replaced.
+fn merge(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                merge(b.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (b, o) => *b = o.clone(),
+    }
 }
 
 /// A workload on a pool.
@@ -150,8 +178,10 @@ fn run_seed(
 ) -> Result<Row> {
     let mut filter = json!({"policy": policy, "queue_ttl_ms": 30_000});
     if let Some(o) = overrides {
-        let o: Value = serde_json::from_str(o).expect("valid override");
-        filter.as_object_mut().expect("object").extend(o.as_object().expect("object").clone());
+        merge(&mut filter, &serde_json::from_str(o).expect("valid override"));
+        if let Some(set) = &cli.set {
+            merge(&mut filter, set);
+        }
     }
     let sc = json!({
         "seed": seed,
@@ -201,6 +231,9 @@ fn main() -> Result<()> {
         let pool = format!("{} × {}", case.backends, case.profile);
         let mut base = None;
         for (label, overrides) in VARIANTS {
+            if overrides.is_some() && cli.variant.as_deref().is_some_and(|v| !label.contains(v)) {
+                continue;
+            }
             eprintln!("{} on {pool}: {label}", case.name);
             let r = run(&case, "vtc", overrides, &cli, &wasm, &floor)?;
             let tps = r.report.output_tokens_per_s;
