@@ -614,6 +614,9 @@ impl Config {
                 s.affinity_overflow
             ));
         }
+        if !(s.queue_ms >= 0.0 && s.queue_ms <= 3_600_000.0) {
+            return Err(format!("field `routing.saturation.queue_ms` must be in [0, 3600000], got {}", s.queue_ms));
+        }
         let mut weights = Weights::default();
         for (name, &v) in &r.weights {
             weights.set(name, v).map_err(|e| format!("field `routing.weights.{name}`: {e}"))?;
