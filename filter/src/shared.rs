@@ -373,7 +373,6 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
                     m.prefill_tokens,
                     rate.base.0,
                     rate.base.1,
-                    rate.seconds_per_token,
                     rate.previous,
                     rate.current,
                     f64::from(rate.samples),
@@ -427,11 +426,11 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
                 let (prefix_queries, prefix_hits) = (f64_(b)?, f64_(b)?);
                 let (prefill_seconds, prefill_tokens) = (f64_(b)?, f64_(b)?);
                 let base = (f64_(b)?, f64_(b)?);
-                let (seconds_per_token, previous, current) = (f64_(b)?, f64_(b)?, f64_(b)?);
+                let (previous, current) = (f64_(b)?, f64_(b)?);
                 // A count that is not one (a hostile record) starts the epoch again.
                 let samples = f64_(b)?;
                 let samples = if (0.0..=f64::from(PREFILL_WINDOW)).contains(&samples) { samples as u32 } else { 0 };
-                let prefill_rate = PrefillRate { base, seconds_per_token, previous, current, samples };
+                let prefill_rate = PrefillRate { base, previous, current, samples };
                 let finished = f64_(b)?;
                 let (count, at, per_s) = (f64_(b)?, f64_(b)?, f64_(b)?);
                 // A time that is not one (a hostile record) starts the window again.
@@ -756,13 +755,7 @@ pub(crate) mod tests {
             prefix_hits: 4.0,
             prefill_seconds: 2.0,
             prefill_tokens: 9000.0,
-            prefill_rate: PrefillRate {
-                base: (1.0, 8000.0),
-                seconds_per_token: 2e-4,
-                previous: 2e-4,
-                current: 3e-4,
-                samples: 3,
-            },
+            prefill_rate: PrefillRate { base: (1.0, 8000.0), previous: 2e-4, current: 3e-4, samples: 3 },
             finished: 40.0,
             departures: Departures { base: (31.0, 2_000), per_s: 11.5 },
         };

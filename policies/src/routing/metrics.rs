@@ -177,9 +177,6 @@ pub struct PrefillRate {
     /// The counters (`prefill_seconds`, `prefill_tokens`) the current window
     /// started at.
     pub base: (f64, f64),
-    /// The speed, seconds per token: the least of [`PrefillRate::previous`]
-    /// and [`PrefillRate::current`]; 0 while unknown.
-    pub seconds_per_token: f64,
     /// The least sample of the last whole epoch of [`PREFILL_WINDOW`]
     /// samples; 0 before one.
     pub previous: f64,
@@ -214,26 +211,30 @@ impl PrefillRate {
         if !PREFILL_SANE.contains(&sample) {
             return self;
         }
-        // A hostile record (a peer's, decoded) may hold anything: only a sane least counts.
-        let least = |a: f64, b: f64| match (PREFILL_SANE.contains(&a), PREFILL_SANE.contains(&b)) {
-            (true, true) => a.min(b),
-            (true, false) => a,
-            (false, true) => b,
-            (false, false) => 0.0,
-        };
         let mut r = self;
-        r.current = least(r.current, sample);
+        r.current = least(r.current, sample).unwrap_or(0.0);
         r.samples = r.samples.saturating_add(1);
         if r.samples >= PREFILL_WINDOW {
             (r.previous, r.current, r.samples) = (r.current, 0.0, 0);
         }
-        r.seconds_per_token = least(r.previous, r.current);
         r
     }
 
-    /// Seconds per uncached prompt token, once measured.
+    /// Seconds per uncached prompt token, once measured: the least of
+    /// [`PrefillRate::previous`] and [`PrefillRate::current`].
     pub fn get(&self) -> Option<f64> {
-        (self.seconds_per_token > 0.0 && self.seconds_per_token.is_finite()).then_some(self.seconds_per_token)
+        least(self.previous, self.current)
+    }
+}
+
+/// The lesser of two samples, of those in any server's range: a hostile
+/// record (a peer's, decoded) may hold anything.
+fn least(a: f64, b: f64) -> Option<f64> {
+    match (PREFILL_SANE.contains(&a), PREFILL_SANE.contains(&b)) {
+        (true, true) => Some(a.min(b)),
+        (true, false) => Some(a),
+        (false, true) => Some(b),
+        (false, false) => None,
     }
 }
 
