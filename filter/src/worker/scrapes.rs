@@ -53,9 +53,9 @@ impl Scrapes {
     /// Endpoints due for a scrape: only the scheduler (`holder`) scrapes; each endpoint
     /// once per interval, and not while its previous scrape is still out.
     /// A saturated endpoint (whose page decides whether requests wait), or
-    /// one unknown or failing, is scraped every `scrape_interval_ms`, or once
-    /// per departure where that is slower; one with room only every
-    /// `max_scrape_interval_ms`, since each page costs the engine CPU. An endpoint another replica owns (`owners`) is skipped
+    /// one unknown or failing, is scraped every `scrape_interval_ms`; one with
+    /// room only every `max_scrape_interval_ms`, since each page costs the
+    /// engine CPU. An endpoint another replica owns (`owners`) is skipped
     /// while its figures are younger than the takeover age: the load on an
     /// engine's metrics page is one replica's, however many there are.
     fn due<H: Host>(&mut self, env: &Env<H>, holder: bool, now: u64, owners: Option<&Owners>) -> Vec<usize> {
@@ -67,21 +67,11 @@ impl Scrapes {
         let (records, load) = (shared::records(&env.host, n), pool_load(env));
         let interval = |i: usize| {
             let r = &records[i];
-            if r.failures > 0 {
-                return routing.scrape_interval_ms;
-            }
-            if !routing.saturation.saturated(&r.view(load[i], now)) {
-                return routing.max_scrape_interval_ms;
-            }
-            // A saturated engine's page changes when a request leaves it (what this gateway
-            // sent or saw finish since is already counted): one page per departure, within
-            // the two intervals. A CPU vLLM that finishes one request a second was otherwise
-            // scraped every 50 ms while its depth of one kept it saturated.
-            match r.metrics.as_ref().and_then(|m| m.departures.get()) {
-                Some(per_s) => {
-                    ((1e3 / per_s) as u64).min(routing.max_scrape_interval_ms).max(routing.scrape_interval_ms)
-                }
-                None => routing.scrape_interval_ms,
+            let busy = r.failures > 0 || routing.saturation.saturated(&r.view(load[i], now));
+            if busy {
+                routing.scrape_interval_ms
+            } else {
+                routing.max_scrape_interval_ms
             }
         };
         let out: Vec<usize> = self.out.values().copied().collect();
