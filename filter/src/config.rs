@@ -195,6 +195,10 @@ fn default_scrape_timeout_ms() -> u64 {
 fn default_metrics_path() -> String {
     "/metrics".into()
 }
+/// Prompt bytes taken for one token where the filter has no tokenizer (the
+/// prefix blocks, a prefill sample's tokens): about what English text
+/// averages under the BPE vocabularies of Llama-class models.
+pub const BYTES_PER_TOKEN: usize = 4;
 /// Longest prefix block: longer ones would match nothing a server caches.
 const MAX_PREFIX_BLOCK_TOKENS: usize = 1 << 16;
 
@@ -246,7 +250,7 @@ pub struct Routing {
     pub router: Router,
     /// Header whose value pins a session to an endpoint (lower-case).
     pub session_header: Option<String>,
-    /// Prompt bytes per prefix block (4 bytes per token).
+    /// Prompt bytes per prefix block ([`BYTES_PER_TOKEN`] per token).
     pub prefix_block_bytes: usize,
     /// Most prefix blocks hashed per prompt (bounds the cost of long prompts).
     pub prefix_max_blocks: usize,
@@ -614,6 +618,9 @@ impl Config {
                 s.affinity_overflow
             ));
         }
+        if !(s.queue_ms >= 0.0 && s.queue_ms <= 3_600_000.0) {
+            return Err(format!("field `routing.saturation.queue_ms` must be in [0, 3600000], got {}", s.queue_ms));
+        }
         let mut weights = Weights::default();
         for (name, &v) in &r.weights {
             weights.set(name, v).map_err(|e| format!("field `routing.weights.{name}`: {e}"))?;
@@ -662,7 +669,7 @@ impl Config {
             model_servers,
             saturation: s,
             session_header: r.session_header.map(|h| h.to_ascii_lowercase()),
-            prefix_block_bytes: r.prefix_block_tokens * 4,
+            prefix_block_bytes: r.prefix_block_tokens * BYTES_PER_TOKEN,
             prefix_max_blocks: r.prefix_max_blocks,
             speculative_ttl_ms: r.speculative_ttl_ms,
             on_no_endpoint: r.on_no_endpoint,

@@ -7,7 +7,7 @@
 
 use sluice_policies::admission::{Band, PoolBand};
 use sluice_policies::capacity::Progress;
-use sluice_policies::routing::{lora_names, EndpointMetrics, EndpointView, PrefillRate, PREFILL_WINDOW};
+use sluice_policies::routing::{lora_names, Departures, EndpointMetrics, EndpointView, PrefillRate, PREFILL_WINDOW};
 
 /// The part of the shared-data API the filter needs; the proxy-wasm host in
 /// production, a map in tests.
@@ -373,10 +373,13 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
                     m.prefill_tokens,
                     rate.base.0,
                     rate.base.1,
-                    rate.seconds_per_token,
                     rate.previous,
                     rate.current,
                     f64::from(rate.samples),
+                    m.finished,
+                    m.departures.base.0,
+                    m.departures.base.1 as f64,
+                    m.departures.per_s,
                 ] {
                     b.extend_from_slice(&v.to_le_bytes());
                 }
@@ -423,11 +426,16 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
                 let (prefix_queries, prefix_hits) = (f64_(b)?, f64_(b)?);
                 let (prefill_seconds, prefill_tokens) = (f64_(b)?, f64_(b)?);
                 let base = (f64_(b)?, f64_(b)?);
-                let (seconds_per_token, previous, current) = (f64_(b)?, f64_(b)?, f64_(b)?);
+                let (previous, current) = (f64_(b)?, f64_(b)?);
                 // A count that is not one (a hostile record) starts the epoch again.
                 let samples = f64_(b)?;
                 let samples = if (0.0..=f64::from(PREFILL_WINDOW)).contains(&samples) { samples as u32 } else { 0 };
-                let prefill_rate = PrefillRate { base, seconds_per_token, previous, current, samples };
+                let prefill_rate = PrefillRate { base, previous, current, samples };
+                let finished = f64_(b)?;
+                let (count, at, per_s) = (f64_(b)?, f64_(b)?, f64_(b)?);
+                // A time that is not one (a hostile record) starts the window again.
+                let at = if (0.0..=u64::MAX as f64).contains(&at) { at as u64 } else { 0 };
+                let departures = Departures { base: (count, at), per_s };
                 let n = u16::from_le_bytes(take(b, 2)?.try_into().ok()?) as usize;
                 let loras = std::str::from_utf8(take(b, n)?).ok()?;
                 // Bounded as a scrape bounds them: every request decodes the records.
@@ -442,6 +450,8 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
                     prefill_seconds,
                     prefill_tokens,
                     prefill_rate,
+                    finished,
+                    departures,
                 })
             }
         };
@@ -745,13 +755,9 @@ pub(crate) mod tests {
             prefix_hits: 4.0,
             prefill_seconds: 2.0,
             prefill_tokens: 9000.0,
-            prefill_rate: PrefillRate {
-                base: (1.0, 8000.0),
-                seconds_per_token: 2e-4,
-                previous: 2e-4,
-                current: 3e-4,
-                samples: 3,
-            },
+            prefill_rate: PrefillRate { base: (1.0, 8000.0), previous: 2e-4, current: 3e-4, samples: 3 },
+            finished: 40.0,
+            departures: Departures { base: (31.0, 2_000), per_s: 11.5 },
         };
         update_record(&s, 2, 1, |r| {
             r.metrics = Some(m.clone());

@@ -92,6 +92,10 @@ pub struct SharedScrape {
     /// ([`crate::routing::PrefillRate`]; absent while unknown).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_seconds_per_token: Option<f64>,
+    /// Requests per second leaving its batch as the scraper measured them
+    /// ([`crate::routing::Departures`]; absent while unknown).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub departures_per_s: Option<f64>,
     /// The requests in flight on it from all replicas, as the scraper counted them when the
     /// page came (the baseline of the load predicted between scrapes).
     pub in_flight_at_scrape: u32,
@@ -111,6 +115,9 @@ impl SharedScrape {
         }
         if let Some(v) = self.prefill_seconds_per_token.filter(|v| !(v.is_finite() && *v > 0.0)) {
             return Err(format!("scraped[{endpoint:?}].prefill_seconds_per_token is {v}"));
+        }
+        if let Some(v) = self.departures_per_s.filter(|v| !(v.is_finite() && *v > 0.0)) {
+            return Err(format!("scraped[{endpoint:?}].departures_per_s is {v}"));
         }
         if self.kv_usage > 1.0 {
             return Err(format!("scraped[{endpoint:?}].kv_usage is {}, above 1", self.kv_usage));

@@ -17,8 +17,8 @@ pub use affinity::{
     SHARED_STRIDE,
 };
 pub use metrics::{
-    lora_names, EndpointMetrics, ModelServer, PrefillRate, MAX_LORAS, MAX_LORA_BYTES, PREFILL_MIN_TOKENS,
-    PREFILL_WINDOW,
+    lora_names, Departures, EndpointMetrics, ModelServer, PrefillRate, DEPARTURE_WINDOW_MS, MAX_LORAS, MAX_LORA_BYTES,
+    PREFILL_MIN_TOKENS, PREFILL_WINDOW,
 };
 pub use picker::Picker;
 pub use scorers::{Category, Scorer, Weights};
@@ -114,11 +114,26 @@ pub struct SaturationThresholds {
     /// 1 turns it off. 4: with the cost's saturated queue share, 2 bound on
     /// the prefix workloads and 4 cached more (docs/results/2026-11-27-prefix-routing.md).
     pub affinity_overflow: f64,
+    /// Milliseconds of the engine's own queue at which an endpoint is full,
+    /// where the page gives its departure rate ([`Departures`]): its waiting
+    /// requests times the time between two departures. A waiting request in
+    /// a full batch gets in when one leaves; `queue_depth` stays the most it
+    /// may hold and 1 the least. An engine that finishes a request every
+    /// 90 ms (four A10Gs under the demo's flood) may then keep one waiting,
+    /// where five were preempted back and forth, and one that finishes 130 a
+    /// second (an H100) keeps the five its batch needs to grow between pages.
+    pub queue_ms: f64,
 }
 
 impl Default for SaturationThresholds {
     fn default() -> Self {
-        SaturationThresholds { queue_depth: 5.0, kv_cache_util: 0.8, staleness_ms: 1000, affinity_overflow: 4.0 }
+        SaturationThresholds {
+            queue_depth: 5.0,
+            kv_cache_util: 0.8,
+            staleness_ms: 1000,
+            affinity_overflow: 4.0,
+            queue_ms: 50.0,
+        }
     }
 }
 
@@ -129,15 +144,25 @@ impl SaturationThresholds {
         match e.metrics {
             None => true,
             Some(_) if e.age_ms > self.staleness_ms => true,
-            Some(_) => {
+            Some(m) => {
                 let p = e.predicted();
                 // Full KV holds the batch at the page's size rather than letting it shrink: a
                 // request that finished since the page may be replaced (a new one holds less
                 // KV than the one that left). Waiting for usage under the threshold instead
                 // let a KV-bound engine drain by ~10 requests and refill in a burst.
                 let kv_full = p.kv_usage / self.kv_cache_util >= 1.0 && e.since_scrape() >= 0.0;
-                p.waiting / self.queue_depth >= 1.0 || kv_full
+                p.waiting / self.depth(m) >= 1.0 || kv_full
             }
+        }
+    }
+
+    /// Waiting requests at which this endpoint is full: `queue_ms` of its
+    /// departures, within 1 and `queue_depth`; `queue_depth` while its
+    /// departure rate is unknown.
+    pub fn depth(&self, m: &EndpointMetrics) -> f64 {
+        match m.departures.get() {
+            Some(per_s) => (per_s * self.queue_ms / 1e3).clamp(1.0f64.min(self.queue_depth), self.queue_depth),
+            None => self.queue_depth,
         }
     }
 
@@ -575,6 +600,31 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // same queue on 0 is worth less than the prefill saved.
         assert_eq!(cost_pick(8, 8, &[3.0, 1.0, 2.0], 0.75), 0);
         assert_eq!(cost_pick(8, 8, &[3.0, 1.0, 2.0], 0.0), 1);
+    }
+
+    #[test]
+    fn the_depth_is_queue_ms_of_the_engines_departures() {
+        let t = SaturationThresholds::default();
+        let at = |per_s: f64, waiting: f64| {
+            let m = EndpointMetrics { departures: Departures { per_s, ..Default::default() }, ..m(waiting, 0.5) };
+            (t.depth(&m), t.saturated(&view(&m, 0)))
+        };
+        // One departure every 90 ms: one waiting request is already a wait.
+        assert_eq!(at(11.5, 0.0), (1.0, false));
+        assert_eq!(at(11.5, 1.0), (1.0, true));
+        // 60 a second: 3 in 50 ms.
+        assert_eq!(at(60.0, 2.0), (3.0, false));
+        assert_eq!(at(60.0, 3.0), (3.0, true));
+        // 130 a second would be 6.5: queue_depth is the most.
+        assert_eq!(at(130.0, 4.0), (5.0, false));
+        assert_eq!(at(130.0, 5.0), (5.0, true));
+        // Unknown (no counter on the page, or no window yet): queue_depth.
+        assert_eq!(at(0.0, 4.0), (5.0, false));
+        // Sent since the page counts as waiting, at the same depth.
+        let slow = EndpointMetrics { departures: Departures { per_s: 11.5, ..Default::default() }, ..m(0.0, 0.5) };
+        assert!(t.saturated(&EndpointView { in_flight: 1, in_flight_at_scrape: 0, ..view(&slow, 0) }));
+        let t = SaturationThresholds { queue_ms: 0.0, queue_depth: 0.5, ..t };
+        assert_eq!(t.depth(&slow), 0.5, "a queue_depth under 1 is still the most");
     }
 
     #[test]

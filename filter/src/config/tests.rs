@@ -115,6 +115,7 @@ fn errors_name_the_field_and_value() {
             r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"affinity_overflow":0.5}}}"#,
             "routing.saturation.affinity_overflow",
         ),
+        (r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_ms":-1}}}"#, "routing.saturation.queue_ms"),
         (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":800}}"#, "routing.max_scrape_interval_ms"),
         (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
         (r#"not json"#, "invalid plugin configuration"),

@@ -2,6 +2,7 @@
 //! scheduler needs, the prompt's length and its prefix hashes.
 
 use super::PrefixHashing;
+use crate::config::BYTES_PER_TOKEN;
 use serde::de::{self, Deserialize};
 use sluice_policies::routing::prefix_hashes;
 
@@ -39,9 +40,9 @@ impl PromptText {
         PromptText { len: 0, ids: 0, keep, head: Vec::new() }
     }
 
-    /// Its size in tokens: four bytes of text per token, and one per token id.
+    /// Its size in tokens: [`BYTES_PER_TOKEN`] bytes of text per token, and one per token id.
     fn tokens(&self) -> u32 {
-        self.len.div_ceil(4).saturating_add(self.ids).min(u32::MAX as usize) as u32
+        self.len.div_ceil(BYTES_PER_TOKEN).saturating_add(self.ids).min(u32::MAX as usize) as u32
     }
 
     fn add(&mut self, s: &str) {

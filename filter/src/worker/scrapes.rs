@@ -8,7 +8,7 @@ use super::{Env, Host, Metric, DESTINATION};
 use crate::shared;
 use hashbrown::HashMap;
 use sluice_policies::replicas::SharedScrape;
-use sluice_policies::routing::{EndpointMetrics, PrefillRate};
+use sluice_policies::routing::{Departures, EndpointMetrics, PrefillRate};
 use std::collections::BTreeMap;
 
 /// Which endpoints another replica scrapes (`elsewhere[i]`), and how old figures may grow
@@ -119,11 +119,13 @@ impl Scrapes {
                     if r.failures > 0 {
                         log::info!("{address} answers its metrics scrape again");
                     }
-                    // The prefill speed is measured between this page and the record's.
+                    // The prefill speed and the departures are measured between this page and
+                    // the record's.
                     let mut m = m.clone();
                     if env.cfg.routing.prefill_speed {
                         m.follow(r.metrics.as_ref());
                     }
+                    m.follow_departures(r.metrics.as_ref(), now);
                     r.metrics = Some(m);
                     r.scraped_ms = now;
                     r.in_flight_at_scrape = in_flight_at_scrape;
@@ -161,6 +163,7 @@ impl Scrapes {
                 kv_usage: m.kv_usage.clamp(0.0, 1.0),
                 loras: m.loras.clone(),
                 prefill_seconds_per_token: m.prefill_rate.get(),
+                departures_per_s: m.departures.get(),
                 in_flight_at_scrape: r.in_flight_at_scrape,
                 failures: r.failures,
             };
@@ -195,14 +198,16 @@ impl Scrapes {
             };
             shared::update_record(&env.host, n, i, |r| {
                 if newer {
-                    // The peer's speed; the window of this VM's own scrapes, should it
-                    // take the endpoint over, starts from its record's counters.
+                    // The peer's speed stands as the last epoch, beside this VM's own
+                    // samples; the window of its own scrapes, should it take the endpoint
+                    // over, starts from its record's counters.
                     let mut m = m.clone();
                     let own = r.metrics.as_ref().map(|o| o.prefill_rate).unwrap_or_default();
-                    m.prefill_rate = PrefillRate {
-                        seconds_per_token: s.prefill_seconds_per_token.unwrap_or(own.seconds_per_token),
-                        ..own
-                    };
+                    m.prefill_rate =
+                        PrefillRate { previous: s.prefill_seconds_per_token.unwrap_or(own.previous), ..own };
+                    // Likewise the peer's departure rate, on this VM's own window.
+                    let own = r.metrics.as_ref().map(|o| o.departures).unwrap_or_default();
+                    m.departures = Departures { per_s: s.departures_per_s.unwrap_or(own.per_s), ..own };
                     r.metrics = Some(m);
                     r.scraped_ms = at;
                     r.in_flight_at_scrape = s.in_flight_at_scrape;

@@ -209,7 +209,7 @@ impl Slots {
         // Only a prompt no endpoint was believed to hold any of: the engine also caches what
         // it generated (a conversation's answers), which the index never sees, and a cached
         // block taken as prefilled would read as a fast engine.
-        let tokens = (c.uncached * routing.prefix_block_bytes / 4) as f64;
+        let tokens = (c.uncached * routing.prefix_block_bytes / crate::config::BYTES_PER_TOKEN) as f64;
         if routing.prefill_speed && c.uncached == c.blocks.len() && tokens >= PREFILL_MIN_TOKENS {
             let sample = c.waited_ms as f64 / 1000.0 / tokens;
             shared::update_record(&env.host, env.endpoints(), c.endpoint, |r| {

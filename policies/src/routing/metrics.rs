@@ -45,6 +45,14 @@ impl ModelServer {
         }
     }
 
+    /// Requests the server finished since it started (`""`: none exported).
+    fn finished_name(self) -> &'static str {
+        match self {
+            ModelServer::Vllm => "vllm:request_success_total",
+            ModelServer::Sglang | ModelServer::Trtllm => "",
+        }
+    }
+
     /// Names of (waiting, running, KV usage 0..1, fallback KV usage).
     fn names(self) -> [&'static str; 4] {
         match self {
@@ -93,6 +101,53 @@ pub struct EndpointMetrics {
     /// The endpoint's prefill speed, smoothed over its scrapes: not on the
     /// page, carried from the previous scrape ([`EndpointMetrics::follow`]).
     pub prefill_rate: PrefillRate,
+    /// Requests the server finished since it started (vLLM's
+    /// `request_success_total`); 0 when the page has none.
+    pub finished: f64,
+    /// How fast requests leave its batch: not on the page, carried from the
+    /// previous scrape ([`EndpointMetrics::follow_departures`]).
+    pub departures: Departures,
+}
+
+/// Shortest window of scrapes a departure rate is measured over: a 50 ms
+/// page sees a step or two, whose completions come in bunches.
+pub const DEPARTURE_WINDOW_MS: u64 = 1000;
+
+/// The rate at which requests leave an endpoint's batch, from the growth of
+/// its finished-requests counter over windows of at least
+/// [`DEPARTURE_WINDOW_MS`]. A request waiting in an engine whose batch is
+/// full (its KV cache, or its sequence limit) gets in only when one leaves,
+/// so this rate turns the engine's waiting queue into a time
+/// ([`super::SaturationThresholds::queue_ms`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Departures {
+    /// The counter and the time (ms) the current window started at.
+    pub base: (f64, u64),
+    /// Requests per second over the last whole window; 0 before one.
+    pub per_s: f64,
+}
+
+impl Departures {
+    /// The rate once the counter reads `finished` at `now_ms`: a window of at
+    /// least [`DEPARTURE_WINDOW_MS`] is a sample; a counter that went back (a
+    /// restart) starts a new window and forgets the rate.
+    pub fn next(self, finished: f64, now_ms: u64) -> Departures {
+        let (count, at) = self.base;
+        if !(finished >= count) || at == 0 || now_ms < at {
+            return Departures { base: (finished, now_ms.max(1)), per_s: 0.0 };
+        }
+        let dt = now_ms - at;
+        if dt < DEPARTURE_WINDOW_MS {
+            return self;
+        }
+        let per_s = (finished - count) / (dt as f64 / 1e3);
+        Departures { base: (finished, now_ms), per_s: if per_s.is_finite() { per_s } else { 0.0 } }
+    }
+
+    /// Requests per second, once measured and above zero.
+    pub fn get(&self) -> Option<f64> {
+        (self.per_s > 0.0 && self.per_s.is_finite()).then_some(self.per_s)
+    }
 }
 
 /// Samples in each of [`PrefillRate`]'s two epochs: the speed is the least
@@ -122,9 +177,6 @@ pub struct PrefillRate {
     /// The counters (`prefill_seconds`, `prefill_tokens`) the current window
     /// started at.
     pub base: (f64, f64),
-    /// The speed, seconds per token: the least of [`PrefillRate::previous`]
-    /// and [`PrefillRate::current`]; 0 while unknown.
-    pub seconds_per_token: f64,
     /// The least sample of the last whole epoch of [`PREFILL_WINDOW`]
     /// samples; 0 before one.
     pub previous: f64,
@@ -159,26 +211,30 @@ impl PrefillRate {
         if !PREFILL_SANE.contains(&sample) {
             return self;
         }
-        // A hostile record (a peer's, decoded) may hold anything: only a sane least counts.
-        let least = |a: f64, b: f64| match (PREFILL_SANE.contains(&a), PREFILL_SANE.contains(&b)) {
-            (true, true) => a.min(b),
-            (true, false) => a,
-            (false, true) => b,
-            (false, false) => 0.0,
-        };
         let mut r = self;
-        r.current = least(r.current, sample);
+        r.current = least(r.current, sample).unwrap_or(0.0);
         r.samples = r.samples.saturating_add(1);
         if r.samples >= PREFILL_WINDOW {
             (r.previous, r.current, r.samples) = (r.current, 0.0, 0);
         }
-        r.seconds_per_token = least(r.previous, r.current);
         r
     }
 
-    /// Seconds per uncached prompt token, once measured.
+    /// Seconds per uncached prompt token, once measured: the least of
+    /// [`PrefillRate::previous`] and [`PrefillRate::current`].
     pub fn get(&self) -> Option<f64> {
-        (self.seconds_per_token > 0.0 && self.seconds_per_token.is_finite()).then_some(self.seconds_per_token)
+        least(self.previous, self.current)
+    }
+}
+
+/// The lesser of two samples, of those in any server's range: a hostile
+/// record (a peer's, decoded) may hold anything.
+fn least(a: f64, b: f64) -> Option<f64> {
+    match (PREFILL_SANE.contains(&a), PREFILL_SANE.contains(&b)) {
+        (true, true) => Some(a.min(b)),
+        (true, false) => Some(a),
+        (false, true) => Some(b),
+        (false, false) => None,
     }
 }
 
@@ -218,6 +274,14 @@ impl EndpointMetrics {
         self.prefill_rate = rate.next(self.prefill_seconds, self.prefill_tokens);
     }
 
+    /// Takes the departure rate measured up to the `previous` scrape of the
+    /// same endpoint forward with this page's counter, read at `now_ms`
+    /// ([`Departures::next`]).
+    pub fn follow_departures(&mut self, previous: Option<&EndpointMetrics>, now_ms: u64) {
+        let d = previous.map(|p| p.departures).unwrap_or_default();
+        self.departures = d.next(self.finished, now_ms);
+    }
+
     /// Reads a `/metrics` page. Series of the same metric (one per model) are
     /// summed (the sum stops at `f64::MAX`, so it stays finite), KV usage takes
     /// the largest; NaN, infinite or negative values are ignored. Returns `None`
@@ -232,6 +296,7 @@ impl EndpointMetrics {
         let mut hit_rate = None;
         let [prefill_time, computed, prompts] = server.prefill_names();
         let (mut computed_seen, mut prompt_tokens) = (false, 0.0f64);
+        let finished = server.finished_name();
         let bad = prom::parse(text, |s| {
             let ok = s.value.is_finite() && s.value >= 0.0;
             // Two finite values can sum to infinity, which the router's
@@ -260,6 +325,8 @@ impl EndpointMetrics {
                 computed_seen = true;
             } else if !prompts.is_empty() && s.name == prompts && ok {
                 prompt_tokens = (prompt_tokens + s.value).min(f64::MAX);
+            } else if !finished.is_empty() && s.name == finished && ok {
+                m.finished = (m.finished + s.value).min(f64::MAX);
             } else if s.name == "vllm:lora_requests_info" {
                 if let Some(list) = s.label("running_lora_adapters") {
                     m.loras = lora_names(&list);
@@ -323,6 +390,36 @@ vllm:request_prefill_time_seconds_count 7\nvllm:request_prefill_kv_computed_toke
                 last.as_ref().unwrap().prefill_rate.get()
             })
             .collect()
+    }
+
+    #[test]
+    fn departures_are_the_finished_counters_growth_over_a_second_or_more() {
+        // vLLM splits the counter by finished_reason: the series are summed.
+        let page = |n: f64| {
+            format!(
+                "vllm:num_requests_running 1\nvllm:request_success_total{{finished_reason=\"stop\"}} {n}\n\
+vllm:request_success_total{{finished_reason=\"length\"}} 10\n"
+            )
+        };
+        let mut last: Option<EndpointMetrics> = None;
+        let mut at = |n: f64, ms: u64| {
+            let mut m = EndpointMetrics::from_prometheus(&page(n), ModelServer::Vllm).0.unwrap();
+            m.follow_departures(last.as_ref(), ms);
+            last = Some(m);
+            last.as_ref().unwrap().departures.get()
+        };
+        assert_eq!(at(0.0, 1_000), None, "the first page starts a window");
+        assert_eq!(at(5.0, 1_500), None, "half a second is no window");
+        assert_eq!(at(12.0, 2_000), Some(12.0), "12 in a second");
+        assert_eq!(at(12.0, 2_400), Some(12.0), "kept until the next window");
+        assert_eq!(at(30.0, 4_000), Some(9.0), "18 in two seconds");
+        assert_eq!(at(3.0, 4_050), None, "a restart forgets the rate");
+        assert_eq!(at(13.0, 5_050), Some(10.0));
+        let sg = EndpointMetrics::from_prometheus("sglang:num_queue_reqs 0\n", ModelServer::Sglang).0.unwrap();
+        assert_eq!(sg.finished, 0.0);
+        // A hostile base (a time in the future) starts again rather than dividing by it.
+        let odd = Departures { base: (0.0, 9_000), per_s: 4.0 };
+        assert_eq!(odd.next(50.0, 5_000).get(), None);
     }
 
     #[test]

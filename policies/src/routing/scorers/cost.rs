@@ -122,7 +122,7 @@ mod tests {
     /// An endpoint with `waiting` requests queued and prefilling at `speed`
     /// seconds per token (`None`: not measured).
     fn endpoint(waiting: f64, speed: Option<f64>) -> EndpointMetrics {
-        let prefill_rate = PrefillRate { seconds_per_token: speed.unwrap_or(0.0), ..Default::default() };
+        let prefill_rate = PrefillRate { previous: speed.unwrap_or(0.0), ..Default::default() };
         EndpointMetrics { waiting, running: 4.0, prefill_rate, ..Default::default() }
     }
 
