@@ -122,6 +122,8 @@ pub struct SaturationThresholds {
     /// 90 ms (four A10Gs under the demo's flood) may then keep one waiting,
     /// where five were preempted back and forth, and one that finishes 130 a
     /// second (an H100) keeps the five its batch needs to grow between pages.
+    /// Only while the batch was lately full ([`Self::batch_full`]): the
+    /// departures of an engine with room are its arrivals, not its capacity.
     pub queue_ms: f64,
 }
 
@@ -156,9 +158,19 @@ impl SaturationThresholds {
         }
     }
 
+    /// Does this page show the engine's batch full? Its KV usage at
+    /// `kv_cache_util`: the engine then admits a waiting request only as one
+    /// leaves. (Requests waiting on the page alone are no sign: one that
+    /// arrived just before the page starts with the engine's next step; and
+    /// gating on them as well measured no better on the demo's flood.)
+    pub fn batch_full(&self, m: &EndpointMetrics) -> bool {
+        m.kv_usage >= self.kv_cache_util
+    }
+
     /// Waiting requests at which this endpoint is full: `queue_ms` of its
     /// departures, within 1 and `queue_depth`; `queue_depth` while its
-    /// departure rate is unknown.
+    /// departure rate is unknown, or its batch was not lately full
+    /// ([`Departures`]).
     pub fn depth(&self, m: &EndpointMetrics) -> f64 {
         match m.departures.get() {
             Some(per_s) => (per_s * self.queue_ms / 1e3).clamp(1.0f64.min(self.queue_depth), self.queue_depth),
@@ -606,7 +618,10 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
     fn the_depth_is_queue_ms_of_the_engines_departures() {
         let t = SaturationThresholds::default();
         let at = |per_s: f64, waiting: f64| {
-            let m = EndpointMetrics { departures: Departures { per_s, ..Default::default() }, ..m(waiting, 0.5) };
+            let m = EndpointMetrics {
+                departures: Departures { per_s, full: true, ..Default::default() },
+                ..m(waiting, 0.5)
+            };
             (t.depth(&m), t.saturated(&view(&m, 0)))
         };
         // One departure every 90 ms: one waiting request is already a wait.
@@ -620,8 +635,14 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert_eq!(at(130.0, 5.0), (5.0, true));
         // Unknown (no counter on the page, or no window yet): queue_depth.
         assert_eq!(at(0.0, 4.0), (5.0, false));
+        // A batch with room departs as its requests arrive: the rate is no capacity.
+        let light = EndpointMetrics { departures: Departures { per_s: 11.5, ..Default::default() }, ..m(0.0, 0.5) };
+        assert_eq!(t.depth(&light), 5.0);
+        assert!(!t.saturated(&EndpointView { in_flight: 4, in_flight_at_scrape: 0, ..view(&light, 0) }));
+        assert!(!t.batch_full(&light) && t.batch_full(&m(0.0, 0.8)), "full at kv_cache_util");
         // Sent since the page counts as waiting, at the same depth.
-        let slow = EndpointMetrics { departures: Departures { per_s: 11.5, ..Default::default() }, ..m(0.0, 0.5) };
+        let slow =
+            EndpointMetrics { departures: Departures { per_s: 11.5, full: true, ..Default::default() }, ..m(0.0, 0.5) };
         assert!(t.saturated(&EndpointView { in_flight: 1, in_flight_at_scrape: 0, ..view(&slow, 0) }));
         let t = SaturationThresholds { queue_ms: 0.0, queue_depth: 0.5, ..t };
         assert_eq!(t.depth(&slow), 0.5, "a queue_depth under 1 is still the most");

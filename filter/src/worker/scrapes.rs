@@ -125,7 +125,8 @@ impl Scrapes {
                     if env.cfg.routing.prefill_speed {
                         m.follow(r.metrics.as_ref());
                     }
-                    m.follow_departures(r.metrics.as_ref(), now);
+                    let full = env.cfg.routing.saturation.batch_full(&m);
+                    m.follow_departures(r.metrics.as_ref(), now, full);
                     r.metrics = Some(m);
                     r.scraped_ms = now;
                     r.in_flight_at_scrape = in_flight_at_scrape;
@@ -207,7 +208,11 @@ impl Scrapes {
                         PrefillRate { previous: s.prefill_seconds_per_token.unwrap_or(own.previous), ..own };
                     // Likewise the peer's departure rate, on this VM's own window.
                     let own = r.metrics.as_ref().map(|o| o.departures).unwrap_or_default();
-                    m.departures = Departures { per_s: s.departures_per_s.unwrap_or(own.per_s), ..own };
+                    m.departures = Departures {
+                        per_s: s.departures_per_s.unwrap_or(0.0),
+                        full: s.departures_per_s.is_some(),
+                        ..own
+                    };
                     r.metrics = Some(m);
                     r.scraped_ms = at;
                     r.in_flight_at_scrape = s.in_flight_at_scrape;

@@ -118,35 +118,53 @@ pub const DEPARTURE_WINDOW_MS: u64 = 1000;
 /// [`DEPARTURE_WINDOW_MS`]. A request waiting in an engine whose batch is
 /// full (its KV cache, or its sequence limit) gets in only when one leaves,
 /// so this rate turns the engine's waiting queue into a time
-/// ([`super::SaturationThresholds::queue_ms`]).
+/// ([`super::SaturationThresholds::queue_ms`]). Only then: an engine with
+/// room departs as fast as requests arrive, which says nothing of how many
+/// it could run, so the rate counts only within [`DEPARTURE_WINDOW_MS`] of a
+/// page that showed the batch full ([`super::SaturationThresholds::batch_full`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Departures {
     /// The counter and the time (ms) the current window started at.
     pub base: (f64, u64),
     /// Requests per second over the last whole window; 0 before one.
     pub per_s: f64,
+    /// When a page last showed the batch full, ms (0: never).
+    pub full_at: u64,
+    /// Whether the batch was full within [`DEPARTURE_WINDOW_MS`] of this page.
+    pub full: bool,
 }
 
 impl Departures {
-    /// The rate once the counter reads `finished` at `now_ms`: a window of at
-    /// least [`DEPARTURE_WINDOW_MS`] is a sample; a counter that went back (a
+    /// The rate once the counter reads `finished` at `now_ms`, on a page that
+    /// showed the batch full or not: a window of at least
+    /// [`DEPARTURE_WINDOW_MS`] is a sample; a counter that went back (a
     /// restart) starts a new window and forgets the rate.
-    pub fn next(self, finished: f64, now_ms: u64) -> Departures {
+    pub fn next(self, finished: f64, now_ms: u64, full: bool) -> Departures {
+        // A time after this page (a hostile record) is forgotten.
+        let full_at = if full {
+            now_ms
+        } else if self.full_at <= now_ms {
+            self.full_at
+        } else {
+            0
+        };
+        let full = full_at > 0 && now_ms - full_at <= DEPARTURE_WINDOW_MS;
         let (count, at) = self.base;
         if !(finished >= count) || at == 0 || now_ms < at {
-            return Departures { base: (finished, now_ms.max(1)), per_s: 0.0 };
+            return Departures { base: (finished, now_ms.max(1)), per_s: 0.0, full_at, full };
         }
         let dt = now_ms - at;
         if dt < DEPARTURE_WINDOW_MS {
-            return self;
+            return Departures { full_at, full, ..self };
         }
         let per_s = (finished - count) / (dt as f64 / 1e3);
-        Departures { base: (finished, now_ms), per_s: if per_s.is_finite() { per_s } else { 0.0 } }
+        Departures { base: (finished, now_ms), per_s: if per_s.is_finite() { per_s } else { 0.0 }, full_at, full }
     }
 
-    /// Requests per second, once measured and above zero.
+    /// Requests per second, once measured and above zero, while the batch
+    /// was lately full.
     pub fn get(&self) -> Option<f64> {
-        (self.per_s > 0.0 && self.per_s.is_finite()).then_some(self.per_s)
+        (self.full && self.per_s > 0.0 && self.per_s.is_finite()).then_some(self.per_s)
     }
 }
 
@@ -275,11 +293,11 @@ impl EndpointMetrics {
     }
 
     /// Takes the departure rate measured up to the `previous` scrape of the
-    /// same endpoint forward with this page's counter, read at `now_ms`
-    /// ([`Departures::next`]).
-    pub fn follow_departures(&mut self, previous: Option<&EndpointMetrics>, now_ms: u64) {
+    /// same endpoint forward with this page's counter, read at `now_ms`,
+    /// `full` if the page shows the batch full ([`Departures::next`]).
+    pub fn follow_departures(&mut self, previous: Option<&EndpointMetrics>, now_ms: u64, full: bool) {
         let d = previous.map(|p| p.departures).unwrap_or_default();
-        self.departures = d.next(self.finished, now_ms);
+        self.departures = d.next(self.finished, now_ms, full);
     }
 
     /// Reads a `/metrics` page. Series of the same metric (one per model) are
@@ -404,7 +422,7 @@ vllm:request_success_total{{finished_reason=\"length\"}} 10\n"
         let mut last: Option<EndpointMetrics> = None;
         let mut at = |n: f64, ms: u64| {
             let mut m = EndpointMetrics::from_prometheus(&page(n), ModelServer::Vllm).0.unwrap();
-            m.follow_departures(last.as_ref(), ms);
+            m.follow_departures(last.as_ref(), ms, true);
             last = Some(m);
             last.as_ref().unwrap().departures.get()
         };
@@ -418,8 +436,24 @@ vllm:request_success_total{{finished_reason=\"length\"}} 10\n"
         let sg = EndpointMetrics::from_prometheus("sglang:num_queue_reqs 0\n", ModelServer::Sglang).0.unwrap();
         assert_eq!(sg.finished, 0.0);
         // A hostile base (a time in the future) starts again rather than dividing by it.
-        let odd = Departures { base: (0.0, 9_000), per_s: 4.0 };
-        assert_eq!(odd.next(50.0, 5_000).get(), None);
+        let odd = Departures { base: (0.0, 9_000), per_s: 4.0, ..Default::default() };
+        assert_eq!(odd.next(50.0, 5_000, true).get(), None);
+    }
+
+    #[test]
+    fn the_departure_rate_counts_only_while_the_batch_was_lately_full() {
+        // 20 a second over each window; the batch full only on the page at 2 s.
+        let d = |per_s: f64, full_at: u64| Departures { base: (0.0, 1_000), per_s, full_at, full: true };
+        let full = Departures::default().next(0.0, 1_000, false).next(20.0, 2_000, true);
+        assert_eq!(full.get(), Some(20.0), "a page that shows the batch full");
+        assert_eq!(full.next(30.0, 2_500, false).get(), Some(20.0), "half a second after it");
+        assert_eq!(full.next(40.0, 3_000, false).get(), Some(20.0), "a second after it");
+        assert_eq!(full.next(42.0, 3_001, false).get(), None, "longer ago: the rate is the arrivals'");
+        let never = Departures::default().next(0.0, 1_000, false).next(20.0, 2_000, false);
+        assert_eq!((never.per_s, never.get()), (20.0, None), "measured, but not of a full batch");
+        // A time after the page (a hostile record) is forgotten rather than believed.
+        assert_eq!(d(20.0, 9_000).next(20.0, 1_500, false).get(), None);
+        assert_eq!(d(20.0, 9_000).next(20.0, 1_500, false).full_at, 0);
     }
 
     #[test]
