@@ -261,12 +261,18 @@ pub fn reference_endpoints() -> Vec<String> {
     (8001..=8004).map(|p| format!("127.0.0.1:{p}")).collect()
 }
 
-/// The plugin configuration shipped in `envoy/` (all three manifests carry the same one).
-pub fn reference_plugin_config() -> Value {
-    let mut pc = default_plugin_config(&reference_endpoints(), "vtc");
-    // The reference deployment routes on scraped metrics through its ORIGINAL_DST cluster.
+/// The README's minimal configuration for `endpoints`: every key at its default, and routing on
+/// the engines' scraped metrics through the `model_servers` ORIGINAL_DST cluster (what the
+/// reference deployment ships, and what the demo runs).
+pub fn minimal_plugin_config(endpoints: &[String], policy: &str) -> Value {
+    let mut pc = default_plugin_config(endpoints, policy);
     pc["routing"] = json!({"scrape_cluster": "model_servers"});
     pc
+}
+
+/// The plugin configuration shipped in `envoy/` (all three manifests carry the same one).
+pub fn reference_plugin_config() -> Value {
+    minimal_plugin_config(&reference_endpoints(), "vtc")
 }
 
 fn indent(text: &str, spaces: usize) -> String {

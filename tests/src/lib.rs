@@ -14,7 +14,7 @@ pub mod raw_http;
 pub mod stats;
 
 pub use backend::{BackendOptions, Backends};
-pub use config::{default_plugin_config, with_overrides, EnvoyConfig};
+pub use config::{default_plugin_config, minimal_plugin_config, with_overrides, EnvoyConfig};
 pub use envoy::{Envoy, EnvoyOptions};
 pub use load::{ChatRequest, LoadClient, Outcome, TenantLoad};
 pub use stats::Stats;

@@ -1,5 +1,6 @@
 //! The README's demo: simulated GPU backends behind real Envoy with the sluice filter; one tenant
-//! floods, another sends at a modest rate; the same load runs once with `fcfs` and once with `vtc`
+//! floods, another sends at a modest rate; the same load runs once with `fcfs` and once with `vtc`,
+//! the filter configured as the README's minimal configuration (the policy and scraped routing),
 //! and the per-tenant throughput and TTFT are printed side by side. Ctrl-C stops everything.
 
 use anyhow::Result;
@@ -7,7 +8,7 @@ use clap::Parser;
 use sluice_e2e::config::reference_files;
 use sluice_e2e::load::{by_tenant, fmt_ms, open_loop, summarize, Summary};
 use sluice_e2e::{
-    default_plugin_config, paths, BackendOptions, Backends, ChatRequest, Envoy, EnvoyOptions, LoadClient, TenantLoad,
+    minimal_plugin_config, paths, BackendOptions, Backends, ChatRequest, Envoy, EnvoyOptions, LoadClient, TenantLoad,
 };
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -87,7 +88,7 @@ async fn run_phase(args: &Args, policy: &str) -> Result<PhaseResult> {
         ..BackendOptions::new(args.backends)
     })
     .await?;
-    let pc = default_plugin_config(&backends.endpoints(), policy);
+    let pc = minimal_plugin_config(&backends.endpoints(), policy);
     let envoy = Envoy::start(EnvoyOptions {
         concurrency: args.concurrency,
         listener_port: port_or_free(args.listener_port, "listener"),
