@@ -374,7 +374,7 @@ async fn many_tenants_stay_bounded() -> anyhow::Result<()> {
     let backend = BackendOptions { instant: true, ..BackendOptions::new(4) };
     let overrides = json!({
         "watermark_per_backend": 32,
-        "learned_limit": {"headroom_fraction": 0.015625, "min_headroom": 128}
+        "learned_limit": {"min_headroom": 128}
     });
     let mut rig = rig("many-tenants", backend, "vtc", overrides, 2).await?;
     let addr = rig.envoy.listener;

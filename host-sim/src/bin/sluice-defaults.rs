@@ -12,6 +12,7 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use host_sim::sim::merge;
 use host_sim::sim::report::Report;
 use host_sim::sim::scenario::round_robin_config;
 use host_sim::sim::table::Table;
@@ -59,18 +60,6 @@ fn parse_object(s: &str) -> Result<Value, String> {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err("--set takes a JSON object".into()),
         Err(e) => Err(format!("--set is not JSON: {e}")),
-    }
-}
-
-/// `over` merged into `base`: objects key by key, anything else replaced.
-fn merge(base: &mut Value, over: &Value) {
-    match (base, over) {
-        (Value::Object(b), Value::Object(o)) => {
-            for (k, v) in o {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, o) => *b = o.clone(),
     }
 }
 

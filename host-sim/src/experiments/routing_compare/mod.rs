@@ -30,6 +30,7 @@ pub use report::*;
 pub use workloads::*;
 
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::merge;
 use crate::sim::report::Stats;
 use crate::sim::table::{opt, Table};
 use crate::sim::upstream::{GpuUpstream, Upstream, UpstreamEvent, UpstreamRequest};
@@ -571,18 +572,6 @@ impl RunConfig {
             "tick_ms": self.scrape_interval_ms.clamp(1, 10_000),
             "routing": routing,
         })
-    }
-}
-
-/// `over`'s keys into `base`, objects merged key by key.
-fn merge(base: &mut serde_json::Value, over: &serde_json::Value) {
-    match (base, over) {
-        (serde_json::Value::Object(b), serde_json::Value::Object(o)) => {
-            for (k, v) in o {
-                merge(b.entry(k.clone()).or_insert(serde_json::Value::Null), v);
-            }
-        }
-        (b, o) => *b = o.clone(),
     }
 }
 

@@ -24,6 +24,7 @@ pub use report::*;
 
 use crate::experiments::slo_workload::{self as sw, AssignBy, Bursts, Objective, SloClass, SLO_TTFT_HEADER};
 use crate::sim::engine::{ClientRequest, GatewayConfig, RequestRecord, Sim};
+use crate::sim::merge;
 use crate::sim::plot;
 use crate::sim::report::Stats;
 use crate::sim::scenario::profile_by_name;
@@ -203,24 +204,6 @@ pub struct SloPlan {
     pub max_tokens: workload::MaxTokens,
 }
 
-/// `over` merged into `base`: objects key by key, recursively; anything else replaces.
-pub fn merge(base: &Value, over: &Value) -> Value {
-    match (base, over) {
-        (Value::Object(b), Value::Object(o)) => {
-            let mut m = b.clone();
-            for (k, v) in o {
-                let merged = match m.get(k) {
-                    Some(old) => merge(old, v),
-                    None => v.clone(),
-                };
-                m.insert(k.clone(), merged);
-            }
-            Value::Object(m)
-        }
-        _ => over.clone(),
-    }
-}
-
 fn check_configs(field: &str, configs: &[NamedConfig], named: &str, role: &str) -> Result<()> {
     if configs.is_empty() {
         bail!("plan: {field}.configs is empty");
@@ -263,9 +246,12 @@ impl SloPlan {
     /// The filter configuration of a fragment: `base`, the fragment over it, and its `slo`
     /// (if any) over `slo_base`.
     pub fn resolve(&self, fragment: &Value) -> Value {
-        let mut c = merge(&self.base, fragment);
+        let mut c = self.base.clone();
+        merge(&mut c, fragment);
         if let Some(slo) = fragment.get("slo").filter(|s| s.is_object()) {
-            c["slo"] = merge(&self.slo_base, slo);
+            let mut s = self.slo_base.clone();
+            merge(&mut s, slo);
+            c["slo"] = s;
         }
         c
     }
