@@ -56,13 +56,19 @@ CONFIGS = {
 }
 
 
+# Keys laid over (c)'s `routing` object (`--routing`), to measure a candidate beside the reference.
+ROUTING_OVERRIDES: dict = {}
+
+
 def gateway_for(config: str, endpoints: list[str], name: str) -> harness.Envoy | None:
     if config == "a":
         return None
     if config == "b":
         return harness.start_envoy(name, ",".join(endpoints), wasm=harness.FLOOR_WASM)
     if config == "c":
-        return harness.start_envoy(name, harness.plugin_config(endpoints))
+        pc = harness.plugin_config(endpoints)
+        pc["routing"] = {**pc.get("routing", {}), **ROUTING_OVERRIDES}
+        return harness.start_envoy(name, pc)
     policy = harness.reference_plugin_config()["policy"]
     if config == "d":
         return harness.start_envoy(name, {"endpoints": endpoints, "policy": policy})
@@ -289,6 +295,9 @@ def main() -> None:
                    help="vLLM on half of the CPUs, the client and Envoy on the other half, as a gateway "
                         "runs beside GPU servers and not on their CPUs (without it, Envoy's CPU is taken "
                         "from the engines and every gateway config loses throughput to no gateway)")
+    p.add_argument("--routing", type=json.loads, default={},
+                   help="a JSON object whose keys replace those of (c)'s `routing` (e.g. "
+                        "'{\"scrape_interval_ms\": 200}'): the reference configuration with one change")
     p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples of the queues")
     p.add_argument("--json", type=Path, default=harness.WORK / "bench-defaults.json",
                    help="where the raw results and time series go")
@@ -298,6 +307,9 @@ def main() -> None:
     scenario = dataclasses.replace(sc, bound_per_backend=None, flood_concurrency=a.flood_concurrency,
                                    max_tokens=a.modest_max_tokens, flood_max_tokens=a.flood_max_tokens,
                                    flood_ramp_s=a.flood_ramp, warmup_s=a.fair_warmup, duration_s=a.fair_duration)
+    if not isinstance(a.routing, dict):
+        p.error("--routing takes a JSON object")
+    ROUTING_OVERRIDES.update(a.routing)
     configs = [c for c in a.configs.split(",") if c]
     if a.nice:
         os.nice(a.nice)  # this thread's niceness, inherited by every process and thread it starts
@@ -309,6 +321,8 @@ def main() -> None:
         engine_args += ["--max-num-seqs", str(a.max_num_seqs)]
     print(provenance(), flush=True)
     print(f"vLLM args: {' '.join(harness.VLLM_ARGS + engine_args)}; env {harness.VLLM_ENV}", flush=True)
+    if a.routing:
+        print(f"(c) is the reference configuration with routing keys {json.dumps(a.routing)}", flush=True)
     cpus = sorted(os.sched_getaffinity(0))
     pinned = a.pin and len(cpus) >= 2
     if pinned:  # the engines start on the upper half (children inherit this thread's CPUs)
