@@ -136,6 +136,8 @@ struct RawRouting {
     scrape_interval_ms: u64,
     #[serde(default = "default_max_scrape_interval_ms")]
     max_scrape_interval_ms: u64,
+    #[serde(default)]
+    queue_scrape_interval_ms: Option<u64>,
     #[serde(default = "default_scrape_timeout_ms")]
     scrape_timeout_ms: u64,
     #[serde(default = "default_metrics_path")]
@@ -176,16 +178,24 @@ impl Default for RawRouting {
     }
 }
 
-/// While an endpoint is saturated the gate's decisions rest on its page: what
-/// the gateway sent since counts as waiting until a page shows it running, so
-/// the batch grows by at most `queue_depth` per page (every 250 ms held a
-/// simulated H100 9 % under its throughput).
+/// An engine whose KV cache is full preempts, which the gateway cannot see
+/// between two pages: on the demo's flood over four A10Gs, scraping such an
+/// engine every 250 ms instead of 50 lowered the modest tenant's TTFT ratio
+/// from 12.0x to 10.2x at the median of six seeds
+/// (docs/results/2026-11-27-scrape-intervals.md).
 fn default_scrape_interval_ms() -> u64 {
     50
 }
 /// vLLM renders its 52 KB metrics page in the API server process, about 6 ms
 /// of CPU each (docs/real-engine.md): every 50 ms cost a CPU engine 15 % of its
 /// throughput. An endpoint with room is scraped this often.
+/// The period of a saturated endpoint with KV room (its batch at its
+/// sequence limit) when `queue_scrape_interval_ms` is not set, within
+/// `scrape_interval_ms` and `max_scrape_interval_ms`. What the gateway sends,
+/// sees start and sees finish predicts such an engine between pages; each
+/// page costs it CPU (every 50 ms held the CPU harness's vLLM at 0.69x of no
+/// gateway, every 250 ms at 0.97x).
+const QUEUE_SCRAPE_INTERVAL_MS: u64 = 250;
 fn default_max_scrape_interval_ms() -> u64 {
     500
 }
@@ -232,9 +242,15 @@ pub struct Routing {
     /// Envoy cluster to scrape through (an ORIGINAL_DST cluster routing on
     /// `x-gateway-destination-endpoint`); `None`: no scraping, least-request only.
     pub scrape_cluster: Option<String>,
-    /// Period between scrapes of an endpoint that is saturated (its page
-    /// decides whether requests wait), unknown or failing.
+    /// Period between scrapes of an endpoint that is unknown, failing, or
+    /// saturated with its KV cache full (its page decides whether requests
+    /// wait, and the engine may preempt, which the gateway cannot see).
     pub scrape_interval_ms: u64,
+    /// Period between scrapes of an endpoint saturated with KV room (its
+    /// batch at its sequence limit: the gateway's own sends, starts and
+    /// finishes predict it); within `scrape_interval_ms` and
+    /// `max_scrape_interval_ms`.
+    pub queue_scrape_interval_ms: u64,
     /// Period between scrapes of an endpoint with room (its page only
     /// steers routing); at least `scrape_interval_ms`.
     pub max_scrape_interval_ms: u64,
@@ -589,6 +605,17 @@ impl Config {
                 r.max_scrape_interval_ms, r.scrape_interval_ms
             ));
         }
+        let queue_scrape_interval_ms = match r.queue_scrape_interval_ms {
+            None => QUEUE_SCRAPE_INTERVAL_MS.clamp(r.scrape_interval_ms, r.max_scrape_interval_ms),
+            Some(q) if q < r.scrape_interval_ms || q > r.max_scrape_interval_ms => {
+                return Err(format!(
+                    "field `routing.queue_scrape_interval_ms` ({q}) must be within `routing.scrape_interval_ms` ({}) \
+                     and `routing.max_scrape_interval_ms` ({})",
+                    r.scrape_interval_ms, r.max_scrape_interval_ms
+                ));
+            }
+            Some(q) => q,
+        };
         if r.scrape_cluster.is_some() && r.saturation.staleness_ms < r.max_scrape_interval_ms {
             return Err(format!(
                 "field `routing.saturation.staleness_ms` ({}) is shorter than `routing.max_scrape_interval_ms` ({}): \
@@ -664,6 +691,7 @@ impl Config {
             scrape_cluster: r.scrape_cluster,
             scrape_interval_ms: r.scrape_interval_ms,
             max_scrape_interval_ms: r.max_scrape_interval_ms,
+            queue_scrape_interval_ms,
             scrape_timeout_ms: r.scrape_timeout_ms,
             metrics_path: r.metrics_path,
             model_servers,

@@ -300,7 +300,7 @@ pub fn check_prometheus(data: &[u8]) {
 
 /// Every picker, with and without the saturation filter and the load
 /// guard, picks one of two healthy endpoints, one of them described by `m`,
-/// whatever was sent there since the scrape.
+/// whatever was sent there, and started, since the scrape.
 fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
     let lora = m.loras.first().map_or("model", String::as_str);
     let request = RouteRequest { prefix: &[1, 2, 3], session: Some(7), model: lora };
@@ -310,6 +310,8 @@ fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
     let view = |m, in_flight, in_flight_at_scrape| EndpointView {
         in_flight,
         in_flight_at_scrape,
+        // As many started as were sent (more than waited, at the extremes).
+        started_since: in_flight.saturating_sub(in_flight_at_scrape),
         metrics: Some(m),
         age_ms: 10,
         healthy: true,

@@ -57,6 +57,12 @@ pub const AFFINITY_SHARDS: u32 = 64;
 pub const AFFINITY_SHARD_ENTRIES: usize = 512;
 /// Scraped metrics and health per endpoint ([`EndpointRecord`]s).
 pub const METRICS_KEY: &str = "sluice.metrics";
+/// Streamed requests in flight per endpoint that have streamed their first
+/// bytes (one wrapping `u32` each), over every worker: the engine took them
+/// into its batch. Only its change since a scrape is read
+/// ([`EndpointView::started_since`]), so the starts of a worker that died
+/// before its requests ended stay in it as a constant that cancels out.
+pub const STARTED_KEY: &str = "sluice.started";
 
 /// Applies `f` to the current value and writes the result, retrying on CAS
 /// mismatch. `f` returns `None` to leave the value unchanged.
@@ -253,6 +259,8 @@ pub fn least_loaded(load: &[u32]) -> Option<usize> {
 pub struct Permit {
     owner: u32,
     endpoint: u32,
+    /// Counted in [`STARTED_KEY`] ([`Permit::start`]) until released.
+    started: bool,
 }
 
 impl Permit {
@@ -264,7 +272,19 @@ impl Permit {
     /// Gives the slot back; returns the new stock. A slot already reclaimed
     /// (its worker was presumed dead) is not given back twice.
     pub fn release(self, store: &dyn Store, endpoints: usize) -> u64 {
+        if self.started {
+            add_started(store, endpoints, self.endpoint as usize, u32::MAX);
+        }
         release(store, endpoints, self.owner, self.endpoint)
+    }
+
+    /// Its request streamed its first bytes: the engine runs it. Counted in
+    /// [`STARTED_KEY`] until the permit is released (once, however often
+    /// this is called).
+    pub fn start(&mut self, store: &dyn Store, endpoints: usize) {
+        if !std::mem::replace(&mut self.started, true) {
+            add_started(store, endpoints, self.endpoint as usize, 1);
+        }
     }
 
     /// Hands the permit over in a `Dispatch` message: the scheduler takes
@@ -276,7 +296,7 @@ impl Permit {
 
     /// The permit a `Dispatch` message carried to `owner`, the worker it was taken for.
     pub fn delivered(owner: u32, endpoint: u32) -> Permit {
-        Permit { owner, endpoint }
+        Permit { owner, endpoint, started: false }
     }
 }
 
@@ -302,7 +322,7 @@ pub fn acquire(
         let i = pick(&load).filter(|&i| i < endpoints)?;
         let mut rows = rows.to_vec();
         add_to_row(&mut rows, endpoints, owner, i, 1);
-        Some((rows, (Permit { owner, endpoint: i as u32 }, stock + 1)))
+        Some((rows, (Permit { owner, endpoint: i as u32, started: false }, stock + 1)))
     })
 }
 
@@ -334,6 +354,8 @@ pub struct EndpointRecord {
     /// This gateway's requests in flight there when that scrape was sent:
     /// the baseline of what was sent since ([`EndpointView::predicted`]).
     pub in_flight_at_scrape: u32,
+    /// [`STARTED_KEY`]'s count for the endpoint at the same moment.
+    pub started_at_scrape: u32,
 }
 
 impl EndpointRecord {
@@ -342,11 +364,15 @@ impl EndpointRecord {
         self.failures == 0 && now_ms >= self.quarantined_until_ms
     }
 
-    /// The router's view of this endpoint.
-    pub fn view(&self, in_flight: u32, now_ms: u64) -> EndpointView<'_> {
+    /// The router's view of this endpoint, with the gateway's requests in
+    /// flight there and [`STARTED_KEY`]'s count now.
+    pub fn view(&self, in_flight: u32, started: u32, now_ms: u64) -> EndpointView<'_> {
+        // A net count that fell since the scrape (a reclaimed worker's, or a torn key) is none.
+        let since = started.wrapping_sub(self.started_at_scrape) as i32;
         EndpointView {
             in_flight,
             in_flight_at_scrape: self.in_flight_at_scrape,
+            started_since: since.max(0) as u32,
             metrics: self.metrics.as_ref(),
             age_ms: now_ms.saturating_sub(self.scraped_ms),
             healthy: self.healthy(now_ms),
@@ -401,6 +427,7 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
         b.extend_from_slice(&r.failures.to_le_bytes());
         b.extend_from_slice(&r.quarantined_until_ms.to_le_bytes());
         b.extend_from_slice(&r.in_flight_at_scrape.to_le_bytes());
+        b.extend_from_slice(&r.started_at_scrape.to_le_bytes());
     }
     b
 }
@@ -463,7 +490,15 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
         let failures = u32::from_le_bytes(take(b, 4)?.try_into().ok()?);
         let quarantined_until_ms = u64_(b)?;
         let in_flight_at_scrape = u32::from_le_bytes(take(b, 4)?.try_into().ok()?);
-        Some(EndpointRecord { metrics, scraped_ms, failures, quarantined_until_ms, in_flight_at_scrape })
+        let started_at_scrape = u32::from_le_bytes(take(b, 4)?.try_into().ok()?);
+        Some(EndpointRecord {
+            metrics,
+            scraped_ms,
+            failures,
+            quarantined_until_ms,
+            in_flight_at_scrape,
+            started_at_scrape,
+        })
     };
     let mut out: Vec<EndpointRecord> = (0..endpoints).map_while(|_| one(&mut b)).collect();
     out.resize(endpoints, EndpointRecord::default());
@@ -481,6 +516,28 @@ pub fn update_record(store: &dyn Store, endpoints: usize, endpoint: usize, f: im
         let mut recs = decode_records(v.unwrap_or_default(), endpoints);
         f(recs.get_mut(endpoint)?);
         Some((encode_records(&recs), ()))
+    });
+}
+
+/// Streamed requests started per endpoint ([`STARTED_KEY`]); zeros when
+/// absent or written for another number of endpoints.
+pub fn started(store: &dyn Store, endpoints: usize) -> Vec<u32> {
+    match store.get(STARTED_KEY).0 {
+        Some(b) if b.len() == 4 * endpoints => b.chunks_exact(4).map(u32_at).collect(),
+        _ => vec![0; endpoints],
+    }
+}
+
+/// Adds `delta` (wrapping: `u32::MAX` takes one off) to `endpoint`'s count in [`STARTED_KEY`].
+fn add_started(store: &dyn Store, endpoints: usize, endpoint: usize, delta: u32) {
+    if endpoint >= endpoints {
+        return;
+    }
+    update(store, STARTED_KEY, |v| {
+        let mut b = v.filter(|b| b.len() == 4 * endpoints).map_or_else(|| vec![0; 4 * endpoints], <[u8]>::to_vec);
+        let cell = &mut b[4 * endpoint..4 * endpoint + 4];
+        cell.copy_from_slice(&u32_at(cell).wrapping_add(delta).to_le_bytes());
+        Some((b, ()))
     });
 }
 
@@ -716,7 +773,10 @@ pub(crate) mod tests {
         assert_eq!(acquire(&s, 3, 0, under4, least_loaded), None);
         assert_eq!(permits.remove(1).release(&s, 3), 3);
         assert_eq!(release(&s, 3, 1, 1), 3, "worker 1 holds nothing more on endpoint 1");
-        assert_eq!(acquire(&s, 3, 0, under4, least_loaded), Some((Permit { owner: 0, endpoint: 1 }, 4)));
+        assert_eq!(
+            acquire(&s, 3, 0, under4, least_loaded),
+            Some((Permit { owner: 0, endpoint: 1, started: false }, 4))
+        );
         assert_eq!(load(&s, 3), vec![2, 1, 1]);
         assert_eq!(
             acquire(&s, 3, 0, |_| true, |_| Some(2)).map(|(p, n)| (p.endpoint(), n)),
@@ -747,6 +807,26 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_started_permit_counts_until_released_whatever_the_order() {
+        let s = MapStore::default();
+        let take = |owner| acquire(&s, 2, owner, |_| true, |_| Some(1)).unwrap().0;
+        let (mut a, mut b, c) = (take(1), take(2), take(1));
+        assert_eq!(started(&s, 2), vec![0, 0]);
+        a.start(&s, 2);
+        a.start(&s, 2);
+        b.start(&s, 2);
+        assert_eq!(started(&s, 2), vec![0, 2], "once per permit");
+        assert_eq!(b.release(&s, 2), 2);
+        assert_eq!(c.release(&s, 2), 1, "one that never started takes nothing off");
+        assert_eq!(started(&s, 2), vec![0, 1]);
+        assert_eq!(started(&s, 3), vec![0; 3], "written for another pool: none");
+        s.set(STARTED_KEY, &[1, 2, 3], None);
+        assert_eq!(started(&s, 2), vec![0, 0], "a torn value reads as none");
+        a.release(&s, 2);
+        assert_eq!(started(&s, 2), vec![0, u32::MAX], "and a change from it wraps");
+    }
+
+    #[test]
     fn endpoint_records_round_trip_and_tolerate_garbage() {
         let s = MapStore::default();
         assert_eq!(records(&s, 2), vec![EndpointRecord::default(); 2]);
@@ -767,13 +847,17 @@ pub(crate) mod tests {
             r.metrics = Some(m.clone());
             r.scraped_ms = 100;
             r.in_flight_at_scrape = 7;
+            r.started_at_scrape = u32::MAX;
         });
         update_record(&s, 2, 0, |r| r.failures += 1);
         let recs = records(&s, 2);
         assert_eq!(recs[1].metrics.as_ref(), Some(&m));
         assert_eq!((recs[0].failures, recs[1].scraped_ms, recs[1].in_flight_at_scrape), (1, 100, 7));
-        let view = recs[1].view(9, 130);
+        assert_eq!(recs[1].started_at_scrape, u32::MAX);
+        let view = recs[1].view(9, 1, 130);
         assert_eq!((view.since_scrape(), view.age_ms), (2.0, 30), "two sent since the scrape");
+        assert_eq!(view.started_since, 2, "the count wraps");
+        assert_eq!(recs[1].view(9, u32::MAX - 3, 130).started_since, 0, "a count that fell is none");
         assert!(!recs[0].healthy(0) && recs[1].healthy(100));
         update_record(&s, 2, 1, |r| r.quarantined_until_ms = 500);
         assert!(!records(&s, 2)[1].healthy(499) && records(&s, 2)[1].healthy(500));

@@ -34,6 +34,10 @@ pub struct EndpointView<'a> {
     /// sent: `in_flight` minus this is what it sent there, net of what
     /// finished, since the scrape ([`EndpointView::predicted`]).
     pub in_flight_at_scrape: u32,
+    /// Of what this gateway has in flight there, the streamed requests that
+    /// streamed their first bytes since the last scrape, net of started ones
+    /// that finished: the engine took them into its batch.
+    pub started_since: u32,
     /// Last scrape, if any.
     pub metrics: Option<&'a EndpointMetrics>,
     /// Age of that scrape in milliseconds.
@@ -71,28 +75,28 @@ impl EndpointView<'_> {
         self.in_flight as f64 - self.in_flight_at_scrape as f64
     }
 
-    /// The last scrape corrected by [`EndpointView::since_scrape`], so that
-    /// decisions between two scrapes see each other. A request sent since
-    /// the scrape had no first token in it: it counts as waiting (for its
-    /// prefill, at least) until the next scrape shows where it is. A request
-    /// that finished left the running batch and let a waiting one in; KV
-    /// usage shrinks with the running batch at the scrape's usage per running
-    /// request. Never scraped: the gateway's own in-flight count, waiting.
+    /// The last scrape corrected by what the gateway saw since, so that
+    /// decisions between two scrapes see each other and the engine's batch
+    /// can grow faster than one page allows. A request sent since the scrape
+    /// counts as waiting (for its prefill, at least) until its first bytes
+    /// come back or the next scrape shows where it is. The engine let in one
+    /// waiting request for each that finished, or, when the page showed none
+    /// waiting (a batch with room), for each that started streaming if that
+    /// is more; never more than waited. KV usage follows the running batch
+    /// at the scrape's usage per running request. Never scraped: the
+    /// gateway's own in-flight count, waiting.
     pub fn predicted(&self) -> Predicted {
-        let m = self.metrics.map_or((0.0, 0.0, 0.0), |m| (m.waiting, m.running, m.kv_usage.clamp(0.0, 1.0)));
-        let (mut waiting, mut running, mut kv_usage) = m;
+        let (waiting, running, kv_usage) =
+            self.metrics.map_or((0.0, 0.0, 0.0), |m| (m.waiting, m.running, m.kv_usage.clamp(0.0, 1.0)));
+        // With `n` sent, `f` finished and `e` started since: admitted = min(waiting + n,
+        // max(f, e)), where d = n - f and started_since = max(0, e - f).
+        // Only a page with none waiting had room: in a full batch one gets in as one leaves,
+        // and the starts also count those that were in prefill at the page (in its running).
+        let s = if waiting > 0.0 { 0.0 } else { f64::from(self.started_since) };
         let d = self.since_scrape();
-        if d >= 0.0 {
-            waiting = (waiting + d).min(f64::MAX);
-        } else {
-            let admitted = waiting.min(-d);
-            waiting -= admitted;
-            running = (running + d + admitted).max(0.0);
-            if m.1 > 0.0 {
-                kv_usage = (kv_usage * running / m.1).clamp(0.0, 1.0);
-            }
-        }
-        Predicted { waiting, running, kv_usage }
+        let now_running = (running + (waiting + d).min(s)).max(0.0);
+        let kv_now = if running > 0.0 { (kv_usage * now_running / running).clamp(0.0, 1.0) } else { kv_usage };
+        Predicted { waiting: (waiting + d - s).clamp(0.0, f64::MAX), running: now_running, kv_usage: kv_now }
     }
 }
 
@@ -362,6 +366,7 @@ mod tests {
         EndpointView {
             in_flight,
             in_flight_at_scrape: in_flight,
+            started_since: 0,
             metrics: Some(metrics),
             age_ms: 10,
             healthy: true,
@@ -423,6 +428,29 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // Never scraped: the gateway's own count.
         let blind = EndpointView { in_flight: 3, in_flight_at_scrape: 0, metrics: None, ..Default::default() };
         assert_eq!(blind.predicted(), Predicted { waiting: 3.0, running: 0.0, kv_usage: 0.0 });
+    }
+
+    #[test]
+    fn requests_seen_starting_are_let_in_without_waiting_for_the_next_page() {
+        // A batch with room: four sent since the page, three of them streaming already.
+        let free = EndpointMetrics { waiting: 0.0, running: 4.0, kv_usage: 0.2, loras: vec![], ..Default::default() };
+        let at = |in_flight: u32, started_since: u32| {
+            EndpointView { in_flight, in_flight_at_scrape: 1, started_since, ..view(&free, 0) }.predicted()
+        };
+        let p = at(5, 3);
+        assert_eq!((p.waiting, p.running), (1.0, 7.0));
+        assert!((p.kv_usage - 0.35).abs() < 1e-12, "KV grows with the batch: {p:?}");
+        assert_eq!(p.load(), at(5, 0).load(), "where they are moves, not how many");
+        // Starts beyond what waited (a page taken while some were in prefill) let in no more.
+        assert_eq!((at(5, 9).waiting, at(5, 9).running), (0.0, 8.0));
+        // A page with some waiting: the batch was full, and one got in per one that finished.
+        // Starts then add nothing: they are those, or were in prefill at the page (in its running).
+        let busy = EndpointMetrics { waiting: 6.0, running: 10.0, kv_usage: 0.5, loras: vec![], ..Default::default() };
+        let full = |in_flight: u32, started_since: u32| {
+            EndpointView { in_flight, in_flight_at_scrape: 5, started_since, ..view(&busy, 0) }.predicted()
+        };
+        assert_eq!((full(3, 0).waiting, full(3, 0).running), (4.0, 10.0));
+        assert_eq!(full(3, 3), full(3, 0));
     }
 
     #[test]

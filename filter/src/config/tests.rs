@@ -117,6 +117,14 @@ fn errors_name_the_field_and_value() {
         ),
         (r#"{"endpoints":["127.0.0.1:1"],"routing":{"saturation":{"queue_ms":-1}}}"#, "routing.saturation.queue_ms"),
         (r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":800}}"#, "routing.max_scrape_interval_ms"),
+        (
+            r#"{"endpoints":["127.0.0.1:1"],"routing":{"queue_scrape_interval_ms":600}}"#,
+            "routing.queue_scrape_interval_ms` (600) must be within",
+        ),
+        (
+            r#"{"endpoints":["127.0.0.1:1"],"routing":{"scrape_interval_ms":100,"queue_scrape_interval_ms":60}}"#,
+            "routing.queue_scrape_interval_ms",
+        ),
         (r#"{"endpoints":["127.0.0.1:1"],"tick_ms":0}"#, "tick_ms"),
         (r#"not json"#, "invalid plugin configuration"),
         (r#"{"endpoints":["127.0.0.1:1"],"policy":"vtc","policy":"fcfs"}"#, "duplicate field `policy`"),
@@ -159,6 +167,15 @@ fn routing_defaults_and_per_endpoint_model_servers() {
     let r = &c.routing;
     assert_eq!(r.model_servers, vec![ModelServer::Trtllm, ModelServer::Sglang]);
     assert_eq!((r.scrape_interval_ms, r.metrics_path.as_str(), r.prefix_block_bytes), (50, "/metrics", 64));
+    assert_eq!((r.queue_scrape_interval_ms, r.max_scrape_interval_ms), (250, 500));
+    let interval = |routing: &str| {
+        let c =
+            Config::from_json(format!(r#"{{"endpoints":["127.0.0.1:1"],"routing":{routing}}}"#).as_bytes()).unwrap();
+        (c.routing.scrape_interval_ms, c.routing.queue_scrape_interval_ms, c.routing.max_scrape_interval_ms)
+    };
+    assert_eq!(interval(r#"{"scrape_interval_ms":300}"#), (300, 300, 500), "unset: within the other two");
+    assert_eq!(interval(r#"{"max_scrape_interval_ms":100}"#), (50, 100, 100));
+    assert_eq!(interval(r#"{"queue_scrape_interval_ms":50}"#), (50, 50, 500));
     assert_eq!(r.router.weights, Weights::default());
     assert_eq!(r.router.guard, Some(LoadGuard::default()));
     assert_eq!((r.prefix_max_blocks, r.speculative_ttl_ms), (512, 2000));

@@ -52,10 +52,12 @@ impl Scrapes {
 
     /// Endpoints due for a scrape: only the scheduler (`holder`) scrapes; each endpoint
     /// once per interval, and not while its previous scrape is still out.
-    /// A saturated endpoint (whose page decides whether requests wait), or
-    /// one unknown or failing, is scraped every `scrape_interval_ms`; one with
-    /// room only every `max_scrape_interval_ms`, since each page costs the
-    /// engine CPU. An endpoint another replica owns (`owners`) is skipped
+    /// An endpoint unknown or failing, or saturated with its KV cache full
+    /// (it may preempt, which only its page shows), is scraped every
+    /// `scrape_interval_ms`; one saturated with KV room every
+    /// `queue_scrape_interval_ms` (what the gateway sends, sees start and sees
+    /// finish predicts it); one with room only every `max_scrape_interval_ms`.
+    /// Each page costs the engine CPU. An endpoint another replica owns (`owners`) is skipped
     /// while its figures are younger than the takeover age: the load on an
     /// engine's metrics page is one replica's, however many there are.
     fn due<H: Host>(&mut self, env: &Env<H>, holder: bool, now: u64, owners: Option<&Owners>) -> Vec<usize> {
@@ -64,12 +66,17 @@ impl Scrapes {
             return Vec::new();
         }
         let n = env.cfg.endpoints.len();
-        let (records, load) = (shared::records(&env.host, n), pool_load(env));
+        let (records, load, started) = (shared::records(&env.host, n), pool_load(env), shared::started(&env.host, n));
+        let sat = &routing.saturation;
         let interval = |i: usize| {
             let r = &records[i];
-            let busy = r.failures > 0 || routing.saturation.saturated(&r.view(load[i], now));
-            if busy {
+            let blind = r.failures > 0 || r.metrics.is_none();
+            let kv_bound = r.metrics.as_ref().is_some_and(|m| sat.batch_full(m));
+            let saturated = sat.saturated(&r.view(load[i], started[i], now));
+            if blind || (kv_bound && saturated) {
                 routing.scrape_interval_ms
+            } else if saturated {
+                routing.queue_scrape_interval_ms
             } else {
                 routing.max_scrape_interval_ms
             }
@@ -104,6 +111,7 @@ impl Scrapes {
         // the page did show it, and hold the pool back until the next scrape.
         let now = env.now;
         let in_flight_at_scrape = pool_load(env)[endpoint];
+        let started_at_scrape = shared::started(&env.host, n)[endpoint];
         let parsed = page.map(|p| {
             let text = String::from_utf8_lossy(p);
             EndpointMetrics::from_prometheus(&text, env.cfg.routing.model_servers[endpoint])
@@ -130,6 +138,7 @@ impl Scrapes {
                     r.metrics = Some(m);
                     r.scraped_ms = now;
                     r.in_flight_at_scrape = in_flight_at_scrape;
+                    r.started_at_scrape = started_at_scrape;
                     r.failures = 0;
                 });
             }
@@ -180,7 +189,7 @@ impl Scrapes {
     /// `true` if a record changed (dispatch, in case the pool has room now).
     pub(super) fn take_shared<H: Host>(&mut self, env: &Env<H>, figures: &[(&str, u64, &SharedScrape)]) -> bool {
         let n = env.endpoints();
-        let records = shared::records(&env.host, n);
+        let (records, started) = (shared::records(&env.host, n), shared::started(&env.host, n));
         let mut changed = false;
         for &(address, at, s) in figures {
             let Some(i) = env.cfg.endpoints.iter().position(|e| e == address) else { continue };
@@ -216,6 +225,8 @@ impl Scrapes {
                     r.metrics = Some(m);
                     r.scraped_ms = at;
                     r.in_flight_at_scrape = s.in_flight_at_scrape;
+                    // What this VM's requests started before the peer's page is unknown: none.
+                    r.started_at_scrape = started[i];
                 }
                 r.failures = s.failures;
             });

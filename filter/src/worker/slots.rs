@@ -114,6 +114,7 @@ impl Slots {
         let scraping = routing.scrape_cluster.is_some();
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&env.host, n);
+        let started = if scraping { shared::started(&env.host, n) } else { vec![0; n] };
         // Each endpoint's band: the learned limit under the operator's cap.
         let limits = &self.limits;
         let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
@@ -122,7 +123,7 @@ impl Slots {
                 .map(|i| {
                     let full = !band(i).has_room(load[i], from_queue);
                     match &records[i] {
-                        r if scraping => EndpointView { full, ..r.view(load[i], now) },
+                        r if scraping => EndpointView { full, ..r.view(load[i], started[i], now) },
                         r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
                     }
                 })

@@ -390,10 +390,14 @@ impl Streams {
     /// window as a fraction of its objective. Requests without an objective
     /// are not sampled.
     pub(super) fn first_response_bytes<H: Host>(&mut self, env: &Env<H>, ctx: u32) {
-        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, .. }) = self.map.get_mut(&ctx) else {
+        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, .. }) = self.map.get_mut(&ctx)
+        else {
             return;
         };
-        *unstarted = false;
+        // The engine runs it: between two scrapes, the saturation gate counts it as let in.
+        if std::mem::replace(unstarted, false) && env.cfg.routing.scrape_cluster.is_some() {
+            permit.start(&env.host, env.endpoints());
+        }
         let (Some(from), objective) = (ttft_from_ms.take(), *objective_ms) else { return };
         if let Some(objective) = objective {
             let ttft = env.now.saturating_sub(from);

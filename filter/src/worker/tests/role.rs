@@ -82,22 +82,33 @@ fn a_cap_stays_a_cap_over_the_learned_limit() {
     assert_eq!(admit_streamed(&mut w, 1, 4), Admission::Queued, "the watermark caps bypasses at 2.2");
 }
 
+/// Each page costs the engine CPU: an endpoint is scraped as often as the
+/// gateway cannot predict it. Saturated with a full KV cache (it may preempt)
+/// every `scrape_interval_ms`; saturated by its queue with KV room (what the
+/// gateway sends, sees start and finish predicts it) every
+/// `queue_scrape_interval_ms`; with room every `max_scrape_interval_ms`.
 #[test]
-fn an_endpoint_with_room_is_scraped_less_often_than_a_saturated_one() {
+fn an_endpoint_is_scraped_as_often_as_its_page_cannot_be_predicted() {
     let p = Rc::new(Process::default());
-    let routing = serde_json::json!({"scrape_cluster": "model_servers", "max_scrape_interval_ms": 500});
-    let cfg = scraping(serde_json::json!({"endpoints": ["127.0.0.1:1", "127.0.0.1:2"], "routing": routing}));
+    let routing = serde_json::json!({"scrape_cluster": "model_servers", "queue_scrape_interval_ms": 250,
+        "max_scrape_interval_ms": 500});
+    let endpoints = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"];
+    let cfg = scraping(serde_json::json!({"endpoints": endpoints, "routing": routing}));
     let mut w = vm(&p, 1, cfg, 0);
     let sent = |w: &Worker<Vm>| w.host().0.scrapes.borrow().len();
-    // Endpoint 1 queues 6 (over the queue depth of 5); endpoint 2 has room.
-    scrape(&mut w, 50, |e| if e == 0 { vllm(6, 4, 0.1) } else { vllm(0, 4, 0.1) });
-    assert_eq!(sent(&w), 2, "both scraped first: unknown");
-    scrape(&mut w, 100, |_| vllm(6, 4, 0.1));
-    scrape(&mut w, 150, |_| vllm(6, 4, 0.1));
-    let to: Vec<String> = w.host().0.scrapes.borrow()[2..].iter().map(|(_, d)| d.clone()).collect();
-    assert_eq!(to, ["127.0.0.1:1", "127.0.0.1:1"], "only the saturated one every 50 ms");
-    scrape(&mut w, 550, |_| vllm(0, 4, 0.1));
-    assert_eq!(sent(&w), 6, "the one with room after 500 ms");
+    // Six waiting (over the queue depth of 5) with KV full, six waiting with KV room, room.
+    let page = |e: usize| [vllm(6, 4, 0.9), vllm(6, 4, 0.1), vllm(0, 4, 0.1)][e].clone();
+    scrape(&mut w, 50, page);
+    assert_eq!(sent(&w), 3, "all scraped first: unknown");
+    for now in [100, 150, 200, 250] {
+        scrape(&mut w, now, page);
+    }
+    let to: Vec<String> = w.host().0.scrapes.borrow()[3..].iter().map(|(_, d)| d.clone()).collect();
+    assert_eq!(to, [endpoints[0]; 4], "only the one with a full KV cache every 50 ms");
+    scrape(&mut w, 300, page);
+    assert_eq!(sent(&w), 9, "the one saturated by its queue after 250 ms");
+    scrape(&mut w, 550, page);
+    assert_eq!(sent(&w), 12, "the one with room after 500 ms");
 }
 
 #[test]

@@ -38,7 +38,7 @@ fn bypasses_between_two_scrapes_spread_instead_of_herding() {
     scrape(&mut w, 100, |_| vllm(0, 7, 0.3));
     let records = shared::records(&p.store, 4);
     assert_eq!(records.iter().map(|r| r.in_flight_at_scrape).collect::<Vec<_>>(), got);
-    assert!(records.iter().zip(got).all(|(r, n)| r.view(n, 100).since_scrape() == 0.0));
+    assert!(records.iter().zip(got).all(|(r, n)| r.view(n, 0, 100).since_scrape() == 0.0));
 }
 
 #[test]
@@ -236,4 +236,35 @@ fn quarantine_after_is_checked() {
         .unwrap_err();
         assert!(e.contains("routing.quarantine_after"), "{e}");
     }
+}
+
+/// Between two scrapes, a streamed request that streamed its first bytes was
+/// let into the engine's batch: with the page showing room, the saturation
+/// gate stops counting it as waiting, so the batch grows as fast as the
+/// engine starts what it is sent, not by `queue_depth` a page.
+#[test]
+fn a_request_seen_starting_frees_its_place_in_the_engines_queue() {
+    let p = Rc::new(Process::default());
+    let cfg = scraping(serde_json::json!({"endpoints": ["127.0.0.1:1"]}));
+    let mut w = vm(&p, 1, cfg, 0);
+    scrape(&mut w, 50, |_| vllm(0, 3, 0.1));
+    let sent: Vec<Admission> = (1..=6).map(|ctx| admit_streamed(&mut w, 60, ctx)).collect();
+    assert_eq!(sent[..5], [Admission::Bypass(0); 5], "five sent since the page: `queue_depth`");
+    assert_eq!(sent[5], Admission::Queued);
+    assert_eq!(shared::started(&p.store, 1), [0]);
+    for ctx in 1..=3 {
+        w.at(70).first_response_bytes(ctx);
+    }
+    w.at(70).first_response_bytes(1);
+    assert_eq!(shared::started(&p.store, 1), [3], "once each");
+    w.at(71).on_tick(71);
+    let resumed: Vec<u32> = p.resumed.borrow().iter().map(|&(_, ctx, _)| ctx).collect();
+    assert!(resumed.contains(&6), "three started: the queued one goes before the next page ({resumed:?})");
+    assert_eq!(admit_streamed(&mut w, 72, 7), Admission::Bypass(0));
+    assert_eq!(admit_streamed(&mut w, 72, 8), Admission::Bypass(0), "six sent, three started: two places left");
+    assert_eq!(admit_streamed(&mut w, 72, 9), Admission::Queued);
+    // A started request that ends takes its start back; one that never started has none.
+    w.at(80).finish(1, Ended::default());
+    w.at(80).finish(4, Ended::default());
+    assert_eq!(shared::started(&p.store, 1), [2]);
 }
