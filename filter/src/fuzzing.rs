@@ -321,8 +321,7 @@ fn route_with(m: &EndpointMetrics, other: &EndpointMetrics) {
     for pool in
         [vec![view(m, 0, 0), view(m, 3, 0)], vec![view(m, 1, u32::MAX), view(other, 0, 0)], vec![view(m, u32::MAX, 0)]]
     {
-        for e in &pool {
-            let p = e.predicted();
+        for (e, p) in pool.iter().flat_map(|e| [(e, e.predicted()), (e, e.predicted_queue())]) {
             assert!(p.load().is_finite() && p.waiting >= 0.0 && p.running >= 0.0, "{e:?}: {p:?}");
             assert!((0.0..=1.0).contains(&p.kv_usage), "{e:?}: {p:?}");
         }

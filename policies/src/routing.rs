@@ -75,24 +75,40 @@ impl EndpointView<'_> {
         self.in_flight as f64 - self.in_flight_at_scrape as f64
     }
 
-    /// The last scrape corrected by what the gateway saw since, so that
-    /// decisions between two scrapes see each other and the engine's batch
-    /// can grow faster than one page allows. A request sent since the scrape
-    /// counts as waiting (for its prefill, at least) until its first bytes
-    /// come back or the next scrape shows where it is. The engine let in one
-    /// waiting request for each that finished, or, when the page showed none
-    /// waiting (a batch with room), for each that started streaming if that
-    /// is more; never more than waited. KV usage follows the running batch
-    /// at the scrape's usage per running request. Never scraped: the
-    /// gateway's own in-flight count, waiting.
+    /// The last scrape corrected by what the gateway sent and saw finish
+    /// since, so that decisions between two scrapes see each other: what the
+    /// scorers rank. A request sent since the scrape counts as waiting (for
+    /// its prefill, at least) until the next scrape shows where it is, so a
+    /// burst spreads rather than herding onto the endpoint that looked
+    /// emptiest. A request that finished left the running batch and let a
+    /// waiting one in; KV usage follows the running batch at the scrape's
+    /// usage per running request. Never scraped: the gateway's own in-flight
+    /// count, waiting.
     pub fn predicted(&self) -> Predicted {
+        self.predict(0.0)
+    }
+
+    /// [`Self::predicted`], also counting what the gateway saw start
+    /// streaming since the scrape ([`Self::started_since`]) as let in when the
+    /// page showed none waiting (a batch with room): the engine's queue, as
+    /// the saturation gate reads it. The batch then grows as fast as the
+    /// engine starts what it is sent, not by the depth per page. The scorers
+    /// keep [`Self::predicted`]: a request that started still holds its
+    /// decode there, and ranking by the queue alone sent more to the endpoint
+    /// that had just been given work (multi-turn at load 0.7 on four H100s:
+    /// p99 1.41x the oracle's, against 1.20x).
+    pub fn predicted_queue(&self) -> Predicted {
+        self.predict(f64::from(self.started_since))
+    }
+
+    fn predict(&self, started_since: f64) -> Predicted {
         let (waiting, running, kv_usage) =
             self.metrics.map_or((0.0, 0.0, 0.0), |m| (m.waiting, m.running, m.kv_usage.clamp(0.0, 1.0)));
         // With `n` sent, `f` finished and `e` started since: admitted = min(waiting + n,
-        // max(f, e)), where d = n - f and started_since = max(0, e - f).
-        // Only a page with none waiting had room: in a full batch one gets in as one leaves,
-        // and the starts also count those that were in prefill at the page (in its running).
-        let s = if waiting > 0.0 { 0.0 } else { f64::from(self.started_since) };
+        // max(f, e)), where d = n - f and started_since = max(0, e - f). Only a page with none
+        // waiting had room: in a full batch one gets in as one leaves, and the starts also
+        // count those that were in prefill at the page (in its running).
+        let s = if waiting > 0.0 { 0.0 } else { started_since };
         let d = self.since_scrape();
         let now_running = (running + (waiting + d).min(s)).max(0.0);
         let kv_now = if running > 0.0 { (kv_usage * now_running / running).clamp(0.0, 1.0) } else { kv_usage };
@@ -151,7 +167,7 @@ impl SaturationThresholds {
             None => true,
             Some(_) if e.age_ms > self.staleness_ms => true,
             Some(m) => {
-                let p = e.predicted();
+                let p = e.predicted_queue();
                 // Full KV holds the batch at the page's size rather than letting it shrink: a
                 // request that finished since the page may be replaced (a new one holds less
                 // KV than the one that left). Waiting for usage under the threshold instead
@@ -435,19 +451,21 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // A batch with room: four sent since the page, three of them streaming already.
         let free = EndpointMetrics { waiting: 0.0, running: 4.0, kv_usage: 0.2, loras: vec![], ..Default::default() };
         let at = |in_flight: u32, started_since: u32| {
-            EndpointView { in_flight, in_flight_at_scrape: 1, started_since, ..view(&free, 0) }.predicted()
+            EndpointView { in_flight, in_flight_at_scrape: 1, started_since, ..view(&free, 0) }.predicted_queue()
         };
         let p = at(5, 3);
         assert_eq!((p.waiting, p.running), (1.0, 7.0));
         assert!((p.kv_usage - 0.35).abs() < 1e-12, "KV grows with the batch: {p:?}");
         assert_eq!(p.load(), at(5, 0).load(), "where they are moves, not how many");
+        let scored = EndpointView { in_flight: 5, in_flight_at_scrape: 1, started_since: 3, ..view(&free, 0) };
+        assert_eq!(scored.predicted(), at(5, 0), "the scorers' prediction leaves the starts out");
         // Starts beyond what waited (a page taken while some were in prefill) let in no more.
         assert_eq!((at(5, 9).waiting, at(5, 9).running), (0.0, 8.0));
         // A page with some waiting: the batch was full, and one got in per one that finished.
         // Starts then add nothing: they are those, or were in prefill at the page (in its running).
         let busy = EndpointMetrics { waiting: 6.0, running: 10.0, kv_usage: 0.5, loras: vec![], ..Default::default() };
         let full = |in_flight: u32, started_since: u32| {
-            EndpointView { in_flight, in_flight_at_scrape: 5, started_since, ..view(&busy, 0) }.predicted()
+            EndpointView { in_flight, in_flight_at_scrape: 5, started_since, ..view(&busy, 0) }.predicted_queue()
         };
         assert_eq!((full(3, 0).waiting, full(3, 0).running), (4.0, 10.0));
         assert_eq!(full(3, 3), full(3, 0));

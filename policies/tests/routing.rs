@@ -44,6 +44,7 @@ fn burst(
             .map(|i| EndpointView {
                 in_flight: in_flight[i],
                 in_flight_at_scrape: if predict { at_scrape[i] } else { in_flight[i] },
+                started_since: 0,
                 metrics: Some(&metrics[i]),
                 age_ms: 10,
                 healthy: true,
