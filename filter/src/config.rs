@@ -181,7 +181,7 @@ impl Default for RawRouting {
 /// An engine whose KV cache is full preempts, which the gateway cannot see
 /// between two pages: on the demo's flood over four A10Gs, scraping such an
 /// engine every 250 ms instead of 50 lowered the modest tenant's TTFT ratio
-/// from 12.0x to 10.2x at the median of six seeds
+/// from 12.5x to 11.2x at the median of six seeds
 /// (docs/results/2026-11-27-scrape-intervals.md).
 fn default_scrape_interval_ms() -> u64 {
     50
