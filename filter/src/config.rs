@@ -186,9 +186,6 @@ impl Default for RawRouting {
 fn default_scrape_interval_ms() -> u64 {
     50
 }
-/// vLLM renders its 52 KB metrics page in the API server process, about 6 ms
-/// of CPU each (docs/real-engine.md): every 50 ms cost a CPU engine 15 % of its
-/// throughput. An endpoint with room is scraped this often.
 /// The period of a saturated endpoint with KV room (its batch at its
 /// sequence limit) when `queue_scrape_interval_ms` is not set, within
 /// `scrape_interval_ms` and `max_scrape_interval_ms`. What the gateway sends,
@@ -196,6 +193,9 @@ fn default_scrape_interval_ms() -> u64 {
 /// page costs it CPU (every 50 ms held the CPU harness's vLLM at 0.69x of no
 /// gateway, every 250 ms at 0.97x).
 const QUEUE_SCRAPE_INTERVAL_MS: u64 = 250;
+/// vLLM renders its 52 KB metrics page in the API server process, about 6 ms
+/// of CPU each (docs/real-engine.md): every 50 ms cost a CPU engine 15 % of its
+/// throughput. An endpoint with room is scraped this often.
 fn default_max_scrape_interval_ms() -> u64 {
     500
 }

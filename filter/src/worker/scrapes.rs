@@ -52,7 +52,7 @@ impl Scrapes {
 
     /// Endpoints due for a scrape: only the scheduler (`holder`) scrapes; each endpoint
     /// once per interval, and not while its previous scrape is still out.
-    /// An endpoint unknown or failing, or saturated with its KV cache full
+    /// An endpoint unknown, stale or failing, or saturated with its KV cache full
     /// (it may preempt, which only its page shows), is scraped every
     /// `scrape_interval_ms`; one saturated with KV room every
     /// `queue_scrape_interval_ms` (what the gateway sends, sees start and sees
@@ -69,10 +69,10 @@ impl Scrapes {
         let (records, load, started) = (shared::records(&env.host, n), pool_load(env), shared::started(&env.host, n));
         let sat = &routing.saturation;
         let interval = |i: usize| {
-            let r = &records[i];
-            let blind = r.failures > 0 || r.metrics.is_none();
+            let (r, view) = (&records[i], records[i].view(load[i], started[i], now));
+            let blind = r.failures > 0 || r.metrics.is_none() || view.age_ms > sat.staleness_ms;
             let kv_bound = r.metrics.as_ref().is_some_and(|m| sat.batch_full(m));
-            let saturated = sat.saturated(&r.view(load[i], started[i], now));
+            let saturated = sat.saturated(&view);
             if blind || (kv_bound && saturated) {
                 routing.scrape_interval_ms
             } else if saturated {
