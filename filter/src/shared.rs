@@ -273,7 +273,7 @@ impl Permit {
     /// (its worker was presumed dead) is not given back twice.
     pub fn release(self, store: &dyn Store, endpoints: usize) -> u64 {
         if self.started {
-            add_started(store, endpoints, self.endpoint as usize, u32::MAX);
+            add_started(store, endpoints, self.endpoint as usize, -1);
         }
         release(store, endpoints, self.owner, self.endpoint)
     }
@@ -528,15 +528,15 @@ pub fn started(store: &dyn Store, endpoints: usize) -> Vec<u32> {
     }
 }
 
-/// Adds `delta` (wrapping: `u32::MAX` takes one off) to `endpoint`'s count in [`STARTED_KEY`].
-fn add_started(store: &dyn Store, endpoints: usize, endpoint: usize, delta: u32) {
+/// Adds `delta` to `endpoint`'s count in [`STARTED_KEY`], wrapping.
+fn add_started(store: &dyn Store, endpoints: usize, endpoint: usize, delta: i32) {
     if endpoint >= endpoints {
         return;
     }
     update(store, STARTED_KEY, |v| {
         let mut b = v.filter(|b| b.len() == 4 * endpoints).map_or_else(|| vec![0; 4 * endpoints], <[u8]>::to_vec);
         let cell = &mut b[4 * endpoint..4 * endpoint + 4];
-        cell.copy_from_slice(&u32_at(cell).wrapping_add(delta).to_le_bytes());
+        cell.copy_from_slice(&u32_at(cell).wrapping_add_signed(delta).to_le_bytes());
         Some((b, ()))
     });
 }

@@ -114,7 +114,8 @@ impl Slots {
         let scraping = routing.scrape_cluster.is_some();
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&env.host, n);
-        let started = if scraping { shared::started(&env.host, n) } else { vec![0; n] };
+        // Read only where it is used: the views of scraped endpoints.
+        let started = if scraping { shared::started(&env.host, n) } else { Vec::new() };
         // Each endpoint's band: the learned limit under the operator's cap.
         let limits = &self.limits;
         let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
