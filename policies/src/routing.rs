@@ -116,11 +116,17 @@ impl EndpointView<'_> {
     }
 }
 
-/// When an endpoint counts as saturated (the inference extension's defaults).
+/// When an endpoint counts as saturated (the inference extension's defaults,
+/// but for `queue_depth`).
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SaturationThresholds {
-    /// Waiting requests at which an endpoint is full.
+    /// Waiting requests at which an endpoint is full. 4, where the inference
+    /// extension has 5: a request the gateway lets go waits in the engine's
+    /// FCFS queue behind this many, out of reach of the fair order, and an
+    /// H100 whose batch is full (256 sequences) takes in about four a step on
+    /// the demo's flood. At 5 its modest tenant's TTFT gained 9.6x from VTC,
+    /// at 4 11.3x, for 1 % of throughput (docs/results/2026-11-27-queue-depth.md).
     pub queue_depth: f64,
     /// KV usage at which an endpoint is full.
     pub kv_cache_util: f64,
@@ -141,7 +147,7 @@ pub struct SaturationThresholds {
     /// may hold and 1 the least. An engine that finishes a request every
     /// 90 ms (four A10Gs under the demo's flood) may then keep one waiting,
     /// where five were preempted back and forth, and one that finishes 130 a
-    /// second (an H100) keeps the five its batch needs to grow between pages.
+    /// second (an H100) keeps the `queue_depth` its batch needs to grow between pages.
     /// Only while the batch was lately full ([`Self::batch_full`]): the
     /// departures of an engine with room are its arrivals, not its capacity.
     pub queue_ms: f64,
@@ -150,7 +156,7 @@ pub struct SaturationThresholds {
 impl Default for SaturationThresholds {
     fn default() -> Self {
         SaturationThresholds {
-            queue_depth: 5.0,
+            queue_depth: 4.0,
             kv_cache_util: 0.8,
             staleness_ms: 1000,
             affinity_overflow: 4.0,
@@ -677,14 +683,14 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert_eq!(at(60.0, 2.0), (3.0, false));
         assert_eq!(at(60.0, 3.0), (3.0, true));
         // 130 a second would be 6.5: queue_depth is the most.
-        assert_eq!(at(130.0, 4.0), (5.0, false));
-        assert_eq!(at(130.0, 5.0), (5.0, true));
+        assert_eq!(at(130.0, 3.0), (4.0, false));
+        assert_eq!(at(130.0, 4.0), (4.0, true));
         // Unknown (no counter on the page, or no window yet): queue_depth.
-        assert_eq!(at(0.0, 4.0), (5.0, false));
+        assert_eq!(at(0.0, 3.0), (4.0, false));
         // A batch with room departs as its requests arrive: the rate is no capacity.
         let light = EndpointMetrics { departures: Departures { per_s: 11.5, ..Default::default() }, ..m(0.0, 0.5) };
-        assert_eq!(t.depth(&light), 5.0);
-        assert!(!t.saturated(&EndpointView { in_flight: 4, in_flight_at_scrape: 0, ..view(&light, 0) }));
+        assert_eq!(t.depth(&light), 4.0);
+        assert!(!t.saturated(&EndpointView { in_flight: 3, in_flight_at_scrape: 0, ..view(&light, 0) }));
         assert!(!t.batch_full(&light) && t.batch_full(&m(0.0, 0.8)), "full at kv_cache_util");
         // Sent since the page counts as waiting, at the same depth.
         let slow =
@@ -696,7 +702,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
 
     #[test]
     fn a_saturated_endpoint_holding_the_prompt_keeps_it_up_to_the_overflow_bound() {
-        // Endpoint 0 holds the whole prompt and has a queue at the saturation depth (5);
+        // Endpoint 0 holds the whole prompt and has a queue past the saturation depth (4);
         // endpoint 1 has the free slot. The saturation filter alone sends the prompt to 1,
         // where all of it is prefilled again.
         let prefix: Vec<u64> = (0..8).collect();
@@ -709,7 +715,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
             // The home's cache serves most of what waits there, so only the bound keeps
             // its queue from growing.
             let home = EndpointMetrics { prefix_queries: 100.0, prefix_hits: 95.0, ..m(waiting0, 0.5) };
-            let free = m(4.0, 0.5);
+            let free = m(3.0, 0.5);
             let other: Vec<u64> = (100..108).collect();
             let prompt = if cached { &prefix[..] } else { &other[..] };
             pick(

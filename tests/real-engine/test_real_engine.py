@@ -136,7 +136,7 @@ def test_engine_priority_lets_critical_jump_vllm_queue(gateway, engines, engine_
     into the bodies and vLLM starts the critical request first; without it (the control) vLLM
     serves by arrival and the critical request starts last. Sluice's bound is set high so the
     queueing happens in vLLM; 3 waiting plus the critical one stay under the filter's saturation
-    threshold (queue_depth 5), so sluice passes the critical request straight through."""
+    threshold (queue_depth 4), so sluice passes the critical request straight through."""
     a = engines[0]
     envoy = gateway([a.endpoint], engine_priority=engine_priority, criticality_by_tenant={"vip": "critical"},
                     **explicit_bound(32))

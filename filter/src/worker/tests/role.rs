@@ -96,7 +96,7 @@ fn an_endpoint_is_scraped_as_often_as_its_page_cannot_be_predicted() {
     let cfg = scraping(serde_json::json!({"endpoints": endpoints, "routing": routing}));
     let mut w = vm(&p, 1, cfg, 0);
     let sent = |w: &Worker<Vm>| w.host().0.scrapes.borrow().len();
-    // Six waiting (over the queue depth of 5) with KV full, six waiting with KV room, room.
+    // Six waiting (over the queue depth of 4) with KV full, six waiting with KV room, room.
     let page = |e: usize| [vllm(6, 4, 0.9), vllm(6, 4, 0.1), vllm(0, 4, 0.1)][e].clone();
     scrape(&mut w, 50, page);
     assert_eq!(sent(&w), 3, "all scraped first: unknown");
@@ -116,16 +116,16 @@ fn requests_sent_while_a_scrape_is_out_count_once() {
     let p = Rc::new(Process::default());
     let mut w = vm(&p, 1, scraping(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
     scrape(&mut w, 50, |_| vllm(0, 4, 0.1));
-    // A scrape goes out; four requests follow it and reach the page.
+    // A scrape goes out; three requests follow it and reach the page.
     w.on_tick(100);
     let token = w.host().0.scrapes.borrow().len() as u32;
-    for ctx in 1..=4 {
+    for ctx in 1..=3 {
         assert!(matches!(admit_route(&mut w, 100, ctx, &[]), Admission::Bypass(0)));
     }
-    w.on_scrape(105, token, Some(vllm(4, 4, 0.1).as_bytes()));
-    // Four waiting, not eight: the pool still has room under the queue depth of 5.
-    assert!(matches!(admit_route(&mut w, 106, 5, &[]), Admission::Bypass(0)));
-    assert_eq!(shared::records(&p.store, 1)[0].in_flight_at_scrape, 4);
+    w.on_scrape(105, token, Some(vllm(3, 4, 0.1).as_bytes()));
+    // Three waiting, not six: the pool still has room under the queue depth of 4.
+    assert!(matches!(admit_route(&mut w, 106, 4, &[]), Admission::Bypass(0)));
+    assert_eq!(shared::records(&p.store, 1)[0].in_flight_at_scrape, 3);
 }
 
 #[test]
