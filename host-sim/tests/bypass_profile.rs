@@ -18,7 +18,7 @@ fn the_floor_sets_one_header_and_reads_the_body_once_per_request() {
 #[test]
 fn a_bypassed_request_takes_its_slot_with_shared_data_alone_and_charges_in_tick_batches() {
     let n = 400;
-    let p = bypass_profile::run(&common::filter_wasm(), bypass_profile::sluice_config(), n, 400).unwrap();
+    let p = bypass_profile::run(&common::filter_wasm(), bypass_profile::sluice_config(false), n, 400).unwrap();
     let t = p.total();
     let calls = |f: &str| t.host_calls.get(f).copied().unwrap_or(0);
     // Admission: the queue length, the endpoints' health, the slot (get and CAS); release: the
@@ -33,4 +33,23 @@ fn a_bypassed_request_takes_its_slot_with_shared_data_alone_and_charges_in_tick_
     assert!(stats * 10 <= n, "stats calls: {stats} for {n} requests ({t:?})");
     // Nothing is logged on the bypass path (the first tick logs the lease).
     assert!(calls("proxy_log") <= 2, "{t:?}");
+}
+
+#[test]
+fn scraping_adds_the_shared_index_and_the_start_count_and_every_request_still_bypasses() {
+    // 2,000 requests 400 µs apart: 0.8 s of virtual time, so the endpoint is paged more than once
+    // (every `max_scrape_interval_ms` while its page shows room). `run` fails unless every request
+    // bypassed the queue.
+    let n = 2000;
+    let run = |scrape| bypass_profile::run(&common::filter_wasm(), bypass_profile::sluice_config(scrape), n, 400);
+    let (plain, scraped) = (run(false).unwrap(), run(true).unwrap());
+    let pages = scraped.total().host_calls.get("proxy_http_call").copied().unwrap_or(0);
+    assert!(pages >= 2, "pages asked for: {pages}");
+    let calls = |p: &bypass_profile::BypassProfile, phase: &str| {
+        p.phases[bypass_profile::PHASES.iter().position(|&x| x == phase).unwrap()].total_calls()
+    };
+    // At the first bytes: the affinity index's confirmation and the start, each a get and a set.
+    assert_eq!(calls(&scraped, "response body") - calls(&plain, "response body"), 4 * n);
+    // At the end: the start taken back, a get and a set.
+    assert_eq!(calls(&scraped, "end") - calls(&plain, "end"), 2 * n);
 }

@@ -25,6 +25,11 @@ struct Args {
     /// Virtual time between two requests, in µs (ticks and wake-ups run when due).
     #[arg(long, default_value_t = 400)]
     interval_us: u64,
+    /// Also scrape the endpoint (`routing.scrape_cluster`, as every shipped configuration does):
+    /// its pages, answered at once, show room, so every request still bypasses, now through the
+    /// saturation gate and with its start counted.
+    #[arg(long)]
+    scrape: bool,
 }
 
 fn read(path: &PathBuf) -> Result<Vec<u8>> {
@@ -80,7 +85,13 @@ fn main() -> Result<()> {
     let (sluice, floor) = (read(&args.wasm)?, read(&args.floor_wasm)?);
     let floor =
         bypass_profile::run(&floor, bypass_profile::ENDPOINT.as_bytes().to_vec(), args.requests, args.interval_us)?;
-    let sluice = bypass_profile::run(&sluice, bypass_profile::sluice_config(), args.requests, args.interval_us)?;
+    let sluice =
+        bypass_profile::run(&sluice, bypass_profile::sluice_config(args.scrape), args.requests, args.interval_us)?;
+    let scraping = if args.scrape { "scraping its endpoint (pages show room)" } else { "no scraping" };
+    println!(
+        "sluice's configuration: {}; {scraping}",
+        String::from_utf8_lossy(&bypass_profile::sluice_config(args.scrape))
+    );
     print_profile("sluice", &sluice, &floor);
     Ok(())
 }

@@ -11,6 +11,7 @@
 
 use anyhow::{bail, Result};
 use proxy_wasm_host::abi::HeaderMap;
+use proxy_wasm_host::state::{CallResponse, Cluster};
 use proxy_wasm_host::{Host, HostProfile, PluginSpec, StreamData};
 use std::time::{Duration, Instant};
 
@@ -19,19 +20,36 @@ pub const ENDPOINT: &str = "10.0.0.1:8000";
 /// The header the ORIGINAL_DST cluster routes on.
 const DESTINATION: &str = "x-gateway-destination-endpoint";
 
+/// The cluster sluice scrapes through when [`sluice_config`] turns scraping on.
+pub const SCRAPE_CLUSTER: &str = "model_servers";
+
 /// sluice's configuration for the profile: one endpoint and a watermark no load reaches, so
-/// every request bypasses the queue (as in `sluice-bench-bypass`).
-pub fn sluice_config() -> Vec<u8> {
-    serde_json::json!({
+/// every request bypasses the queue (as in `sluice-bench-bypass`). With `scrape`, it also
+/// scrapes the endpoint (`routing.scrape_cluster`), whose pages [`run`] answers showing room,
+/// so the bypass path adds what the saturation gate reads and the starts it counts.
+pub fn sluice_config(scrape: bool) -> Vec<u8> {
+    let mut c = serde_json::json!({
         "endpoints": [ENDPOINT],
         "tenant_header": "x-gateway-inference-fairness-id",
         "default_tenant": "default",
         "policy": "vtc",
         "watermark_per_backend": 10_000,
         "tick_ms": 50
-    })
-    .to_string()
-    .into_bytes()
+    });
+    if scrape {
+        c["routing"] = serde_json::json!({"scrape_cluster": SCRAPE_CLUSTER});
+    }
+    c.to_string().into_bytes()
+}
+
+/// The endpoint's `/metrics` page: vLLM's names, nothing waiting, one running, the KV cache
+/// nearly empty, and the finished counter at `finished`.
+fn metrics_page(finished: u64) -> CallResponse {
+    let body = format!(
+        "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.01\n\
+         vllm:request_success_total {finished}\n"
+    );
+    (vec![(":status".into(), b"200".to_vec())], body.into_bytes(), Vec::new())
 }
 
 /// The parts of a request's life, in order; `Background` is the ticks and queue wake-ups.
@@ -112,10 +130,13 @@ fn response() -> (HeaderMap, Vec<u8>) {
 
 /// Runs `requests` requests through `wasm` configured with `configuration` on one worker VM,
 /// `interval_us` of virtual time apart, and fails unless every one went to [`ENDPOINT`] without
-/// being paused after its body.
+/// being paused after its body. Every http call (a scrape) is answered at once with the
+/// endpoint's page, in the background phase.
 pub fn run(wasm: &[u8], configuration: Vec<u8>, requests: u64, interval_us: u64) -> Result<BypassProfile> {
     let spec = PluginSpec { configuration, workers: 1, ..Default::default() };
     let mut host = Host::new(wasm, &spec)?;
+    host.add_cluster(SCRAPE_CLUSTER, Cluster::Static(vec![ENDPOINT.into()]));
+    let mut finished = 0;
     let vm = 1;
     let (req_headers, req_body) = request();
     let (resp_headers, resp_body) = response();
@@ -140,6 +161,9 @@ pub fn run(wasm: &[u8], configuration: Vec<u8>, requests: u64, interval_us: u64)
         }
         for post in host.take_queue_posts() {
             host.on_queue_ready(&post).map_err(|t| anyhow::anyhow!("{t}"))?;
+        }
+        for call in host.take_http_calls() {
+            host.on_http_call_response(&call, Some(metrics_page(finished))).map_err(|t| anyhow::anyhow!("{t}"))?;
         }
         phase(&mut host, 6);
         let data = StreamData { request_headers: req_headers.clone(), ..Default::default() };
@@ -169,6 +193,7 @@ pub fn run(wasm: &[u8], configuration: Vec<u8>, requests: u64, interval_us: u64)
         host.on_response_body(vm, ctx, true).map_err(|t| anyhow::anyhow!("{t}"))?;
         phase(&mut host, 4);
         host.finish_stream(vm, ctx).map_err(|t| anyhow::anyhow!("{t}"))?;
+        finished += 1;
         phase(&mut host, 5);
     }
     let wall = started.elapsed();
