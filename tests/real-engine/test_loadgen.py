@@ -2,6 +2,7 @@
 integration scripts/loadgen.sh depends on (its flags, our reading of its report) cannot rot
 unnoticed. Asserts success and sane figures, not speed."""
 
+import harness
 import loadgen
 
 REQUESTS = 12
@@ -11,10 +12,25 @@ OUTPUT_TOKENS = 16
 
 def test_guidellm_through_the_gateway_all_succeed(gateway, engines):
     envoy = gateway()
-    done_before = sum(e.series("vllm:request_success_total") for e in engines)
-    before = envoy.stats()
-    report = loadgen.run_guidellm("guidellm-test", envoy.url, 3.0, requests=REQUESTS,
-                                  prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS)
+
+    def run():
+        done_before = sum(e.series("vllm:request_success_total") for e in engines)
+        before = envoy.stats()
+        report = loadgen.run_guidellm("guidellm-test", envoy.url, 3.0, requests=REQUESTS,
+                                      prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS)
+        return done_before, before, report
+
+    done_before, before, report = run()
+    if report["benchmarks"][0]["scheduler_state"].get("processing_requests"):
+        # guidellm 0.8 can end its run while its last request is still in flight and leave that
+        # request out of its report (CI at 07ecb60: 11 of 12 successful, none errored or
+        # incomplete, `processing_requests` 1 in its scheduler state): its race, not the
+        # gateway's. Once the engines are idle, run it once more; any other shortfall fails.
+        for e in engines:
+            e.wait_idle()
+        settled = lambda s: s.get("sluice_requests_completed", 0) >= s.get("sluice_requests_dispatched", 0)
+        harness.wait_for(lambda: settled(envoy.stats()), 60, "sluice to count the last request's end")
+        done_before, before, report = run()
     h = loadgen.guidellm_headline(report)
     print(f"guidellm through the gateway: {h}")
 
