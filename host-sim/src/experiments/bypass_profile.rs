@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 use proxy_wasm_host::abi::HeaderMap;
 use proxy_wasm_host::state::{CallResponse, Cluster};
 use proxy_wasm_host::{Host, HostProfile, PluginSpec, StreamData};
+use sluice_gpu::{GpuMetrics, GpuModel, GpuProfile};
 use std::time::{Duration, Instant};
 
 /// The endpoint every request goes to (the configuration names it).
@@ -42,13 +43,12 @@ pub fn sluice_config(scrape: bool) -> Vec<u8> {
     c.to_string().into_bytes()
 }
 
-/// The endpoint's `/metrics` page: vLLM's names, nothing waiting, one running, the KV cache
-/// nearly empty, and the finished counter at `finished`.
-fn metrics_page(finished: u64) -> CallResponse {
-    let body = format!(
-        "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.01\n\
-         vllm:request_success_total {finished}\n"
-    );
+/// The endpoint's `/metrics` page as the simulated H100 renders it (`sluice_gpu::metrics`):
+/// nothing waiting, one running, the KV cache nearly empty, and the finished counter at
+/// `finished`.
+fn metrics_page(profile: &GpuProfile, idle: &GpuMetrics, finished: u64) -> CallResponse {
+    let metrics = GpuMetrics { running: 1, kv_usage: 0.01, finished, ..idle.clone() };
+    let body = sluice_gpu::metrics::render(profile, &metrics);
     (vec![(":status".into(), b"200".to_vec())], body.into_bytes(), Vec::new())
 }
 
@@ -140,6 +140,8 @@ pub fn run(wasm: &[u8], configuration: Vec<u8>, requests: u64, interval_us: u64)
     let vm = 1;
     let (req_headers, req_body) = request();
     let (resp_headers, resp_body) = response();
+    let gpu_profile = GpuProfile::llama3_8b_h100();
+    let idle = GpuModel::new(gpu_profile.clone())?.metrics();
     let mut phases = vec![HostProfile::default(); PHASES.len()];
     let mut phase = |host: &mut Host, i: usize| {
         add(&mut phases[i], &host.profile());
@@ -163,7 +165,7 @@ pub fn run(wasm: &[u8], configuration: Vec<u8>, requests: u64, interval_us: u64)
             host.on_queue_ready(&post).map_err(|t| anyhow::anyhow!("{t}"))?;
         }
         for call in host.take_http_calls() {
-            host.on_http_call_response(&call, Some(metrics_page(finished))).map_err(|t| anyhow::anyhow!("{t}"))?;
+            host.on_http_call_response(&call, Some(metrics_page(&gpu_profile, &idle, finished))).map_err(|t| anyhow::anyhow!("{t}"))?;
         }
         phase(&mut host, 6);
         let data = StreamData { request_headers: req_headers.clone(), ..Default::default() };
