@@ -555,7 +555,7 @@ fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u6
 }
 
 /// Bytes of one endpoint's [`Progress`] in a heartbeat.
-const PROGRESS_BYTES: usize = 12;
+const PROGRESS_BYTES: usize = 20;
 
 /// Records that `worker` is alive at `now_ms` (on every tick), with what it
 /// sees of its requests on each endpoint: the lease holder learns the
@@ -567,6 +567,7 @@ pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64, progress: &[Progre
         for v in [p.in_flight, p.unstarted, p.waiting] {
             b.extend_from_slice(&v.to_le_bytes());
         }
+        b.extend_from_slice(&p.starting.to_le_bytes());
     }
     store.set(&format!("{ALIVE_PREFIX}{worker}"), &b, None);
 }
@@ -585,7 +586,8 @@ pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64)
         }
         for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(PROGRESS_BYTES)) {
             let at = |k: usize| u32_at(&c[4 * k..]);
-            *s = *s + Progress { in_flight: at(0), unstarted: at(1), waiting: at(2) };
+            let starting = f64::from_le_bytes(c[12..20].try_into().expect("8 bytes"));
+            *s = *s + Progress { in_flight: at(0), unstarted: at(1), waiting: at(2), starting };
         }
     }
     sum
@@ -603,6 +605,9 @@ pub struct Learned {
     pub batch: Option<f64>,
     /// The in-flight limit.
     pub limit: f64,
+    /// Unstarted requests at most, for those taken from the queue
+    /// ([`sluice_policies::capacity::Capacity::pace`]).
+    pub pace: f64,
 }
 
 /// What was learned of each endpoint, as last written; `None` before
@@ -611,14 +616,20 @@ pub fn read_learned(store: &dyn Store, endpoints: usize) -> Option<Vec<Learned>>
     let b = store.get(CAPACITY_KEY).0?;
     let f = |c: &[u8]| f64::from_le_bytes(c.try_into().expect("8 bytes"));
     let batch = |v: f64| (v >= 0.0).then_some(v);
-    (b.len() == 16 * endpoints)
-        .then(|| b.chunks_exact(16).map(|c| Learned { batch: batch(f(&c[..8])), limit: f(&c[8..]) }).collect())
+    (b.len() == 24 * endpoints).then(|| {
+        b.chunks_exact(24)
+            .map(|c| Learned { batch: batch(f(&c[..8])), limit: f(&c[8..16]), pace: f(&c[16..]) })
+            .collect()
+    })
 }
 
 /// Writes what was learned of each endpoint.
 pub fn write_learned(store: &dyn Store, learned: &[Learned]) {
-    let b: Vec<u8> =
-        learned.iter().flat_map(|l| [l.batch.unwrap_or(-1.0).to_le_bytes(), l.limit.to_le_bytes()]).flatten().collect();
+    let b: Vec<u8> = learned
+        .iter()
+        .flat_map(|l| [l.batch.unwrap_or(-1.0), l.limit, l.pace].map(f64::to_le_bytes))
+        .flatten()
+        .collect();
     store.set(CAPACITY_KEY, &b, None);
 }
 

@@ -8,9 +8,8 @@
 //! scenario's `filter_config`).
 
 use anyhow::{bail, Context, Result};
-use host_sim::sim::upstream::GpuUpstream;
+use host_sim::experiments::engine_queue;
 use host_sim::Scenario;
-use std::collections::BTreeMap;
 use std::path::Path;
 
 const WASM: &str = "target/wasm32-wasip1/release/sluice_filter.wasm";
@@ -29,23 +28,9 @@ fn main() -> Result<()> {
     let wasm = std::fs::read(WASM).with_context(|| format!("reading {WASM}: build the filter first"))?;
     let dir = Path::new(scenario).parent().unwrap_or(Path::new(""));
     let mut sim = sc.build(&wasm, &sc.work_items(dir)?)?;
-    let (mut t, end) = ((from * 1e6) as u64, (to * 1e6) as u64);
-    sim.run_until(t);
-    let (mut waiting, mut running, mut samples) = (0usize, 0usize, 0usize);
-    let mut histogram = BTreeMap::new();
-    while t < end {
-        t += SAMPLE_US;
-        sim.run_until(t);
-        for (_, u) in sim.upstreams() {
-            let Some(gpu) = u.as_any().downcast_ref::<GpuUpstream>() else { continue };
-            let m = gpu.model().metrics();
-            (waiting, running, samples) = (waiting + m.waiting, running + m.running, samples + 1);
-            *histogram.entry(m.waiting).or_insert(0) += 1;
-        }
-    }
-    let n = samples.max(1) as f64;
-    println!("{samples} samples of each engine, every {} ms from {from} s to {to} s", SAMPLE_US / 1000);
-    println!("mean running {:.1}, mean waiting {:.1}", running as f64 / n, waiting as f64 / n);
-    println!("waiting: samples {histogram:?}");
+    let q = engine_queue::sample(&mut sim, (from * 1e6) as u64, (to * 1e6) as u64, SAMPLE_US);
+    println!("{} samples of each engine, every {} ms from {from} s to {to} s", q.samples, SAMPLE_US / 1000);
+    println!("mean running {:.1}, mean waiting {:.1}", q.mean_running(), q.mean_waiting());
+    println!("waiting: samples {:?}", q.histogram);
     Ok(())
 }

@@ -21,10 +21,11 @@ fn a_bypassed_request_takes_its_slot_with_shared_data_alone_and_charges_in_tick_
     let p = bypass_profile::run(&common::filter_wasm(), bypass_profile::sluice_config(false), n, 400).unwrap();
     let t = p.total();
     let calls = |f: &str| t.host_calls.get(f).copied().unwrap_or(0);
-    // Admission: the queue length, the endpoints' health, the slot (get and CAS); release: the
-    // slot (get and CAS) and the queue length. Ticks add their lease and heartbeat.
+    // Admission: the queue length, the endpoints' health, the slot (get and CAS); first bytes: the
+    // start, which the learned limit's pacing reads (get and CAS); release: the start and the slot
+    // (get and CAS each) and the queue length. Ticks add their lease and heartbeat.
     let per_request = (calls("proxy_get_shared_data") + calls("proxy_set_shared_data")) as f64 / n as f64;
-    assert!(per_request <= 7.5, "shared-data calls per request: {per_request} ({t:?})");
+    assert!(per_request <= 11.5, "shared-data calls per request: {per_request} ({t:?})");
     // Charges wait for the tick (50 ms = 125 requests here) and go as one message.
     assert!(calls("proxy_enqueue_shared_queue") * 50 <= n, "{t:?}");
     // Stats are kept in the worker and flushed on the tick (issue 24): they were nine host calls
@@ -36,7 +37,7 @@ fn a_bypassed_request_takes_its_slot_with_shared_data_alone_and_charges_in_tick_
 }
 
 #[test]
-fn scraping_adds_the_shared_index_and_the_start_count_and_every_request_still_bypasses() {
+fn scraping_adds_the_shared_index_and_every_request_still_bypasses() {
     // 2,000 requests 400 µs apart: 0.8 s of virtual time, so the endpoint is paged more than once
     // (every `max_scrape_interval_ms` while its page shows room). `run` fails unless every request
     // bypassed the queue.
@@ -48,8 +49,8 @@ fn scraping_adds_the_shared_index_and_the_start_count_and_every_request_still_by
     let calls = |p: &bypass_profile::BypassProfile, phase: &str| {
         p.phases[bypass_profile::PHASES.iter().position(|&x| x == phase).unwrap()].total_calls()
     };
-    // At the first bytes: the affinity index's confirmation and the start, each a get and a set.
-    assert_eq!(calls(&scraped, "response body") - calls(&plain, "response body"), 4 * n);
-    // At the end: the start taken back, a get and a set.
-    assert_eq!(calls(&scraped, "end") - calls(&plain, "end"), 2 * n);
+    // At the first bytes: the affinity index's confirmation, a get and a set. Both count the
+    // starts (the saturation gate and the pacing read them), so the end is the same.
+    assert_eq!(calls(&scraped, "response body") - calls(&plain, "response body"), 2 * n);
+    assert_eq!(calls(&scraped, "end"), calls(&plain, "end"));
 }

@@ -67,6 +67,22 @@ fn on_a_full_h100_the_fair_order_still_decides_the_modest_tenants_wait() {
     assert!(fcfs >= 13.0 * vtc, "modest TTFT p50: fcfs {fcfs} ms, vtc {vtc} ms ({:.1}x)", fcfs / vtc);
 }
 
+/// Without scraping, what leaves the queue is paced by what the engine starts: the slots a cohort
+/// of equal-length requests frees as it ends are not refilled at once, so the H100's own FCFS
+/// queue stays short and the batch full. Without the pacing, the engine kept up to 62 waiting
+/// (`cargo run --release -p sluice-host-sim --example engine_queue --
+/// host-sim/tests/scenarios/demo-flood-h100.json '{"policy":"vtc","queue_ttl_ms":30000}' 4 12`).
+#[test]
+fn without_scraping_a_full_h100_is_refilled_as_it_takes_requests_in_not_a_cohort_at_once() {
+    use host_sim::experiments::engine_queue;
+    let sc = Scenario::from_json(&std::fs::read_to_string("tests/scenarios/demo-flood-h100.json").unwrap()).unwrap();
+    let mut sim = sc.build(&common::filter_wasm(), &sc.work_items(Path::new("tests/scenarios")).unwrap()).unwrap();
+    let q = engine_queue::sample(&mut sim, 4_000_000, 12_000_000, 5_000);
+    eprintln!("running {:.1}, waiting {:.1} (at most {})", q.mean_running(), q.mean_waiting(), q.max_waiting());
+    assert!(q.max_waiting() <= 32, "the engine's own queue: {:?}", q.histogram);
+    assert!(q.mean_running() >= 240.0, "the batch of 256: {:.1}", q.mean_running());
+}
+
 #[test]
 fn a_configured_watermark_still_caps_the_engine() {
     let r = flood(json!({"watermark_per_backend": 8}), h100(1, 64), 300.0);

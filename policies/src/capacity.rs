@@ -39,6 +39,21 @@
 //!
 //! The limit is the batch plus the headroom.
 //!
+//! *Pacing.* The limit says how many; it does not say how fast. When a
+//! cohort of requests with equal outputs ends together, the freed slots
+//! would all be refilled at once: the engine prefills them in one long
+//! iteration that stalls every stream, they end together again, and in the
+//! meantime the gateway, whose stock is full, sends nothing, so the fair
+//! order decides nothing. So requests taken from the gateway's queue go
+//! only while an endpoint has fewer unstarted than [`Capacity::pace`]: twice
+//! what it starts in one unqueued round trip (dispatch to first bytes, its
+//! recent minimum) at its recent rate of starts (Little's law, as a Vegas
+//! limiter sizes its window on the minimum round trip). When the engine
+//! takes all it is sent, the round trips stay near their minimum and the
+//! pace doubles each round trip, as slow start does; when it queues them,
+//! the pace stops growing at about one round trip of queue. With scraping,
+//! the saturation gate's `queue_depth` does this job.
+//!
 //! Delay-based limits (Envoy's adaptive concurrency, gradient limiters)
 //! compare latency with a minimum; an engine's step time grows with its
 //! batch, so that gradient stops well short of a full batch, and whole-request
@@ -52,7 +67,7 @@
 //! an explicit cap, bounds it then).
 
 /// What the gateway sees of one endpoint at one moment (over every worker).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Progress {
     /// Requests in flight there.
     pub in_flight: u32,
@@ -64,6 +79,9 @@ pub struct Progress {
     /// ([`Pace::allowance_ms`]) while the engine streams to others: it keeps
     /// them waiting.
     pub waiting: u32,
+    /// Requests the endpoint starts in one unqueued round trip at its
+    /// recent rate of starts ([`Pace::starting`]).
+    pub starting: f64,
 }
 
 impl std::ops::Add for Progress {
@@ -75,6 +93,7 @@ impl std::ops::Add for Progress {
             in_flight: self.in_flight.saturating_add(o.in_flight),
             unstarted: self.unstarted.saturating_add(o.unstarted),
             waiting: self.waiting.saturating_add(o.waiting),
+            starting: self.starting + o.starting,
         }
     }
 }
@@ -136,6 +155,8 @@ pub struct Capacity {
     /// lasts two (a stall of the engine or of the proxy that makes every
     /// stream late at once must not shrink the batch for good).
     last_waiting: u32,
+    /// Unstarted requests at most ([`Capacity::pace`]).
+    pace: f64,
 }
 
 /// One more request an observation is a slow way to find a bigger engine
@@ -149,9 +170,17 @@ pub const PROBE_EVERY: u32 = 16;
 /// During slow start, at least this many requests beyond those started.
 pub const MIN_PROBE: f64 = 4.0;
 
+/// Unstarted requests an endpoint may always have, whatever its pace: as
+/// many as the saturation gate's default `queue_depth` lets wait.
+pub const MIN_PACE: f64 = 4.0;
+
+/// The pace is this many round trips' starts: one that runs and one that
+/// waits, so that it can double while the engine keeps up.
+pub const PACE_ROUND_TRIPS: f64 = 2.0;
+
 impl Default for Capacity {
     fn default() -> Self {
-        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0, last_waiting: 0 }
+        Capacity { batch: None, started: 0.0, calm: 0, step: 1.0, last_waiting: 0, pace: MIN_PACE }
     }
 }
 
@@ -169,6 +198,13 @@ impl Capacity {
         self.batch
     }
 
+    /// Requests sent from the gateway's queue that may be unstarted at once
+    /// (streamed, no first bytes yet): [`PACE_ROUND_TRIPS`] times what the
+    /// endpoint starts in one unqueued round trip, at least [`MIN_PACE`].
+    pub fn pace(&self) -> f64 {
+        self.pace
+    }
+
     /// The in-flight limit: the batch and its headroom; during slow start,
     /// twice what the engine was seen to start (at least [`MIN_PROBE`] more),
     /// so that it doubles once a round trip of dispatch to first token.
@@ -183,6 +219,8 @@ impl Capacity {
     /// the gateway's queue (the limit holds them back even when other bounds,
     /// such as a replica's share, keep the stock a little under it).
     pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom) {
+        let starting = if p.starting.is_finite() { p.starting.clamp(0.0, MAX_BATCH) } else { 0.0 };
+        self.pace = (PACE_ROUND_TRIPS * starting).max(MIN_PACE);
         let waiting = p.waiting.min(p.in_flight).min(std::mem::replace(&mut self.last_waiting, p.waiting));
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
         // Only a limit that requests run into says anything about the engine.
@@ -221,6 +259,14 @@ pub struct Pace {
     token_ms: Option<f64>,
     /// When any stream last got tokens, ms.
     last_token_ms: u64,
+    /// Round trips from dispatch to first bytes: their lower envelope, ms
+    /// (`None` before any).
+    round_trip_ms: Option<f64>,
+    /// Starts since the rate was last updated.
+    starts: u32,
+    /// Starts per ms, a moving mean, and when it was last updated.
+    start_rate: f64,
+    rate_ms: Option<u64>,
 }
 
 /// Iterations allowed beyond the prefill chunks: the one under way when the
@@ -233,6 +279,11 @@ const CHUNK_TOKENS: f64 = 512.0;
 const OVERHEAD_MS: f64 = 10.0;
 /// Weight of a new sample in the mean.
 const ALPHA: f64 = 1.0 / 16.0;
+/// How fast the round trips' lower envelope rises towards a longer sample
+/// (it falls at once to a shorter one): the engine may have slowed down.
+const ENVELOPE_RISE: f64 = 1.0 / 64.0;
+/// The time over which the rate of starts is averaged, ms.
+const RATE_WINDOW_MS: f64 = 200.0;
 
 impl Pace {
     /// A stream got `tokens` more tokens at `now_ms`, `gap_ms` after its
@@ -248,6 +299,30 @@ impl Pace {
             Some(m) => *m += ALPHA * (sample - *m),
             None => self.token_ms = Some(sample),
         }
+    }
+
+    /// A request sent `round_trip_ms` ago streamed its first bytes.
+    pub fn started(&mut self, round_trip_ms: u64) {
+        let x = round_trip_ms as f64;
+        self.round_trip_ms = Some(match self.round_trip_ms {
+            Some(m) if x >= m => m + ENVELOPE_RISE * (x - m),
+            _ => x,
+        });
+        self.starts = self.starts.saturating_add(1);
+    }
+
+    /// Requests the endpoint starts in one unqueued round trip (the lower
+    /// envelope of the round trips), at the rate of starts averaged up to
+    /// `now_ms` (called once per heartbeat).
+    pub fn starting(&mut self, now_ms: u64) -> f64 {
+        let since = self.rate_ms.map_or(0, |t| now_ms.saturating_sub(t));
+        if self.rate_ms.is_none() || since > 0 {
+            let rate = f64::from(std::mem::take(&mut self.starts)) / since.max(1) as f64;
+            let w = if self.rate_ms.is_none() { 0.0 } else { (since as f64 / RATE_WINDOW_MS).min(1.0) };
+            self.start_rate += w * (rate - self.start_rate);
+            self.rate_ms = Some(now_ms);
+        }
+        self.start_rate * self.round_trip_ms.unwrap_or(0.0)
     }
 
     /// Did some stream get tokens after `ms`? A request quiet since before
@@ -303,7 +378,7 @@ mod tests {
             let waiting = queued.iter().filter(|&&t| t + 1 < round).count() as u32;
             let in_flight = (admitted.len() + queued.len()) as u32;
             let unstarted = (prefilling + queued.len()) as u32;
-            c.observe(Progress { in_flight, unstarted, waiting }, false, h);
+            c.observe(Progress { in_flight, unstarted, waiting, ..Default::default() }, false, h);
             queue.push(queued.len() as u32);
             batch.push(admitted.len());
         }
@@ -348,17 +423,17 @@ mod tests {
         let h = Headroom::default();
         let mut c = Capacity::from_batch(Some(200.0));
         for _ in 0..2 {
-            c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60 }, false, &h);
+            c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60, ..Default::default() }, false, &h);
         }
         assert_eq!(c.batch(), Some(90.0));
         // Within the headroom (1.4 of 90), and not binding: it stays.
-        c.observe(Progress { in_flight: 80, unstarted: 1, waiting: 1 }, false, &h);
+        c.observe(Progress { in_flight: 80, unstarted: 1, waiting: 1, ..Default::default() }, false, &h);
         assert_eq!(c.batch(), Some(90.0));
         // Binding, nothing waits: one more every few such observations.
         let mut probes = Vec::new();
         for _ in 0..CALM_TO_PROBE + 4 {
             let n = c.limit(&h) as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, false, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
             probes.push(c.batch().unwrap());
         }
         let ones = f64::from(CALM_TO_PROBE / PROBE_EVERY);
@@ -373,12 +448,12 @@ mod tests {
         let mut c = Capacity::from_batch(Some(50.0));
         // Another bound (a replica's share) keeps the stock at 45: the limit does not bind...
         for _ in 0..8 {
-            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0 }, false, &h);
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
         }
         assert_eq!(c.batch(), Some(50.0));
         // ...unless requests wait in the gateway meanwhile: then it probes.
         for _ in 0..2 * PROBE_EVERY {
-            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0 }, true, &h);
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0, ..Default::default() }, true, &h);
         }
         assert_eq!(c.batch(), Some(52.0));
     }
@@ -389,7 +464,7 @@ mod tests {
         let mut c = Capacity::default();
         for _ in 0..40 {
             let n = c.limit(&h).floor() as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0 }, false, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
         }
         assert!(c.limit(&h) > 10_000.0, "{}", c.limit(&h));
     }
@@ -427,8 +502,8 @@ mod tests {
     fn a_queue_is_believed_when_it_lasts_two_observations() {
         let h = Headroom::default();
         let mut c = Capacity::from_batch(Some(100.0));
-        let stall = Progress { in_flight: 100, unstarted: 90, waiting: 90 };
-        let calm = Progress { in_flight: 100, unstarted: 0, waiting: 0 };
+        let stall = Progress { in_flight: 100, unstarted: 90, waiting: 90, ..Default::default() };
+        let calm = Progress { in_flight: 100, unstarted: 0, waiting: 0, ..Default::default() };
         for p in [calm, stall, calm, stall, calm] {
             c.observe(p, false, &h);
         }
@@ -440,6 +515,47 @@ mod tests {
     }
 
     #[test]
+    fn the_pace_is_twice_the_starts_of_one_unqueued_round_trip() {
+        let h = Headroom::default();
+        let mut a = Pace::default();
+        assert_eq!(a.starting(0), 0.0, "nothing started yet");
+        // 20 starts every 100 ms (0.2 a ms), round trips of 30 to 60 ms: the
+        // unqueued one is the shortest.
+        let mut starting = 0.0;
+        for t in 1..=20 {
+            for i in 0..20 {
+                a.started(30 + (i % 4) * 10);
+            }
+            starting = a.starting(t * 100);
+        }
+        assert!((5.5..=6.5).contains(&starting), "0.2 a ms over 30 ms: {starting}");
+        let mut c = Capacity::from_batch(Some(100.0));
+        assert_eq!(c.pace(), MIN_PACE);
+        c.observe(Progress { in_flight: 100, starting, ..Default::default() }, false, &h);
+        assert_eq!(c.pace(), PACE_ROUND_TRIPS * starting);
+        // The engine slowed down: every round trip now takes 100 ms, and the
+        // envelope follows within a few hundred starts.
+        for t in 21..=40 {
+            for _ in 0..20 {
+                a.started(100);
+            }
+            starting = a.starting(t * 100);
+        }
+        assert!((19.0..=20.0).contains(&starting), "0.2 a ms over about 100 ms: {starting}");
+        // Nothing starts any more: the rate, and the pace with it, falls to the least.
+        for t in 41..=60 {
+            starting = a.starting(t * 100);
+        }
+        assert!(starting < 0.01, "{starting}");
+        c.observe(Progress { in_flight: 100, starting, ..Default::default() }, false, &h);
+        assert_eq!(c.pace(), MIN_PACE);
+        for bad in [f64::NAN, f64::INFINITY, -5.0] {
+            c.observe(Progress { in_flight: 100, starting: bad, ..Default::default() }, false, &h);
+            assert_eq!(c.pace(), MIN_PACE, "{bad}");
+        }
+    }
+
+    #[test]
     fn hostile_counts_stay_in_range() {
         let h = Headroom::default();
         assert_eq!(Capacity::from_batch(Some(f64::NAN)).batch(), None);
@@ -447,11 +563,11 @@ mod tests {
         assert_eq!(Capacity::from_batch(Some(f64::INFINITY)).batch(), None);
         let mut c = Capacity::from_batch(Some(10.0));
         for _ in 0..2 {
-            c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX }, false, &h);
+            c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX, ..Default::default() }, false, &h);
         }
         assert_eq!(c.batch(), Some(0.0));
         for _ in 0..200 {
-            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0 }, false, &h);
+            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
         }
         assert_eq!(c.batch(), Some(MAX_BATCH));
         assert!(Headroom { fraction: -1.0, min: 4.0 }.validate("x").unwrap_err().contains("x.headroom_fraction"));

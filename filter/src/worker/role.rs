@@ -92,7 +92,7 @@ impl SchedulerRole {
     /// it from every worker's heartbeat (what each sees of its requests there:
     /// see [`sluice_policies::capacity`]) and saves it; the other workers read
     /// it once a tick.
-    pub(super) fn learn_limits<H: Host>(&mut self, env: &Env<H>, lease_ms: u64, limits: &mut Vec<Option<f64>>) {
+    pub(super) fn learn_limits<H: Host>(&mut self, env: &Env<H>, lease_ms: u64, slots: &mut Slots) {
         let Some(h) = env.cfg.learned_limit else { return };
         let (n, now) = (env.endpoints(), env.now);
         match self.holding.as_mut() {
@@ -107,11 +107,13 @@ impl SchedulerRole {
                         let scale = |n: u32| {
                             (u64::from(n) * u64::from(all) / u64::from(p.in_flight.max(1))).min(u64::from(all)) as u32
                         };
-                        *p = Progress { in_flight: all, unstarted: scale(p.unstarted), waiting: scale(p.waiting) };
+                        // The pace is this replica's own: it paces its own unstarted requests.
+                        *p =
+                            Progress { in_flight: all, unstarted: scale(p.unstarted), waiting: scale(p.waiting), ..*p };
                     }
                 }
                 let learned = |c: &[Capacity]| -> Vec<shared::Learned> {
-                    c.iter().map(|c| shared::Learned { batch: c.batch(), limit: c.limit(&h) }).collect()
+                    c.iter().map(|c| shared::Learned { batch: c.batch(), limit: c.limit(&h), pace: c.pace() }).collect()
                 };
                 let before = learned(&role.capacity);
                 // A replica's share keeps its stock a little under the limit: requests
@@ -125,13 +127,13 @@ impl SchedulerRole {
                 if after != before {
                     shared::write_learned(&env.host, &after);
                 }
-                *limits = after.iter().map(|l| Some(l.limit)).collect();
-                let total: f64 = limits.iter().flatten().sum();
+                slots.learned(&after);
+                let total: f64 = after.iter().map(|l| l.limit).sum();
                 env.host.record(Metric::InFlightLimit, total.round() as u64);
             }
             None => {
                 if let Some(learned) = shared::read_learned(&env.host, n) {
-                    *limits = learned.into_iter().map(|l| Some(l.limit)).collect();
+                    slots.learned(&learned);
                 }
             }
         }

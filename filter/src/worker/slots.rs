@@ -31,6 +31,10 @@ pub(super) struct Slots {
     /// Each endpoint's learned in-flight limit as of the last tick (`None`:
     /// learning is off).
     pub(super) limits: Vec<Option<f64>>,
+    /// Each endpoint's pace as of the last tick: requests taken from the
+    /// queue go there only while fewer are unstarted (without scraping;
+    /// empty when learning is off).
+    paces: Vec<f64>,
     /// Next endpoint for requests the filter does not schedule.
     passthrough_next: usize,
     /// Requests in a row that each endpoint refused or reset, as this VM saw
@@ -48,9 +52,19 @@ impl Slots {
             route_scratch: Scratch::default(),
             rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | queue as u64),
             limits: vec![initial_limit; cfg.endpoints.len()],
+            paces: match cfg.learned_limit {
+                Some(_) => vec![Capacity::default().pace(); cfg.endpoints.len()],
+                None => Vec::new(),
+            },
             passthrough_next: worker as usize,
             failure_streak: vec![0; cfg.endpoints.len()],
         }
+    }
+
+    /// What the lease holder learned of the endpoints: their limits and paces.
+    pub(super) fn learned(&mut self, learned: &[shared::Learned]) {
+        self.limits = learned.iter().map(|l| Some(l.limit)).collect();
+        self.paces = learned.iter().map(|l| l.pace).collect();
     }
 
     /// A request on `endpoint` ended, `failed` (refused or reset by the
@@ -115,14 +129,19 @@ impl Slots {
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&env.host, n);
         // Read only where it is used: the views of scraped endpoints.
-        let started = if scraping { shared::started(&env.host, n) } else { Vec::new() };
+        // Without scraping, what is taken from the queue is paced (see
+        // [`sluice_policies::capacity`]): the start counts say how many are unstarted.
+        let pacing = !scraping && from_queue && self.paces.len() == n;
+        let started = if scraping || pacing { shared::started(&env.host, n) } else { Vec::new() };
+        let paces = &self.paces;
         // Each endpoint's band: the learned limit under the operator's cap.
         let limits = &self.limits;
         let band = |i: usize| -> Band { cfg.bounds.band(limits[i]) };
-        let views = |load: &[u32]| -> Vec<EndpointView<'_>> {
+        let views = |own: &[u32], load: &[u32]| -> Vec<EndpointView<'_>> {
             (0..n)
                 .map(|i| {
-                    let full = !band(i).has_room(load[i], from_queue);
+                    let paced = pacing && f64::from(own[i].saturating_sub(started[i])) >= paces[i];
+                    let full = paced || !band(i).has_room(load[i], from_queue);
                     match &records[i] {
                         r if scraping => EndpointView { full, ..r.view(load[i], started[i], now) },
                         r => EndpointView { in_flight: load[i], healthy: r.healthy(now), full, ..Default::default() },
@@ -153,7 +172,7 @@ impl Slots {
             let band = if from_queue { pool.may_pop(stock) } else { pool.may_bypass(stock, 0) };
             // Full GPUs hold requests back; but never all of them, or nothing
             // would finish to trigger the next attempt.
-            band && !(stock > 0 && scraping && routing.saturation.pool_saturated(&views(load)))
+            band && !(stock > 0 && scraping && routing.saturation.pool_saturated(&views(own, load)))
         };
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
@@ -167,9 +186,9 @@ impl Slots {
         }
         let (index, scratch) = (&self.affinity, &mut self.route_scratch);
         let mut no_endpoint = false;
-        let pick = |load: &[u32]| {
-            let load = &global(load)[..];
-            let pool = views(load);
+        let pick = |own: &[u32]| {
+            let load = &global(own)[..];
+            let pool = views(own, load);
             let cx = RouteContext::new(request, &pool, index, now);
             let chosen = routing.router.pick(&cx, random, scratch);
             // None healthy (not merely all full): reject, or fail open to the least loaded with room.

@@ -307,6 +307,7 @@ impl Streams {
                     write_engine_priority(&hub.env, ctx, band);
                     let objective_ms = deadline.map(|d| d.ttft_ms);
                     let sent = Sent { now, ttft_from_ms: now, objective_ms, streamed: req.stream };
+                    let permit = count_unstreamed(&hub.env, permit, req.stream);
                     self.map
                         .insert(ctx, Stream::dispatched(tenant, band, permit, sent, req.prompt_tokens, req.max_tokens));
                     return Admission::Bypass(endpoint);
@@ -390,13 +391,18 @@ impl Streams {
     /// window as a fraction of its objective. Requests without an objective
     /// are not sampled.
     pub(super) fn first_response_bytes<H: Host>(&mut self, env: &Env<H>, ctx: u32) {
-        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, .. }) = self.map.get_mut(&ctx)
+        let Some(Stream::Dispatched { ttft_from_ms, objective_ms, unstarted, permit, sent_ms, .. }) =
+            self.map.get_mut(&ctx)
         else {
             return;
         };
-        // The engine runs it: between two scrapes, the saturation gate counts it as let in.
-        if std::mem::replace(unstarted, false) && env.cfg.routing.scrape_cluster.is_some() {
+        // The engine runs it: between two scrapes, the saturation gate counts
+        // it as let in; without scraping, the pacing counts it as started.
+        if std::mem::replace(unstarted, false) && counts_starts(&env.cfg) {
             permit.start(&env.host, env.endpoints());
+            if let Some(pace) = self.pace.get_mut(permit.endpoint() as usize) {
+                pace.started(env.now.saturating_sub(*sent_ms));
+            }
         }
         let (Some(from), objective) = (ttft_from_ms.take(), *objective_ms) else { return };
         if let Some(objective) = objective {
@@ -484,6 +490,11 @@ impl Streams {
                 if late && due.is_some_and(|due| pace.streamed_after(due)) {
                     p.waiting += 1;
                 }
+            }
+        }
+        if env.cfg.learned_limit.is_some() {
+            for (p, pace) in progress.iter_mut().zip(&mut self.pace) {
+                p.starting = pace.starting(now);
             }
         }
         shared::heartbeat(&env.host, env.worker, now, &progress);
@@ -707,6 +718,7 @@ impl Streams {
                 let objective_ms = deadline.map(|d| d.ttft_ms);
                 let ttft_from_ms = arrival_ms.saturating_add(held_ms);
                 let sent = Sent { now: env.now, ttft_from_ms, objective_ms, streamed };
+                let permit = count_unstreamed(env, permit, streamed);
                 self.map.insert(ctx, Stream::dispatched(tenant, band, permit, sent, input_tokens, max_tokens));
                 env.add(Metric::Dispatched, 1);
                 env.host.record(Metric::QueueWaitMs, env.now.saturating_sub(arrival_ms));
@@ -799,4 +811,21 @@ fn write_engine_priority<H: Host>(env: &Env<H>, ctx: u32, band: Criticality) {
     if !env.host.edit_request_body(ctx, &|body| openai::set_top_level_int(body, field, value)) {
         log::warn!("could not write the engine priority into the body of stream {ctx}");
     }
+}
+
+/// Whether the endpoints' start counts ([`shared::STARTED_KEY`]) are kept: the
+/// saturation gate reads them between scrapes, and without scraping the
+/// learned limit's pacing reads what was sent and has not started.
+fn counts_starts(cfg: &crate::config::Config) -> bool {
+    cfg.routing.scrape_cluster.is_some() || cfg.learned_limit.is_some()
+}
+
+/// Without scraping, a request that is not streamed shows no first bytes
+/// until its end: it counts as started from its dispatch, so that only
+/// streamed requests are paced.
+fn count_unstreamed<H: Host>(env: &Env<H>, mut permit: Permit, streamed: bool) -> Permit {
+    if !streamed && env.cfg.routing.scrape_cluster.is_none() && counts_starts(&env.cfg) {
+        permit.start(&env.host, env.endpoints());
+    }
+    permit
 }

@@ -165,7 +165,8 @@ pub fn run(wasm: &[u8], configuration: Vec<u8>, requests: u64, interval_us: u64)
             host.on_queue_ready(&post).map_err(|t| anyhow::anyhow!("{t}"))?;
         }
         for call in host.take_http_calls() {
-            host.on_http_call_response(&call, Some(metrics_page(&gpu_profile, &idle, finished))).map_err(|t| anyhow::anyhow!("{t}"))?;
+            host.on_http_call_response(&call, Some(metrics_page(&gpu_profile, &idle, finished)))
+                .map_err(|t| anyhow::anyhow!("{t}"))?;
         }
         phase(&mut host, 6);
         let data = StreamData { request_headers: req_headers.clone(), ..Default::default() };

@@ -6,6 +6,7 @@
 //! a bypassed request asks of the host, `sluice-bypass-profile`).
 
 pub mod bypass_profile;
+pub mod engine_queue;
 pub mod replicas;
 pub mod repro;
 pub mod routing_compare;

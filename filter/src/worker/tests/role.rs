@@ -67,12 +67,55 @@ fn an_engine_that_stops_starting_requests_holds_the_rest_in_the_gateway() {
     assert!(ctx <= 96, "{ctx} sent");
 }
 
+/// Without scraping, what leaves the queue is paced: an endpoint whose limit
+/// has room takes no more while `pace` of its streamed requests are
+/// unstarted, and one more as each starts. A cohort that ends together is not
+/// refilled at once (see `sluice_policies::capacity`).
+#[test]
+fn without_scraping_what_leaves_the_queue_waits_for_the_engine_to_start_what_it_was_sent() {
+    let p = Rc::new(Process::default());
+    // An engine learned to run 6 at once (the limit: 7), at the least pace (4 unstarted).
+    shared::write_learned(&p.store, &[shared::Learned { batch: Some(6.0), limit: 7.0, pace: 4.0 }]);
+    let mut w = vm(&p, 1, learning(serde_json::json!({"endpoints": ["127.0.0.1:1"]})), 0);
+    w.on_tick(0);
+    // Bypasses go up to the limit (and the band's deviation over it); the rest queue.
+    let mut sent = 0;
+    while admit_streamed(&mut w, 1, sent + 1) == Admission::Bypass(0) {
+        sent += 1;
+    }
+    assert!((7..=8).contains(&sent), "{sent}");
+    for ctx in sent + 2..sent + 10 {
+        assert_eq!(admit_streamed(&mut w, 1, ctx), Admission::Queued, "{ctx}");
+    }
+    let resumed = |p: &Rc<Process>| p.resumed.borrow().len();
+    let pump = |w: &mut Worker<Vm>, now: u64| {
+        w.on_tick(now);
+        w.on_queue_ready(now, queue_id(&p, "sluice.worker.1"));
+    };
+    // All but four end before any streamed: room under the limit, but four are
+    // unstarted.
+    for ctx in 1..=sent - 4 {
+        w.at(10).finish(ctx, Ended::default());
+    }
+    pump(&mut w, 50);
+    assert_eq!(resumed(&p), 0, "four sent and not started: the engine is not taking them in");
+    w.at(60).first_response_bytes(sent - 3);
+    pump(&mut w, 100);
+    assert_eq!(resumed(&p), 1, "one started: one more goes");
+    for ctx in sent - 2..=sent {
+        w.at(110).first_response_bytes(ctx);
+    }
+    pump(&mut w, 150);
+    assert!((2..=4).contains(&resumed(&p)), "one more for each start, under the limit: {}", resumed(&p));
+    assert_eq!(shared::started(&p.store, 1), [4], "the starts are counted without scraping");
+}
+
 #[test]
 fn a_cap_stays_a_cap_over_the_learned_limit() {
     let p = Rc::new(Process::default());
     let cfg = learning(serde_json::json!({"endpoints": ["127.0.0.1:1"], "watermark_per_backend": 2}));
     // An engine learned to run 100 at once.
-    shared::write_learned(&p.store, &[shared::Learned { batch: Some(100.0), limit: 104.0 }]);
+    shared::write_learned(&p.store, &[shared::Learned { batch: Some(100.0), limit: 104.0, pace: 4.0 }]);
     let mut w = vm(&p, 1, cfg, 0);
     w.on_tick(0);
     assert!(w.hub.slots.limits[0].unwrap() > 100.0);
