@@ -562,6 +562,19 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether what leaves the queue is paced by what the engines start
+    /// ([`sluice_policies::capacity`]): learning the limits, without scraping
+    /// (with it, the saturation gate does that job).
+    pub fn paced(&self) -> bool {
+        self.routing.scrape_cluster.is_none() && self.learned_limit.is_some()
+    }
+
+    /// Whether the endpoints' start counts (`sluice.started`) are kept: the
+    /// saturation gate reads them between scrapes, the pacing against the stock.
+    pub fn counts_starts(&self) -> bool {
+        self.routing.scrape_cluster.is_some() || self.paced()
+    }
+
     /// Parses and validates; the error names the offending field and value.
     pub fn from_json(bytes: &[u8]) -> Result<Config, String> {
         // Old names first, so that their errors name the replacement; then the typed read from

@@ -69,9 +69,10 @@ fn on_a_full_h100_the_fair_order_still_decides_the_modest_tenants_wait() {
 
 /// Without scraping, what leaves the queue is paced by what the engine starts: the slots a cohort
 /// of equal-length requests frees as it ends are not refilled at once, so the H100's own FCFS
-/// queue stays short and the batch full. Without the pacing, the engine kept up to 62 waiting
-/// (`cargo run --release -p sluice-host-sim --example engine_queue --
-/// host-sim/tests/scenarios/demo-flood-h100.json '{"policy":"vtc","queue_ttl_ms":30000}' 4 12`).
+/// queue stays short and the batch full. The test prints its sample: 12 waiting at most and 255.7
+/// running with the pacing; 63 and 194.3 on 5731f95's filter, the commit before it
+/// (`SLUICE_FILTER_WASM=<that build> cargo test --release -p sluice-host-sim --test defaults
+/// without_scraping -- --nocapture`).
 #[test]
 fn without_scraping_a_full_h100_is_refilled_as_it_takes_requests_in_not_a_cohort_at_once() {
     use host_sim::experiments::engine_queue;

@@ -32,8 +32,8 @@ pub(super) struct Slots {
     /// learning is off).
     pub(super) limits: Vec<Option<f64>>,
     /// Each endpoint's pace as of the last tick: requests taken from the
-    /// queue go there only while fewer are unstarted (without scraping;
-    /// empty when learning is off).
+    /// queue go there only while fewer are unstarted (when
+    /// [`Config::paced`]).
     paces: Vec<f64>,
     /// Next endpoint for requests the filter does not schedule.
     passthrough_next: usize,
@@ -52,10 +52,7 @@ impl Slots {
             route_scratch: Scratch::default(),
             rng: 0x9e37_79b9_7f4a_7c15 ^ ((worker as u64) << 32 | queue as u64),
             limits: vec![initial_limit; cfg.endpoints.len()],
-            paces: match cfg.learned_limit {
-                Some(_) => vec![Capacity::default().pace(); cfg.endpoints.len()],
-                None => Vec::new(),
-            },
+            paces: vec![Capacity::default().pace(); cfg.endpoints.len()],
             passthrough_next: worker as usize,
             failure_streak: vec![0; cfg.endpoints.len()],
         }
@@ -128,10 +125,10 @@ impl Slots {
         let scraping = routing.scrape_cluster.is_some();
         // Health comes from scrapes and from resets seen on requests (quarantine).
         let records = shared::records(&env.host, n);
-        // Read only where it is used: the views of scraped endpoints.
-        // Without scraping, what is taken from the queue is paced (see
-        // [`sluice_policies::capacity`]): the start counts say how many are unstarted.
-        let pacing = !scraping && from_queue && self.paces.len() == n;
+        // The start counts, read only where they are used: the views of scraped
+        // endpoints, and the pacing of what is taken from the queue without
+        // scraping (see [`sluice_policies::capacity`]).
+        let pacing = from_queue && cfg.paced();
         let started = if scraping || pacing { shared::started(&env.host, n) } else { Vec::new() };
         let paces = &self.paces;
         // Each endpoint's band: the learned limit under the operator's cap.
@@ -140,7 +137,8 @@ impl Slots {
         let views = |own: &[u32], load: &[u32]| -> Vec<EndpointView<'_>> {
             (0..n)
                 .map(|i| {
-                    let paced = pacing && f64::from(own[i].saturating_sub(started[i])) >= paces[i];
+                    let unstarted = || f64::from(own[i].saturating_sub(started[i]));
+                    let paced = pacing && paces.get(i).is_some_and(|&pace| unstarted() >= pace);
                     let full = paced || !band(i).has_room(load[i], from_queue);
                     match &records[i] {
                         r if scraping => EndpointView { full, ..r.view(load[i], started[i], now) },

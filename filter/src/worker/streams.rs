@@ -398,9 +398,9 @@ impl Streams {
         };
         // The engine runs it: between two scrapes, the saturation gate counts
         // it as let in; without scraping, the pacing counts it as started.
-        if std::mem::replace(unstarted, false) && counts_starts(&env.cfg) {
+        if std::mem::replace(unstarted, false) && env.cfg.counts_starts() {
             permit.start(&env.host, env.endpoints());
-            if let Some(pace) = self.pace.get_mut(permit.endpoint() as usize) {
+            if let Some(pace) = self.pace.get_mut(permit.endpoint() as usize).filter(|_| env.cfg.paced()) {
                 pace.started(env.now.saturating_sub(*sent_ms));
             }
         }
@@ -492,7 +492,7 @@ impl Streams {
                 }
             }
         }
-        if env.cfg.learned_limit.is_some() {
+        if env.cfg.paced() {
             for (p, pace) in progress.iter_mut().zip(&mut self.pace) {
                 p.starting = pace.starting(now);
             }
@@ -813,18 +813,11 @@ fn write_engine_priority<H: Host>(env: &Env<H>, ctx: u32, band: Criticality) {
     }
 }
 
-/// Whether the endpoints' start counts ([`shared::STARTED_KEY`]) are kept: the
-/// saturation gate reads them between scrapes, and without scraping the
-/// learned limit's pacing reads what was sent and has not started.
-fn counts_starts(cfg: &crate::config::Config) -> bool {
-    cfg.routing.scrape_cluster.is_some() || cfg.learned_limit.is_some()
-}
-
-/// Without scraping, a request that is not streamed shows no first bytes
-/// until its end: it counts as started from its dispatch, so that only
-/// streamed requests are paced.
+/// When paced, a request that is not streamed shows no first bytes until its
+/// end: it counts as started from its dispatch, so that only streamed
+/// requests are paced.
 fn count_unstreamed<H: Host>(env: &Env<H>, mut permit: Permit, streamed: bool) -> Permit {
-    if !streamed && env.cfg.routing.scrape_cluster.is_none() && counts_starts(&env.cfg) {
+    if !streamed && env.cfg.paced() {
         permit.start(&env.host, env.endpoints());
     }
     permit
