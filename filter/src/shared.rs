@@ -555,7 +555,7 @@ fn release(store: &dyn Store, endpoints: usize, owner: u32, endpoint: u32) -> u6
 }
 
 /// Bytes of one endpoint's [`Progress`] in a heartbeat.
-const PROGRESS_BYTES: usize = 20;
+const PROGRESS_BYTES: usize = 28;
 
 /// Records that `worker` is alive at `now_ms` (on every tick), with what it
 /// sees of its requests on each endpoint: the lease holder learns the
@@ -568,6 +568,7 @@ pub fn heartbeat(store: &dyn Store, worker: u32, now_ms: u64, progress: &[Progre
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.extend_from_slice(&p.starting.to_le_bytes());
+        b.extend_from_slice(&p.iteration_starts.to_le_bytes());
     }
     store.set(&format!("{ALIVE_PREFIX}{worker}"), &b, None);
 }
@@ -586,8 +587,9 @@ pub fn progress(store: &dyn Store, endpoints: usize, now_ms: u64, fresh_ms: u64)
         }
         for (s, c) in sum.iter_mut().zip(b[8..].chunks_exact(PROGRESS_BYTES)) {
             let at = |k: usize| u32_at(&c[4 * k..]);
-            let starting = f64::from_le_bytes(c[12..20].try_into().expect("8 bytes"));
-            *s = *s + Progress { in_flight: at(0), unstarted: at(1), waiting: at(2), starting };
+            let f64_at = |k: usize| f64::from_le_bytes(c[k..k + 8].try_into().expect("8 bytes"));
+            let (starting, iteration_starts) = (f64_at(12), f64_at(20));
+            *s = *s + Progress { in_flight: at(0), unstarted: at(1), waiting: at(2), starting, iteration_starts };
         }
     }
     sum
@@ -797,6 +799,21 @@ pub(crate) mod tests {
         assert_eq!(acquire(&s, 3, 0, |_| true, |_| None), None, "no pick, no slot");
         assert_eq!(acquire(&s, 3, 0, |_| true, |_| Some(9)), None, "an out-of-range pick is refused");
         assert_eq!(stock(&s, 3), 5);
+    }
+
+    #[test]
+    fn the_heartbeats_of_the_workers_holding_slots_are_summed_per_endpoint() {
+        let s = MapStore::default();
+        let _held: Vec<Permit> = [1, 2].map(|owner| acquire(&s, 2, owner, |_| true, least_loaded).unwrap().0).into();
+        let p = Progress { in_flight: 3, unstarted: 2, waiting: 1, starting: 1.5, iteration_starts: 0.25 };
+        heartbeat(&s, 1, 100, &[p, Progress::default()]);
+        heartbeat(&s, 2, 100, &[p, Progress { in_flight: 1, ..p }]);
+        heartbeat(&s, 3, 100, &[p, p]);
+        let sum = progress(&s, 2, 150, 500);
+        assert_eq!(sum[0], p + p, "worker 3 holds no slot");
+        assert_eq!(sum[1], Progress { in_flight: 1, ..p });
+        assert_eq!(progress(&s, 2, 700, 500), vec![Progress::default(); 2], "silent for too long");
+        assert_eq!(progress(&s, 3, 150, 500), vec![Progress::default(); 3], "written for another pool");
     }
 
     #[test]

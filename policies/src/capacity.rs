@@ -51,8 +51,13 @@
 //! limiter sizes its window on the minimum round trip). When the engine
 //! takes all it is sent, the round trips stay near their minimum and the
 //! pace doubles each round trip, as slow start does; when it queues them,
-//! the pace stops growing at about one round trip of queue. With scraping,
-//! the saturation gate's `queue_depth` does this job.
+//! the pace stops growing at about one round trip of queue. Once the engine
+//! was seen full, that round trip is mostly its own queue (which never
+//! drains while the gateway has work), so the pace is also held to the
+//! slots its batch has free and [`CRUISE_ITERATIONS`] iterations' starts:
+//! the requests it prefills now and as many for its next iteration, the
+//! least queue that refills the batch each iteration. With scraping, the
+//! saturation gate's `queue_depth` does this job.
 //!
 //! Delay-based limits (Envoy's adaptive concurrency, gradient limiters)
 //! compare latency with a minimum; an engine's step time grows with its
@@ -82,6 +87,9 @@ pub struct Progress {
     /// Requests the endpoint starts in one unqueued round trip at its
     /// recent rate of starts ([`Pace::starting`]).
     pub starting: f64,
+    /// Requests the endpoint starts in one of its iterations at its recent
+    /// rate of starts ([`Pace::iteration_starts`]).
+    pub iteration_starts: f64,
 }
 
 impl std::ops::Add for Progress {
@@ -94,6 +102,7 @@ impl std::ops::Add for Progress {
             unstarted: self.unstarted.saturating_add(o.unstarted),
             waiting: self.waiting.saturating_add(o.waiting),
             starting: self.starting + o.starting,
+            iteration_starts: self.iteration_starts + o.iteration_starts,
         }
     }
 }
@@ -178,6 +187,12 @@ pub const MIN_PACE: f64 = 4.0;
 /// waits, so that it can double while the engine keeps up.
 pub const PACE_ROUND_TRIPS: f64 = 2.0;
 
+/// Once the engine was seen full, the pace is at most the batch's free slots
+/// and this many iterations' starts: the ones being prefilled and as many
+/// waiting for the next iteration. (Without the free slots, a batch that
+/// lost a few never got them back: the starts fell with it.)
+pub const CRUISE_ITERATIONS: f64 = 2.0;
+
 impl Default for Capacity {
     fn default() -> Self {
         Capacity { batch: None, started: 0.0, calm: 0, step: 1.0, last_waiting: 0, pace: MIN_PACE }
@@ -219,13 +234,24 @@ impl Capacity {
     /// the gateway's queue (the limit holds them back even when other bounds,
     /// such as a replica's share, keep the stock a little under it).
     pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom) {
-        let starting = if p.starting.is_finite() { p.starting.clamp(0.0, MAX_BATCH) } else { 0.0 };
-        self.pace = (PACE_ROUND_TRIPS * starting).max(MIN_PACE);
         let waiting = p.waiting.min(p.in_flight).min(std::mem::replace(&mut self.last_waiting, p.waiting));
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
         // Only a limit that requests run into says anything about the engine.
         let binding = p.in_flight > 0 && (held_back || f64::from(p.in_flight) + 1.0 >= self.limit(h));
         self.started = f64::from(p.in_flight - unstarted);
+        let sane = |x: f64| if x.is_finite() { x.clamp(0.0, MAX_BATCH) } else { 0.0 };
+        let (starting, per_iteration) = (sane(p.starting), sane(p.iteration_starts));
+        // Seen full: the batch's free slots (it runs the started and about
+        // an iteration's starts in prefill), and two iterations' starts.
+        // Unknown (0) until a stream's tokens and a start were seen.
+        let cruise = match self.batch {
+            Some(b) if per_iteration > 0.0 => {
+                let free = (b - h.of(b) - self.started - per_iteration).max(0.0);
+                free + CRUISE_ITERATIONS * per_iteration
+            }
+            _ => f64::INFINITY,
+        };
+        self.pace = (PACE_ROUND_TRIPS * starting).min(cruise).max(MIN_PACE);
         // What the engine runs when it keeps some waiting: the ones it
         // started and the ones it is prefilling (some young ones may yet
         // wait; the next observations take them off).
@@ -323,6 +349,13 @@ impl Pace {
             self.rate_ms = Some(now_ms);
         }
         self.start_rate * self.round_trip_ms.unwrap_or(0.0)
+    }
+
+    /// Requests the endpoint starts in one of its iterations (the time
+    /// between two of a stream's tokens), at the rate of starts that
+    /// [`Pace::starting`] last averaged.
+    pub fn iteration_starts(&self) -> f64 {
+        self.start_rate * self.token_ms.unwrap_or(0.0)
     }
 
     /// Did some stream get tokens after `ms`? A request quiet since before
@@ -552,6 +585,57 @@ mod tests {
         for bad in [f64::NAN, f64::INFINITY, -5.0] {
             c.observe(Progress { in_flight: 100, starting: bad, ..Default::default() }, false, &h);
             assert_eq!(c.pace(), MIN_PACE, "{bad}");
+        }
+    }
+
+    #[test]
+    fn once_the_engine_was_seen_full_the_pace_is_two_iterations_of_its_starts() {
+        let h = Headroom::default();
+        // 0.12 starts a ms, tokens every 30 ms: 3.6 starts an iteration.
+        let mut a = Pace::default();
+        assert_eq!(a.iteration_starts(), 0.0, "nothing seen yet");
+        a.tokens(1, None, 0);
+        for t in 1..=20 {
+            a.tokens(1, Some(30), t * 30);
+            for _ in 0..12 {
+                a.started(120);
+            }
+            a.starting(t * 100);
+        }
+        let per_iteration = a.iteration_starts();
+        assert!((3.4..=3.8).contains(&per_iteration), "0.12 a ms over 30 ms: {per_iteration}");
+        // Round trips of 120 ms, most of them in the engine's own queue: the
+        // batch of 256 runs, 8 more are unstarted (4 in its queue).
+        let p = Progress {
+            in_flight: 264,
+            unstarted: 8,
+            starting: 14.4,
+            iteration_starts: per_iteration,
+            ..Default::default()
+        };
+        // Slow start: the batch is not known, the round trips decide.
+        let mut c = Capacity::default();
+        c.observe(p, false, &h);
+        assert_eq!(c.pace(), PACE_ROUND_TRIPS * 14.4);
+        // Seen full: two iterations' starts.
+        let mut c = Capacity::from_batch(Some(256.0));
+        c.observe(p, false, &h);
+        assert_eq!(c.pace(), CRUISE_ITERATIONS * per_iteration);
+        // 20 fewer started: the slots free beyond the headroom (the batch less
+        // the headroom, less 236 started and an iteration's in prefill) go
+        // at once, and two iterations' starts.
+        c.observe(Progress { in_flight: 244, ..p }, false, &h);
+        let free = 256.0 - h.of(256.0) - 236.0 - per_iteration;
+        assert!((c.pace() - (free + CRUISE_ITERATIONS * per_iteration)).abs() < 1e-9, "{}", c.pace());
+        // Never under the least, nor above the round trips' pace; nothing
+        // known or hostile counts as unknown.
+        c.observe(Progress { iteration_starts: 0.5, ..p }, false, &h);
+        assert_eq!(c.pace(), MIN_PACE);
+        c.observe(Progress { iteration_starts: 100.0, ..p }, false, &h);
+        assert_eq!(c.pace(), PACE_ROUND_TRIPS * 14.4);
+        for unknown in [0.0, f64::NAN, f64::INFINITY, -5.0] {
+            c.observe(Progress { iteration_starts: unknown, ..p }, false, &h);
+            assert_eq!(c.pace(), PACE_ROUND_TRIPS * 14.4, "{unknown}");
         }
     }
 

@@ -495,6 +495,7 @@ impl Streams {
         if env.cfg.paced() {
             for (p, pace) in progress.iter_mut().zip(&mut self.pace) {
                 p.starting = pace.starting(now);
+                p.iteration_starts = pace.iteration_starts();
             }
         }
         shared::heartbeat(&env.host, env.worker, now, &progress);
