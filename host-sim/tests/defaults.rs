@@ -93,8 +93,9 @@ fn modest_ttft_on_a_flooded_h100(routing: Value, duration_s: u64, seed: u64) -> 
 
 /// Without scraping, what leaves the queue is paced by what the engine starts: the slots a cohort
 /// of equal-length requests frees as it ends are not refilled at once, so the H100's own FCFS
-/// queue stays short and the batch full. The test prints its sample: 12 waiting at most and 255.7
-/// running with the pacing; 63 and 194.3 on 5731f95's filter, the commit before it
+/// queue stays short and the batch full. The test prints its sample: 15 waiting at most and 249.5
+/// running (67587bc, the pace held to the engine's iterations once it is full); 12 and 255.7 with
+/// the round trips' pace alone (1c0fe35); 63 and 194.3 on 5731f95's filter, before any pacing
 /// (`SLUICE_FILTER_WASM=<that build> cargo test --release -p sluice-host-sim --test defaults
 /// without_scraping -- --nocapture`).
 #[test]
