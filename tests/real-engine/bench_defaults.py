@@ -19,7 +19,8 @@ tiny local model. Prints markdown tables:
    Output tokens/s is vLLM's own `vllm:generation_tokens_total` over a fixed window after the
    warm-up; TTFT (client side) of the requests sent in the window; CPU of each component.
 2. Fairness with defaults: load.py's two-tenant Scenario (a flood tenant in a closed loop, a
-   modest one at one request a second), no bound configured, fcfs against vtc.
+   modest one at one request a second), no bound configured, fcfs against vtc, in configuration
+   (c) or, with `--fairness-config d`, (d).
 3. Where the queue formed: sluice's `sluice_in_flight_limit` (the sum of the learned limits),
    stock and queue length, and vLLM's num_requests_running / waiting per server, sampled every
    second during every run (means over the window in the tables; the whole series in `--json`).
@@ -287,6 +288,8 @@ def main() -> None:
     p.add_argument("--flood-ramp", type=float, default=40.0, help="seconds over which the flood's streams start")
     p.add_argument("--fair-warmup", type=float, default=60.0, help="seconds of flood before the modest tenant starts")
     p.add_argument("--fair-duration", type=float, default=40.0, help="seconds the modest tenant sends")
+    p.add_argument("--fairness-config", choices=("c", "d"), default="c",
+                   help="the configuration of part 2: c (the reference) or d (endpoints and policy only)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's batch (default: vLLM's own)")
     p.add_argument("--nice", type=int, default=0,
                    help="added to the niceness of everything this starts (negative, as root: ahead of "
@@ -306,7 +309,8 @@ def main() -> None:
                                duration_s=a.duration, ramp_s=a.ramp)
     scenario = dataclasses.replace(sc, bound_per_backend=None, flood_concurrency=a.flood_concurrency,
                                    max_tokens=a.modest_max_tokens, flood_max_tokens=a.flood_max_tokens,
-                                   flood_ramp_s=a.flood_ramp, warmup_s=a.fair_warmup, duration_s=a.fair_duration)
+                                   flood_ramp_s=a.flood_ramp, warmup_s=a.fair_warmup, duration_s=a.fair_duration,
+                                   minimal=a.fairness_config == "d")
     if not isinstance(a.routing, dict):
         p.error("--routing takes a JSON object")
     ROUTING_OVERRIDES.update(a.routing)
@@ -349,7 +353,8 @@ def main() -> None:
                 results["throughput"].append(r)
             if a.fairness:
                 for policy in ("fcfs", "vtc"):
-                    print(f"[fairness {policy} run {rep}] flood {scenario.flood_concurrency} outstanding "
+                    print(f"[fairness {policy} run {rep}] {CONFIGS[a.fairness_config]}: "
+                          f"flood {scenario.flood_concurrency} outstanding "
                           f"(max_tokens {scenario.flood_max_tokens}), modest 1/{scenario.modest_interval_s:g} s "
                           f"(max_tokens {scenario.max_tokens}), {scenario.warmup_s:.0f} s + {scenario.duration_s:.0f} s",
                           flush=True)

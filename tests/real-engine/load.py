@@ -92,8 +92,13 @@ class Scenario:
     bound_per_backend: int | None = 2
     flood_max_tokens: int | None = None  # the flood's max_tokens, when not `max_tokens`
     flood_ramp_s: float = 0.0  # the flood's streams start spread over this long
+    # only `endpoints` and `policy`, every other key the filter's default (no scraping); else the
+    # reference configuration with `bound_per_backend`
+    minimal: bool = False
 
     def plugin(self, endpoints: list[str], policy: str) -> dict:
+        if self.minimal:
+            return {"endpoints": endpoints, "policy": policy}
         b = self.bound_per_backend
         if b is None:
             return harness.plugin_config(endpoints, policy=policy)
