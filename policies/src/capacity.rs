@@ -233,7 +233,11 @@ impl Capacity {
     /// Takes one observation of the endpoint. `held_back`: requests wait in
     /// the gateway's queue (the limit holds them back even when other bounds,
     /// such as a replica's share, keep the stock a little under it).
-    pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom) {
+    /// `settle`: observations a request may stay unstarted before it counts
+    /// as waiting (its allowance, [`Pace::allowance_ms`], in observations; 0
+    /// when unknown): a probe is judged only after that long, so the next
+    /// one waits for it.
+    pub fn observe(&mut self, p: Progress, held_back: bool, h: &Headroom, settle: u32) {
         let waiting = p.waiting.min(p.in_flight).min(std::mem::replace(&mut self.last_waiting, p.waiting));
         let unstarted = p.unstarted.max(waiting).min(p.in_flight);
         // Only a limit that requests run into says anything about the engine.
@@ -264,10 +268,18 @@ impl Capacity {
             // Probe one more at a time while nothing waits. After a long calm in
             // which the engine started nearly all it was given, it may have
             // grown: the probes double until something waits.
+            // Probes no closer than `settle`: on an engine whose iterations take
+            // half a second (a CPU vLLM) an allowance spans some 30 observations,
+            // and probes every 16 raised the batch past the engine's by several
+            // requests, all of them waiting in its queue, before any was seen.
             Some(b) if calm => {
-                let grew = self.calm > CALM_TO_PROBE && self.started >= b - h.of(b);
-                self.step = if grew { self.step * 2.0 } else { 1.0 };
-                Some(if grew || self.calm.is_multiple_of(PROBE_EVERY) { b + self.step } else { b })
+                let grew = self.calm > CALM_TO_PROBE.max(settle) && self.started >= b - h.of(b);
+                if grew && !self.calm.is_multiple_of(settle.max(1)) {
+                    Some(b)
+                } else {
+                    self.step = if grew { self.step * 2.0 } else { 1.0 };
+                    Some(if grew || self.calm.is_multiple_of(PROBE_EVERY.max(settle)) { b + self.step } else { b })
+                }
             }
             b => b,
         }
@@ -411,7 +423,7 @@ mod tests {
             let waiting = queued.iter().filter(|&&t| t + 1 < round).count() as u32;
             let in_flight = (admitted.len() + queued.len()) as u32;
             let unstarted = (prefilling + queued.len()) as u32;
-            c.observe(Progress { in_flight, unstarted, waiting, ..Default::default() }, false, h);
+            c.observe(Progress { in_flight, unstarted, waiting, ..Default::default() }, false, h, 0);
             queue.push(queued.len() as u32);
             batch.push(admitted.len());
         }
@@ -456,17 +468,17 @@ mod tests {
         let h = Headroom::default();
         let mut c = Capacity::from_batch(Some(200.0));
         for _ in 0..2 {
-            c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: 150, unstarted: 70, waiting: 60, ..Default::default() }, false, &h, 0);
         }
         assert_eq!(c.batch(), Some(90.0));
         // Within the headroom (1.4 of 90), and not binding: it stays.
-        c.observe(Progress { in_flight: 80, unstarted: 1, waiting: 1, ..Default::default() }, false, &h);
+        c.observe(Progress { in_flight: 80, unstarted: 1, waiting: 1, ..Default::default() }, false, &h, 0);
         assert_eq!(c.batch(), Some(90.0));
         // Binding, nothing waits: one more every few such observations.
         let mut probes = Vec::new();
         for _ in 0..CALM_TO_PROBE + 4 {
             let n = c.limit(&h) as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, ..Default::default() }, false, &h, 0);
             probes.push(c.batch().unwrap());
         }
         let ones = f64::from(CALM_TO_PROBE / PROBE_EVERY);
@@ -481,12 +493,12 @@ mod tests {
         let mut c = Capacity::from_batch(Some(50.0));
         // Another bound (a replica's share) keeps the stock at 45: the limit does not bind...
         for _ in 0..8 {
-            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0, ..Default::default() }, false, &h, 0);
         }
         assert_eq!(c.batch(), Some(50.0));
         // ...unless requests wait in the gateway meanwhile: then it probes.
         for _ in 0..2 * PROBE_EVERY {
-            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0, ..Default::default() }, true, &h);
+            c.observe(Progress { in_flight: 45, unstarted: 0, waiting: 0, ..Default::default() }, true, &h, 0);
         }
         assert_eq!(c.batch(), Some(52.0));
     }
@@ -497,7 +509,7 @@ mod tests {
         let mut c = Capacity::default();
         for _ in 0..40 {
             let n = c.limit(&h).floor() as u32;
-            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: n, unstarted: 0, waiting: 0, ..Default::default() }, false, &h, 0);
         }
         assert!(c.limit(&h) > 10_000.0, "{}", c.limit(&h));
     }
@@ -538,12 +550,12 @@ mod tests {
         let stall = Progress { in_flight: 100, unstarted: 90, waiting: 90, ..Default::default() };
         let calm = Progress { in_flight: 100, unstarted: 0, waiting: 0, ..Default::default() };
         for p in [calm, stall, calm, stall, calm] {
-            c.observe(p, false, &h);
+            c.observe(p, false, &h, 0);
         }
         assert_eq!(c.batch(), Some(100.0), "a stall of one observation at a time is not a queue");
-        c.observe(stall, false, &h);
+        c.observe(stall, false, &h, 0);
         assert_eq!(c.batch(), Some(100.0));
-        c.observe(stall, false, &h);
+        c.observe(stall, false, &h, 0);
         assert_eq!(c.batch(), Some(10.0), "a queue that lasts: the engine runs what it started");
     }
 
@@ -564,7 +576,7 @@ mod tests {
         assert!((5.5..=6.5).contains(&starting), "0.2 a ms over 30 ms: {starting}");
         let mut c = Capacity::from_batch(Some(100.0));
         assert_eq!(c.pace(), MIN_PACE);
-        c.observe(Progress { in_flight: 100, starting, ..Default::default() }, false, &h);
+        c.observe(Progress { in_flight: 100, starting, ..Default::default() }, false, &h, 0);
         assert_eq!(c.pace(), PACE_ROUND_TRIPS * starting);
         // The engine slowed down: every round trip now takes 100 ms, and the
         // envelope follows within a few hundred starts.
@@ -580,10 +592,10 @@ mod tests {
             starting = a.starting(t * 100);
         }
         assert!(starting < 0.01, "{starting}");
-        c.observe(Progress { in_flight: 100, starting, ..Default::default() }, false, &h);
+        c.observe(Progress { in_flight: 100, starting, ..Default::default() }, false, &h, 0);
         assert_eq!(c.pace(), MIN_PACE);
         for bad in [f64::NAN, f64::INFINITY, -5.0] {
-            c.observe(Progress { in_flight: 100, starting: bad, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: 100, starting: bad, ..Default::default() }, false, &h, 0);
             assert_eq!(c.pace(), MIN_PACE, "{bad}");
         }
     }
@@ -615,28 +627,54 @@ mod tests {
         };
         // Slow start: the batch is not known, the round trips decide.
         let mut c = Capacity::default();
-        c.observe(p, false, &h);
+        c.observe(p, false, &h, 0);
         assert_eq!(c.pace(), PACE_ROUND_TRIPS * 14.4);
         // Seen full: two iterations' starts.
         let mut c = Capacity::from_batch(Some(256.0));
-        c.observe(p, false, &h);
+        c.observe(p, false, &h, 0);
         assert_eq!(c.pace(), CRUISE_ITERATIONS * per_iteration);
         // 20 fewer started: the slots free beyond the headroom (the batch less
         // the headroom, less 236 started and an iteration's in prefill) go
         // at once, and two iterations' starts.
-        c.observe(Progress { in_flight: 244, ..p }, false, &h);
+        c.observe(Progress { in_flight: 244, ..p }, false, &h, 0);
         let free = 256.0 - h.of(256.0) - 236.0 - per_iteration;
         assert!((c.pace() - (free + CRUISE_ITERATIONS * per_iteration)).abs() < 1e-9, "{}", c.pace());
         // Never under the least, nor above the round trips' pace; nothing
         // known or hostile counts as unknown.
-        c.observe(Progress { iteration_starts: 0.5, ..p }, false, &h);
+        c.observe(Progress { iteration_starts: 0.5, ..p }, false, &h, 0);
         assert_eq!(c.pace(), MIN_PACE);
-        c.observe(Progress { iteration_starts: 100.0, ..p }, false, &h);
+        c.observe(Progress { iteration_starts: 100.0, ..p }, false, &h, 0);
         assert_eq!(c.pace(), PACE_ROUND_TRIPS * 14.4);
         for unknown in [0.0, f64::NAN, f64::INFINITY, -5.0] {
-            c.observe(Progress { iteration_starts: unknown, ..p }, false, &h);
+            c.observe(Progress { iteration_starts: unknown, ..p }, false, &h, 0);
             assert_eq!(c.pace(), PACE_ROUND_TRIPS * 14.4, "{unknown}");
         }
+    }
+
+    #[test]
+    fn on_a_slow_engine_each_probe_waits_until_the_last_could_show() {
+        let h = Headroom::default();
+        // Calm: the limit binds, the engine started all it was sent, nothing waits.
+        let calm = |c: &Capacity| Progress { in_flight: c.limit(&h) as u32, ..Default::default() };
+        let probes = |settle: u32| {
+            let mut c = Capacity::from_batch(Some(128.0));
+            let mut at = Vec::new();
+            for i in 1..=200u32 {
+                let before = c.batch();
+                c.observe(calm(&c), false, &h, settle);
+                if c.batch() != before {
+                    at.push(i);
+                }
+            }
+            at
+        };
+        // An allowance of 40 observations: a probe every 40, doubling ones included.
+        let slow = probes(40);
+        assert_eq!(slow, vec![40, 80, 120, 160, 200]);
+        // Quick iterations: every 16, then doubling at each observation.
+        let quick = probes(0);
+        assert_eq!(quick[..2], [16, 21]);
+        assert!(quick.windows(2).skip(1).all(|w| w[1] == w[0] + 1), "{quick:?}");
     }
 
     #[test]
@@ -647,11 +685,11 @@ mod tests {
         assert_eq!(Capacity::from_batch(Some(f64::INFINITY)).batch(), None);
         let mut c = Capacity::from_batch(Some(10.0));
         for _ in 0..2 {
-            c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: 3, unstarted: 0, waiting: u32::MAX, ..Default::default() }, false, &h, 0);
         }
         assert_eq!(c.batch(), Some(0.0));
         for _ in 0..200 {
-            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0, ..Default::default() }, false, &h);
+            c.observe(Progress { in_flight: u32::MAX, unstarted: 0, waiting: 0, ..Default::default() }, false, &h, 0);
         }
         assert_eq!(c.batch(), Some(MAX_BATCH));
         assert!(Headroom { fraction: -1.0, min: 4.0 }.validate("x").unwrap_err().contains("x.headroom_fraction"));

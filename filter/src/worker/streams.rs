@@ -457,6 +457,17 @@ impl Streams {
         }
     }
 
+    /// Per endpoint, how many ticks a request may stay quiet before it counts
+    /// as waiting (its allowance at this VM's view of the engine's pace; 0
+    /// before any tokens): the learned limit spaces its probes by it.
+    pub(super) fn settle_ticks(&self, tick_ms: u64) -> Vec<u32> {
+        let tick = tick_ms.max(1) as f64;
+        self.pace
+            .iter()
+            .map(|p| p.allowance_ms(0).map_or(0, |ms| (ms / tick).ceil().min(f64::from(u32::MAX)) as u32))
+            .collect()
+    }
+
     /// The heartbeat, with what this VM sees of its requests on each endpoint
     /// (in flight, not streaming now, waiting past their allowance): the
     /// lease holder learns the limits from every worker's.
