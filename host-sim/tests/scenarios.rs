@@ -19,7 +19,7 @@ fn example_scenarios_are_valid() {
         Scenario::from_json(&text).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
         n += 1;
     }
-    assert_eq!(n, 8);
+    assert_eq!(n, 9);
 }
 
 #[test]
