@@ -267,19 +267,21 @@ impl Capacity {
             _ if full => Some(self.batch.map_or(running, |b| b.min(running))),
             // Probe one more at a time while nothing waits. After a long calm in
             // which the engine started nearly all it was given, it may have
-            // grown: the probes double until something waits.
-            // Probes no closer than `settle`: on an engine whose iterations take
-            // half a second (a CPU vLLM) an allowance spans some 30 observations,
-            // and probes every 16 raised the batch past the engine's by several
-            // requests, all of them waiting in its queue, before any was seen.
+            // grown: the probes double until something waits. Never closer than
+            // `settle`: on an engine whose iterations take half a second (a CPU
+            // vLLM) an allowance spans some 30 observations, and probes every 16
+            // raised the batch past the engine's by several requests, all of
+            // them waiting in its queue, before any was seen.
             Some(b) if calm => {
                 let grew = self.calm > CALM_TO_PROBE.max(settle) && self.started >= b - h.of(b);
-                if grew && !self.calm.is_multiple_of(settle.max(1)) {
-                    Some(b)
-                } else {
-                    self.step = if grew { self.step * 2.0 } else { 1.0 };
-                    Some(if grew || self.calm.is_multiple_of(PROBE_EVERY.max(settle)) { b + self.step } else { b })
+                let every = if grew { settle.max(1) } else { PROBE_EVERY.max(settle) };
+                let probe = self.calm.is_multiple_of(every);
+                if !grew {
+                    self.step = 1.0;
+                } else if probe {
+                    self.step *= 2.0;
                 }
+                Some(if probe { b + self.step } else { b })
             }
             b => b,
         }

@@ -344,8 +344,8 @@ impl<H: Host> Worker<H> {
         let Worker { streams, hub } = self;
         hub.claim_lease(streams);
         streams.publish_progress(&hub.env);
-        let settle = streams.settle_ticks(hub.env.cfg.tick_ms);
-        hub.role.learn_limits(&hub.env, hub.lease_ms, &mut hub.slots, &settle);
+        let tick_ms = hub.env.cfg.tick_ms;
+        hub.role.learn_limits(&hub.env, hub.lease_ms, &mut hub.slots, |e| streams.settle_ticks(e, tick_ms));
         streams.resend_queued(hub);
         streams.flush_charges(hub);
         // The tail signal and the learned output, once per tick: admissions until the next one read them.

@@ -91,9 +91,16 @@ impl SchedulerRole {
     /// Each endpoint's in-flight limit, into `limits`. The lease holder learns
     /// it from every worker's heartbeat (what each sees of its requests there:
     /// see [`sluice_policies::capacity`]) and saves it; the other workers read
-    /// it once a tick. `settle`: per endpoint, this VM's allowance in ticks
-    /// ([`Streams::settle_ticks`](super::streams::Streams::settle_ticks)).
-    pub(super) fn learn_limits<H: Host>(&mut self, env: &Env<H>, lease_ms: u64, slots: &mut Slots, settle: &[u32]) {
+    /// it once a tick. `settle`: an endpoint's allowance in ticks at this VM
+    /// ([`Streams::settle_ticks`](super::streams::Streams::settle_ticks)),
+    /// asked only by the lease holder.
+    pub(super) fn learn_limits<H: Host>(
+        &mut self,
+        env: &Env<H>,
+        lease_ms: u64,
+        slots: &mut Slots,
+        settle: impl Fn(usize) -> u32,
+    ) {
         let Some(h) = env.cfg.learned_limit else { return };
         let (n, now) = (env.endpoints(), env.now);
         match self.holding.as_mut() {
@@ -121,7 +128,7 @@ impl SchedulerRole {
                 // waiting in its queue are what says the limit holds them back.
                 let held_back = env.cfg.replicas.is_some() && !role.scheduler.is_empty();
                 for (e, (c, p)) in role.capacity.iter_mut().zip(progress).enumerate() {
-                    c.observe(p, held_back, &h, settle.get(e).copied().unwrap_or(0));
+                    c.observe(p, held_back, &h, settle(e));
                     log::debug!("learned {e}: {p:?} -> batch {:?} limit {:.1}", c.batch(), c.limit(&h));
                 }
                 let after = learned(&role.capacity);

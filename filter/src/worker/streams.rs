@@ -457,15 +457,12 @@ impl Streams {
         }
     }
 
-    /// Per endpoint, how many ticks a request may stay quiet before it counts
+    /// How many ticks a request to `endpoint` may stay quiet before it counts
     /// as waiting (its allowance at this VM's view of the engine's pace; 0
     /// before any tokens): the learned limit spaces its probes by it.
-    pub(super) fn settle_ticks(&self, tick_ms: u64) -> Vec<u32> {
-        let tick = tick_ms.max(1) as f64;
-        self.pace
-            .iter()
-            .map(|p| p.allowance_ms(0).map_or(0, |ms| (ms / tick).ceil().min(f64::from(u32::MAX)) as u32))
-            .collect()
+    pub(super) fn settle_ticks(&self, endpoint: usize, tick_ms: u64) -> u32 {
+        let allowance = self.pace.get(endpoint).and_then(|p| p.allowance_ms(0));
+        allowance.map_or(0, |ms| (ms / tick_ms.max(1) as f64).ceil().min(f64::from(u32::MAX)) as u32)
     }
 
     /// The heartbeat, with what this VM sees of its requests on each endpoint
