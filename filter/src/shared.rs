@@ -408,6 +408,7 @@ fn encode_records(records: &[EndpointRecord]) -> Vec<u8> {
                     m.departures.per_s,
                     m.departures.full_at as f64,
                     f64::from(u8::from(m.departures.full)),
+                    m.departures.most_running,
                 ] {
                     b.extend_from_slice(&v.to_le_bytes());
                 }
@@ -462,11 +463,16 @@ fn decode_records(mut b: &[u8], endpoints: usize) -> Vec<EndpointRecord> {
                 let prefill_rate = PrefillRate { base, previous, current, samples };
                 let finished = f64_(b)?;
                 let (count, at, per_s) = (f64_(b)?, f64_(b)?, f64_(b)?);
-                let (full_at, full) = (f64_(b)?, f64_(b)?);
+                let (full_at, full, most_running) = (f64_(b)?, f64_(b)?, f64_(b)?);
                 // A time that is not one (a hostile record) starts the window again.
                 let time = |t: f64| if (0.0..=u64::MAX as f64).contains(&t) { t as u64 } else { 0 };
-                let departures =
-                    Departures { base: (count, time(at)), per_s, full_at: time(full_at), full: full == 1.0 };
+                let departures = Departures {
+                    base: (count, time(at)),
+                    per_s,
+                    full_at: time(full_at),
+                    full: full == 1.0,
+                    most_running,
+                };
                 let n = u16::from_le_bytes(take(b, 2)?.try_into().ok()?) as usize;
                 let loras = std::str::from_utf8(take(b, n)?).ok()?;
                 // Bounded as a scrape bounds them: every request decodes the records.
@@ -869,7 +875,13 @@ pub(crate) mod tests {
             prefill_tokens: 9000.0,
             prefill_rate: PrefillRate { base: (1.0, 8000.0), previous: 2e-4, current: 3e-4, samples: 3 },
             finished: 40.0,
-            departures: Departures { base: (31.0, 2_000), per_s: 11.5, full_at: 1_950, full: true },
+            departures: Departures {
+                base: (31.0, 2_000),
+                per_s: 11.5,
+                full_at: 1_950,
+                full: true,
+                most_running: 128.0,
+            },
         };
         update_record(&s, 2, 1, |r| {
             r.metrics = Some(m.clone());

@@ -109,7 +109,16 @@ impl EndpointView<'_> {
         // waiting had room: in a full batch one gets in as one leaves, and the starts also
         // count those that were in prefill at the page (in its running).
         let s = if waiting > 0.0 { 0.0 } else { started_since };
-        let d = self.since_scrape();
+        // What the gateway had sent there at the page but the page did not show, in transit
+        // (a real vLLM's API server holds a request a while before its engine queues it: two
+        // CPU vLLMs held one or two each): waiting too. Never below none, so that requests of
+        // other clients or replicas on the page cancel nothing.
+        let unseen = if self.metrics.is_some() {
+            (self.in_flight_at_scrape as f64 - running - waiting).clamp(0.0, f64::MAX)
+        } else {
+            0.0
+        };
+        let (waiting, d) = (waiting + unseen, self.since_scrape());
         let now_running = (running + (waiting + d).min(s)).max(0.0);
         let kv_now = if running > 0.0 { (kv_usage * now_running / running).clamp(0.0, 1.0) } else { kv_usage };
         Predicted { waiting: (waiting + d - s).clamp(0.0, f64::MAX), running: now_running, kv_usage: kv_now }
@@ -184,13 +193,21 @@ impl SaturationThresholds {
         }
     }
 
-    /// Does this page show the engine's batch full? Its KV usage at
+    /// Does this page show the engine's KV cache full? Its usage at
     /// `kv_cache_util`: the engine then admits a waiting request only as one
-    /// leaves. (Requests waiting on the page alone are no sign: one that
-    /// arrived just before the page starts with the engine's next step; and
-    /// gating on them as well measured no better on the demo's flood.)
-    pub fn batch_full(&self, m: &EndpointMetrics) -> bool {
+    /// leaves, and may preempt.
+    pub fn kv_full(&self, m: &EndpointMetrics) -> bool {
         m.kv_usage >= self.kv_cache_util
+    }
+
+    /// Does this page, after the `previous` one of the same endpoint, show
+    /// the engine's batch full? Its KV cache full ([`Self::kv_full`]), or the
+    /// batch held at its sequence limit ([`EndpointMetrics::held_at_limit`]).
+    /// (Requests waiting on one page alone are no sign: one that arrived just
+    /// before the page starts with the engine's next step; and gating on them
+    /// as well measured no better on the demo's flood.)
+    pub fn batch_full(&self, m: &EndpointMetrics, previous: Option<&EndpointMetrics>) -> bool {
+        self.kv_full(m) || previous.is_some_and(|p| m.held_at_limit(p))
     }
 
     /// Waiting requests at which this endpoint is full: `queue_ms` of its
@@ -212,9 +229,14 @@ impl SaturationThresholds {
             && e.predicted().waiting < self.queue_depth * self.affinity_overflow
     }
 
-    /// Is every healthy endpoint full? (An empty pool counts as saturated.)
+    /// Is every healthy endpoint full, saturated or at its in-flight limit?
+    /// (An empty pool counts as saturated.) One at its limit takes nothing,
+    /// so its room in the engine is no reason to let a request go: the router
+    /// would send it to a saturated one, where it waits in the engine's FCFS
+    /// queue (two CPU vLLMs, one at its learned limit and one saturated: up to
+    /// 8 waiting in the second, for a gate of 1).
     pub fn pool_saturated(&self, pool: &[EndpointView<'_>]) -> bool {
-        pool.iter().filter(|e| e.healthy).all(|e| self.saturated(e))
+        pool.iter().filter(|e| e.healthy).all(|e| e.full || self.saturated(e))
     }
 }
 
@@ -475,6 +497,14 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         };
         assert_eq!((full(3, 0).waiting, full(3, 0).running), (4.0, 10.0));
         assert_eq!(full(3, 3), full(3, 0));
+        // Sent before the page but not on it (in the server's front end): waiting too; the
+        // requests of other clients on a page cancel nothing.
+        let room = EndpointMetrics { running: 10.0, ..m(0.0, 0.2) };
+        let sent = |in_flight_at_scrape: u32| {
+            EndpointView { in_flight: in_flight_at_scrape, in_flight_at_scrape, ..view(&room, 0) }.predicted()
+        };
+        assert_eq!((sent(12).waiting, sent(12).running), (2.0, 10.0));
+        assert_eq!((sent(4).waiting, sent(4).running), (0.0, 10.0));
     }
 
     #[test]
@@ -490,6 +520,8 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         assert!(t.pool_saturated(&[view(&queued, 0), view(&full, 0)]));
         // An unhealthy idle endpoint does not make the pool unsaturated.
         assert!(t.pool_saturated(&[view(&queued, 0), EndpointView { healthy: false, ..view(&idle, 0) }]));
+        // Nor does one at its in-flight limit: it takes nothing.
+        assert!(t.pool_saturated(&[view(&queued, 0), EndpointView { full: true, ..view(&idle, 0) }]));
         // A server that was queueing fills up with what was sent since the scrape...
         let short = m(1.0, 0.1);
         assert!(!t.saturated(&view(&short, 0)));
@@ -497,7 +529,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // ...and empties with what finished.
         assert!(!t.saturated(&EndpointView { in_flight_at_scrape: 3, ..view(&queued, 0) }));
         // Full KV holds the batch at the page's size: what finished since may be replaced, no more.
-        let kv_bound = m(0.0, 0.95);
+        let kv_bound = EndpointMetrics { running: 6.0, ..m(0.0, 0.95) };
         let kv = |in_flight, in_flight_at_scrape| EndpointView { in_flight, in_flight_at_scrape, ..view(&kv_bound, 0) };
         assert!(t.saturated(&kv(6, 6)), "nothing finished");
         assert!(!t.saturated(&kv(5, 6)), "one finished: replace it");
@@ -691,7 +723,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         let light = EndpointMetrics { departures: Departures { per_s: 11.5, ..Default::default() }, ..m(0.0, 0.5) };
         assert_eq!(t.depth(&light), 4.0);
         assert!(!t.saturated(&EndpointView { in_flight: 3, in_flight_at_scrape: 0, ..view(&light, 0) }));
-        assert!(!t.batch_full(&light) && t.batch_full(&m(0.0, 0.8)), "full at kv_cache_util");
+        assert!(!t.batch_full(&light, None) && t.batch_full(&m(0.0, 0.8), None), "full at kv_cache_util");
         // Sent since the page counts as waiting, at the same depth.
         let slow =
             EndpointMetrics { departures: Departures { per_s: 11.5, full: true, ..Default::default() }, ..m(0.0, 0.5) };

@@ -71,7 +71,7 @@ impl Scrapes {
         let interval = |i: usize| {
             let (r, view) = (&records[i], records[i].view(load[i], started[i], now));
             let blind = r.failures > 0 || r.metrics.is_none() || view.age_ms > sat.staleness_ms;
-            let kv_bound = r.metrics.as_ref().is_some_and(|m| sat.batch_full(m));
+            let kv_bound = r.metrics.as_ref().is_some_and(|m| sat.kv_full(m));
             let saturated = sat.saturated(&view);
             if blind || (kv_bound && saturated) {
                 routing.scrape_interval_ms
@@ -133,7 +133,7 @@ impl Scrapes {
                     if env.cfg.routing.prefill_speed {
                         m.follow(r.metrics.as_ref());
                     }
-                    let full = env.cfg.routing.saturation.batch_full(&m);
+                    let full = env.cfg.routing.saturation.batch_full(&m, r.metrics.as_ref());
                     m.follow_departures(r.metrics.as_ref(), now, full);
                     r.metrics = Some(m);
                     r.scraped_ms = now;
@@ -212,6 +212,9 @@ impl Scrapes {
                     // samples; the window of its own scrapes, should it take the endpoint
                     // over, starts from its record's counters.
                     let mut m = m.clone();
+                    // The counter the departures and the next page's comparison run on
+                    // stays this VM's own.
+                    m.finished = r.metrics.as_ref().map_or(0.0, |o| o.finished);
                     let own = r.metrics.as_ref().map(|o| o.prefill_rate).unwrap_or_default();
                     m.prefill_rate =
                         PrefillRate { previous: s.prefill_seconds_per_token.unwrap_or(own.previous), ..own };

@@ -89,12 +89,13 @@ fn trace(format: &str, file: &str, max_arrival_s: Option<f64>) -> Value {
     w
 }
 
-/// A tenant flooding at `rate` requests a second beside a modest one at 1 (the demo's load:
-/// `host-sim/tests/scenarios/demo-flood.json` at 100 a second).
-fn flood(rate: f64, duration_s: f64) -> Value {
+/// A tenant flooding at `rate` requests a second of `output` tokens beside a modest one at 1 of
+/// 64, both with `prompt` tokens (the demo's load: `host-sim/tests/scenarios/demo-flood.json`,
+/// 128 and 64 at 100 a second).
+fn flood(rate: f64, prompt: u32, output: u32, duration_s: f64) -> Value {
     json!({"kind": "synthetic", "duration_s": duration_s, "clients": [
-        {"name": "flood", "rate": rate, "prompt_tokens": 128, "output_tokens": 64},
-        {"name": "modest", "rate": 1, "prompt_tokens": 128, "output_tokens": 64},
+        {"name": "flood", "rate": rate, "prompt_tokens": prompt, "output_tokens": output},
+        {"name": "modest", "rate": 1, "prompt_tokens": prompt, "output_tokens": 64},
     ]})
 }
 
@@ -121,13 +122,22 @@ fn cases(quick: bool) -> Vec<Case> {
             name: "flood",
             profile: "llama2-7b-a10g",
             backends: 4,
-            workload: flood(100.0, if quick { 40.0 } else { 80.0 }),
+            workload: flood(100.0, 128, 64, if quick { 40.0 } else { 80.0 }),
         },
         Case {
             name: "flood",
             profile: "llama3-8b-h100",
             backends: 1,
-            workload: flood(400.0, if quick { 20.0 } else { 40.0 }),
+            workload: flood(400.0, 128, 64, if quick { 20.0 } else { 40.0 }),
+        },
+        // The real-engine tier's pool and load (`demo-flood-cpu.json`, as `bench_defaults.py`'s
+        // fairness run sends it to two CPU vLLMs):
+        // a CPU vLLM's batch is bound by its sequence limit, not its KV cache.
+        Case {
+            name: "flood",
+            profile: "vllm-cpu-tiny",
+            backends: 2,
+            workload: flood(60.0, 20, 128, if quick { 60.0 } else { 120.0 }),
         },
     ]
 }

@@ -132,6 +132,10 @@ pub struct Departures {
     pub full_at: u64,
     /// Whether the batch was full within [`DEPARTURE_WINDOW_MS`] of this page.
     pub full: bool,
+    /// The most requests a page has shown running since the server started:
+    /// the batch an engine bound by its sequence limit holds
+    /// ([`EndpointMetrics::held_at_limit`]).
+    pub most_running: f64,
 }
 
 impl Departures {
@@ -151,14 +155,20 @@ impl Departures {
         let full = full_at > 0 && now_ms - full_at <= DEPARTURE_WINDOW_MS;
         let (count, at) = self.base;
         if !(finished >= count) || at == 0 || now_ms < at {
-            return Departures { base: (finished, now_ms.max(1)), per_s: 0.0, full_at, full };
+            return Departures { base: (finished, now_ms.max(1)), per_s: 0.0, full_at, full, ..self };
         }
         let dt = now_ms - at;
         if dt < DEPARTURE_WINDOW_MS {
             return Departures { full_at, full, ..self };
         }
         let per_s = (finished - count) / (dt as f64 / 1e3);
-        Departures { base: (finished, now_ms), per_s: if per_s.is_finite() { per_s } else { 0.0 }, full_at, full }
+        Departures {
+            base: (finished, now_ms),
+            per_s: if per_s.is_finite() { per_s } else { 0.0 },
+            full_at,
+            full,
+            ..self
+        }
     }
 
     /// Requests per second, once measured and above zero, while the batch
@@ -297,7 +307,32 @@ impl EndpointMetrics {
     /// `full` if the page shows the batch full ([`Departures::next`]).
     pub fn follow_departures(&mut self, previous: Option<&EndpointMetrics>, now_ms: u64, full: bool) {
         let d = previous.map(|p| p.departures).unwrap_or_default();
-        self.departures = d.next(self.finished, now_ms, full);
+        // A counter that went back is a restart, perhaps with another sequence limit.
+        let restarted = previous.is_some_and(|p| !(self.finished >= p.finished));
+        let most = if restarted { self.running } else { d.most_running.max(self.running) };
+        self.departures = Departures { most_running: most, ..d.next(self.finished, now_ms, full) };
+    }
+
+    /// Is the engine's batch at its limit, by this page and the `previous`
+    /// one? Found there when requests waited on both pages and some left,
+    /// yet the batch with those that left made up the most it has been seen
+    /// to run, and no more: the engine only replaced those that left, as at
+    /// its sequence limit (vLLM's `max_num_seqs`). Still there while the batch
+    /// stays at that most, its queue empty or not. A CPU vLLM fills its 128
+    /// sequences at some 14 % of its KV cache, so its KV usage never says so.
+    /// Those that left count because vLLM's page is read after a step's
+    /// finished requests leave and before waiting ones replace them: a full
+    /// batch of 128 reads 127 most of the time. Two pages within one step (a
+    /// CPU vLLM's takes half a second) show nothing leave and keep the
+    /// verdict. An engine with room takes in every waiting request at its
+    /// next step, so its batch grows (past its most, it is growing), and one
+    /// that runs under its most, more than what left, has room.
+    pub fn held_at_limit(&self, previous: &EndpointMetrics) -> bool {
+        let (most, left) = (previous.departures.most_running, self.finished - previous.finished);
+        let at_most = left >= 0.0 && self.running >= 1.0 && self.running <= most && self.running + left >= most;
+        let found = previous.waiting >= 1.0 && self.waiting >= 1.0 && left >= 1.0;
+        let unchanged = left == 0.0 && self.running == previous.running;
+        (at_most && found) || ((at_most || unchanged) && previous.departures.full)
     }
 
     /// Reads a `/metrics` page. Series of the same metric (one per model) are
@@ -443,7 +478,13 @@ vllm:request_success_total{{finished_reason=\"length\"}} 10\n"
     #[test]
     fn the_departure_rate_counts_only_while_the_batch_was_lately_full() {
         // 20 a second over each window; the batch full only on the page at 2 s.
-        let d = |per_s: f64, full_at: u64| Departures { base: (0.0, 1_000), per_s, full_at, full: true };
+        let d = |per_s: f64, full_at: u64| Departures {
+            base: (0.0, 1_000),
+            per_s,
+            full_at,
+            full: true,
+            ..Default::default()
+        };
         let full = Departures::default().next(0.0, 1_000, false).next(20.0, 2_000, true);
         assert_eq!(full.get(), Some(20.0), "a page that shows the batch full");
         assert_eq!(full.next(30.0, 2_500, false).get(), Some(20.0), "half a second after it");
@@ -454,6 +495,38 @@ vllm:request_success_total{{finished_reason=\"length\"}} 10\n"
         // A time after the page (a hostile record) is forgotten rather than believed.
         assert_eq!(d(20.0, 9_000).next(20.0, 1_500, false).get(), None);
         assert_eq!(d(20.0, 9_000).next(20.0, 1_500, false).full_at, 0);
+    }
+
+    #[test]
+    fn a_batch_held_at_its_most_while_requests_wait_is_full() {
+        // Pages a quarter second apart: (waiting, running, finished).
+        let (mut last, mut ms): (Option<EndpointMetrics>, u64) = (None, 1_000);
+        let mut at = |waiting: f64, running: f64, finished: f64| {
+            let mut m = EndpointMetrics { waiting, running, finished, ..Default::default() };
+            let held = last.as_ref().is_some_and(|p| m.held_at_limit(p));
+            ms += 250;
+            m.follow_departures(last.as_ref(), ms, held);
+            last = Some(m);
+            held
+        };
+        assert!(!at(2.0, 100.0, 0.0), "one page says nothing");
+        assert!(!at(3.0, 120.0, 1.0), "the batch grew: it had room");
+        assert!(!at(3.0, 128.0, 2.0), "and grew again");
+        assert!(!at(3.0, 128.0, 2.0), "nothing left: no sign yet");
+        assert!(at(2.0, 128.0, 3.0), "held at its most while requests waited and left");
+        assert!(at(2.0, 127.0, 4.0), "one left since the page and is not yet replaced");
+        assert!(at(2.0, 127.0, 4.0), "nothing changed (one step): the verdict stands");
+        assert!(at(0.0, 128.0, 5.0), "at its most with its queue empty: still at its limit");
+        assert!(at(1.0, 126.0, 7.0), "two left, not yet replaced");
+        assert!(!at(1.0, 125.0, 9.0), "under its most by more than left: room");
+        for f in 10..=15 {
+            assert!(!at(1.0, 100.0, f64::from(f)), "well under its most");
+        }
+        assert!(!at(1.0, 100.0, 15.0), "nothing changed, but no verdict for a second and more");
+        assert!(!at(1.0, 128.0, 15.0), "at its most, but nothing left: no sign");
+        assert!(at(2.0, 128.0, 16.0), "found again");
+        assert!(!at(1.0, 60.0, 0.5), "a restart (the counter went back)");
+        assert!(at(1.0, 60.0, 1.5), "forgets the most it ran, and finds the new limit");
     }
 
     #[test]
