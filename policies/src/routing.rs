@@ -109,16 +109,7 @@ impl EndpointView<'_> {
         // waiting had room: in a full batch one gets in as one leaves, and the starts also
         // count those that were in prefill at the page (in its running).
         let s = if waiting > 0.0 { 0.0 } else { started_since };
-        // What the gateway had sent there at the page but the page did not show, in transit
-        // (a real vLLM's API server holds a request a while before its engine queues it: two
-        // CPU vLLMs held one or two each): waiting too. Never below none, so that requests of
-        // other clients or replicas on the page cancel nothing.
-        let unseen = if self.metrics.is_some() {
-            (self.in_flight_at_scrape as f64 - running - waiting).clamp(0.0, f64::MAX)
-        } else {
-            0.0
-        };
-        let (waiting, d) = (waiting + unseen, self.since_scrape());
+        let d = self.since_scrape();
         let now_running = (running + (waiting + d).min(s)).max(0.0);
         let kv_now = if running > 0.0 { (kv_usage * now_running / running).clamp(0.0, 1.0) } else { kv_usage };
         Predicted { waiting: (waiting + d - s).clamp(0.0, f64::MAX), running: now_running, kv_usage: kv_now }
@@ -497,14 +488,6 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         };
         assert_eq!((full(3, 0).waiting, full(3, 0).running), (4.0, 10.0));
         assert_eq!(full(3, 3), full(3, 0));
-        // Sent before the page but not on it (in the server's front end): waiting too; the
-        // requests of other clients on a page cancel nothing.
-        let room = EndpointMetrics { running: 10.0, ..m(0.0, 0.2) };
-        let sent = |in_flight_at_scrape: u32| {
-            EndpointView { in_flight: in_flight_at_scrape, in_flight_at_scrape, ..view(&room, 0) }.predicted()
-        };
-        assert_eq!((sent(12).waiting, sent(12).running), (2.0, 10.0));
-        assert_eq!((sent(4).waiting, sent(4).running), (0.0, 10.0));
     }
 
     #[test]
@@ -529,7 +512,7 @@ vllm:num_requests_running{model_name=\"a\"} 1.7e308\nvllm:num_requests_running{m
         // ...and empties with what finished.
         assert!(!t.saturated(&EndpointView { in_flight_at_scrape: 3, ..view(&queued, 0) }));
         // Full KV holds the batch at the page's size: what finished since may be replaced, no more.
-        let kv_bound = EndpointMetrics { running: 6.0, ..m(0.0, 0.95) };
+        let kv_bound = m(0.0, 0.95);
         let kv = |in_flight, in_flight_at_scrape| EndpointView { in_flight, in_flight_at_scrape, ..view(&kv_bound, 0) };
         assert!(t.saturated(&kv(6, 6)), "nothing finished");
         assert!(!t.saturated(&kv(5, 6)), "one finished: replace it");
