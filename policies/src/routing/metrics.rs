@@ -331,7 +331,7 @@ impl EndpointMetrics {
         let (most, left) = (previous.departures.most_running, self.finished - previous.finished);
         let at_most = left >= 0.0 && self.running >= 1.0 && self.running <= most && self.running + left >= most;
         let found = previous.waiting >= 1.0 && self.waiting >= 1.0 && left >= 1.0;
-        let unchanged = left == 0.0 && self.running == previous.running;
+        let unchanged = left == 0.0 && self.running >= 1.0 && self.running == previous.running;
         (at_most && found) || ((at_most || unchanged) && previous.departures.full)
     }
 
@@ -525,6 +525,8 @@ vllm:request_success_total{{finished_reason=\"length\"}} 10\n"
         assert!(!at(1.0, 100.0, 15.0), "nothing changed, but no verdict for a second and more");
         assert!(!at(1.0, 128.0, 15.0), "at its most, but nothing left: no sign");
         assert!(at(2.0, 128.0, 16.0), "found again");
+        assert!(!at(0.0, 0.0, 16.0), "the batch emptied");
+        assert!(!at(0.0, 0.0, 16.0), "an idle engine is at no limit, however unchanged");
         assert!(!at(1.0, 60.0, 0.5), "a restart (the counter went back)");
         assert!(at(1.0, 60.0, 1.5), "forgets the most it ran, and finds the new limit");
     }
