@@ -403,6 +403,13 @@ impl Scheduler {
         self.left_queue(req);
     }
 
+    /// Answers `req`, already out of the queue, as one that cannot meet its objective.
+    fn refuse_unattainable(&mut self, req: u64, out: &mut Vec<(u32, ToWorker)>) {
+        self.routes.remove(&req);
+        self.left_queue(req);
+        out.push((worker_of(req), ToWorker::Reject { req: RequestId(req), outcome: Outcome::SloUnattainable }));
+    }
+
     /// Dispatches while the stock band allows and something waits. Under
     /// proactive dropping, a request that can no longer meet its objective
     /// is answered instead of dispatched (at most [`MAX_DROPS_PER_PUMP`] a call).
@@ -431,12 +438,7 @@ impl Scheduler {
                 drops += 1;
                 if !slo::demote(&mut self.queue, self.slo.as_mut(), next) {
                     // Out of the queue all the same: answered, never lost.
-                    self.routes.remove(&next);
-                    self.left_queue(next);
-                    out.push((
-                        worker_of(next),
-                        ToWorker::Reject { req: RequestId(next), outcome: Outcome::SloUnattainable },
-                    ));
+                    self.refuse_unattainable(next, out);
                 }
                 continue;
             }
@@ -444,12 +446,7 @@ impl Scheduler {
                 // Taken out without a dispatch: nothing is charged.
                 drops += 1;
                 self.queue.remove(next);
-                self.routes.remove(&next);
-                self.left_queue(next);
-                out.push((
-                    worker_of(next),
-                    ToWorker::Reject { req: RequestId(next), outcome: Outcome::SloUnattainable },
-                ));
+                self.refuse_unattainable(next, out);
                 continue;
             }
             // The others' unused parts summed, then rounded down: never more than the bound.
